@@ -1,0 +1,182 @@
+"""Checkpoint conventions (ModelOpt, compressed-tensors) and validation with actionable errors.
+
+ModelOpt:           weight (uint8 [N, K/2]), weight_scale (e4m3 [N, K/16]), weight_scale_2 (fp32, multiplier),
+                    input_scale (fp32, multiplier)
+compressed-tensors: weight_packed, weight_scale, weight_global_scale (= 1 / weight_scale_2),
+                    input_global_scale (= 1 / input_scale)
+Scalars may be 0-dim or [1]; both are accepted and returned 0-dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping
+
+import torch
+
+from .formats import NVFP4, NVFP4Tensor, ScaleLayout
+
+__all__ = [
+    "CheckpointError",
+    "Convention",
+    "NVFP4Linear",
+    "TENSOR_NAMES",
+    "detect_convention",
+    "from_checkpoint",
+    "to_checkpoint",
+    "validate_nvfp4",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing or wrong; the message names the tensor, the expert and the problem."""
+
+
+class Convention(str, Enum):
+    MODELOPT = "modelopt"
+    COMPRESSED_TENSORS = "compressed-tensors"
+
+
+# Per convention: (packed values, block scale, global scale, input scale, whether scales are reciprocals).
+TENSOR_NAMES: dict[Convention, tuple[str, str, str, str, bool]] = {
+    Convention.MODELOPT: ("weight", "weight_scale", "weight_scale_2", "input_scale", False),
+    Convention.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", True),
+}
+
+
+@dataclass(frozen=True)
+class NVFP4Linear:
+    """One quantized linear layer as a checkpoint holds it; ``input_scale`` is a multiplier or None."""
+
+    weight: NVFP4Tensor
+    input_scale: torch.Tensor | None = None
+
+
+def _where(name: str, expert: int | None) -> str:
+    return f"{name} (expert {expert})" if expert is not None else name
+
+
+def detect_convention(keys: Mapping[str, object] | set[str]) -> Convention:
+    """Which convention a layer's tensor names follow (keys are the suffixes after the module prefix)."""
+    if "weight_packed" in keys:
+        return Convention.COMPRESSED_TENSORS
+    if "weight" in keys and "weight_scale_2" in keys:
+        return Convention.MODELOPT
+    raise CheckpointError(f"not an NVFP4 layer: expected weight+weight_scale_2 or weight_packed, found {sorted(keys)}")
+
+
+def _scalar(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.numel() != 1 or t.dim() > 1:
+        raise CheckpointError(f"{what}: expected a scalar (0-dim or [1]), got shape {tuple(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise CheckpointError(f"{what}: expected a floating-point scalar, got {t.dtype}")
+    return t.reshape(()).float()
+
+
+def from_checkpoint(
+    tensors: Mapping[str, torch.Tensor],
+    convention: Convention | None = None,
+    *,
+    name: str = "layer",
+    expert: int | None = None,
+) -> NVFP4Linear:
+    """Read one layer's tensors (keyed by suffix: ``weight``, ``weight_scale``, ...) and validate them."""
+    convention = convention or detect_convention(tensors)
+    packed_key, scale_key, global_key, input_key, reciprocal = TENSOR_NAMES[convention]
+    for key in (packed_key, scale_key, global_key):
+        if key not in tensors:
+            raise CheckpointError(f"{_where(name + '.' + key, expert)}: missing (layer has {sorted(tensors)})")
+    global_scale = _scalar(tensors[global_key], _where(f"{name}.{global_key}", expert))
+    input_scale = None
+    if input_key in tensors:
+        input_scale = _scalar(tensors[input_key], _where(f"{name}.{input_key}", expert))
+    _check_positive(global_scale, _where(f"{name}.{global_key}", expert))
+    if input_scale is not None:
+        _check_positive(input_scale, _where(f"{name}.{input_key}", expert))
+    if reciprocal:
+        global_scale = 1.0 / global_scale
+        input_scale = None if input_scale is None else 1.0 / input_scale
+    weight = NVFP4Tensor(tensors[packed_key], tensors[scale_key], global_scale)
+    validate_nvfp4(weight, name=name, expert=expert, tensor_names=(packed_key, scale_key, global_key))
+    return NVFP4Linear(weight, input_scale)
+
+
+def to_checkpoint(layer: NVFP4Linear, convention: Convention = Convention.MODELOPT) -> dict[str, torch.Tensor]:
+    """The tensors one layer contributes to a checkpoint, keyed by suffix (scalars 0-dim)."""
+    packed_key, scale_key, global_key, input_key, reciprocal = TENSOR_NAMES[convention]
+    w = layer.weight.linear_scales()
+    gs = w.global_scale.float().reshape(())
+    out = {packed_key: w.packed, scale_key: w.block_scale, global_key: 1.0 / gs if reciprocal else gs}
+    if layer.input_scale is not None:
+        s = layer.input_scale.float().reshape(())
+        out[input_key] = 1.0 / s if reciprocal else s
+    return out
+
+
+def _check_positive(scale: torch.Tensor, what: str) -> None:
+    bad = ~torch.isfinite(scale) | (scale <= 0)
+    if bool(bad.any()):
+        raise CheckpointError(f"{what}: global scale must be finite and positive, got {scale.flatten()[:4].tolist()}")
+
+
+def validate_nvfp4(
+    q: NVFP4Tensor,
+    *,
+    name: str = "layer",
+    expert: int | None = None,
+    expected_shape: tuple[int, int] | None = None,
+    tensor_names: tuple[str, str, str] = ("weight", "weight_scale", "weight_scale_2"),
+) -> None:
+    """Raise CheckpointError naming the tensor and expert for any dtype, shape or scale problem.
+
+    For a stacked tensor ``[E, N, K/2]`` the expert index of the first bad expert is reported.
+    ``expected_shape`` is the unquantized (N, K).
+    """
+    packed_key, scale_key, global_key = tensor_names
+    packed, scale, gs = q.packed, q.block_scale, q.global_scale
+    batch = packed.shape[:-2]
+
+    def where(key: str, bad: torch.Tensor | None = None) -> str:
+        """Name the tensor and the expert: the caller's, or the first bad one of a stacked tensor."""
+        e = expert
+        if bad is not None and len(batch):
+            e = int(bad.reshape(batch.numel(), -1).any(-1).nonzero()[0, 0])
+        return _where(f"{name}.{key}", e)
+
+    if packed.dtype != NVFP4.packed_dtype:
+        raise CheckpointError(f"{where(packed_key)}: dtype {packed.dtype}, expected torch.uint8 (two FP4 per byte)")
+    if scale.dtype != NVFP4.scale_dtype:
+        raise CheckpointError(f"{where(scale_key)}: dtype {scale.dtype}, expected torch.float8_e4m3fn")
+    if not gs.dtype.is_floating_point:
+        raise CheckpointError(f"{where(global_key)}: dtype {gs.dtype}, expected float32")
+    if packed.dim() < 2:
+        raise CheckpointError(f"{where(packed_key)}: expected [..., N, K/2], got shape {tuple(packed.shape)}")
+    n, k = q.n, q.k
+    if k % NVFP4.block_size:
+        raise CheckpointError(f"{where(packed_key)}: K={k} is not a multiple of {NVFP4.block_size}")
+    if expected_shape is not None and (n, k) != tuple(expected_shape):
+        raise CheckpointError(
+            f"{where(packed_key)}: shape {tuple(packed.shape)} holds a [{n}, {k}] weight, expected {tuple(expected_shape)}"
+        )
+    sfk = k // NVFP4.block_size
+    if q.scale_layout is ScaleLayout.LINEAR:
+        want = (*packed.shape[:-2], n, sfk)
+    else:
+        want = (*packed.shape[:-2], -(-n // 128) * 128, -(-sfk // 4) * 4)
+    if tuple(scale.shape) != want:
+        raise CheckpointError(f"{where(scale_key)}: shape {tuple(scale.shape)}, expected {want} for a [{n}, {k}] weight")
+    if not (gs.shape == batch or (gs.shape[:-1] == batch and gs.dim() > 0 and n % gs.shape[-1] == 0)):
+        raise CheckpointError(f"{where(global_key)}: shape {tuple(gs.shape)} does not fit batch {tuple(batch)}")
+    bad_gs = ~torch.isfinite(gs) | (gs <= 0)
+    if bool(bad_gs.any()):
+        raise CheckpointError(
+            f"{where(global_key, bad_gs)}: global scale must be finite and positive, "
+            f"got {gs[bad_gs].flatten()[:4].tolist()}"
+        )
+    sf = scale.float()
+    nonfinite = ~torch.isfinite(sf)
+    if bool(nonfinite.any()):
+        raise CheckpointError(f"{where(scale_key, nonfinite)}: {int(nonfinite.sum())} block scales are NaN or inf")
+    negative = sf < 0
+    if bool(negative.any()):
+        raise CheckpointError(f"{where(scale_key, negative)}: {int(negative.sum())} block scales are negative")

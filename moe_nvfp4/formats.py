@@ -1,0 +1,233 @@
+"""The NVFP4 format: e2m1 values, e4m3 block scales, one fp32 global scale.
+
+A dequantized element is ``e2m1(code) * float(block_scale) * global_scale``.  Values are packed two per
+byte with the even K index in the low nibble; one e4m3 scale covers 16 consecutive K elements.  The
+global scale follows ModelOpt (``weight_scale_2 = amax / (6 * 448)``, a *multiplier*);
+compressed-tensors stores its reciprocal (``weight_global_scale``).
+
+Everything here is plain torch and runs on any device.  Batched tensors carry leading dimensions
+(experts) before ``[N, K]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+__all__ = [
+    "NVFP4",
+    "NVFP4Format",
+    "NVFP4Tensor",
+    "ScaleLayout",
+    "E2M1_VALUES",
+    "encode_e2m1",
+    "decode_e2m1",
+    "pack_fp4",
+    "unpack_fp4",
+    "global_scale_for",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "quantize_activations_nvfp4",
+]
+
+
+@dataclass(frozen=True)
+class NVFP4Format:
+    """Describes the format as data, so kernels and checkpoints never infer it from a dtype."""
+
+    block_size: int = 16
+    value_max: float = 6.0  # largest e2m1 magnitude
+    scale_max: float = 448.0  # largest finite e4m3 value
+    scale_dtype: torch.dtype = torch.float8_e4m3fn
+    packed_dtype: torch.dtype = torch.uint8
+    version: int = 1
+
+
+NVFP4 = NVFP4Format()
+
+
+class ScaleLayout(str, Enum):
+    """Where the e4m3 block scales sit in memory."""
+
+    LINEAR = "linear"  # [..., N, K/16], row-major
+    SWIZZLED_128x4 = "swizzled_128x4"  # cuBLASLt/CUTLASS blocked layout, see layouts.py
+
+
+# Magnitudes of the 8 e2m1 codes; code | 8 is the negative.
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = torch.tensor(_E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES), dtype=torch.float32)
+
+# Rounding boundaries between consecutive magnitudes, and whether a tie rounds up.  Ties go to the
+# even code (even mantissa bit): 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+_BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e2m1 code (ties to even, saturating at 6); uint8 codes 0..15.
+
+    The sign bit follows ``signbit(x)``, so negative values that round to zero give code 8 (-0).
+    """
+    mag = x.abs().float()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for boundary, tie_up in _BOUNDARIES:
+        above = mag >= boundary if tie_up else mag > boundary
+        code += above.to(torch.uint8)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 -> float32 values."""
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] bytes, even K index in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dimension must be even, got {codes.shape[-1]}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes -> [..., K] codes."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """A quantized matrix (or a stack of them, one per expert).
+
+    packed:       uint8 [..., N, K/2]
+    block_scale:  float8_e4m3fn [..., N, K/16] (LINEAR) or [..., pad128(N), pad4(K/16)] (SWIZZLED_128x4,
+                  the bytes in blocked order)
+    global_scale: float32 [...] or [..., S]; with S segments, rows n of segment n // (N / S) share one
+                  scale (S = 2 keeps the gate and up halves of a fused w13 exact).
+    """
+
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+    scale_layout: ScaleLayout = ScaleLayout.LINEAR
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[-1] * 2
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.packed.shape[:-2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.block_scale, self.global_scale))
+
+    def to(self, device: torch.device | str) -> "NVFP4Tensor":
+        return NVFP4Tensor(
+            self.packed.to(device), self.block_scale.to(device), self.global_scale.to(device), self.scale_layout
+        )
+
+    def linear_scales(self) -> "NVFP4Tensor":
+        """The same tensor with LINEAR block scales."""
+        if self.scale_layout is ScaleLayout.LINEAR:
+            return self
+        from .layouts import unswizzle_scales_128x4
+
+        linear = unswizzle_scales_128x4(self.block_scale, self.n, self.k // NVFP4.block_size)
+        return NVFP4Tensor(self.packed, linear, self.global_scale, ScaleLayout.LINEAR)
+
+    def swizzled_scales(self) -> "NVFP4Tensor":
+        """The same tensor with SWIZZLED_128x4 block scales."""
+        if self.scale_layout is ScaleLayout.SWIZZLED_128x4:
+            return self
+        from .layouts import swizzle_scales_128x4
+
+        return NVFP4Tensor(
+            self.packed, swizzle_scales_128x4(self.block_scale), self.global_scale, ScaleLayout.SWIZZLED_128x4
+        )
+
+
+def global_scale_for(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
+    """ModelOpt global scale ``amax / (6 * 448)`` in float32, one per leading batch index.
+
+    An all-zero tensor gets 1.0, so the scale stays a valid (positive) multiplier.
+    """
+    amax = x.detach().abs().float().reshape(*x.shape[:batch_dims], -1).amax(dim=-1)
+    scale = amax / (NVFP4.value_max * NVFP4.scale_max)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _row_scales(global_scale: torch.Tensor, batch_shape: torch.Size, n: int) -> torch.Tensor:
+    """Global scales of shape batch_shape or batch_shape + (S,) -> [*batch_shape, N, 1] float32."""
+    gs = global_scale.float()
+    if gs.shape == batch_shape:
+        gs = gs.unsqueeze(-1)
+    segments = gs.shape[-1]
+    if gs.shape[:-1] != batch_shape or n % segments:
+        raise ValueError(
+            f"global_scale of shape {tuple(global_scale.shape)} does not fit {tuple(batch_shape)} batches of {n} rows"
+        )
+    return gs.repeat_interleave(n // segments, dim=-1).unsqueeze(-1)
+
+
+def quantize_nvfp4(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, segments: int = 1
+) -> NVFP4Tensor:
+    """Quantize a float weight ``[..., N, K]`` to NVFP4 with LINEAR scales.
+
+    global_scale: float32 ``[...]`` (or ``[..., S]``); by default ``amax / (6 * 448)`` per batch index, or
+    per row segment when ``segments`` > 1 (gate and up of a fused w13 with their own scales).
+    Block scale = ``block_amax / (6 * global_scale)`` rounded to e4m3; a block whose scale is zero
+    (all zeros, or too small to represent) gets 1.0 and quantizes to zeros.
+    """
+    if w.dim() < 2:
+        raise ValueError(f"quantize_nvfp4: expected [..., N, K], got shape {tuple(w.shape)}")
+    *batch, n, k = w.shape
+    batch_shape = torch.Size(batch)
+    if k % NVFP4.block_size:
+        raise ValueError(f"quantize_nvfp4: K={k} is not a multiple of {NVFP4.block_size}")
+    if n % segments:
+        raise ValueError(f"quantize_nvfp4: N={n} does not split into {segments} segments")
+    wf = w.float()
+    if global_scale is None:
+        seg = wf.reshape(*batch, segments, n // segments, k)
+        global_scale = global_scale_for(seg, batch_dims=len(batch) + 1)
+        if segments == 1:
+            global_scale = global_scale.squeeze(-1)
+    global_scale = global_scale.float().to(w.device)
+    row_scale = _row_scales(global_scale, batch_shape, n)  # [..., N, 1]
+
+    blocks = wf.reshape(*batch, n, k // NVFP4.block_size, NVFP4.block_size)
+    block_amax = blocks.abs().amax(dim=-1)
+    scale = (block_amax / (NVFP4.value_max * row_scale)).clamp(max=NVFP4.scale_max)
+    block_scale = scale.to(NVFP4.scale_dtype)
+    scale_f = block_scale.float()
+    scale_f = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    block_scale = scale_f.to(NVFP4.scale_dtype)
+    codes = encode_e2m1(blocks / (scale_f * row_scale).unsqueeze(-1))
+    return NVFP4Tensor(pack_fp4(codes.reshape(*batch, n, k)), block_scale, global_scale)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """NVFP4 -> float ``[..., N, K]`` (computed in float32, exact, then cast)."""
+    q = q.linear_scales()
+    n, k = q.n, q.k
+    batch = q.batch_shape
+    values = decode_e2m1(unpack_fp4(q.packed)).reshape(*batch, n, k // NVFP4.block_size, NVFP4.block_size)
+    scaled = values * q.block_scale.float().unsqueeze(-1) * _row_scales(q.global_scale, batch, n).unsqueeze(-1)
+    return scaled.reshape(*batch, n, k).to(dtype)
+
+
+def quantize_activations_nvfp4(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
+    """Quantize activations ``[M, K]`` with a fixed (calibrated) global input scale.
+
+    input_global_scale follows ModelOpt's ``input_scale`` (a multiplier, ``amax / (6 * 448)``); it is a
+    0-dim or [1] float32 tensor.  Block scales are LINEAR; values past the calibrated range saturate.
+    """
+    gs = input_global_scale.float().reshape(())
+    return quantize_nvfp4(x, gs.expand(x.shape[:-2]) if x.dim() > 2 else gs)

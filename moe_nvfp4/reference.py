@@ -1,0 +1,122 @@
+"""Pure-torch twins of the public ops, float32 math (or float64 when asked): the ground truth for tests.
+
+Shapes: x [T, H]; w13 NVFP4Tensor [E, 2I, H] (gate rows first, then up; global scale [E] or [E, 2]);
+w2 NVFP4Tensor [E, H, I]; topk_weights [T, k]; topk_ids [T, k] (global expert ids).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .formats import NVFP4Tensor, dequantize_nvfp4, quantize_activations_nvfp4
+
+__all__ = ["moe_dense_torch", "fused_moe_torch", "grouped_gemm_nvfp4_torch", "fake_quantize_activations"]
+
+
+def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """x -> NVFP4 (per-16 e4m3 scales, fixed global input scale) -> float32: the W4A4 activation path."""
+    return dequantize_nvfp4(quantize_activations_nvfp4(x.float(), input_scale))
+
+
+def _per_expert(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    if scale is None:
+        return None
+    scale = scale.float().reshape(-1)
+    return scale[0] if scale.numel() == 1 else scale[e]
+
+
+def moe_dense_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The MoE forward on float weights w13 [E, 2I, H], w2 [E, H, I]; returns x.dtype [T, H].
+
+    out[t] = sum_j w[t, j] * W2_e (SiLU(x W1_e^T) * (x W3_e^T)), e = topk_ids[t, j].  W4A16 by default;
+    W4A4 when input scales ([E] or scalar multipliers) are given: the activations entering each GEMM
+    are quantized to NVFP4 with that scale first.  With an expert map, pairs whose expert maps to -1
+    contribute nothing (another rank owns them).
+    """
+    t, hidden = x.shape
+    inter = w2.shape[-1]
+    out = torch.zeros(t, hidden, dtype=compute_dtype, device=x.device)
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.to(ids.device).long()[ids]
+    xf = x.to(compute_dtype)
+    for e in range(w13.shape[0]):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        xe = xf[token]
+        s13 = _per_expert(w13_input_scale, e)
+        if s13 is not None:
+            xe = fake_quantize_activations(xe, s13).to(compute_dtype)
+        h = xe @ w13[e].to(compute_dtype).T
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        s2 = _per_expert(w2_input_scale, e)
+        if s2 is not None:
+            act = fake_quantize_activations(act, s2).to(compute_dtype)
+        y = act @ w2[e].to(compute_dtype).T
+        out.index_add_(0, token, y * topk_weights[token, slot].to(compute_dtype)[:, None])
+    return out.to(x.dtype)
+
+
+def fused_moe_torch(
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The NVFP4 MoE forward: dequantize (exact) then ``moe_dense_torch``; same arguments as fused_moe."""
+    return moe_dense_torch(
+        x,
+        dequantize_nvfp4(w13, compute_dtype),
+        dequantize_nvfp4(w2, compute_dtype),
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        w13_input_scale=w13_input_scale,
+        w2_input_scale=w2_input_scale,
+        compute_dtype=compute_dtype,
+    )
+
+
+def grouped_gemm_nvfp4_torch(
+    a: Sequence[NVFP4Tensor],
+    b: Sequence[NVFP4Tensor],
+    *,
+    alpha: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+) -> list[torch.Tensor]:
+    """W4A4 NVFP4 grouped GEMM: per group g, ``alpha[g] * A_g @ B_g^T`` -> out_dtype [M_g, N_g].
+
+    A_g [M_g, K_g] and B_g [N_g, K_g] are packed FP4 (K-major) with e4m3 scales in either layout (the
+    128x4 swizzled one in the benchmark problem) and their global scales; alpha [G] float32 is an extra
+    per-group multiplier (1 when omitted).  Accumulation in float32.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} A groups but {len(b)} B groups")
+    out = []
+    for g, (ag, bg) in enumerate(zip(a, b)):
+        if ag.k != bg.k:
+            raise ValueError(f"group {g}: A has K={ag.k}, B has K={bg.k}")
+        acc = dequantize_nvfp4(ag) @ dequantize_nvfp4(bg).T
+        if alpha is not None:
+            acc = acc * alpha[g].float()
+        out.append(acc.to(out_dtype))
+    return out

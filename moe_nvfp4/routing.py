@@ -1,0 +1,144 @@
+"""Routing: top-k selection and grouping of (token, k) pairs by expert into fixed-size metadata.
+
+Every output has a size fixed by (T, top_k, E, block_m), never by the routing decisions, so a kernel
+grid built from it is the same on every call and the whole forward can be captured in a CUDA graph.
+Plain torch here (CPU and GPU, no host synchronisation); the GPU kernels consume the same RoutingPlan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RoutingPlan", "max_tiles", "plan_routing", "topk_softmax", "topk_sigmoid_grouped"]
+
+
+def topk_softmax(
+    router_logits: torch.Tensor, top_k: int, *, renormalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, then top-k (Mixtral renormalizes, Qwen3-MoE by config).
+
+    Returns (weights float32 [T, top_k], ids int32 [T, top_k]).
+    """
+    if not 1 <= top_k <= router_logits.shape[-1]:
+        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[-1]}]")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def topk_sigmoid_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores, the bias only for choosing, best groups first, then top-k.
+
+    A group's score is the sum of its two best biased scores; experts outside the ``topk_groups`` best
+    groups are excluded.  Weights are the unbiased sigmoid scores of the chosen experts, renormalized
+    and multiplied by ``scaling_factor``.
+    """
+    t, e = router_logits.shape
+    if e % num_groups:
+        raise ValueError(f"{e} experts do not split into {num_groups} groups")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups={topk_groups} must be in [1, {num_groups}]")
+    if not 1 <= top_k <= (e // num_groups) * topk_groups:
+        raise ValueError(f"top_k={top_k} exceeds the experts of {topk_groups} groups")
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    grouped = choice.view(t, num_groups, e // num_groups)
+    group_score = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)
+    best_groups = group_score.topk(topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+    masked = choice.masked_fill(~keep.repeat_interleave(e // num_groups, dim=1), float("-inf"))
+    ids = masked.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scaling_factor, ids.to(torch.int32)
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on sum_e ceil(count_e / block_m) over all routings of ``num_pairs`` pairs."""
+    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Pairs grouped by local expert, with a tile map for one block size. All tensors int32, fixed size.
+
+    sorted_pairs:   [P] flat pair indices ``t * top_k + j`` in expert order; pairs of experts not on this
+                    rank (expert map -1) come last, after ``expert_offsets[E]``.
+    expert_counts:  [E] pairs per local expert.
+    expert_offsets: [E + 1] start of each expert's run in ``sorted_pairs``.
+    tile_expert:    [max_tiles] local expert of each tile of ``block_m`` rows, -1 past ``num_tiles``.
+    tile_row_start: [max_tiles] index into ``sorted_pairs`` where the tile's rows begin.
+    num_tiles:      [1] tiles in use.
+    """
+
+    sorted_pairs: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row_start: torch.Tensor
+    num_tiles: torch.Tensor
+    block_m: int
+    top_k: int
+
+
+def plan_routing(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+) -> RoutingPlan:
+    """Group the (token, k) pairs of ``topk_ids`` [T, top_k] by local expert.
+
+    expert_map: int32 [E_global], global expert id -> local id on this rank or -1 (expert parallelism);
+    ``num_experts`` is then the number of local experts.
+    """
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, top_k], got shape {tuple(topk_ids.shape)}")
+    if block_m < 1 or num_experts < 1:
+        raise ValueError(f"block_m and num_experts must be positive, got {block_m} and {num_experts}")
+    device = topk_ids.device
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    num_pairs = ids.numel()
+    local = ids if expert_map is None else expert_map.to(device=device, dtype=torch.long)[ids]
+    key = torch.where(local >= 0, local, torch.full_like(local, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    sorted_pairs = torch.sort(key, stable=True).indices
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    offsets[1:] = torch.cumsum(counts, 0)
+
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per_expert, 0)
+    n_max = max_tiles(num_pairs, num_experts, block_m)
+    tile = torch.arange(n_max, device=device)
+    expert = torch.searchsorted(tile_end, tile, right=True).clamp(max=num_experts - 1)
+    first_tile = tile_end[expert] - tiles_per_expert[expert]
+    in_use = tile < tile_end[-1]
+    row_start = offsets[expert] + (tile - first_tile) * block_m
+    i32 = torch.int32
+    return RoutingPlan(
+        sorted_pairs=sorted_pairs.to(i32),
+        expert_counts=counts.to(i32),
+        expert_offsets=offsets.to(i32),
+        tile_expert=torch.where(in_use, expert, -1).to(i32),
+        tile_row_start=torch.where(in_use, row_start, 0).to(i32),
+        num_tiles=tile_end[-1:].to(i32),
+        block_m=block_m,
+        top_k=top_k,
+    )
