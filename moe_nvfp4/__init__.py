@@ -1,4 +1,5 @@
 """moe-nvfp4: NVFP4 Mixture-of-Experts kernels and formats.  Public names only; no import-time side effects."""
+from .api import MoEWeights, fused_moe, prepare_moe_weights
 from .checkpoint import CheckpointError, Convention, NVFP4Linear, from_checkpoint, to_checkpoint, validate_nvfp4
 from .formats import (
     NVFP4,
@@ -17,6 +18,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "MoEWeights",
+    "fused_moe",
+    "prepare_moe_weights",
     "Convention",
     "NVFP4",
     "NVFP4Format",

@@ -1,0 +1,159 @@
+"""Public API: pack expert weights once at load time, then run the fused NVFP4 MoE forward.
+
+    weights = prepare_moe_weights(w13, w2)          # NVFP4Tensor [E, 2I, H] and [E, H, I]
+    out = fused_moe(x, weights, topk_weights, topk_ids, expert_map=None)
+
+Supported: x bf16 or fp16 [T, H] with any T >= 0; E up to 1024; top-k up to 16; H and I multiples of
+16 (the kernel pads K to 128 at pack time; multiples of 128 avoid the padded tail); gate and up with
+separate global scales.  Everything is checked before any kernel launches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import validate_nvfp4
+from .formats import NVFP4Tensor
+from .layouts import ChunkedNibbleLayout
+
+__all__ = ["MoEWeights", "prepare_moe_weights", "fused_moe", "MAX_EXPERTS", "MAX_TOP_K"]
+
+MAX_EXPERTS = 1024
+MAX_TOP_K = 16
+LAYOUT = ChunkedNibbleLayout()
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Expert weights in the kernel's layout (``layouts.ChunkedNibbleLayout``).
+
+    w13_packed uint8 [E, 2I, pad(H)/2], w13_scale uint8 (e4m3 bits) [E, 2I, pad(H)/16], w13_global fp32
+    [E, 2] (gate, up); w2_packed [E, H, pad(I)/2], w2_scale [E, H, pad(I)/16], w2_global fp32 [E].
+    """
+
+    w13_packed: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_global: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_global: torch.Tensor
+    hidden: int
+    intermediate: int
+    layout: ChunkedNibbleLayout = LAYOUT
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_packed.shape[0]
+
+    def nbytes(self) -> int:
+        tensors = (self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
+        h, i = self.hidden, self.intermediate
+        w13 = NVFP4Tensor(
+            self.layout.unpack(self.w13_packed, h),
+            self.w13_scale[..., : h // 16].contiguous().view(torch.float8_e4m3fn),
+            self.w13_global,
+        )
+        w2 = NVFP4Tensor(
+            self.layout.unpack(self.w2_packed, i),
+            self.w2_scale[..., : i // 16].contiguous().view(torch.float8_e4m3fn),
+            self.w2_global,
+        )
+        return w13, w2
+
+
+def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
+    """Validate and pack checkpoint tensors for the kernel, one expert at a time.
+
+    w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]); w2: [E, H, I] (global [E]).
+    The result lives on the inputs' device; peak extra memory is one expert's temporaries.
+    """
+    if w13.packed.dim() != 3 or w2.packed.dim() != 3:
+        raise ValueError(f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}")
+    e, two_i, h = w13.packed.shape[0], w13.n, w13.k
+    i = two_i // 2
+    if two_i % 2 or w2.packed.shape[0] != e or (w2.n, w2.k) != (h, i):
+        raise ValueError(f"w13 [E={e}, 2I={two_i}, H={h}] and w2 [{w2.packed.shape[0]}, {w2.n}, {w2.k}] do not match")
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"{e} experts; supported 1..{MAX_EXPERTS}")
+    validate_nvfp4(w13, name="w13")  # names the first bad expert
+    validate_nvfp4(w2, name="w2")
+    w13, w2 = w13.linear_scales(), w2.linear_scales()
+    gs13 = w13.global_scale.float()
+    gs13 = gs13[:, None].expand(e, 2) if gs13.dim() == 1 else gs13
+    if gs13.shape != (e, 2):
+        raise ValueError(f"w13 global scale must be [E] or [E, 2], got {tuple(w13.global_scale.shape)}")
+    if w2.global_scale.shape != (e,):
+        raise ValueError(f"w2 global scale must be [E], got {tuple(w2.global_scale.shape)}")
+
+    def pack(q: NVFP4Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, kp = q.n, LAYOUT.padded_k(k)
+        packed = torch.empty(e, n, kp // 2, dtype=torch.uint8, device=q.packed.device)
+        scale = torch.empty(e, n, kp // 16, dtype=torch.uint8, device=q.packed.device)
+        for expert in range(e):
+            packed[expert] = LAYOUT.pack(q.packed[expert])
+            scale[expert] = LAYOUT.pad_scales(q.block_scale[expert], k).view(torch.uint8)
+        return packed, scale
+
+    w13_packed, w13_scale = pack(w13, h)
+    w2_packed, w2_scale = pack(w2, i)
+    return MoEWeights(
+        w13_packed, w13_scale, gs13.contiguous(), w2_packed, w2_scale, w2.global_scale.float().contiguous(), h, i
+    )
+
+
+def _check_inputs(x: torch.Tensor, weights: MoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_map: torch.Tensor | None) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or not 1 <= topk_ids.shape[1] <= MAX_TOP_K:
+        raise ValueError(f"topk_ids must be [T={x.shape[0]}, k<={MAX_TOP_K}], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"expert_map must be a 1-D int32 tensor, got {expert_map.dtype} {tuple(expert_map.shape)}")
+    devices = {t.device for t in (x, weights.w13_packed, topk_weights, topk_ids)}
+    if len(devices) != 1:
+        raise ValueError(f"x, weights and routing tensors must be on one device, got {devices}")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """NVFP4 MoE forward: sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]) -> [T, H] in x.dtype.
+
+    topk_ids are global expert ids; with ``expert_map`` (int32 [E_global], -1 = not on this rank) only
+    local experts contribute.  No host synchronisation: capturable in a CUDA graph.  On CUDA this runs
+    the Triton kernels (one launch per GEMM over all experts); on CPU the torch reference.
+    """
+    _check_inputs(x, weights, topk_weights, topk_ids, expert_map)
+    from .ops import fused_moe_op
+
+    return fused_moe_op(
+        x,
+        weights.w13_packed,
+        weights.w13_scale,
+        weights.w13_global,
+        weights.w2_packed,
+        weights.w2_scale,
+        weights.w2_global,
+        topk_weights.float(),
+        topk_ids.to(torch.int32),
+        None if expert_map is None else expert_map.to(torch.int32),
+        weights.intermediate,
+    )

@@ -1,0 +1,131 @@
+"""Kernel configurations: frozen dataclasses with one ``is_valid``, a default heuristic, tuned JSON.
+
+Tuned entries live in ``configs/fused_moe_sm90/<device>.json`` at the repository root:
+  {"meta": {"kernel": "fused_moe_sm90", "version": 1, "device": "NVIDIA H200", ...},
+   "entries": [{"experts": 128, "hidden": 2048, "intermediate": 768, "dtype": "bfloat16",
+                "max_tokens": 16, "config": {...MoEKernelConfig fields...}}, ...]}
+An entry applies to token counts up to ``max_tokens`` (the smallest such entry wins).  The file's
+metadata is checked on load; shapes with no entry use ``default_config``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+__all__ = ["GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config"]
+
+CONFIG_VERSION = 1
+KERNEL_NAME = "fused_moe_sm90"
+CONFIG_DIR = Path(os.environ.get("MOE_NVFP4_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
+CHUNK_K = 128  # the kernel's K step, fixed by the weight layout (layouts.ChunkedNibbleLayout)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One GEMM's launch parameters (the weight tile is BLOCK_N rows x 128 K per step)."""
+
+    block_n: int = 64
+    group_m: int = 8
+    num_stages: int = 4
+    num_warps: int = 4
+    split_k: int = 1
+    programs_per_sm: int = 1
+
+    def is_valid(self, k_padded: int, gated: bool) -> bool:
+        chunks = k_padded // CHUNK_K
+        return (
+            self.block_n in (16, 32, 64, 128, 256)
+            and self.group_m >= 1
+            and 1 <= self.num_stages <= 8
+            and self.num_warps in (1, 2, 4, 8, 16)
+            and self.split_k >= 1
+            and chunks % self.split_k == 0
+            and not (gated and self.split_k != 1)  # SiLU is not linear: GEMM1 cannot split K
+            and 1 <= self.programs_per_sm <= 8
+        )
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """block_m (token rows per tile) is shared: both GEMMs read the same tile map."""
+
+    block_m: int = 16
+    gemm1: GemmConfig = field(default_factory=GemmConfig)
+    gemm2: GemmConfig = field(default_factory=GemmConfig)
+
+    def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
+        return (
+            self.block_m in (16, 32, 64, 128, 256)
+            and self.gemm1.is_valid(hidden_padded, gated=True)
+            and self.gemm2.is_valid(intermediate_padded, gated=False)
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEKernelConfig":
+        return cls(block_m=d["block_m"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pad(k: int) -> int:
+    return -(-k // CHUNK_K) * CHUNK_K
+
+
+def default_config(tokens: int, experts: int, top_k: int, hidden: int, intermediate: int) -> MoEKernelConfig:
+    """Readable heuristic: token tile from the mean rows per expert; small tiles for decode."""
+    rows_per_expert = max(1, tokens * top_k // max(experts, 1))
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
+    big = block_m >= 64
+    gemm1 = GemmConfig(block_n=128 if big else 64, num_warps=8 if big else 4, num_stages=3 if big else 4)
+    gemm2 = GemmConfig(block_n=128 if big else 64, num_warps=8 if big else 4, num_stages=3 if big else 4)
+    cfg = MoEKernelConfig(block_m=block_m, gemm1=gemm1, gemm2=gemm2)
+    if not cfg.is_valid(_pad(hidden), _pad(intermediate)):
+        raise AssertionError(f"default_config produced an invalid config {cfg}")  # a bug, not user input
+    return cfg
+
+
+@lru_cache(maxsize=None)
+def load_config_file(path: str) -> tuple[dict, tuple[dict, ...]]:
+    """Read and check one tuned file; returns (meta, entries).  Raises ValueError on a bad file."""
+    data = json.loads(Path(path).read_text())
+    meta = data.get("meta", {})
+    if meta.get("kernel") != KERNEL_NAME or meta.get("version") != CONFIG_VERSION:
+        raise ValueError(f"{path}: expected meta kernel={KERNEL_NAME!r} version={CONFIG_VERSION}, got {meta}")
+    entries = tuple(data.get("entries", ()))
+    for i, entry in enumerate(entries):
+        for key in ("experts", "hidden", "intermediate", "dtype", "max_tokens", "config"):
+            if key not in entry:
+                raise ValueError(f"{path}: entry {i} lacks {key!r}")
+        cfg = MoEKernelConfig.from_dict(entry["config"])
+        if not cfg.is_valid(_pad(entry["hidden"]), _pad(entry["intermediate"])):
+            raise ValueError(f"{path}: entry {i} has an invalid config {cfg}")
+    return meta, entries
+
+
+def config_path(device_name: str) -> Path:
+    return CONFIG_DIR / KERNEL_NAME / (device_name.replace(" ", "_") + ".json")
+
+
+def select_config(
+    tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str
+) -> MoEKernelConfig:
+    """The tuned entry for this device and shape with the smallest max_tokens >= tokens, else the default."""
+    path = config_path(device_name)
+    if path.exists():
+        _, entries = load_config_file(str(path))
+        dtype_name = str(dtype).removeprefix("torch.")
+        fits = [
+            e
+            for e in entries
+            if (e["experts"], e["hidden"], e["intermediate"], e["dtype"]) == (experts, hidden, intermediate, dtype_name)
+            and e["max_tokens"] >= tokens
+        ]
+        if fits:
+            return MoEKernelConfig.from_dict(min(fits, key=lambda e: e["max_tokens"])["config"])
+    return default_config(tokens, experts, top_k, hidden, intermediate)

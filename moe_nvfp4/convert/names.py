@@ -1,0 +1,132 @@
+"""Which checkpoint tensors are routed experts, plain linear layers, or left alone: explicit name maps.
+
+Recognised expert layouts (HF names, as the files hold them):
+
+* per-expert, Mixtral:                 ``<prefix>.experts.<E>.w1|w3|w2.weight`` (w1 = gate, w3 = up, w2 = down)
+* per-expert, Qwen2/3-MoE, DeepSeek:   ``<prefix>.experts.<E>.gate_proj|up_proj|down_proj.weight``
+* stacked, transformers 5 in memory:   ``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, then
+  up) and ``<prefix>.experts.down_proj`` ``[E, H, I]``; no ``.weight`` suffix.  ``save_pretrained`` of
+  transformers 5.17 writes the per-expert names for Mixtral and Qwen3-MoE, but a raw ``state_dict`` dump
+  holds these.
+
+Shared experts (``shared_expert.`` in Qwen2-MoE, ``shared_experts.`` in DeepSeek) are not routed experts: the
+pattern needs ``.experts.`` right after a dot, so they only count as plain linear layers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "Role",
+    "ExpertWeight",
+    "StackedExperts",
+    "LinearWeight",
+    "Other",
+    "TensorKind",
+    "classify",
+    "stacked_output_name",
+]
+
+
+class Role(str, Enum):
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+
+
+# Per-expert projection name -> role.  Output keeps the source's projection name.
+PROJECTION_ROLES: dict[str, Role] = {
+    "w1": Role.GATE,
+    "w3": Role.UP,
+    "w2": Role.DOWN,
+    "gate_proj": Role.GATE,
+    "up_proj": Role.UP,
+    "down_proj": Role.DOWN,
+}
+
+# Stacked tensor name -> roles of its row halves (in order).  Output uses the generic projection names.
+STACKED_ROLES: dict[str, tuple[Role, ...]] = {
+    "gate_up_proj": (Role.GATE, Role.UP),
+    "down_proj": (Role.DOWN,),
+}
+STACKED_OUTPUT_PROJECTION: dict[Role, str] = {Role.GATE: "gate_proj", Role.UP: "up_proj", Role.DOWN: "down_proj"}
+
+# 2-D ``.weight`` tensors that are never quantized, with the reason (matched with re.search).
+NOT_LINEAR: dict[str, str] = {
+    r"(^|\.)lm_head\.": "lm_head",
+    r"embed": "embedding",
+    r"norm": "norm",
+    r"(^|\.)(gate|router)\.weight$": "router",
+    r"shared_expert_gate\.weight$": "router",
+}
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>[a-z0-9_]+)\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class ExpertWeight:
+    """One expert's projection, ``[N, K]``; ``module`` is the name without ``.weight``."""
+
+    name: str
+    prefix: str  # ``...experts``
+    expert: int
+    role: Role
+
+    @property
+    def module(self) -> str:
+        return self.name.removesuffix(".weight")
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """All experts of one layer in one tensor ``[E, rows, K]``; ``roles`` are its row blocks in order."""
+
+    name: str
+    prefix: str
+    roles: tuple[Role, ...]
+
+
+@dataclass(frozen=True)
+class LinearWeight:
+    """A plain linear layer's ``[N, K]`` weight (quantized only with ``--all-linear`` or ``--include``)."""
+
+    name: str
+
+    @property
+    def module(self) -> str:
+        return self.name.removesuffix(".weight")
+
+
+@dataclass(frozen=True)
+class Other:
+    """Copied unchanged; ``reason`` says why it is not a candidate."""
+
+    name: str
+    reason: str
+
+
+TensorKind = ExpertWeight | StackedExperts | LinearWeight | Other
+
+
+def classify(name: str, shape: tuple[int, ...]) -> TensorKind:
+    """Classify one tensor by name and rank."""
+    m = _PER_EXPERT.match(name)
+    if m and m["proj"] in PROJECTION_ROLES and len(shape) == 2:
+        return ExpertWeight(name, m["prefix"], int(m["expert"]), PROJECTION_ROLES[m["proj"]])
+    m = _STACKED.match(name)
+    if m and len(shape) == 3:
+        return StackedExperts(name, m["prefix"], STACKED_ROLES[m["proj"]])
+    if not name.endswith(".weight") or len(shape) != 2:
+        return Other(name, "not a 2-D .weight")
+    for pattern, reason in NOT_LINEAR.items():
+        if re.search(pattern, name):
+            return Other(name, reason)
+    return LinearWeight(name)
+
+
+def stacked_output_name(prefix: str, expert: int, role: Role) -> str:
+    """Per-expert module name written for one expert of a stacked tensor."""
+    return f"{prefix}.{expert}.{STACKED_OUTPUT_PROJECTION[role]}"

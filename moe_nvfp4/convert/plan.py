@@ -1,0 +1,209 @@
+"""Selection: which tensors become NVFP4, grouped into units that are quantized together.
+
+A unit is one expert's gate+up (they may share a global scale), one expert's down, one expert of a stacked
+tensor, or one plain linear layer.  Everything else is copied unchanged.  Selection happens on headers only,
+so every naming, dtype and shape problem is reported before anything is written.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..formats import NVFP4
+from .names import ExpertWeight, LinearWeight, Other, Role, StackedExperts, TensorKind, classify, stacked_output_name
+from .source import ConversionError, SourceCheckpoint, TensorInfo
+
+__all__ = ["Selection", "QuantUnit", "Plan", "make_plan"]
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+ROLE_ORDER = (Role.GATE, Role.UP, Role.DOWN)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which candidates to quantize: experts (default), all linear layers, or explicit regex lists.
+
+    ``include`` patterns (``re.search`` on source tensor names) replace the default selection; ``exclude``
+    patterns then remove tensors.  Routers, embeddings, norms and lm_head are never quantized.
+    """
+
+    all_linear: bool = False
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for pattern in (*self.include, *self.exclude):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"invalid regular expression {pattern!r}: {e}") from e
+
+    def wants(self, kind: TensorKind) -> bool:
+        if isinstance(kind, Other):
+            return False
+        if self.include:
+            chosen = any(re.search(p, kind.name) for p in self.include)
+        else:
+            chosen = self.all_linear or not isinstance(kind, LinearWeight)
+        return chosen and not any(re.search(p, kind.name) for p in self.exclude)
+
+
+@dataclass(frozen=True)
+class QuantUnit:
+    """Tensors quantized together: ``modules`` (output names, no suffix) and ``load`` giving their [N, K] weights.
+
+    With ``share_global`` all modules get one global scale, the max of their own (gate and up of an expert).
+    """
+
+    modules: tuple[str, ...]
+    source: str  # source tensor name(s) for messages
+    expert: int | None
+    nbytes: int
+    share_global: bool
+    load: Callable[[SourceCheckpoint], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Work in source order: QuantUnit or the name of a tensor to copy; ``ignore``: unquantized linear modules."""
+
+    work: list[QuantUnit | str]
+    ignore: list[str]
+    skipped: dict[str, str]  # selected but left unquantized -> reason
+
+
+def _check_float(info: TensorInfo, k: int) -> None:
+    if info.dtype not in FLOAT_DTYPES:
+        raise ConversionError(
+            f"{info.name} (in {info.shard}): dtype {info.dtype}, expected one of {FLOAT_DTYPES}; "
+            "is the checkpoint already quantized?"
+        )
+    if k % NVFP4.block_size:
+        raise ConversionError(f"{info.name}: K={k} is not a multiple of {NVFP4.block_size}; NVFP4 cannot hold it")
+
+
+def _load_one(name: str) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
+    return lambda src: [src.load(name)]
+
+
+def _load_pair(gate: str, up: str) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
+    return lambda src: [src.load(gate), src.load(up)]
+
+
+def _load_stacked(name: str, expert: int, parts: int) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
+    return lambda src: list(src.load_expert(name, expert).chunk(parts, dim=0))
+
+
+def _no_experts_error(src: SourceCheckpoint, kinds: dict[str, TensorKind]) -> ConversionError:
+    weights = [n for n, k in kinds.items() if not isinstance(k, Other)][:8]
+    return ConversionError(
+        f"{src.root}: no routed expert weights recognised among {len(kinds)} tensors "
+        "(expected '<prefix>.experts.<E>.w1|w2|w3.weight', '<prefix>.experts.<E>.gate_proj|up_proj|down_proj.weight' "
+        f"or stacked '<prefix>.experts.gate_up_proj|down_proj'); linear weights found: {weights}. "
+        "Use --all-linear or --include REGEX to choose tensors explicitly."
+    )
+
+
+def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bool) -> list[tuple[str, QuantUnit]]:
+    by_expert: dict[tuple[str, int], dict[Role, ExpertWeight]] = defaultdict(dict)
+    for w in experts:
+        by_expert[(w.prefix, w.expert)][w.role] = w
+    units = []
+    for (prefix, e), roles in by_expert.items():
+        missing = [r.value for r in ROLE_ORDER if r not in roles]
+        if missing:
+            raise ConversionError(f"{prefix}.{e}: expert has no {missing} projection (found {[w.name for w in roles.values()]})")
+        info = {r: src.tensors[roles[r].name] for r in ROLE_ORDER}
+        gate, up, down = info[Role.GATE], info[Role.UP], info[Role.DOWN]
+        if gate.shape != up.shape:
+            raise ConversionError(f"{prefix}.{e}: gate {gate.name} {gate.shape} and up {up.name} {up.shape} differ in shape")
+        if shared:
+            gu = [QuantUnit((roles[Role.GATE].module, roles[Role.UP].module), f"{gate.name}, {up.name}", e,
+                            gate.nbytes + up.nbytes, True, _load_pair(gate.name, up.name))]  # fmt: skip
+        else:
+            gu = [QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False, _load_one(info[r].name))
+                  for r in (Role.GATE, Role.UP)]  # fmt: skip
+        units += [(gate.name, u) for u in gu]
+        units.append((down.name, QuantUnit((roles[Role.DOWN].module,), down.name, e, down.nbytes, False, _load_one(down.name))))
+    return units
+
+
+def _stacked_units(info: TensorInfo, kind: StackedExperts, shared: bool) -> list[QuantUnit]:
+    n_experts, rows, _ = info.shape
+    parts = len(kind.roles)
+    if rows % parts:
+        raise ConversionError(f"{info.name}: {rows} rows do not split into {[r.value for r in kind.roles]}")
+    per_expert = info.nbytes // n_experts
+    units = []
+    for e in range(n_experts):
+        modules = tuple(stacked_output_name(kind.prefix, e, r) for r in kind.roles)
+        units.append(QuantUnit(modules, info.name, e, per_expert, shared or parts == 1, _load_stacked(info.name, e, parts)))
+    return units
+
+
+def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_scales: bool = False) -> Plan:
+    """Classify every tensor, check the selected ones, and order the work as the source files hold it."""
+    kinds = {name: classify(name, info.shape) for name, info in src.tensors.items()}
+    if not selection.include and not selection.all_linear and not any(
+        isinstance(k, (ExpertWeight, StackedExperts)) for k in kinds.values()
+    ):
+        raise _no_experts_error(src, kinds)
+    shared = not separate_gate_up_scales
+    chosen = {n for n, k in kinds.items() if selection.wants(k)}
+    if not chosen:
+        raise ConversionError(f"{src.root}: the selection matches no quantizable tensor (include={selection.include}, exclude={selection.exclude})")
+
+    # Experts of one layer are quantized all together or not at all: engines load them as one MoE layer.
+    layers: dict[str, list[str]] = defaultdict(list)
+    for n, k in kinds.items():
+        if isinstance(k, (ExpertWeight, StackedExperts)):
+            layers[k.prefix].append(n)
+    for prefix, names in layers.items():
+        picked = [n for n in names if n in chosen]
+        if picked and len(picked) != len(names):
+            left = sorted(set(names) - set(picked))
+            raise ConversionError(
+                f"{prefix}: the selection quantizes {len(picked)} of {len(names)} expert tensors (left out e.g. {left[:3]}); "
+                "an MoE layer must be quantized whole; adjust --include/--exclude"
+            )
+
+    anchored: dict[str, list[QuantUnit]] = defaultdict(list)
+    skipped: dict[str, str] = {}
+    ignore: list[str] = []
+    experts: list[ExpertWeight] = []
+    for name in chosen:
+        kind, info = kinds[name], src.tensors[name]
+        if not isinstance(kind, LinearWeight):
+            _check_float(info, info.shape[-1])
+        if isinstance(kind, ExpertWeight):
+            experts.append(kind)
+        elif isinstance(kind, StackedExperts):
+            anchored[name] += _stacked_units(info, kind, shared)
+        elif info.dtype not in FLOAT_DTYPES or info.shape[-1] % NVFP4.block_size:
+            skipped[name] = f"dtype {info.dtype}, K={info.shape[-1]}: not a float weight with K a multiple of 16"
+        else:
+            anchored[name].append(QuantUnit((kind.module,), name, None, info.nbytes, False, _load_one(name)))
+    for anchor, unit in _expert_units(src, experts, shared):
+        anchored[anchor].append(unit)
+
+    covered = {n for n in chosen if n not in skipped}
+    for prefix, names in layers.items():
+        if not any(n in covered for n in names):
+            ignore.append(prefix)
+    for n, k in kinds.items():
+        if n in covered:
+            continue
+        if isinstance(k, LinearWeight) or (isinstance(k, Other) and k.reason in ("router", "lm_head")):
+            ignore.append(n.removesuffix(".weight"))
+
+    work: list[QuantUnit | str] = []
+    for name in src.tensors:
+        if name in anchored:
+            work += anchored[name]
+        elif name not in covered:
+            work.append(name)
+    return Plan(work, sorted(ignore), skipped)

@@ -1,0 +1,50 @@
+"""torch.library custom ops with fake implementations, so torch.compile and CUDA graphs see one opaque op."""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import backend_for
+
+__all__ = ["fused_moe_op"]
+
+
+@torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
+def fused_moe_op(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    intermediate: int,
+) -> torch.Tensor:
+    """Tensors as in api.MoEWeights; inputs already checked by api.fused_moe."""
+    hidden = x.shape[1]
+    if backend_for(x.device) == "torch":
+        from .api import MoEWeights
+        from .reference import fused_moe_torch
+
+        weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, hidden, intermediate)
+        w13, w2 = weights.to_nvfp4()
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
+    from .configs import select_config
+    from .triton.moe_sm90 import fused_moe_sm90
+
+    config = select_config(
+        x.shape[0], w13_packed.shape[0], topk_ids.shape[1], hidden, intermediate, x.dtype,
+        torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu",
+    )  # fmt: skip
+    return fused_moe_sm90(
+        x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids,
+        expert_map, intermediate, config,
+    )  # fmt: skip
+
+
+@fused_moe_op.register_fake
+def _(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids, expert_map,
+      intermediate):  # fmt: skip
+    return torch.empty_like(x)

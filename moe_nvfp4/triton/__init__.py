@@ -1,0 +1,1 @@
+"""Hopper (sm_90) kernels written in Triton: one module per kernel family."""
