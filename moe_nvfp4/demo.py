@@ -22,10 +22,13 @@ class DemoShape:
     tokens: int = 64
 
 
+_NAME_WIDTH = 36
+
+
 def _row(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
     rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
-    return f"| {name:<34} | {rel:>10.4f} | {cos:>8.5f} |"
+    return f"| {name:<{_NAME_WIDTH}} | {rel:>10.4f} | {cos:>8.5f} |"
 
 
 def run_demo(shape: DemoShape = DemoShape(), *, seed: int = 0, device: str = "cpu") -> str:
@@ -51,8 +54,8 @@ def run_demo(shape: DemoShape = DemoShape(), *, seed: int = 0, device: str = "cp
     lines = [
         f"moe-nvfp4 demo: E={e} top-{shape.top_k} H={h} I={i} T={t} on {device} (random weights, seed {seed})",
         "",
-        "| output vs BF16 MoE (float64)         | rel. error | cosine   |",
-        "|------------------------------------|------------|----------|",
+        f"| {'output vs BF16 MoE (float64)':<{_NAME_WIDTH}} | rel. error | cosine   |",
+        f"|{'-' * (_NAME_WIDTH + 2)}|------------|----------|",
         _row("NVFP4 W4A16, reference forward", out, ref),
         _row("NVFP4 W4A16, output rounded to bf16", out.to(torch.bfloat16), ref),
         "",

@@ -10,6 +10,7 @@ Everything here is plain torch and runs on any device.  Batched tensors carry le
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -155,9 +156,11 @@ class NVFP4Tensor:
 def global_scale_for(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
     """ModelOpt global scale ``amax / (6 * 448)`` in float32, one per leading batch index.
 
-    An all-zero tensor gets 1.0, so the scale stays a valid (positive) multiplier.
+    An all-zero (or empty) tensor gets 1.0, so the scale stays a valid (positive) multiplier.
     """
-    amax = x.detach().abs().float().reshape(*x.shape[:batch_dims], -1).amax(dim=-1)
+    batch = x.shape[:batch_dims]
+    flat = x.detach().abs().float().reshape(*batch, math.prod(x.shape[batch_dims:]))
+    amax = flat.amax(dim=-1) if flat.shape[-1] else flat.new_zeros(batch)  # empty: like all zeros
     scale = amax / (NVFP4.value_max * NVFP4.scale_max)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Convention, NVFP4Linear, to_checkpoint
-from ..formats import NVFP4, NVFP4Tensor, dequantize_nvfp4, global_scale_for, quantize_nvfp4
+from ..formats import NVFP4Tensor, dequantize_nvfp4, global_scale_for, quantize_nvfp4
 from .plan import Plan, QuantUnit, Selection, make_plan
 from .quant_config import QuantSettings, hf_quant_config, quantization_config
 from .source import ConversionError, SourceCheckpoint, open_checkpoint
@@ -67,7 +67,9 @@ class ConvertSummary:
 
 
 def shard_metadata() -> dict[str, str]:
-    return {"format": "pt", "moe_nvfp4_format_version": str(NVFP4.version), "moe_nvfp4_scale_layout": "linear"}
+    """Shard header metadata: only ``format`` (transformers requires it).  A second key would make the bytes
+    non-deterministic (safetensors writes its metadata map in hash order); our metadata lives in config.json."""
+    return {"format": "pt"}
 
 
 def quantize_group(weights: list[torch.Tensor], *, share_global: bool) -> list[NVFP4Tensor]:

@@ -22,10 +22,6 @@ import triton.language as tl
 
 from ..configs import MoEKernelConfig
 
-# Exponent fix-up for the fp16 bit tricks: 2^14 for e2m1, 2^8 for e4m3.
-_DECODE_FIX = float(2**22)
-
-
 @triton.jit
 def _route_kernel(
     ids_ptr,
@@ -95,38 +91,80 @@ def _route_kernel(
         tl.store(tile_row_ptr + t, tl.where(used, row, 0), mask=in_range)
 
 
-@triton.jit
-def _decode_fp4(packed, scale, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr):
-    """uint8 nibbles [ROWS, COLS] (0..15) and fp32 scales [ROWS, COLS // 16] -> exact weights in DTYPE."""
-    n = packed.to(tl.uint16)
-    bits = ((n & 8) << 12) | ((n & 7) << 9)
-    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    w = tl.reshape(values, [ROWS, COLS // 16, 16]) * scale[:, :, None]
-    return tl.reshape(w, [ROWS, COLS]).to(DTYPE)
+# FP4 -> 16-bit decode, four bytes (eight values) per call: spread the bytes into 16-bit lanes (prmt),
+# move the sign to bit 15 and the 3 magnitude bits to the top of the exponent / first mantissa bit, then
+# one packed multiply by the (pre-biased) block scale.  Low nibbles are the first half of a chunk, high
+# nibbles the second (layouts.ChunkedNibbleLayout).
+_ASM_BODY = """{{
+.reg .b32 t, u, a, b;
+prmt.b32 t, $2, 0, 0x4140;
+prmt.b32 u, $2, 0, 0x4342;
+shl.b32 a, t, {sign}; and.b32 a, a, 0x80008000;
+shl.b32 b, t, {mag}; and.b32 b, b, {mask}; or.b32 a, a, b;
+mul.rn.{ty}x2 $0, a, $3;
+shl.b32 a, u, {sign}; and.b32 a, a, 0x80008000;
+shl.b32 b, u, {mag}; and.b32 b, b, {mask}; or.b32 a, a, b;
+mul.rn.{ty}x2 $1, a, $4;
+}}"""
+_BF16 = dict(mask="0x01C001C0", ty="bf16")
+_FP16 = dict(mask="0x0E000E00", ty="f16")
+ASM_BF16_LO: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=12, mag=6, **_BF16))
+ASM_BF16_HI: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=8, mag=2, **_BF16))
+ASM_FP16_LO: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=12, mag=9, **_FP16))
+ASM_FP16_HI: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=8, mag=5, **_FP16))
+# A decoded code is value * 2^-126 in bf16 bits and value * 2^-14 in fp16 bits.  Scales are pre-multiplied
+# by SCALE_BIAS so that products stay exact (bf16: normal numbers; fp16: exact subnormals), and the
+# epilogue multiplies by EPILOGUE_FIX = 2^126 / SCALE_BIAS (bf16) or 2^14 (fp16).
+BF16_SCALE_BIAS: tl.constexpr = tl.constexpr(2.0**119)
+BF16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**7)
+FP16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**14)
 
 
 @triton.jit
-def _load_scales(s_ptrs, mask):
-    """e4m3 bytes -> fp32 multipliers that complete the fp16 decode tricks (value * 2^22 / 2^22)."""
+def _load_scales(s_ptrs, mask, DTYPE: tl.constexpr):
+    """e4m3 bytes -> block scales in DTYPE, pre-biased for the decode (exact)."""
     s = tl.load(s_ptrs, mask=mask, other=0).to(tl.uint16)
-    bits = ((s & 0x80) << 8) | ((s & 0x7F) << 7)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
+    bits = ((s & 0x80) << 8) | ((s & 0x7F) << 7)  # e4m3 -> fp16 bits of value * 2^-8
+    scale = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    if DTYPE == tl.bfloat16:
+        scale = scale * BF16_SCALE_BIAS
+    return scale.to(DTYPE)
+
+
+@triton.jit
+def _decode_fp4(packed, scale, HIGH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """uint8 [ROWS, COLS] (the chosen nibble of each byte) x scales [ROWS, COLS // 16] -> DTYPE weights,
+    each equal to value * block_scale / EPILOGUE_FIX exactly."""
+    s = tl.reshape(tl.broadcast_to(scale[:, :, None], [ROWS, COLS // 16, 16]), [ROWS, COLS])
+    if USE_ASM:
+        if DTYPE == tl.bfloat16:
+            asm: tl.constexpr = ASM_BF16_HI if HIGH else ASM_BF16_LO
+            return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [packed, s], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            asm: tl.constexpr = ASM_FP16_HI if HIGH else ASM_FP16_LO
+            return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [packed, s], dtype=tl.float16, is_pure=True, pack=4)
+    # The same bit manipulation in plain Triton, for the interpreter (no inline PTX there).
+    n = ((packed >> 4) if HIGH else (packed & 0xF)).to(tl.uint16)
+    if DTYPE == tl.bfloat16:
+        bits = ((n & 8) << 12) | ((n & 7) << 6)
+    else:
+        bits = ((n & 8) << 12) | ((n & 7) << 9)
+    return (bits.to(DTYPE, bitcast=True).to(tl.float32) * s.to(tl.float32)).to(DTYPE)
 
 
 @triton.jit
 def _dot_chunk(acc, w_row_ptr, s_row_ptr, k0, a_lo, a_hi, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DTYPE: tl.constexpr):
+               DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
     """acc += W[rows, k0:k0+BLOCK_K] @ A^T for one chunk in the chunked nibble layout."""
     HALF: tl.constexpr = BLOCK_K // 2
     kb = tl.arange(0, HALF)
     packed = tl.load(w_row_ptr + (k0 // 2 + kb)[None, :], mask=row_mask, other=0)
     sb = tl.arange(0, HALF // 16)
-    s_lo = _load_scales(s_row_ptr + (k0 // 16 + sb)[None, :], row_mask)
-    s_hi = _load_scales(s_row_ptr + (k0 // 16 + HALF // 16 + sb)[None, :], row_mask)
-    w_lo = _decode_fp4(packed & 0xF, s_lo, BLOCK_N, HALF, DTYPE)
-    w_hi = _decode_fp4(packed >> 4, s_hi, BLOCK_N, HALF, DTYPE)
-    acc = tl.dot(w_lo, a_lo, acc)
-    return tl.dot(w_hi, a_hi, acc)
+    s_lo = _load_scales(s_row_ptr + (k0 // 16 + sb)[None, :], row_mask, DTYPE)
+    s_hi = _load_scales(s_row_ptr + (k0 // 16 + HALF // 16 + sb)[None, :], row_mask, DTYPE)
+    acc = tl.dot(_decode_fp4(packed, s_lo, False, BLOCK_N, HALF, DTYPE, USE_ASM), a_lo, acc)
+    return tl.dot(_decode_fp4(packed, s_hi, True, BLOCK_N, HALF, DTYPE, USE_ASM), a_hi, acc)
 
 
 @triton.jit
@@ -159,6 +197,7 @@ def _moe_gemm_kernel(
     EVEN_K: tl.constexpr,
     DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
 
@@ -219,20 +258,21 @@ def _moe_gemm_kernel(
             else:
                 a_lo = tl.load(a_base + (k0 + kb)[:, None], mask=(k0 + kb < k)[:, None], other=0.0)
                 a_hi = tl.load(a_base + (k0 + HALF + kb)[:, None], mask=(k0 + HALF + kb < k)[:, None], other=0.0)
-            acc = _dot_chunk(acc, w_rows, s_rows, k0, a_lo, a_hi, n_ok, BLOCK_N, BLOCK_K, DTYPE)
+            acc = _dot_chunk(acc, w_rows, s_rows, k0, a_lo, a_hi, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM)
             if GATED:
-                acc_up = _dot_chunk(acc_up, w_up, s_up, k0, a_lo, a_hi, n_ok, BLOCK_N, BLOCK_K, DTYPE)
+                acc_up = _dot_chunk(acc_up, w_up, s_up, k0, a_lo, a_hi, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM)
 
         store_mask = n_ok & row_ok[None, :]
+        fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
         if GATED:
-            gate = acc * tl.load(gs_ptr + expert * 2)
-            up = acc_up * tl.load(gs_ptr + expert * 2 + 1)
+            gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
+            up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
             act = gate / (1.0 + tl.exp(-gate)) * up
             out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
             tl.store(out_ptrs, act.to(DTYPE), mask=store_mask)
         else:
             weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
-            y = acc * (tl.load(gs_ptr + expert) * weight)[None, :]
+            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
             out_ptrs = out_ptr + split * stride_split + pair.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
             tl.store(out_ptrs, y, mask=store_mask)
 
@@ -336,6 +376,7 @@ def fused_moe_sm90(
     if t == 0:
         return out
     dtype = _TL_DTYPES[x.dtype]
+    use_asm = x.is_cuda  # the Triton interpreter runs on CPU tensors and has no inline PTX
     sorted_pairs, _, offsets, tile_expert, tile_row, num_tiles = route(
         topk_ids, num_experts, config.block_m, expert_map
     )
@@ -350,7 +391,7 @@ def fused_moe_sm90(
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights,
         intermediate, hidden, k1p, num_pairs,
         TOP_K=top_k, GATED=True, SPLIT_K=1, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages,
+        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
         num_warps=g1.num_warps,
     )  # fmt: skip
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -359,7 +400,7 @@ def fused_moe_sm90(
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
         hidden, intermediate, k2p, num_pairs,
         TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages,
+        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm,
         num_warps=g2.num_warps,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))

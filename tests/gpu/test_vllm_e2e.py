@@ -1,0 +1,171 @@
+"""End-to-end vLLM 0.26 tests of ``--quantization nvfp4_grouped`` on tiny random Mixtral and Qwen3-MoE models.
+
+Reference: the same model as a BF16 checkpoint whose expert weights are the dequantized NVFP4 values, run by
+vLLM's own BF16 path.  Both compute the same function up to activation rounding, so greedy tokens agree
+except where the reference's top-2 log-probabilities are closer than LOGPROB_ATOL (a random tiny model has
+near-uniform logits; such steps are ties, not errors).  CUDA graphs stay on (no enforce_eager).
+
+Each LLM runs in a fresh subprocess (vLLM spawns workers and holds the GPU until the process exits).  The
+plugin is loaded through its ``vllm.general_plugins`` entry point when the package is installed
+(``pip install -e .``); otherwise the runner registers it by hand and forks its workers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILIES = ["mixtral", "qwen3_moe"]
+MAX_TOKENS = 24
+MIN_EQUAL_TOKENS = 8  # tokens that must agree before any tie is allowed
+LOGPROB_ATOL = 0.05  # chosen-token log-probabilities: ours vs the dequantized-BF16 reference
+PROMPTS = [[1, 17, 42, 99, 7, 3], [5, 200, 13, 77, 128, 9, 31, 64], [250, 2, 3, 4]]
+
+RUNNER = textwrap.dedent(
+    """
+    import json, os, sys
+    args = json.loads(sys.argv[1])
+    from importlib.metadata import entry_points
+    if "nvfp4_grouped" not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # workers inherit the hand registration
+        from moe_nvfp4_vllm.plugin import register
+        register()
+        print("plugin registered by hand (package not installed)", file=sys.stderr)
+    from vllm import LLM, SamplingParams
+    llm = LLM(
+        model=args["model"], quantization=args["quantization"], tensor_parallel_size=args["tp"],
+        skip_tokenizer_init=True, max_model_len=256, gpu_memory_utilization=args["mem"], seed=0,
+        dtype="bfloat16", max_num_seqs=8,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], logprobs=5, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        result.append({
+            "tokens": list(c.token_ids),
+            "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs],
+        })
+    with open(args["out"], "w") as f:
+        json.dump(result, f)
+    """
+)
+
+
+def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str) -> list[dict]:
+    out = tmp_path / f"{tag}.json"
+    args = {"model": str(model), "quantization": quantization, "tp": tp, "mem": 0.3, "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS, "out": str(out)}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(args)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM run {tag} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def _dequantized_bf16(src: Path, quantized: Path, dst: Path) -> Path:
+    """Copy the BF16 source checkpoint, replacing each expert weight with its dequantized NVFP4 value."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moe_nvfp4 import NVFP4Tensor, dequantize_nvfp4
+
+    q = {}
+    for f in sorted(quantized.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            q.update({k: h.get_tensor(k) for k in h.keys()})
+    shutil.copytree(src, dst)
+    replaced = 0
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        for k in list(tensors):
+            mod = k.removesuffix(".weight")
+            if k.endswith(".weight") and f"{mod}.weight_scale_2" in q:
+                w = NVFP4Tensor(q[k], q[f"{mod}.weight_scale"], q[f"{mod}.weight_scale_2"].float().reshape(()))
+                tensors[k] = dequantize_nvfp4(w, torch.bfloat16)
+                replaced += 1
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    assert replaced > 0, "no expert weights found in the quantized checkpoint"
+    return dst
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Per family: BF16 source, our ModelOpt conversion (separate gate/up scales), CT conversion, reference."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers_checkpoints import make_tiny_checkpoint
+
+    from moe_nvfp4.checkpoint import Convention
+    from moe_nvfp4.convert import ConvertOptions, QuantSettings, convert_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm_e2e")
+    out = {}
+    for family in FAMILIES:
+        src = make_tiny_checkpoint(family, root / f"{family}-bf16", seed=0)
+        modelopt = root / f"{family}-modelopt"
+        convert_checkpoint(src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False)
+        ct = root / f"{family}-ct"
+        convert_checkpoint(
+            src, ct, ConvertOptions(settings=QuantSettings(convention=Convention.COMPRESSED_TENSORS,
+                                                           separate_gate_up_scales=True)), progress=False)
+        ref = _dequantized_bf16(src, modelopt, root / f"{family}-dequantized-bf16")
+        out[family] = {"bf16": src, "modelopt": modelopt, "ct": ct, "ref": ref}
+    return out
+
+
+def _compare(ours: list[dict], ref: list[dict], what: str) -> None:
+    for p, (o, r) in enumerate(zip(ours, ref)):
+        for step, (to, tr) in enumerate(zip(o["tokens"], r["tokens"])):
+            lp_ref = r["logprobs"][step]
+            lp_ours = o["logprobs"][step]
+            if to != tr:
+                margin = lp_ref[str(tr)] - lp_ref.get(str(to), -float("inf"))
+                assert step >= MIN_EQUAL_TOKENS or margin <= 2 * LOGPROB_ATOL, (
+                    f"{what}: prompt {p} diverges at token {step}: ours {to}, reference {tr} "
+                    f"(reference margin {margin:.4f})"
+                )
+                break  # the sequences now differ; later steps are not comparable
+            assert abs(lp_ours[str(to)] - lp_ref[str(tr)]) <= LOGPROB_ATOL, (
+                f"{what}: prompt {p} token {step}: log-prob {lp_ours[str(to)]:.4f} vs reference {lp_ref[str(tr)]:.4f}"
+            )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("form", ["modelopt", "ct"])
+def test_greedy_tokens_match_dequantized_bf16(tmp_path, checkpoints, family, form):
+    ckpt = checkpoints[family]
+    ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
+    ours = _run_llm(tmp_path, ckpt[form], "nvfp4_grouped", tag=f"{family}-{form}")
+    _compare(ours, ref, f"{family} {form}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_checkpoint_quantized_on_load(tmp_path, checkpoints, family):
+    """Online quantization of the BF16 source equals the converter's output (both separate gate/up scales)."""
+    ckpt = checkpoints[family]
+    online = _run_llm(tmp_path, ckpt["bf16"], "nvfp4_grouped", tag=f"{family}-online")
+    offline = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{family}-offline")
+    assert [o["tokens"] for o in online] == [o["tokens"] for o in offline]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_matches_tp1(tmp_path, checkpoints, family):
+    ckpt = checkpoints[family]
+    tp1 = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=1, tag=f"{family}-tp1")
+    tp2 = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=2, tag=f"{family}-tp2")
+    _compare(tp2, tp1, f"{family} TP=2 vs TP=1")
