@@ -1,0 +1,614 @@
+"""NVFP4 MoE forward: ours vs vLLM 0.26 Marlin NVFP4 vs vLLM Triton BF16, against measured floors.
+
+    python benchmarks/bench_moe.py --out benchmarks/results            # full run (< 8 min on an H200)
+    python benchmarks/bench_moe.py --quick --out /tmp/moe               # 3 token counts, fewer replays
+
+One process, one GPU.  For each model and token count T: random bf16 x and router logits, softmax
+top-k (renormalized), random bf16 expert weights quantized once to NVFP4 (one global scale per expert
+and matrix, as vLLM's ModelOpt path uses for w13); all three paths compute the same function on the same
+dequantized weights:
+
+  ours    moe_nvfp4.prepare_moe_weights(w13_q, w2_q); moe_nvfp4.fused_moe(x, weights, topk_w, topk_ids)
+  marlin  vLLM prepare_nvfp4_moe_layer_for_marlin(...) then fused_marlin_moe(...), W4A16 NVFP4
+  bf16    vLLM fused_experts(x, w13_bf16, w2_bf16, topk_w, topk_ids) on the dequantized weights
+
+Outputs are checked against each other (and a float32 torch reference) before timing; timing is CUDA
+graph replay with rotating weight copies so L2 never holds the weights between calls (harness.py).
+Writes moe.json, moe.md and moe.png (when matplotlib is importable) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))  # the repository's moe_nvfp4, even when not pip-installed
+sys.path.insert(0, _HERE)  # harness.py, plot.py beside this file
+
+from harness import (  # noqa: E402
+    Ceilings,
+    MoEShape,
+    environment,
+    floors,
+    markdown_table,
+    measure_ceilings,
+    pct_of_floor,
+    ratio,
+    rotation_copies,
+    sync,
+    time_with_fallback,
+    write_json,
+    write_markdown,
+)
+
+MODELS = {
+    "mixtral": MoEShape("Mixtral-8x7B", num_experts=8, top_k=2, hidden=4096, inter=14336, renormalize=True),
+    "qwen3": MoEShape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, inter=768, renormalize=True),
+    # not run by default: a smoke shape for checking the script itself (e.g. --device cpu --models tiny)
+    "tiny": MoEShape("tiny", num_experts=4, top_k=2, hidden=128, inter=64, renormalize=True),
+}
+DEFAULT_MODELS = ("mixtral", "qwen3")
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+QUICK_TOKENS = (1, 64, 1024)
+PATHS = ("ours", "marlin", "bf16")
+REL_TOL = 2e-2  # same dequantized weights everywhere; only bf16 rounding/accumulation order differ
+
+COLUMNS = [
+    ("model", "model", ""),
+    ("tokens", "T", "d"),
+    ("touched_experts", "touched", "d"),
+    ("ours_us", "ours µs", ".1f"),
+    ("marlin_us", "Marlin µs", ".1f"),
+    ("bf16_us", "BF16 µs", ".1f"),
+    ("floor_us", "floor µs", ".1f"),
+    ("bound", "bound", ""),
+    ("pct_of_floor", "ours % floor", ".0f"),
+    ("marlin_pct_of_floor", "Marlin % floor", ".0f"),
+    ("speedup_vs_marlin", "× Marlin", ".2f"),
+    ("speedup_vs_bf16", "× BF16", ".2f"),
+    ("rel_err_ours", "err ours", ".1e"),
+    ("rel_err_marlin", "err Marlin", ".1e"),
+    ("status", "status", ""),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def rel_err(a, b) -> float:
+    import torch
+
+    a, b = a.float(), b.float()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+def clone_tensors(obj: Any) -> Any:
+    """A copy of a dataclass / tuple of tensors with every tensor cloned (new storage, same layout)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: clone_tensors(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        )
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(clone_tensors(x) for x in obj)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# The three paths.  Each builder returns a callable make_fn(copy_index) -> (() -> out) and the number of
+# weight copies it holds; copies beyond the first are clones made up front.
+# --------------------------------------------------------------------------------------------------
+class Path:
+    name: str
+
+    def __init__(self, copies: int):
+        self.copies_wanted = copies
+        self.weights: list[Any] = []
+
+    def add_copies(self, first: Any) -> None:
+        self.weights = [first] + [clone_tensors(first) for _ in range(self.copies_wanted - 1)]
+
+    def fn(self, copy: int, x, topk_weights, topk_ids) -> Callable[[], Any]:
+        raise NotImplementedError
+
+
+class Ours(Path):
+    name = "ours"
+
+    def __init__(self, w13_q, w2_q, copies: int):
+        super().__init__(copies)
+        import moe_nvfp4
+
+        self._fused_moe = moe_nvfp4.fused_moe
+        self.add_copies(moe_nvfp4.prepare_moe_weights(w13_q, w2_q))
+
+    def fn(self, copy, x, topk_weights, topk_ids):
+        w, f = self.weights[copy], self._fused_moe
+        return lambda: f(x, w, topk_weights, topk_ids)
+
+
+class _MarlinLayer:
+    """The attributes prepare_nvfp4_moe_layer_for_marlin reads (num_experts, hidden_size,
+    intermediate_size_per_partition, params_dtype) and writes (workspace); nothing else."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, params_dtype):
+        import torch
+
+        self.num_experts = num_experts
+        self.hidden_size = hidden
+        self.intermediate_size_per_partition = inter
+        self.params_dtype = params_dtype
+        self.workspace: torch.Tensor | None = None
+
+
+class Marlin(Path):
+    """vLLM 0.26 ModelOptNvFp4FusedMoE with the MARLIN backend (the one Hopper gets):
+    process_weights_after_loading -> convert_to_nvfp4_moe_kernel_format -> prepare_nvfp4_moe_layer_for_marlin,
+    then MarlinExperts.apply -> fused_marlin_moe with g1/g2_alphas = the processed weight_scale_2."""
+
+    name = "marlin"
+
+    def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
+        super().__init__(copies)
+        import torch
+        import vllm._custom_ops as ops
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+            prepare_nvfp4_moe_layer_for_marlin,
+        )
+        from vllm.scalar_type import scalar_types
+
+        layer = _MarlinLayer(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16)
+        # ModelOpt: w13_weight_scale_2 is [E, 2]; vLLM keeps only [:, 0] (warns when gate != up).  Ours is
+        # quantized with one scale per expert for w13, so [E] here is exactly what vLLM would keep.
+        w13_gs = w13_q.global_scale.float()
+        if w13_gs.dim() == 2:
+            w13_gs = w13_gs[:, 0]
+        out = prepare_nvfp4_moe_layer_for_marlin(
+            layer=layer,
+            w13=w13_q.packed,
+            w13_scale=w13_q.block_scale,
+            w13_scale_2=w13_gs.contiguous(),
+            w2=w2_q.packed,
+            w2_scale=w2_q.block_scale,
+            w2_scale_2=w2_q.global_scale.float().contiguous(),
+            is_act_and_mul=True,
+        )
+        self.add_copies(out)  # (w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        self._call = fused_marlin_moe
+        self._quant_type_id = scalar_types.float4_e2m1f.id
+        self._silu = MoEActivation.SILU
+        self._input_dtype = get_marlin_input_dtype()  # None unless VLLM_MARLIN_INPUT_DTYPE is set
+        self._num_experts = shape.num_experts
+        # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output)
+        self._moe_sum = lambda inp, outp, topk_ids, expert_map: ops.moe_sum(inp, outp)
+
+    def fn(self, copy, x, topk_weights, topk_ids):
+        w13, w13_s, w13_gs, w2, w2_s, w2_gs = self.weights[copy]
+        call = self._call
+
+        def run():
+            return call(
+                hidden_states=x,
+                w1=w13,
+                w2=w2,
+                bias1=None,
+                bias2=None,
+                w1_scale=w13_s,
+                w2_scale=w2_s,
+                topk_weights=topk_weights,
+                topk_ids=topk_ids,
+                quant_type_id=self._quant_type_id,
+                apply_router_weight_on_input=False,
+                global_num_experts=self._num_experts,
+                activation=self._silu,
+                moe_sum=self._moe_sum,
+                expert_map=None,
+                global_scale1=w13_gs,
+                global_scale2=w2_gs,
+                input_global_scale1=None,
+                input_global_scale2=None,
+                is_k_full=True,
+                input_dtype=self._input_dtype,
+            )
+
+        return run
+
+
+class BF16(Path):
+    """vLLM 0.26 Triton fused_experts on the dequantized bf16 weights (unquantized config)."""
+
+    name = "bf16"
+
+    def __init__(self, w13_bf16, w2_bf16, copies: int):
+        super().__init__(copies)
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+        self._call = fused_experts
+        self.add_copies((w13_bf16, w2_bf16))
+
+    def fn(self, copy, x, topk_weights, topk_ids):
+        w13, w2 = self.weights[copy]
+        call = self._call
+        return lambda: call(x, w13, w2, topk_weights, topk_ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# One model
+# --------------------------------------------------------------------------------------------------
+def make_weights(shape: MoEShape, seed: int, device: str):
+    """Random bf16 experts (std 1/sqrt(K)), NVFP4-quantized; returns (w13_q, w2_q, w13_deq, w2_deq)."""
+    import torch
+
+    from moe_nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
+    w13_q = w2_q = None
+    w13 = torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16, generator=gen) * (h**-0.5)
+    w13_q = quantize_nvfp4(w13, segments=1)  # one global scale per expert: vLLM's Marlin path keeps one
+    del w13
+    w2 = torch.randn(e, h, i, device=device, dtype=torch.bfloat16, generator=gen) * (i**-0.5)
+    w2_q = quantize_nvfp4(w2)
+    del w2
+    empty_cache()
+    w13_deq = dequantize_nvfp4(w13_q, torch.bfloat16)
+    w2_deq = dequantize_nvfp4(w2_q, torch.bfloat16)
+    empty_cache()
+    return w13_q, w2_q, w13_deq, w2_deq
+
+
+def make_inputs(shape: MoEShape, tokens: int, seed: int, device: str):
+    import torch
+
+    from moe_nvfp4 import topk_softmax
+
+    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + tokens)
+    x = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, shape.num_experts, device=device, dtype=torch.float32, generator=gen)
+    topk_weights, topk_ids = topk_softmax(logits, shape.top_k, renormalize=shape.renormalize)
+    return x, topk_weights.contiguous(), topk_ids.contiguous()
+
+
+def copies_for(shape: MoEShape, tokens: list[int], per_expert_bytes: int, full_bytes: int, args, l2: int) -> int:
+    """Copies needed at the smallest T (the fewest touched experts), capped by max and by memory."""
+    import torch
+
+    if args.no_rotate:
+        return 1
+    touched = shape.max_touched(min(tokens))
+    want = rotation_copies(touched * per_expert_bytes, l2, factor=args.l2_factor, max_copies=args.max_copies)
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 8 << 30
+    by_memory = max(1, int(0.15 * free // max(full_bytes, 1)))
+    return max(1, min(want, by_memory))
+
+
+def run_model(
+    key: str, shape: MoEShape, tokens: list[int], args, ceilings: Ceilings, l2: int, deadline: float
+) -> list[dict]:
+    import torch
+
+    from moe_nvfp4 import moe_dense_torch
+
+    rows: list[dict] = []
+    t0 = time.time()
+    log(f"\n== {shape.name}: E={shape.num_experts} top-{shape.top_k} H={shape.hidden} I={shape.inter}")
+    w13_q, w2_q, w13_deq, w2_deq = make_weights(shape, args.seed, args.device)
+    log(f"   weights quantized in {time.time() - t0:.1f} s")
+
+    fp4_expert = shape.expert_nvfp4_bytes()
+    bf16_expert = shape.expert_bf16_bytes()
+    paths: dict[str, Path | None] = {}
+    errors: dict[str, str] = {}
+    builders = {
+        "ours": lambda n: Ours(w13_q, w2_q, n),
+        "marlin": lambda n: Marlin(shape, w13_q, w2_q, n),
+        "bf16": lambda n: BF16(w13_deq, w2_deq, n),
+    }
+    for name in args.paths:
+        per_expert = bf16_expert if name == "bf16" else fp4_expert
+        n = copies_for(shape, tokens, per_expert, per_expert * shape.num_experts, args, l2)
+        t1 = time.time()
+        try:
+            paths[name] = builders[name](n)
+            copies = len(paths[name].weights)
+            log(f"   {name:6s} ready: {copies} weight cop{'y' if copies == 1 else 'ies'} ({time.time() - t1:.1f} s)")
+        except Exception as exc:  # noqa: BLE001 - one path failing must not stop the others
+            paths[name] = None
+            errors[name] = f"setup: {short_error(exc)}"
+            log(f"   {name:6s} SETUP FAILED: {short_error(exc)}")
+            if args.verbose:
+                traceback.print_exc()
+        sync()
+
+    for t in tokens:
+        row: dict[str, Any] = {
+            "model": shape.name,
+            "tokens": t,
+            "num_experts": shape.num_experts,
+            "top_k": shape.top_k,
+            "hidden": shape.hidden,
+            "inter": shape.inter,
+            "repro": f"python benchmarks/bench_moe.py --models {key} --tokens {t}",
+        }
+        notes: list[str] = []
+        if time.time() > deadline:
+            row["status"] = "skipped (time budget)"
+            rows.append(row)
+            log(f"   T={t:5d} skipped: time budget reached")
+            continue
+        x, topk_weights, topk_ids = make_inputs(shape, t, args.seed, args.device)
+        touched = int(torch.unique(topk_ids).numel())
+        nbytes = shape.hbm_bytes(t, touched)
+        flops = shape.flops(t)
+        row.update(touched_experts=touched, hbm_bytes=nbytes, weight_bytes=touched * fp4_expert, flops=flops)
+        row.update(floors(nbytes, flops, ceilings))
+
+        # Correctness: every path once, eagerly, against the float32 torch reference on the same weights.
+        outs: dict[str, torch.Tensor] = {}
+        ref = None
+        if not args.no_ref:
+            try:
+                ref = moe_dense_torch(x.float(), w13_deq, w2_deq, topk_weights, topk_ids, compute_dtype=torch.float32)
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"ref: {short_error(exc)}")
+        for name in args.paths:
+            p = paths.get(name)
+            if p is None:
+                notes.append(f"{name} {errors.get(name, 'unavailable')}")
+                continue
+            try:
+                outs[name] = p.fn(0, x, topk_weights, topk_ids)().float()
+                sync()
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"{name} run: {short_error(exc)}")
+                if args.verbose:
+                    traceback.print_exc()
+        base, basis = (outs["bf16"], "bf16") if "bf16" in outs else (ref, "ref")
+        row["err_basis"] = basis  # rel_err_ours / rel_err_marlin are vs the BF16 path, or the reference without it
+        for name in ("ours", "marlin"):
+            if name in outs:
+                row[f"rel_err_{name}"] = rel_err(outs[name], base) if base is not None else None
+        for name, out in outs.items():
+            row[f"rel_err_{name}_vs_ref"] = rel_err(out, ref) if ref is not None else None
+        if "ours" in outs and "marlin" in outs:
+            row["rel_err_ours_vs_marlin"] = rel_err(outs["ours"], outs["marlin"])
+        mismatches = []
+        for name in outs:
+            err = row.get(f"rel_err_{name}") if name != "bf16" else None
+            if err is None:
+                err = row.get(f"rel_err_{name}_vs_ref")
+            if err is not None and not err <= args.tol:  # also catches NaN
+                mismatches.append(f"{name}={err:.1e}")
+        if mismatches:
+            notes.append("MISMATCH " + ",".join(mismatches))
+        del outs, ref
+
+        # Timing: graph replay over rotating weight copies; eager (marked) when capture fails.
+        for name in args.paths:
+            p = paths.get(name)
+            if p is None or any(n.startswith(f"{name} run") for n in notes):
+                row[f"{name}_us"] = None
+                continue
+            per_expert = bf16_expert if name == "bf16" else fp4_expert
+            n_rot = 1 if args.no_rotate else rotation_copies(touched * per_expert, l2, factor=args.l2_factor,
+                                                           max_copies=len(p.weights))
+            fns = [p.fn(c, x, topk_weights, topk_ids) for c in range(n_rot)]
+            try:
+                timing = time_with_fallback(
+                    fns, target_graph_ms=args.target_graph_ms, replays=args.replays, max_calls=args.max_calls
+                )
+                row[f"{name}_us"] = timing.median_us
+                row[f"{name}_timing"] = timing.as_dict()
+                if timing.method != "graph":
+                    notes.append(f"{name} eager ({timing.note})")
+                needed = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=10**6)
+                if not args.no_rotate and n_rot < needed:
+                    notes.append(f"{name} rotates {n_rot}/{needed} copies (L2 may be warm)")
+            except Exception as exc:  # noqa: BLE001
+                row[f"{name}_us"] = None
+                notes.append(f"{name} timing: {short_error(exc)}")
+                if args.verbose:
+                    traceback.print_exc()
+            finally:
+                del fns
+                sync()
+        ours, marlin, bf16 = row.get("ours_us"), row.get("marlin_us"), row.get("bf16_us")
+        row["pct_of_floor"] = pct_of_floor(row["floor_us"], ours)
+        row["marlin_pct_of_floor"] = pct_of_floor(row["floor_us"], marlin)
+        row["bf16_pct_of_floor"] = pct_of_floor(row["floor_us"], bf16)
+        row["speedup_vs_marlin"] = ratio(marlin, ours)
+        row["speedup_vs_bf16"] = ratio(bf16, ours)
+        row["status"] = "ok" if not notes else "; ".join(notes)
+        row["notes"] = notes
+        rows.append(row)
+        log(
+            f"   T={t:5d} touched={touched:3d} ours={_f(ours)} marlin={_f(marlin)} bf16={_f(bf16)} "
+            f"floor={row['floor_us']:.1f}us ({row['bound']}) ours%floor={_f(row['pct_of_floor'], '.0f')} "
+            f"err ours={_f(row.get('rel_err_ours'), '.1e')} marlin={_f(row.get('rel_err_marlin'), '.1e')}"
+            + (f"  [{_clip(row['status'], 300)}]" if notes else "")
+        )
+        del x, topk_weights, topk_ids
+
+    del paths, w13_q, w2_q, w13_deq, w2_deq
+    empty_cache()
+    log(f"   {shape.name} done in {time.time() - t0:.1f} s")
+    return rows
+
+
+def _clip(text: Any, n: int) -> Any:
+    return text if not isinstance(text, str) or len(text) <= n else text[: n - 3] + "..."
+
+
+def _f(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="NVFP4 MoE: moe_nvfp4.fused_moe vs vLLM Marlin NVFP4 vs vLLM Triton BF16, with HBM/compute floors.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", default="benchmarks/results", help="directory for moe.json, moe.md, moe.png")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--tokens", default=None,
+                   help=f"comma list of token counts (default {TOKENS}; --quick {QUICK_TOKENS})")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {list(PATHS)}")
+    p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
+    p.add_argument("--replays", type=int, default=None, help="graph replays per measurement (default 10; quick 5)")
+    p.add_argument("--target-graph-ms", type=float, default=None,
+                   help="calls per graph sized to this (default 20; quick 10)")
+    p.add_argument("--max-calls", type=int, default=400, help="upper bound on calls captured per graph")
+    p.add_argument("--l2-factor", type=float, default=4.0,
+                   help="rotate weight copies until this many L2 sizes stream between reuses")
+    p.add_argument("--max-copies", type=int, default=16, help="most weight copies per path (memory)")
+    p.add_argument("--no-rotate", action="store_true", help="one weight copy (L2 may stay warm for tiny T)")
+    p.add_argument("--no-ref", action="store_true", help="skip the float32 torch reference check")
+    p.add_argument("--tol", type=float, default=REL_TOL, help="relative-error bound vs the BF16 path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=420.0, help="skip remaining rows after this many seconds")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: smoke-test the script (torch reference for ours, host clock, no graphs)")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failing paths")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    args.paths = [p.strip().lower() for p in args.paths.split(",") if p.strip()]
+    if [p for p in args.paths if p not in PATHS]:
+        raise SystemExit(f"unknown path(s) in {args.paths}; choose from {list(PATHS)}")
+    if args.tokens:
+        args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    else:
+        args.tokens = list(QUICK_TOKENS if args.quick else TOKENS)
+    if any(t < 1 for t in args.tokens):
+        raise SystemExit("token counts must be >= 1")
+    args.replays = args.replays or (5 if args.quick else 10)
+    args.target_graph_ms = args.target_graph_ms or (10.0 if args.quick else 20.0)
+    return args
+
+
+def summary_lines(meta: dict, rows: list[dict]) -> list[str]:
+    c = meta["ceilings"]
+    return [
+        f"device: {meta.get('device')} (sm_{str(meta.get('capability', '')).replace('.', '')}), "
+        f"torch {meta.get('torch')}, triton {meta.get('triton')}, vllm {meta.get('vllm')}",
+        f"copy bandwidth {c['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s "
+        f"({c['matmul'].get('n')}^3, cuBLAS)",
+        f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}"
+        + (" (dirty)" if meta.get("git_dirty") else ""),
+        f"timing: CUDA graph replay, median per call; L2: {meta['l2_policy']}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's INFO lines out of the output tail
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("bench_moe: needs a CUDA GPU (--device cpu runs a host-clock smoke test of the script itself)")
+        return 2
+    start = time.time()
+    deadline = start + args.time_budget_s
+    torch.backends.cuda.matmul.allow_tf32 = False
+    meta = environment(extra_modules=("vllm",))
+    l2 = meta.get("l2_bytes") or 50 * 2**20
+    log(f"bench_moe on {meta.get('device')}: torch {meta['torch']} triton {meta['triton']} vllm {meta['vllm']}; "
+        f"L2 {l2 / 2**20:.0f} MiB")
+
+    ceilings = measure_ceilings(quick=args.quick, device=args.device)
+    meta["ceilings"] = {
+        "copy_GBps": ceilings.copy_bytes_per_s / 1e9,
+        "bf16_TFLOPs": ceilings.bf16_flops_per_s / 1e12,
+        "copy": ceilings.copy_detail,
+        "matmul": ceilings.matmul_detail,
+    }
+    log(f"ceilings: copy {meta['ceilings']['copy_GBps']:.0f} GB/s, "
+        f"bf16 mm {meta['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s "
+        f"({time.time() - start:.1f} s)")
+    meta["l2_policy"] = (
+        "one weight copy (--no-rotate)" if args.no_rotate else
+        f"rotating weight copies: each captured call uses the next copy, n = ceil({args.l2_factor:g} x L2 / touched "
+        f"weight bytes) (max {args.max_copies}), so >= {args.l2_factor:g} x L2 of other weights stream between reuses"
+    )
+    meta["floor"] = (
+        "floor_us = max(hbm_floor_us, compute_floor_us); hbm = (touched experts' NVFP4 weights + e4m3 scales "
+        "+ fp32 global scales + x read + out write) / copy bandwidth; compute = 2*T*k*3*I*H / bf16 rate"
+    )
+    meta["rel_tol"] = args.tol
+    meta["args"] = {k: v for k, v in vars(args).items()}
+
+    rows: list[dict] = []
+    for key in args.models:
+        try:
+            rows += run_model(key, MODELS[key], args.tokens, args, ceilings, l2, deadline)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building weights
+            log(f"   {MODELS[key].name} FAILED: {short_error(exc)}")
+            traceback.print_exc()
+            rows.append({"model": MODELS[key].name, "status": f"failed: {short_error(exc)}"})
+            empty_cache()
+    meta["wall_s"] = time.time() - start
+
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "moe.json")
+    md_path = os.path.join(args.out, "moe.md")
+    write_json(json_path, meta, rows)
+    table = markdown_table(rows, COLUMNS)
+    notes = [
+        "Columns: times are µs per MoE forward (median of graph replays); floor = max(HBM, compute) floor; "
+        "% floor = floor / time (100 = at the floor); × = baseline time / our time; err = ||a - b|| / ||b|| vs the "
+        "vLLM BF16 path on the same dequantized weights. See benchmarks/README.md.",
+        "",
+        "Repro: `python benchmarks/bench_moe.py --models <mixtral|qwen3> --tokens <T>` "
+        "(each row's `repro` in moe.json).",
+    ]
+    write_markdown(md_path, "NVFP4 MoE forward", summary_lines(meta, rows), table, notes)
+    png = os.path.join(args.out, "moe.png")
+    try:
+        from plot import plot_rows
+
+        plot_rows(rows, png, title=f"NVFP4 MoE forward on {meta.get('device')}")
+    except Exception as exc:  # noqa: BLE001 - matplotlib may be absent on the GPU machine
+        png = f"(no plot: {short_error(exc)}; run `python benchmarks/plot.py {json_path}` where matplotlib exists)"
+
+    log("\n" + "\n".join(summary_lines(meta, rows)))
+    short = [dict(r, status=_clip(r.get("status"), 60)) for r in rows]
+    log(markdown_table(short, [c for c in COLUMNS if c[0] != "touched_experts"]))
+    log(f"wrote {json_path}, {md_path}, {png}; total {meta['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

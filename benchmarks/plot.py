@@ -1,0 +1,62 @@
+"""Plot a bench_moe result: time per forward vs tokens, one panel per model, log-log, with the floor.
+
+    python benchmarks/plot.py benchmarks/results/moe.json [out.png]
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+SERIES = (  # key, label, style
+    ("ours_us", "ours (moe_nvfp4)", dict(marker="o", color="C0")),
+    ("marlin_us", "vLLM Marlin NVFP4", dict(marker="s", color="C1")),
+    ("bf16_us", "vLLM Triton BF16", dict(marker="^", color="C2")),
+    ("floor_us", "floor max(HBM, compute)", dict(linestyle="--", color="k")),
+    ("hbm_floor_us", "HBM floor", dict(linestyle=":", color="0.5")),
+)
+
+
+def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows if r.get("tokens")))
+    if not models:
+        raise ValueError("no rows with timings to plot")
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = sorted((r for r in rows if r["model"] == model and r.get("tokens")), key=lambda r: r["tokens"])
+        for key, label, style in SERIES:
+            pts = [(r["tokens"], r[key]) for r in mine if r.get(key)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("µs per MoE forward")
+        ax.set_title(model)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    with open(argv[0]) as f:
+        data = json.load(f)
+    out = argv[1] if len(argv) > 1 else argv[0].rsplit(".", 1)[0] + ".png"
+    device = data.get("meta", {}).get("device", "")
+    print(plot_rows(data["rows"], out, title=f"NVFP4 MoE forward on {device}".strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,210 @@
+"""``NVFP4GroupedConfig``: vLLM 0.26 ``QuantizationConfig`` for ``--quantization nvfp4_grouped``.
+
+What a checkpoint declares decides where its tensors come from; MoE experts always go to our method:
+
+============================  ===========================================  =================================
+checkpoint                    routed experts                               other layers
+============================  ===========================================  =================================
+ModelOpt NVFP4 (config.json   NVFP4GroupedMoEMethod, ModelOpt names        ModelOptNvFp4Config's methods
+or hf_quant_config.json;      (weight, weight_scale, weight_scale_2,       (NVFP4 linear, unquantized for
+our converter's default)      input_scale)                                 excluded layers, KV cache)
+compressed-tensors            NVFP4GroupedMoEMethod, CT names              CompressedTensorsConfig's methods
+nvfp4-pack-quantized          (weight_packed, weight_global_scale, ...)
+BF16 (no quantization_config) BF16 parameters quantized on load            UnquantizedLinearMethod
+============================  ===========================================  =================================
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from moe_nvfp4.checkpoint import Convention
+
+from .plugin import QUANTIZATION_NAME
+
+__all__ = ["NVFP4GroupedConfig", "is_modelopt_nvfp4", "is_compressed_tensors_nvfp4"]
+
+_MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+_CT_FORMAT = "nvfp4-pack-quantized"
+
+
+def _modelopt_algo(cfg: dict[str, Any]) -> str | None:
+    """quant_algo (upper case) of a ModelOpt config in either form, or None when ``cfg`` is not ModelOpt."""
+    method = str(cfg.get("quant_method", "")).lower()
+    producer = (cfg.get("producer") or {}).get("name") if isinstance(cfg.get("producer"), dict) else None
+    nested = cfg.get("quantization")
+    if not (method.startswith("modelopt") or method == QUANTIZATION_NAME or producer == "modelopt"):
+        return None
+    algo = (nested if isinstance(nested, dict) else cfg).get("quant_algo")
+    return None if algo is None else str(algo).upper()
+
+
+def is_modelopt_nvfp4(cfg: dict[str, Any] | None) -> bool:
+    """A ModelOpt config (flat config.json form or nested hf_quant_config.json form) with an NVFP4 algo."""
+    return bool(cfg) and _modelopt_algo(cfg) in _MODELOPT_ALGOS
+
+
+def _ct_nvfp4_weights(args: Any) -> bool:
+    return (
+        isinstance(args, dict)
+        and args.get("num_bits") == 4
+        and args.get("type") == "float"
+        and args.get("group_size") == 16
+        and args.get("strategy") == "tensor_group"
+    )
+
+
+def is_compressed_tensors_nvfp4(cfg: dict[str, Any] | None) -> bool:
+    """compressed-tensors with at least one NVFP4 (nvfp4-pack-quantized) config group."""
+    if not cfg or str(cfg.get("quant_method", "")).lower().replace("_", "-") != "compressed-tensors":
+        return False
+    groups = cfg.get("config_groups") or {}
+    return any(
+        isinstance(g, dict) and (g.get("format", cfg.get("format")) == _CT_FORMAT or _ct_nvfp4_weights(g.get("weights")))
+        for g in groups.values()
+    )
+
+
+def _ct_w4a4(cfg: dict[str, Any]) -> bool:
+    groups = cfg.get("config_groups") or {}
+    return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
+
+
+class NVFP4GroupedConfig(QuantizationConfig):
+    """Routes routed experts to ``NVFP4GroupedMoEMethod`` and every other layer to vLLM's own method.
+
+    convention: ``Convention.MODELOPT`` / ``Convention.COMPRESSED_TENSORS`` for an NVFP4 checkpoint (tensor
+    names of that convention), None for a BF16 checkpoint quantized on load.  ``delegate`` is vLLM's config
+    for the same checkpoint (non-expert layers, KV cache); ``input_scales`` says whether the checkpoint is
+    W4A4 and so must carry expert input scales.  ``NVFP4GroupedConfig()`` is the BF16 form: vLLM 0.26
+    constructs it with no arguments when the checkpoint has no quantization config.
+    """
+
+    def __init__(
+        self,
+        convention: Convention | None = None,
+        *,
+        delegate: QuantizationConfig | None = None,
+        input_scales: bool = False,
+    ) -> None:
+        super().__init__()
+        if convention is not None and delegate is None:
+            raise ValueError("NVFP4GroupedConfig: an NVFP4 checkpoint convention needs vLLM's config as delegate")
+        self.convention = convention
+        self.delegate = delegate
+        self.input_scales = input_scales
+
+    def __repr__(self) -> str:
+        conv = self.convention.value if self.convention else "bf16 (quantized on load)"
+        return f"NVFP4GroupedConfig(convention={conv}, input_scales={self.input_scales})"
+
+    # ---- what vLLM asks of every QuantizationConfig ----
+
+    def get_name(self) -> str:
+        return QUANTIZATION_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 90  # the Triton kernel targets Hopper (sm_90) and newer
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # vLLM reads hf_quant_config.json into hf_config.quantization_config itself; with no config at all
+        # it calls NVFP4GroupedConfig() (BF16 quantized on load) because this list is empty.
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "NVFP4GroupedConfig":
+        """Build from the checkpoint's quantization config (ModelOpt NVFP4, compressed-tensors NVFP4, or empty)."""
+        if not config:
+            return cls()
+        if str(config.get("quant_method", "")).lower() == QUANTIZATION_NAME and _modelopt_algo(config) is None:
+            return cls()
+        if is_modelopt_nvfp4(config):
+            from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+            group = (config.get("quantization") if isinstance(config.get("quantization"), dict) else config).get(
+                "group_size", 16
+            )
+            if group is not None and int(group) != 16:
+                raise ValueError(f"nvfp4_grouped: NVFP4 needs group_size 16, the checkpoint declares {group}")
+            delegate = ModelOptNvFp4Config.from_config(config)
+            return cls(Convention.MODELOPT, delegate=delegate, input_scales=delegate.quant_method == "NVFP4")
+        if is_compressed_tensors_nvfp4(config):
+            from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+                CompressedTensorsConfig,
+            )
+
+            delegate = CompressedTensorsConfig.from_config(config)
+            return cls(Convention.COMPRESSED_TENSORS, delegate=delegate, input_scales=_ct_w4a4(config))
+        raise ValueError(
+            "nvfp4_grouped loads ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4), compressed-tensors "
+            "nvfp4-pack-quantized, or BF16 checkpoints; this checkpoint declares "
+            f"quant_method={config.get('quant_method')!r}, quant_algo={_modelopt_algo(config)!r}"
+        )
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        """Take over ModelOpt / compressed-tensors NVFP4 checkpoints when the user asked for nvfp4_grouped.
+
+        vLLM 0.26 (``ModelConfig._verify_quantization``) probes custom configs first, so without the user's
+        request this returns None and vLLM's own ``modelopt_fp4`` / ``compressed-tensors`` keep the checkpoint.
+        """
+        if user_quant != QUANTIZATION_NAME:
+            return None
+        if str(hf_quant_cfg.get("quant_method", "")).lower() == QUANTIZATION_NAME:
+            return QUANTIZATION_NAME
+        if is_modelopt_nvfp4(hf_quant_cfg) or is_compressed_tensors_nvfp4(hf_quant_cfg):
+            return QUANTIZATION_NAME
+        return None
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            if self._experts_excluded(layer, prefix):
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            from .moe_method import NVFP4GroupedMoEMethod
+
+            return NVFP4GroupedMoEMethod(self, layer.moe_config)
+        if self.delegate is not None:
+            self.delegate.packed_modules_mapping = self.packed_modules_mapping
+            return self.delegate.get_quant_method(layer, prefix)
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
+
+    def _experts_excluded(self, layer: torch.nn.Module, prefix: str) -> bool:
+        """Whether the checkpoint leaves these experts unquantized (ignore / exclude_modules)."""
+        if self.convention is Convention.MODELOPT:
+            self.delegate.packed_modules_mapping = self.packed_modules_mapping
+            return self.delegate.is_layer_excluded(prefix)
+        if self.convention is Convention.COMPRESSED_TENSORS:
+            self.delegate._add_fused_moe_to_target_scheme_map()
+            schemes = [self.delegate.get_scheme_dict(layer, f"{prefix}.0.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
+            if all(s is None for s in schemes):
+                return True
+            if any(s is None for s in schemes) or not all(_is_ct_nvfp4_scheme(s) for s in schemes):
+                raise ValueError(f"{prefix}: nvfp4_grouped needs NVFP4 gate/up/down experts, the checkpoint declares {schemes}")
+        return False
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.delegate is not None:
+            self.delegate.apply_vllm_mapper(hf_to_vllm_mapper)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        if self.delegate is not None:
+            self.delegate.maybe_update_config(model_name, hf_config=hf_config, revision=revision)
+
+
+def _is_ct_nvfp4_scheme(scheme: dict[str, Any]) -> bool:
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    return CompressedTensorsConfig._is_nvfp4_format(scheme.get("weights"))

@@ -1,0 +1,371 @@
+"""``NVFP4GroupedMoEMethod``: vLLM 0.26 ``FusedMoEMethodBase`` running routed experts on ``moe_nvfp4.fused_moe``.
+
+Life of a layer (vLLM 0.26 ``RoutedExperts``):
+
+1. ``create_weights``: checkpoint-shaped parameters, loaded by ``RoutedExperts.weight_loader`` (TP slicing of
+   the intermediate dimension, global -> local expert ids for EP).  Each loader is wrapped: it rejects a
+   tensor of the wrong dtype or shape (``copy_`` would silently convert or broadcast it) and records what
+   arrived, so a tensor the checkpoint lacks is reported instead of leaving uninitialised memory.
+2. ``process_weights_after_loading``: every local expert's tensors are checked (never loaded, NaN/inf,
+   negative, non-positive global scale), gate and up keep their own global scales, BF16 experts are
+   quantized expert by expert, ``moe_nvfp4.prepare_moe_weights`` packs for the kernel and the checkpoint
+   parameters are freed.
+3. ``apply``: ``moe_nvfp4.fused_moe`` with the router's ``topk_weights`` / ``topk_ids`` (the MoE runner calls
+   ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map.
+   No host synchronisation, so vLLM's CUDA graphs capture it.
+
+Activations stay in BF16/FP16 on Hopper: a W4A4 checkpoint's input scales are loaded and validated, not used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported, MoEActivation
+from vllm.model_executor.utils import set_weight_attrs
+
+import moe_nvfp4
+from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention, validate_nvfp4
+from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
+
+__all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR"]
+
+WEIGHTS_ATTR = "moe_nvfp4_weights"  # the packed MoEWeights on the layer after loading
+
+# Parameter kinds.
+PACKED, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE, DENSE = "packed", "block_scale", "global_scale", "input_scale", "dense"
+W13_SHARDS = ("w1", "w3")  # gate, up (vLLM's shard ids)
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter this method creates: its name on the layer, kind, and which shards fill it."""
+
+    name: str
+    kind: str
+    shards: tuple[str, ...]
+    suffix: str  # the checkpoint tensor suffix, e.g. "weight_scale_2"
+
+
+class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
+    """Routed experts as NVFP4 (ModelOpt or compressed-tensors tensors, or BF16 quantized on load).
+
+    quant_config: the ``NVFP4GroupedConfig`` (convention None = BF16 checkpoint); moe: the layer's
+    ``FusedMoEConfig``.
+    """
+
+    def __init__(self, quant_config, moe) -> None:
+        super().__init__(moe)
+        self.quant_config = quant_config
+        self.convention: Convention | None = quant_config.convention
+        self.params: list[_Param] = []
+        self.loaded: set[tuple[str, int, str]] = set()  # (param name, local expert, shard id)
+        self.w13_input_scale: torch.Tensor | None = None  # validated multipliers [E, 2], unused on Hopper
+        self.w2_input_scale: torch.Tensor | None = None
+
+    # ---- parameters ----
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return self.convention is Convention.MODELOPT
+
+    def _layout(self) -> list[_Param]:
+        if self.convention is None:
+            return [_Param("w13_weight", DENSE, W13_SHARDS, "weight"), _Param("w2_weight", DENSE, ("w2",), "weight")]
+        packed, scale, global_, input_, _ = TENSOR_NAMES[self.convention]
+        out = []
+        for kind, suffix in ((PACKED, packed), (BLOCK_SCALE, scale), (GLOBAL_SCALE, global_), (INPUT_SCALE, input_)):
+            out.append(_Param(f"w13_{suffix}", kind, W13_SHARDS, suffix))
+            out.append(_Param(f"w2_{suffix}", kind, ("w2",), suffix))
+        return out
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        name = getattr(layer, "layer_name", "moe")
+        self._check_supported(layer, name, hidden_size, intermediate_size_per_partition)
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        block = NVFP4.block_size
+        shapes = {
+            ("w13", PACKED): ((e, 2 * i, h // 2), torch.uint8, 0),
+            ("w2", PACKED): ((e, h, i // 2), torch.uint8, 0),
+            ("w13", BLOCK_SCALE): ((e, 2 * i, h // block), NVFP4.scale_dtype, float("nan")),
+            ("w2", BLOCK_SCALE): ((e, h, i // block), NVFP4.scale_dtype, float("nan")),
+            ("w13", GLOBAL_SCALE): ((e, 2), torch.float32, float("nan")),
+            ("w2", GLOBAL_SCALE): ((e,), torch.float32, float("nan")),
+            ("w13", INPUT_SCALE): ((e, 2), torch.float32, float("nan")),
+            ("w2", INPUT_SCALE): ((e,), torch.float32, float("nan")),
+            ("w13", DENSE): ((e, 2 * i, h), params_dtype, float("nan")),
+            ("w2", DENSE): ((e, h, i), params_dtype, float("nan")),
+        }
+        scale_kind = {
+            BLOCK_SCALE: FusedMoeWeightScaleSupported.BLOCK.value,
+            GLOBAL_SCALE: FusedMoeWeightScaleSupported.TENSOR.value,
+            INPUT_SCALE: FusedMoeWeightScaleSupported.TENSOR.value,
+        }
+        vllm_loader = extra_weight_attrs["weight_loader"]
+        self.params = self._layout()
+        for p in self.params:
+            shape, dtype, fill = shapes[(p.name[: p.name.index("_")], p.kind)]
+            if dtype == NVFP4.scale_dtype:  # e4m3 NaN is byte 0x7F; fill the bytes (no fp8 fill kernel needed)
+                data = torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)
+            else:
+                data = torch.full(shape, fill, dtype=dtype)
+            param = torch.nn.Parameter(data, requires_grad=False)
+            layer.register_parameter(p.name, param)
+            attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
+            if p.kind in scale_kind:
+                attrs["quant_method"] = scale_kind[p.kind]
+            attrs["weight_loader"] = _CheckedLoader(self, layer, p, vllm_loader)
+            set_weight_attrs(param, attrs)
+
+    def _check_supported(self, layer: torch.nn.Module, name: str, hidden: int, inter: int) -> None:
+        moe = self.moe
+        problems = []
+        if moe.activation is not MoEActivation.SILU:
+            problems.append(f"activation {moe.activation.value} (only gated SiLU, silu(gate) * up, is implemented)")
+        if moe.has_bias:
+            problems.append("expert biases")
+        if moe.swiglu_limit is not None or moe.swiglu_alpha is not None or moe.swiglu_beta is not None:
+            problems.append("a clamped/scaled SwiGLU")
+        if getattr(layer, "apply_router_weight_on_input", False):
+            problems.append("router weights applied on the input")
+        if problems:
+            raise NotImplementedError(f"{name}: nvfp4_grouped does not support {', '.join(problems)}")
+        block = NVFP4.block_size
+        if inter % block or inter % 2:
+            tp = moe.tp_size
+            raise ValueError(
+                f"{name}: the expert intermediate size {moe.intermediate_size} split over tensor parallel size {tp} "
+                f"gives {inter} per rank, which is not a multiple of {block}: TP would split an NVFP4 scale block. "
+                f"Use a TP size that divides {moe.intermediate_size // block} or expert parallelism "
+                f"(--enable-expert-parallel)."
+            )
+        if hidden % block:
+            raise ValueError(f"{name}: hidden size {hidden} is not a multiple of the NVFP4 block size {block}")
+
+    # ---- after loading ----
+
+    def _global_ids(self, layer: torch.nn.Module, n_local: int) -> list[int]:
+        expert_map = getattr(layer, "expert_map", None)
+        if expert_map is None:
+            return list(range(n_local))
+        out = [-1] * n_local
+        for g, local in enumerate(expert_map.tolist()):
+            if 0 <= local < n_local:
+                out[local] = g
+        return out
+
+    def _proj(self, layer: torch.nn.Module, shard: str) -> str:
+        names = {
+            "w1": getattr(layer, "ckpt_gate_proj_name", "gate_proj"),
+            "w3": getattr(layer, "ckpt_up_proj_name", "up_proj"),
+            "w2": getattr(layer, "ckpt_down_proj_name", "down_proj"),
+        }
+        return names[shard]
+
+    def _check_loaded(self, layer: torch.nn.Module, n_local: int, global_ids: list[int]) -> bool:
+        """Raise for any expert tensor that never arrived; return whether input scales were loaded."""
+        name = getattr(layer, "layer_name", "moe")
+        has_input = any(p == inp.name for p, _, _ in self.loaded for inp in self.params if inp.kind == INPUT_SCALE)
+        need_input = self.quant_config.input_scales or has_input
+        for p in self.params:
+            if p.kind == INPUT_SCALE and not need_input:
+                continue
+            for e in range(n_local):
+                for shard in p.shards:
+                    if (p.name, e, shard) not in self.loaded:
+                        why = " (a W4A4 checkpoint needs input scales for every expert)" if p.kind == INPUT_SCALE else ""
+                        raise CheckpointError(
+                            f"{name}: expert {global_ids[e]} {self._proj(layer, shard)}.{p.suffix} was never loaded: "
+                            f"the checkpoint has no {name}.{global_ids[e]}.{self._proj(layer, shard)}.{p.suffix}{why}"
+                        )
+        return need_input
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        name = getattr(layer, "layer_name", "moe")
+        n_local = getattr(layer, self.params[0].name).shape[0]
+        global_ids = self._global_ids(layer, n_local)
+        has_input = self._check_loaded(layer, n_local, global_ids)
+        if self.convention is None:
+            w13, w2 = self._quantize_dense(layer, name, global_ids)
+        else:
+            w13, w2 = self._checkpoint_tensors(layer, name, global_ids, has_input)
+        for p in self.params:
+            delattr(layer, p.name)  # the checkpoint copies; prepare_moe_weights makes the kernel's own
+        weights = moe_nvfp4.prepare_moe_weights(w13, w2)
+        del w13, w2
+        setattr(layer, WEIGHTS_ATTR, weights)
+        self.loaded.clear()
+
+    def _by_kind(self, layer: torch.nn.Module, prefix: str, kind: str) -> torch.Tensor:
+        p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))
+        return getattr(layer, p.name).data
+
+    def _checkpoint_tensors(
+        self, layer: torch.nn.Module, name: str, global_ids: list[int], has_input: bool
+    ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        packed_key, scale_key, global_key, input_key, reciprocal = TENSOR_NAMES[self.convention]
+        get = lambda prefix, kind: self._by_kind(layer, prefix, kind)  # noqa: E731
+        i = get("w2", PACKED).shape[-1] * 2
+        halves = {  # shard -> (packed, block scale, global scale) of that projection, all local experts
+            "w1": (get("w13", PACKED)[:, :i], get("w13", BLOCK_SCALE)[:, :i], get("w13", GLOBAL_SCALE)[:, 0]),
+            "w3": (get("w13", PACKED)[:, i:], get("w13", BLOCK_SCALE)[:, i:], get("w13", GLOBAL_SCALE)[:, 1]),
+            "w2": (get("w2", PACKED), get("w2", BLOCK_SCALE), get("w2", GLOBAL_SCALE)),
+        }
+        for shard, (packed, scale, gs) in halves.items():
+            q = NVFP4Tensor(packed, scale, gs)
+            try:
+                validate_nvfp4(q, tensor_names=(packed_key, scale_key, global_key))
+            except CheckpointError:  # find the expert again, one at a time, to name its global id
+                for e, g in enumerate(global_ids):
+                    validate_nvfp4(
+                        NVFP4Tensor(packed[e], scale[e], gs[e]),
+                        name=f"{name}.{self._proj(layer, shard)}",
+                        expert=g,
+                        tensor_names=(packed_key, scale_key, global_key),
+                    )
+                raise
+        if has_input:
+            for prefix, shards in (("w13", W13_SHARDS), ("w2", ("w2",))):
+                s = get(prefix, INPUT_SCALE)
+                bad = ~torch.isfinite(s) | (s <= 0)
+                if bool(bad.any()):
+                    e = int(bad.reshape(s.shape[0], -1).any(-1).nonzero()[0, 0])
+                    shard = shards[int(bad[e].reshape(-1).nonzero()[0, 0])] if s.dim() == 2 else shards[0]
+                    raise CheckpointError(
+                        f"{name}: expert {global_ids[e]} {self._proj(layer, shard)}.{input_key}: input scale must be "
+                        f"finite and positive, got {s[e].tolist()}"
+                    )
+            a13, a2 = get("w13", INPUT_SCALE).clone(), get("w2", INPUT_SCALE).clone()
+            self.w13_input_scale, self.w2_input_scale = (1.0 / a13, 1.0 / a2) if reciprocal else (a13, a2)
+        g13, g2 = get("w13", GLOBAL_SCALE), get("w2", GLOBAL_SCALE)
+        if reciprocal:  # compressed-tensors stores 1 / multiplier
+            g13, g2 = 1.0 / g13, 1.0 / g2
+        w13 = NVFP4Tensor(get("w13", PACKED), get("w13", BLOCK_SCALE), g13.contiguous())  # [E, 2]: gate, up exact
+        w2 = NVFP4Tensor(get("w2", PACKED), get("w2", BLOCK_SCALE), g2.contiguous())
+        return w13, w2
+
+    def _quantize_dense(self, layer: torch.nn.Module, name: str, global_ids: list[int]) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """BF16 experts -> NVFP4, one expert at a time (gate and up get separate global scales)."""
+        dense = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
+        out = {}
+        for prefix, w in dense.items():
+            e, n, k = w.shape
+            packed = torch.empty(e, n, k // 2, dtype=torch.uint8, device=w.device)
+            scale = torch.empty(e, n, k // NVFP4.block_size, dtype=NVFP4.scale_dtype, device=w.device)
+            segments = 2 if prefix == "w13" else 1
+            gs = torch.empty((e, 2) if segments == 2 else (e,), dtype=torch.float32, device=w.device)
+            for expert in range(e):
+                if not bool(torch.isfinite(w[expert]).all()):
+                    rows = n // segments
+                    bad_row = int((~torch.isfinite(w[expert])).any(-1).nonzero()[0, 0])
+                    shard = ("w1", "w3")[bad_row // rows] if segments == 2 else "w2"
+                    raise CheckpointError(
+                        f"{name}: expert {global_ids[expert]} {self._proj(layer, shard)}.weight holds NaN or inf"
+                    )
+                q = quantize_nvfp4(w[expert], segments=segments)
+                packed[expert], scale[expert], gs[expert] = q.packed, q.block_scale, q.global_scale
+            out[prefix] = NVFP4Tensor(packed, scale, gs)
+        return out["w13"], out["w2"]
+
+    # ---- forward ----
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None  # no vLLM modular kernel: apply() calls moe_nvfp4 directly
+
+    def maybe_make_prepare_finalize(self, routing_tables=None):
+        # No vLLM prepare/finalize: with DP + EP the runner falls back to its naive dispatch/combine,
+        # and with TP the runner all-reduces our partial sums.
+        return None
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts=None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Shared experts are run by the MoE runner itself (mk_can_overlap_shared_experts is False here).
+        return moe_nvfp4.fused_moe(
+            x,
+            getattr(layer, WEIGHTS_ATTR),
+            topk_weights.to(torch.float32),
+            topk_ids.to(torch.int32),
+            expert_map=layer.expert_map,
+        )
+
+
+class _CheckedLoader:
+    """Wraps ``RoutedExperts.weight_loader`` for one parameter: dtype/shape checks, bookkeeping, input scales."""
+
+    supports_moe_loading = True
+
+    def __init__(self, method: NVFP4GroupedMoEMethod, layer: torch.nn.Module, param: _Param, inner) -> None:
+        self.method, self.param, self.inner = method, param, inner
+        self.layer_name = getattr(layer, "layer_name", "moe")
+        self._layer_ref = layer  # the loader lives on the layer's parameter; a plain reference is fine
+
+    def _expected(self, shard: str) -> tuple[tuple[int, ...] | None, str]:
+        """Full (unsharded) checkpoint shape of one expert's tensor, or None for a scalar; expected dtype."""
+        moe = self.method.moe
+        h, i = moe.hidden_dim_unpadded or moe.hidden_dim, moe.intermediate_size
+        rows, cols = (h, i) if shard == "w2" else (i, h)
+        kind = self.param.kind
+        if kind == PACKED:
+            return (rows, cols // 2), "torch.uint8"
+        if kind == BLOCK_SCALE:
+            return (rows, cols // NVFP4.block_size), "torch.float8_e4m3fn"
+        if kind == DENSE:
+            return (rows, cols), "floating point"
+        return None, "floating point"
+
+    def _check(self, w: torch.Tensor, shard: str, expert_id: int) -> None:
+        want_shape, want_dtype = self._expected(shard)
+        proj = self.method._proj(self._layer_ref, shard)
+        where = f"{self.layer_name}: expert {expert_id} {proj}.{self.param.suffix}"
+        kind = self.param.kind
+        dtype_ok = {
+            PACKED: w.dtype == torch.uint8,
+            BLOCK_SCALE: w.dtype == NVFP4.scale_dtype,
+        }.get(kind, w.dtype.is_floating_point)
+        if not dtype_ok:
+            raise CheckpointError(f"{where}: dtype {w.dtype}, expected {want_dtype}")
+        if want_shape is None:
+            if w.numel() != 1:
+                raise CheckpointError(f"{where}: expected a scalar, got shape {tuple(w.shape)}")
+        elif tuple(w.shape[-2:]) != want_shape:
+            raise CheckpointError(f"{where}: shape {tuple(w.shape)}, expected {want_shape} (before tensor parallel slicing)")
+
+    def __call__(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        layer = self._layer_ref
+        stacked = loaded_weight.dim() == 3 and self.param.kind in (PACKED, BLOCK_SCALE, DENSE)
+        if shard_id not in self.param.shards:
+            raise CheckpointError(f"{self.layer_name}: {weight_name} loaded as shard {shard_id}, expected {self.param.shards}")
+        self._check(loaded_weight, shard_id, expert_id)
+        if stacked:
+            ok = self.inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
+            locals_ = range(param.shape[0]) if ok else ()
+        else:
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local == -1:
+                return False if return_success else None
+            if self.param.kind == INPUT_SCALE:
+                target = param.data[local]
+                if target.dim() == 1:
+                    target = target[W13_SHARDS.index(shard_id)]
+                target.copy_(loaded_weight.reshape(()).to(torch.float32))
+                ok = True
+            else:
+                ok = self.inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
+            locals_ = (local,) if ok else ()
+        for e in locals_:
+            self.method.loaded.add((self.param.name, e, shard_id))
+        return ok if return_success else None

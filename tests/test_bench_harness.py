@@ -1,0 +1,251 @@
+"""CPU tests of the benchmark harness: bytes/FLOPs declarations, floors, L2 rotation, report writers, CLI.
+
+No GPU: the timing code itself is exercised only by the host-clock smoke run of bench_moe.py at the end.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+
+import harness  # noqa: E402
+from harness import Ceilings, MoEShape, floors, markdown_table, nvfp4_matrix_bytes, rotation_copies  # noqa: E402
+
+MIXTRAL = MoEShape("Mixtral-8x7B", num_experts=8, top_k=2, hidden=4096, inter=14336)
+QWEN3 = MoEShape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, inter=768)
+H200_L2 = 50 * 2**20  # bytes, as torch reports for H100/H200
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(BENCH, "bench_moe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --------------------------------------------------------------------------------------------------
+# bytes and FLOPs
+# --------------------------------------------------------------------------------------------------
+def test_nvfp4_matrix_bytes_counts_packed_scales_and_global():
+    # [N=32, K=64]: 32*64/2 packed + 32*64/16 e4m3 scales + one fp32 global
+    assert nvfp4_matrix_bytes(32, 64) == 1024 + 128 + 4
+    assert nvfp4_matrix_bytes(32, 64, global_scales=2) == 1024 + 128 + 8
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_matrix_bytes(32, 40)
+
+
+def test_expert_bytes_mixtral_and_qwen3():
+    # w13 [2I, H] and w2 [H, I]: 3*I*H values at 4.5 bits (4 + 8/16) plus two global scales
+    for shape in (MIXTRAL, QWEN3):
+        values = 3 * shape.inter * shape.hidden
+        assert shape.expert_nvfp4_bytes() == values // 2 + values // 16 + 8
+        assert shape.expert_bf16_bytes() == 2 * values
+    assert MIXTRAL.expert_nvfp4_bytes() == 99_090_440  # ~99 MB per Mixtral expert
+    assert QWEN3.expert_nvfp4_bytes() == 2_654_216  # ~2.65 MB per Qwen3 expert
+
+
+def test_moe_flops():
+    # 2 * T * k * (2I*H + H*I)
+    assert MIXTRAL.flops(1) == 2 * 1 * 2 * 3 * 14336 * 4096
+    assert QWEN3.flops(4096) == 2 * 4096 * 8 * 3 * 768 * 2048
+    assert MIXTRAL.flops(0) == 0
+
+
+def test_hbm_bytes_touched_experts_and_activations():
+    t, touched = 16, 5
+    weights = touched * QWEN3.expert_nvfp4_bytes()
+    acts = 2 * t * QWEN3.hidden * 2  # x read + out written, bf16
+    assert QWEN3.hbm_bytes(t, touched, include_activations=False) == weights
+    assert QWEN3.hbm_bytes(t, touched) == weights + acts
+    assert QWEN3.hbm_bytes(t, 0, include_activations=False) == 0
+    with pytest.raises(ValueError, match="touched_experts"):
+        QWEN3.hbm_bytes(t, 129)
+    assert QWEN3.max_touched(1) == 8 and QWEN3.max_touched(1024) == 128
+    assert MIXTRAL.max_touched(1) == 2 and MIXTRAL.max_touched(4) == 8
+
+
+# --------------------------------------------------------------------------------------------------
+# floors
+# --------------------------------------------------------------------------------------------------
+def test_floors_take_the_larger_bound():
+    ceil = Ceilings(copy_bytes_per_s=4e12, bf16_flops_per_s=800e12)
+    f = floors(bytes_moved=8e6, flops=1.6e9, ceilings=ceil)  # 2 us HBM, 2 us compute
+    assert f["hbm_floor_us"] == pytest.approx(2.0)
+    assert f["compute_floor_us"] == pytest.approx(2.0)
+    f = floors(bytes_moved=40e6, flops=1.6e9, ceilings=ceil)
+    assert f["floor_us"] == pytest.approx(10.0) and f["bound"] == "hbm"
+    f = floors(bytes_moved=4e6, flops=16e9, ceilings=ceil)
+    assert f["floor_us"] == pytest.approx(20.0) and f["bound"] == "compute"
+
+
+def test_mixtral_decode_is_hbm_bound_and_prefill_compute_bound():
+    ceil = Ceilings(copy_bytes_per_s=4.0e12, bf16_flops_per_s=750e12)
+    small = floors(MIXTRAL.hbm_bytes(1, 2), MIXTRAL.flops(1), ceil)
+    assert small["bound"] == "hbm"
+    assert small["floor_us"] == pytest.approx(2 * 99_090_440 / 4.0e12 * 1e6 + 2 * 4096 * 2 / 4.0e12 * 1e6)
+    big = floors(MIXTRAL.hbm_bytes(4096, 8), MIXTRAL.flops(4096), ceil)
+    assert big["bound"] == "compute"
+
+
+def test_pct_of_floor_and_ratio_handle_missing():
+    assert harness.pct_of_floor(5.0, 10.0) == pytest.approx(50.0)
+    assert harness.pct_of_floor(None, 10.0) is None
+    assert harness.pct_of_floor(5.0, None) is None
+    assert harness.pct_of_floor(5.0, 0.0) is None
+    assert harness.ratio(30.0, 10.0) == pytest.approx(3.0)
+    assert harness.ratio(None, 10.0) is None and harness.ratio(3.0, None) is None
+
+
+def test_rotation_copies():
+    # Qwen3 decode: 8 experts * 2.65 MB ~ 21 MB per call -> 10 copies stream 4 x 50 MiB between reuses
+    assert rotation_copies(8 * QWEN3.expert_nvfp4_bytes(), H200_L2) == 10
+    # Mixtral decode: 2 experts ~ 198 MB >= 4 x 50 MiB? not quite -> 2 copies
+    assert rotation_copies(2 * MIXTRAL.expert_nvfp4_bytes(), H200_L2) == 2
+    assert rotation_copies(8 * MIXTRAL.expert_nvfp4_bytes(), H200_L2) == 1
+    assert rotation_copies(1, H200_L2, max_copies=16) == 16
+    assert rotation_copies(0, H200_L2) == 1
+    assert rotation_copies(10 * 2**20, H200_L2, factor=1.0) == 5
+
+
+# --------------------------------------------------------------------------------------------------
+# writers
+# --------------------------------------------------------------------------------------------------
+COLS = [("model", "model", ""), ("tokens", "T", "d"), ("ours_us", "ours µs", ".1f"), ("status", "status", "")]
+
+
+def test_markdown_table_formats_and_escapes():
+    rows = [
+        {"model": "Qwen3", "tokens": 16, "ours_us": 12.345, "status": "ok"},
+        {"model": "Mixtral", "tokens": 1, "ours_us": None, "status": "a|b"},
+        {"model": "x", "tokens": 2, "ours_us": float("nan")},
+    ]
+    lines = markdown_table(rows, COLS).splitlines()
+    assert lines[0] == "| model | T | ours µs | status |"
+    assert lines[1] == "|---|---:|---:|---|"
+    assert lines[2] == "| Qwen3 | 16 | 12.3 | ok |"
+    assert lines[3] == "| Mixtral | 1 | - | a\\|b |"
+    assert lines[4] == "| x | 2 | - | - |"
+    assert len(lines) == 5
+
+
+def test_write_json_is_strict_and_round_trips(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    meta = {"device": "NVIDIA H200", "copy_GBps": 4100.5}
+    rows = [{"model": "m", "tokens": 1, "ours_us": float("nan"), "x": [1.0, float("inf")], "d": {"a": float("-inf")}}]
+    harness.write_json(str(path), meta, rows)
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    data = json.loads(text)
+    assert data["meta"] == meta
+    assert data["rows"][0] == {"model": "m", "tokens": 1, "ours_us": None, "x": [1.0, None], "d": {"a": None}}
+
+
+def test_write_markdown(tmp_path):
+    path = tmp_path / "r.md"
+    harness.write_markdown(str(path), "Title", ["device: X"], "| a |\n|---|\n| 1 |", ["note"])
+    text = path.read_text()
+    assert text.startswith("# Title\n\n- device: X\n\n| a |")
+    assert text.rstrip().endswith("note")
+
+
+def test_environment_has_versions_and_command():
+    env = harness.environment()
+    for key in ("date", "command", "python", "torch", "triton", "git_commit"):
+        assert key in env
+
+
+def test_timing_dataclass_median():
+    t = harness._timing([0.010, 0.030, 0.020], "graph", calls=7, rotation=2)
+    assert t.median_us == pytest.approx(20.0) and t.min_us == pytest.approx(10.0) and t.max_us == pytest.approx(30.0)
+    assert t.as_dict()["method"] == "graph" and t.samples == 3
+
+
+def test_time_eager_on_host_clock():
+    calls = []
+    t = harness.time_eager([lambda: calls.append(0), lambda: calls.append(1)], iters=6, warmup=2)
+    assert t.method == "eager" and t.rotation == 2 and t.samples == 6
+    assert calls.count(0) == calls.count(1) == 4  # warm-up covers every copy, then strict rotation
+
+
+# --------------------------------------------------------------------------------------------------
+# the script
+# --------------------------------------------------------------------------------------------------
+def test_bench_moe_help():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_moe.py"), "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--out", "--models", "--tokens", "--quick", "--paths"):
+        assert flag in out.stdout
+
+
+def test_bench_moe_args():
+    bench = _load_bench()
+    args = bench.parse_args([])
+    assert args.models == ["mixtral", "qwen3"] and args.tokens == [1, 16, 64, 256, 1024, 4096]
+    assert args.paths == ["ours", "marlin", "bf16"]
+    quick = bench.parse_args(["--quick", "--models", "qwen3"])
+    assert quick.tokens == list(bench.QUICK_TOKENS) and quick.replays < args.replays
+    assert bench.parse_args(["--tokens", "4,8"]).tokens == [4, 8]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "llama"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--paths", "cutlass"])
+    dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.inter, s.renormalize)  # noqa: E731
+    assert dims(bench.MODELS["mixtral"]) == dims(MIXTRAL) == (8, 2, 4096, 14336, True)
+    assert dims(bench.MODELS["qwen3"]) == dims(QWEN3) == (128, 8, 2048, 768, True)
+
+
+def test_clone_tensors_gives_new_storage():
+    import dataclasses
+
+    import torch
+
+    bench = _load_bench()
+
+    @dataclasses.dataclass(frozen=True)
+    class W:
+        a: torch.Tensor
+        n: int
+
+    w = W(torch.arange(4), 3)
+    c = bench.clone_tensors(w)
+    assert c.n == 3 and torch.equal(c.a, w.a) and c.a.data_ptr() != w.a.data_ptr()
+    t = bench.clone_tensors((w.a, w.a))
+    assert all(x.data_ptr() != w.a.data_ptr() for x in t)
+
+
+def test_plot_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot
+
+    rows = [{"model": m, "tokens": t, "ours_us": 10.0 * t, "floor_us": 5.0 * t, "hbm_floor_us": 4.0 * t}
+            for m in ("A", "B") for t in (1, 16, 256)]
+    rows.append({"model": "A", "status": "failed"})
+    path = plot.plot_rows(rows, str(tmp_path / "p.png"))
+    assert os.path.getsize(path) > 1000
+
+
+@pytest.mark.slow
+def test_bench_moe_cpu_smoke(tmp_path):
+    """The whole script on a tiny shape with the host clock: rows, JSON and Markdown come out even when the
+    vLLM paths cannot run here (each path fails on its own and the run goes on)."""
+    cmd = [sys.executable, os.path.join(BENCH, "bench_moe.py"), "--device", "cpu", "--models", "tiny",
+           "--tokens", "1,8", "--replays", "2", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "moe.json").read_text())
+    assert [r["tokens"] for r in data["rows"]] == [1, 8]
+    for r in data["rows"]:
+        assert r["flops"] == 2 * r["tokens"] * 2 * 3 * 64 * 128
+        assert math.isclose(r["floor_us"], max(r["hbm_floor_us"], r["compute_floor_us"]))
+    assert (tmp_path / "moe.md").read_text().startswith("# NVFP4 MoE forward")
+    assert "| model |" in out.stdout

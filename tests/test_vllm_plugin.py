@@ -1,0 +1,481 @@
+"""CPU tests of the vLLM 0.26 plugin (``--quantization nvfp4_grouped``).
+
+The MoE method is tested on a real vLLM ``RoutedExperts`` built on CPU (FusedMoEConfig with an explicit
+FusedMoEParallelConfig for each TP / EP rank, ExpertMapManager, and a VllmConfig on device "cpu"), loaded
+through ``RoutedExperts.load_weights`` with checkpoint tensor names: the same weight loader, TP slicing and
+expert mapping vLLM uses.  Without a GPU vLLM cannot build a whole model, so LLM(...) runs in tests/gpu.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+# Tolerances: the plugin on CPU runs moe_nvfp4.fused_moe's torch path on the exact NVFP4 values, so
+# outputs match fused_moe_torch up to bf16 output rounding (and summation order across TP ranks).
+TOL = {"atol": 2e-5, "rtol": 2e-2}
+
+E, H, I, TOPK, T = 4, 64, 64, 2, 7
+LAYER = "model.layers.0.mlp.experts"
+MODELOPT_W4A16 = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16, "ignore": ["lm_head"]}
+MODELOPT_W4A4 = {**MODELOPT_W4A16, "quant_algo": "NVFP4"}
+# hf_quant_config.json as ModelOpt <= 0.29 writes it; vLLM adds quant_method "modelopt_fp4" (producer modelopt).
+HF_QUANT_CONFIG = {
+    "producer": {"name": "modelopt", "version": "0.29.0"},
+    "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+    "quant_method": "modelopt_fp4",
+}
+_FP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True, "dynamic": False}
+
+
+def _ct(w4a4: bool) -> dict:
+    act = {**_FP4, "dynamic": "local"} if w4a4 else None
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_FP4), "input_activations": act, "format": "nvfp4-pack-quantized"}},
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+    }
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from moe_nvfp4_vllm.plugin import register
+
+    register()
+    from moe_nvfp4_vllm import config
+
+    return config
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_register_is_idempotent(plugin):
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from moe_nvfp4_vllm.plugin import register
+
+    register()
+    register()
+    assert QUANTIZATION_METHODS.count("nvfp4_grouped") == 1
+    assert get_quantization_config("nvfp4_grouped") is plugin.NVFP4GroupedConfig
+
+
+def test_entry_point_registers_through_load_general_plugins(monkeypatch):
+    """The installed distribution declares the plugin; vLLM's loader (run in every process) registers it."""
+    from importlib.metadata import entry_points
+
+    import vllm.plugins
+    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG, get_quantization_config
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    if "nvfp4_grouped" not in eps:
+        pytest.fail("entry point missing: install the package (pip install -e .) so vllm.general_plugins lists it")
+    assert eps["nvfp4_grouped"] == "moe_nvfp4_vllm.plugin:register"
+    monkeypatch.delitem(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG, "nvfp4_grouped", raising=False)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    vllm.plugins.load_general_plugins()
+    assert get_quantization_config("nvfp4_grouped").__name__ == "NVFP4GroupedConfig"
+
+
+# ---------------------------------------------------------------- config parsing
+
+
+@dataclass(frozen=True)
+class ConfigCase:
+    why: str
+    cfg: dict
+    convention: str | None
+    input_scales: bool
+    delegate: str | None
+
+
+CONFIG_CASES = [
+    ConfigCase("our converter / ModelOpt >= 0.31 config.json, weight-only", MODELOPT_W4A16, "modelopt", False, "ModelOptNvFp4Config"),
+    ConfigCase("ModelOpt W4A4: input scales required", MODELOPT_W4A4, "modelopt", True, "ModelOptNvFp4Config"),
+    ConfigCase("hf_quant_config.json (nested, producer modelopt)", HF_QUANT_CONFIG, "modelopt", True, "ModelOptNvFp4Config"),
+    ConfigCase("compressed-tensors NVFP4A16", _ct(False), "compressed-tensors", False, "CompressedTensorsConfig"),
+    ConfigCase("compressed-tensors NVFP4 W4A4", _ct(True), "compressed-tensors", True, "CompressedTensorsConfig"),
+    ConfigCase("no quantization config: BF16 quantized on load", {}, None, False, None),
+]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=lambda c: c.why)
+def test_from_config(plugin, case):
+    qc = plugin.NVFP4GroupedConfig.from_config(case.cfg)
+    assert (qc.convention.value if qc.convention else None) == case.convention
+    assert qc.input_scales == case.input_scales
+    assert (type(qc.delegate).__name__ if qc.delegate else None) == case.delegate
+    assert qc.get_name() == "nvfp4_grouped"
+
+
+def test_bf16_config_constructs_without_arguments(plugin):
+    """vLLM 0.26 calls quant_cls() when the checkpoint has no quantization config (get_config_filenames is [])."""
+    assert plugin.NVFP4GroupedConfig.get_config_filenames() == []
+    assert plugin.NVFP4GroupedConfig().convention is None
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo='FP8'"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method='fp8'"),
+        ({**MODELOPT_W4A16, "group_size": 32}, "group_size 16"),
+    ],
+    ids=["modelopt-fp8", "fp8", "group-32"],
+)
+def test_from_config_rejects(plugin, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        plugin.NVFP4GroupedConfig.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "cfg, user, expected",
+    [
+        (MODELOPT_W4A16, "nvfp4_grouped", "nvfp4_grouped"),
+        (HF_QUANT_CONFIG, "nvfp4_grouped", "nvfp4_grouped"),
+        (_ct(True), "nvfp4_grouped", "nvfp4_grouped"),
+        (MODELOPT_W4A16, None, None),  # without the flag vLLM's modelopt_fp4 keeps the checkpoint
+        (_ct(False), "compressed-tensors", None),
+        ({"quant_method": "fp8"}, "nvfp4_grouped", None),  # vLLM then reports the mismatch
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, "nvfp4_grouped", None),
+    ],
+)
+def test_override_quantization_method(plugin, cfg, user, expected):
+    assert plugin.NVFP4GroupedConfig.override_quantization_method(dict(cfg), user) == expected
+
+
+def test_custom_overrides_are_probed_before_vllms(plugin):
+    """vLLM 0.26's _verify_quantization puts custom methods first; modelopt_fp4 would otherwise claim it."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    assert "nvfp4_grouped" in QUANTIZATION_METHODS
+    modelopt = get_quantization_config("modelopt_fp4")
+    assert modelopt.override_quantization_method(dict(MODELOPT_W4A16), "nvfp4_grouped") == "modelopt_fp4"
+    assert plugin.NVFP4GroupedConfig.override_quantization_method(dict(MODELOPT_W4A16), "nvfp4_grouped") == "nvfp4_grouped"
+
+
+def test_linear_layers_are_delegated(plugin):
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    class FakeLinear(LinearBase):  # get_quant_method only looks at the type
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    bf16 = plugin.NVFP4GroupedConfig()
+    assert isinstance(bf16.get_quant_method(FakeLinear(), "model.layers.0.self_attn.qkv_proj"), UnquantizedLinearMethod)
+    mo = plugin.NVFP4GroupedConfig.from_config(dict(MODELOPT_W4A16))
+    assert isinstance(mo.get_quant_method(FakeLinear(), "lm_head"), UnquantizedLinearMethod)
+    seen = []
+    mo.delegate.get_quant_method = lambda layer, prefix: seen.append(prefix) or "delegated"
+    assert mo.get_quant_method(FakeLinear(), "model.layers.0.self_attn.o_proj") == "delegated"
+    assert seen == ["model.layers.0.self_attn.o_proj"]
+
+
+# ---------------------------------------------------------------- a real RoutedExperts on CPU
+
+
+def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation="silu"):
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    use_ep = ep > 1
+    pc = FusedMoEParallelConfig(
+        tp_size=1 if use_ep else tp, pcp_size=1, dp_size=1, ep_size=ep, tp_rank=0 if use_ep else tp_rank,
+        pcp_rank=0, dp_rank=0, ep_rank=ep_rank, sp_size=1, use_ep=use_ep,
+        all2all_backend="allgather_reducescatter", enable_eplb=False,
+    )
+    cfg = FusedMoEConfig(
+        num_experts=E, experts_per_token=TOPK, hidden_dim=H, intermediate_size=inter, num_local_experts=E // ep,
+        num_logical_experts=E, activation=MoEActivation.from_str(activation), device="cpu",
+        routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc, in_dtype=torch.bfloat16,
+    )
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        emm = ExpertMapManager(
+            max_num_batched_tokens=256, top_k=TOPK, global_num_experts=E, num_redundant_experts=0,
+            num_expert_group=None, moe_parallel_config=pc, placement_strategy="linear", enable_eplb=False,
+        )
+        return RoutedExperts(LAYER, torch.bfloat16, cfg, qc, emm)
+
+
+@dataclass
+class Experts:
+    """Reference experts and their checkpoint tensors (per-expert names, as HF checkpoints hold them)."""
+
+    w13: object  # NVFP4Tensor [E, 2I, H], global [E, 2]
+    w2: object
+    tensors: dict  # "<e>.<proj>.<suffix>" -> tensor
+    dense13: torch.Tensor | None = None
+    dense2: torch.Tensor | None = None
+
+
+def _experts(gen, convention="modelopt", *, w4a4=False, inter=I) -> Experts:
+    import moe_nvfp4
+
+    d13 = torch.randn(E, 2 * inter, H, generator=gen) * 0.02
+    d13[:, inter:] *= 3  # up rows with a different range: separate gate/up global scales must stay exact
+    d2 = torch.randn(E, H, inter, generator=gen) * 0.02
+    q13 = moe_nvfp4.quantize_nvfp4(d13, segments=2)
+    q2 = moe_nvfp4.quantize_nvfp4(d2)
+    ct = convention == "compressed-tensors"
+    names = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale") if ct else (
+        "weight", "weight_scale", "weight_scale_2", "input_scale")
+    tensors = {}
+    for e in range(E):
+        parts = {
+            "gate_proj": (q13.packed[e, :inter], q13.block_scale[e, :inter], q13.global_scale[e, 0]),
+            "up_proj": (q13.packed[e, inter:], q13.block_scale[e, inter:], q13.global_scale[e, 1]),
+            "down_proj": (q2.packed[e], q2.block_scale[e], q2.global_scale[e]),
+        }
+        for proj, (packed, scale, gs) in parts.items():
+            tensors[f"{e}.{proj}.{names[0]}"] = packed.clone()
+            tensors[f"{e}.{proj}.{names[1]}"] = scale.clone()
+            tensors[f"{e}.{proj}.{names[2]}"] = (1.0 / gs if ct else gs).reshape(1 if e % 2 else ())  # both scalar forms
+            if w4a4:
+                a = torch.tensor(0.5 + e / 10)
+                tensors[f"{e}.{proj}.{names[3]}"] = 1.0 / a if ct else a
+    return Experts(q13, q2, tensors, d13.bfloat16(), d2.bfloat16())
+
+
+def _config(plugin, convention, w4a4=False):
+    if convention == "modelopt":
+        return plugin.NVFP4GroupedConfig.from_config(dict(MODELOPT_W4A4 if w4a4 else MODELOPT_W4A16))
+    if convention == "compressed-tensors":
+        return plugin.NVFP4GroupedConfig.from_config(_ct(w4a4))
+    return plugin.NVFP4GroupedConfig()
+
+
+def _load(layer, tensors: dict) -> None:
+    list(layer.load_weights(iter(sorted(tensors.items()))))
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def _routing(gen, t=T):
+    x = (torch.randn(t, H, generator=gen)).bfloat16()
+    logits = torch.randn(t, E, generator=gen)
+    tw, ids = torch.topk(logits.softmax(-1), TOPK, dim=-1)
+    return x, (tw / tw.sum(-1, keepdim=True)).float(), ids.int()
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("w4a4", [False, True], ids=["weight-only", "w4a4"])
+def test_load_and_apply_matches_reference(plugin, gen, convention, w4a4):
+    import moe_nvfp4
+
+    ex = _experts(gen, convention, w4a4=w4a4)
+    layer = _routed_experts(_config(plugin, convention, w4a4))
+    assert type(layer.quant_method).__name__ == "NVFP4GroupedMoEMethod"
+    _load(layer, ex.tensors)
+    assert list(layer.named_parameters()) == []  # checkpoint copies freed
+    w13, w2 = layer.moe_nvfp4_weights.to_nvfp4()
+    assert torch.equal(w13.packed, ex.w13.packed) and torch.equal(w2.packed, ex.w2.packed)
+    assert torch.equal(w13.block_scale.view(torch.uint8), ex.w13.block_scale.view(torch.uint8))
+    # gate and up keep their own global scales, exactly (compressed-tensors: 1 / (1 / s) in float32)
+    exact = dict(rtol=0, atol=0) if convention == "modelopt" else dict(rtol=1e-7, atol=0)
+    torch.testing.assert_close(w13.global_scale, ex.w13.global_scale, **exact)
+    assert not torch.equal(w13.global_scale[:, 0], w13.global_scale[:, 1])
+    if w4a4:
+        want = torch.tensor([0.5 + e / 10 for e in range(E)])
+        torch.testing.assert_close(layer.quant_method.w2_input_scale, want)
+        torch.testing.assert_close(layer.quant_method.w13_input_scale, want[:, None].expand(E, 2))
+    x, tw, ids = _routing(gen)
+    out = layer.quant_method.apply(layer, x, tw, ids, None, None)
+    ref = moe_nvfp4.fused_moe_torch(x, ex.w13, ex.w2, tw, ids)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_shards_sum_to_reference(plugin, gen, tp):
+    """Each rank loads its slice of the intermediate dimension; the ranks' partial outputs sum to the whole."""
+    import moe_nvfp4
+
+    ex = _experts(gen)
+    x, tw, ids = _routing(gen)
+    total = torch.zeros(T, H)
+    for rank in range(tp):
+        layer = _routed_experts(_config(plugin, "modelopt"), tp=tp, tp_rank=rank)
+        shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+        assert shapes["w13_weight"] == (E, 2 * I // tp, H // 2)
+        assert shapes["w13_weight_scale"] == (E, 2 * I // tp, H // 16)
+        assert shapes["w2_weight"] == (E, H, I // tp // 2)
+        assert shapes["w2_weight_scale"] == (E, H, I // tp // 16)
+        assert shapes["w13_weight_scale_2"] == (E, 2)
+        _load(layer, ex.tensors)
+        w13, w2 = layer.moe_nvfp4_weights.to_nvfp4()
+        rows = slice(rank * I // tp, (rank + 1) * I // tp)
+        assert torch.equal(w13.packed[:, : I // tp], ex.w13.packed[:, rows])  # gate slice
+        assert torch.equal(w13.packed[:, I // tp :], ex.w13.packed[:, I:][:, rows])  # up slice
+        assert torch.equal(w2.packed, ex.w2.packed[:, :, rank * I // tp // 2 : (rank + 1) * I // tp // 2])
+        total += layer.quant_method.apply(layer, x, tw, ids, None, None).float()
+    ref = moe_nvfp4.fused_moe_torch(x, ex.w13, ex.w2, tw, ids)
+    torch.testing.assert_close(total, ref.float(), atol=1e-4, rtol=3e-2)
+
+
+def test_expert_parallel_uses_expert_map(plugin, gen):
+    import moe_nvfp4
+
+    ex = _experts(gen)
+    x, tw, ids = _routing(gen)
+    total = torch.zeros(T, H)
+    for rank in range(2):
+        layer = _routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=rank)
+        assert layer.expert_map is not None
+        _load(layer, ex.tensors)
+        assert layer.moe_nvfp4_weights.num_experts == E // 2
+        total += layer.quant_method.apply(layer, x, tw, ids, None, None).float()
+    ref = moe_nvfp4.fused_moe_torch(x, ex.w13, ex.w2, tw, ids)
+    torch.testing.assert_close(total, ref.float(), atol=1e-4, rtol=3e-2)
+
+
+def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
+    """Plain BF16 experts: quantized expert by expert, gate and up with their own global scales."""
+    import moe_nvfp4
+
+    ex = _experts(gen)
+    tensors = {}
+    for e in range(E):
+        tensors[f"{e}.gate_proj.weight"] = ex.dense13[e, :I]
+        tensors[f"{e}.up_proj.weight"] = ex.dense13[e, I:]
+        tensors[f"{e}.down_proj.weight"] = ex.dense2[e]
+    layer = _routed_experts(_config(plugin, None), tp=2, tp_rank=1)
+    _load(layer, tensors)
+    w13, w2 = layer.moe_nvfp4_weights.to_nvfp4()
+    half = slice(I // 2, I)
+    want13 = moe_nvfp4.quantize_nvfp4(torch.cat([ex.dense13[:, :I][:, half], ex.dense13[:, I:][:, half]], 1).float(), segments=2)
+    want2 = moe_nvfp4.quantize_nvfp4(ex.dense2[:, :, half].float())
+    assert torch.equal(w13.packed, want13.packed) and torch.equal(w2.packed, want2.packed)
+    assert torch.equal(w13.global_scale, want13.global_scale)
+    x, tw, ids = _routing(gen)
+    out = layer.quant_method.apply(layer, x, tw, ids, None, None)
+    ref = moe_nvfp4.fused_moe_torch(x, want13, want2, tw, ids)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+def test_zero_tokens(plugin, gen):
+    ex = _experts(gen)
+    layer = _routed_experts(_config(plugin, "modelopt"))
+    _load(layer, ex.tensors)
+    x, tw, ids = _routing(gen, t=0)
+    assert layer.quant_method.apply(layer, x, tw, ids, None, None).shape == (0, H)
+
+
+# ---------------------------------------------------------------- validation errors
+
+
+def _corrupt(name, value):
+    def f(tensors):
+        tensors[name] = value(tensors[name]) if callable(value) else value
+    return f
+
+
+def _drop(name):
+    def f(tensors):
+        del tensors[name]
+    return f
+
+
+@dataclass(frozen=True)
+class BadCase:
+    why: str
+    edit: object
+    match: str
+    convention: str = "modelopt"
+    w4a4: bool = False
+
+
+def _nan_scale(t):
+    t = t.clone()
+    t.view(torch.uint8)[3, 1] = 0x7F  # e4m3 NaN
+    return t
+
+
+def _negative_scale(t):
+    return (-t.float()).to(torch.float8_e4m3fn)
+
+
+BAD_CASES = [
+    BadCase("missing up global scale (never loaded)", _drop("2.up_proj.weight_scale_2"),
+            r"experts: expert 2 up_proj.weight_scale_2 was never loaded"),
+    BadCase("missing packed down weight", _drop("1.down_proj.weight"), r"expert 1 down_proj.weight was never loaded"),
+    BadCase("missing block scale", _drop("3.gate_proj.weight_scale"), r"expert 3 gate_proj.weight_scale was never loaded"),
+    BadCase("W4A4 without an input scale", _drop("0.down_proj.input_scale"),
+            r"expert 0 down_proj.input_scale was never loaded.*W4A4", w4a4=True),
+    BadCase("NaN block scale", _corrupt("2.up_proj.weight_scale", _nan_scale), r"up_proj.weight_scale \(expert 2\): 1 block scales are NaN"),
+    BadCase("negative block scales", _corrupt("1.down_proj.weight_scale", _negative_scale),
+            r"down_proj.weight_scale \(expert 1\): \d+ block scales are negative"),
+    BadCase("zero global scale", _corrupt("3.gate_proj.weight_scale_2", torch.tensor(0.0)),
+            r"gate_proj.weight_scale_2 \(expert 3\): global scale must be finite and positive"),
+    BadCase("inf global scale", _corrupt("0.down_proj.weight_scale_2", torch.tensor(math.inf)),
+            r"down_proj.weight_scale_2 \(expert 0\): global scale must be finite and positive"),
+    BadCase("negative input scale", _corrupt("2.up_proj.input_scale", torch.tensor(-1.0)),
+            r"expert 2 up_proj.input_scale: input scale must be finite and positive", w4a4=True),
+    BadCase("NaN input scale, compressed-tensors", _corrupt("1.gate_proj.input_global_scale", torch.tensor(math.nan)),
+            r"expert 1 gate_proj.input_global_scale: input scale must be finite", "compressed-tensors", True),
+    BadCase("negative CT global scale", _corrupt("2.down_proj.weight_global_scale", torch.tensor(-3.0)),
+            r"down_proj.weight_global_scale \(expert 2\): global scale must be finite and positive", "compressed-tensors"),
+    BadCase("block scale stored as float32", _corrupt("1.up_proj.weight_scale", lambda t: t.float()),
+            r"expert 1 up_proj.weight_scale: dtype torch.float32, expected torch.float8_e4m3fn"),
+    BadCase("packed weight stored as int8", _corrupt("0.gate_proj.weight", lambda t: t.view(torch.int8)),
+            r"expert 0 gate_proj.weight: dtype torch.int8, expected torch.uint8"),
+    BadCase("unpacked (wrong shape) weight", _corrupt("3.down_proj.weight", lambda t: torch.zeros(H, I, dtype=torch.uint8)),
+            r"expert 3 down_proj.weight: shape \(64, 64\), expected \(64, 32\)"),
+    BadCase("global scale is a vector", _corrupt("1.gate_proj.weight_scale_2", torch.ones(2)),
+            r"expert 1 gate_proj.weight_scale_2: expected a scalar, got shape \(2,\)"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=lambda c: c.why)
+def test_validation_errors_name_layer_expert_and_tensor(plugin, gen, case):
+    from moe_nvfp4.checkpoint import CheckpointError
+
+    ex = _experts(gen, case.convention, w4a4=case.w4a4)
+    case.edit(ex.tensors)
+    layer = _routed_experts(_config(plugin, case.convention, case.w4a4))
+    with pytest.raises(CheckpointError, match=case.match) as info:
+        _load(layer, ex.tensors)
+    assert LAYER in str(info.value)
+
+
+def test_bf16_nan_weight_is_reported(plugin, gen):
+    from moe_nvfp4.checkpoint import CheckpointError
+
+    ex = _experts(gen)
+    tensors = {f"{e}.{p}.weight": w for e in range(E) for p, w in
+               (("gate_proj", ex.dense13[e, :I]), ("up_proj", ex.dense13[e, I:].clone()), ("down_proj", ex.dense2[e]))}
+    tensors["2.up_proj.weight"][5, 7] = math.nan
+    layer = _routed_experts(_config(plugin, None))
+    with pytest.raises(CheckpointError, match=rf"{LAYER}: expert 2 up_proj.weight holds NaN or inf"):
+        _load(layer, tensors)
+
+
+@pytest.mark.parametrize("tp, inter", [(2, 48), (4, 64)], ids=["24-per-rank", "16-per-rank-ok"])
+def test_tp_that_splits_a_scale_block_is_rejected_at_create_weights(plugin, tp, inter):
+    qc = _config(plugin, "modelopt")
+    if inter // tp % 16 == 0:
+        _routed_experts(qc, tp=tp, inter=inter)
+        return
+    with pytest.raises(ValueError, match=r"intermediate size 48 split over tensor parallel size 2 gives 24 per rank.*multiple of 16"):
+        _routed_experts(qc, tp=tp, inter=inter)
+
+
+def test_unsupported_activation_is_rejected(plugin):
+    with pytest.raises(NotImplementedError, match="activation gelu"):
+        _routed_experts(_config(plugin, "modelopt"), activation="gelu")
+
+
+def test_excluded_experts_stay_unquantized(plugin):
+    cfg = {**MODELOPT_W4A16, "ignore": ["model.layers.0.mlp.experts"]}
+    qc = plugin.NVFP4GroupedConfig.from_config(cfg)
+    assert qc._experts_excluded(None, LAYER)
+    assert not qc._experts_excluded(None, "model.layers.1.mlp.experts")
