@@ -35,6 +35,7 @@ class GemmConfig:
     num_warps: int = 4
     split_k: int = 1
     programs_per_sm: int = 1
+    join_halves: bool = True  # one K=128 dot per chunk (True) or one per nibble half
 
     def is_valid(self, k_padded: int, gated: bool) -> bool:
         chunks = k_padded // CHUNK_K

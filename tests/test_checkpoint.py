@@ -34,7 +34,12 @@ N, K = 48, 64
 LAYER = "model.layers.3.mlp.experts.5.gate_proj"
 EXPERT = 5
 NAMES = {
-    Convention.MODELOPT: {"packed": "weight", "scale": "weight_scale", "global": "weight_scale_2", "input": "input_scale"},
+    Convention.MODELOPT: {
+        "packed": "weight",
+        "scale": "weight_scale",
+        "global": "weight_scale_2",
+        "input": "input_scale",
+    },
     Convention.COMPRESSED_TENSORS: {
         "packed": "weight_packed",
         "scale": "weight_scale",
@@ -103,8 +108,9 @@ def test_conventions_describe_the_same_weight(gen):
     mo = layer_tensors(gen, Convention.MODELOPT)
     from_mo = from_checkpoint(mo)
     ct = to_checkpoint(from_mo, Convention.COMPRESSED_TENSORS)
-    assert ct["weight_global_scale"].item() == pytest.approx(1.0 / mo["weight_scale_2"].item(), rel=TOL["reciprocal_rel"])
-    assert ct["input_global_scale"].item() == pytest.approx(1.0 / mo["input_scale"].item(), rel=TOL["reciprocal_rel"])
+    rel = TOL["reciprocal_rel"]
+    assert ct["weight_global_scale"].item() == pytest.approx(1.0 / mo["weight_scale_2"].item(), rel=rel)
+    assert ct["input_global_scale"].item() == pytest.approx(1.0 / mo["input_scale"].item(), rel=rel)
     from_ct = from_checkpoint(ct)
     torch.testing.assert_close(
         dequantize_nvfp4(from_ct.weight), dequantize_nvfp4(from_mo.weight), rtol=2 * TOL["reciprocal_rel"], atol=0
@@ -153,6 +159,10 @@ def _nan_block_scale(byte):
     return mutate
 
 
+def _transpose(s):
+    return s.view(torch.uint8).T.contiguous().view(torch.float8_e4m3fn)
+
+
 def _shrink_k(t, names):  # K = 8: a consistent [N, 4] packed / [N, 0] scale pair, but not 16-aligned
     t[names["packed"]] = t[names["packed"]][:, :4]
     t[names["scale"]] = t[names["scale"]][:, :0]
@@ -164,7 +174,7 @@ ERROR_CASES = {
     "packed_1d": ("packed", _set("packed", lambda p: p.flatten()), "shape"),
     "scale_wrong_dtype": ("scale", _set("scale", lambda s: s.float()), "dtype"),
     "scale_wrong_shape": ("scale", _set("scale", lambda s: s[:, :-1]), "shape"),
-    "scale_transposed": ("scale", _set("scale", lambda s: s.view(torch.uint8).T.contiguous().view(torch.float8_e4m3fn)), "shape"),
+    "scale_transposed": ("scale", _set("scale", _transpose), "shape"),
     "k_not_multiple_of_16": ("packed", _shrink_k, "multiple of 16"),
     "global_int": ("global", _set("global", lambda g: torch.tensor(1, dtype=torch.int32)), "floating-point"),
     "global_not_scalar": ("global", _set("global", lambda g: g.reshape(1).repeat(2)), "scalar"),

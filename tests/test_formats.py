@@ -43,8 +43,6 @@ TOL = {
 CODE_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 MAGNITUDES = CODE_VALUES[:8]
 
-# Positive finite e4m3 bytes: 0x01 (2^-9, smallest subnormal) .. 0x7E (448).
-POSITIVE_E4M3_BYTES = st.integers(min_value=0x01, max_value=0x7E)
 
 
 def ref_round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +67,7 @@ def e4m3_from_bytes(b: torch.Tensor) -> torch.Tensor:
 
 def grid_tensor(gen: torch.Generator, batch: tuple[int, ...], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random codes [*batch, n, k] with one +-6 per 16-block (so the block amax is 6 * scale), and random
-    positive e4m3 block scales [*batch, n, k/16]."""
+    positive finite e4m3 block scales [*batch, n, k/16]: bytes 0x01 (2^-9, subnormal) to 0x7E (448)."""
     codes = torch.randint(0, 16, (*batch, n, k // 16, 16), generator=gen, dtype=torch.uint8)
     pos = torch.randint(0, 16, (*batch, n, k // 16, 1), generator=gen)
     six = torch.where(torch.rand(pos.shape, generator=gen) < 0.5, 7, 15).to(torch.uint8)
@@ -215,7 +213,8 @@ def test_round_trip_of_grid_values_is_exact(seed, batch, n, blocks, global_scale
     gs = torch.full(batch, global_scale, dtype=torch.float32)
     q = NVFP4Tensor(pack_fp4(codes), scales, gs)
     w = dequantize_nvfp4(q)
-    assert torch.equal(w, torch.tensor(CODE_VALUES)[codes.long()] * scales.float().repeat_interleave(16, -1) * gs[..., None, None])
+    block_scales = scales.float().repeat_interleave(16, -1)
+    assert torch.equal(w, torch.tensor(CODE_VALUES)[codes.long()] * block_scales * gs[..., None, None])
     q2 = quantize_nvfp4(w.to(input_dtype), gs)
     assert torch.equal(q2.packed, q.packed)
     assert torch.equal(q2.block_scale.view(torch.uint8), q.block_scale.view(torch.uint8))

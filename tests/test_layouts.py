@@ -141,4 +141,5 @@ def test_bad_shapes_raise(gen):
     with pytest.raises(ValueError):
         unswizzle_scales_128x4(swz.flatten(), 130, 5)
     with pytest.raises(ValueError, match="do not hold"):
-        NVFP4Tensor(torch.zeros(130, 40, dtype=torch.uint8), swz[:128], torch.tensor(1.0), ScaleLayout.SWIZZLED_128x4).linear_scales()
+        packed = torch.zeros(130, 40, dtype=torch.uint8)
+        NVFP4Tensor(packed, swz[:128], torch.tensor(1.0), ScaleLayout.SWIZZLED_128x4).linear_scales()

@@ -47,7 +47,8 @@ def softmax_topk_loop(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[
             w = [v / sum(w) for v in w]
         weights.append(w)
         ids.append(order)
-    return torch.tensor(weights, dtype=torch.float64).reshape(-1, k), torch.tensor(ids, dtype=torch.int32).reshape(-1, k)
+    weights_t = torch.tensor(weights, dtype=torch.float64).reshape(-1, k)
+    return weights_t, torch.tensor(ids, dtype=torch.int32).reshape(-1, k)
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

@@ -30,7 +30,6 @@ def _route_kernel(
     counts_ptr,
     offsets_ptr,
     cursor_ptr,
-    tile_start_ptr,
     tile_expert_ptr,
     tile_row_ptr,
     num_tiles_ptr,
@@ -61,7 +60,6 @@ def _route_kernel(
     tl.store(offsets_ptr + experts, starts, mask=expert_ok)
     tl.store(offsets_ptr + experts + 1, ends, mask=experts == num_experts - 1)
     tl.store(cursor_ptr + experts, starts, mask=expert_ok)
-    tl.store(tile_start_ptr + experts, tile_ends - tiles, mask=expert_ok)
     tl.store(num_tiles_ptr, tl.sum(tiles, 0))
     tl.debug_barrier()
 
@@ -77,18 +75,16 @@ def _route_kernel(
         pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
         tl.store(sorted_pairs_ptr + pos, offs, mask=valid)
 
-    total_tiles = tl.sum(tiles, 0)
-    for t0 in range(0, max_tiles, BLOCK_P):
+    # Tile map: expert e owns tiles [tile_ends[e] - tiles[e], tile_ends[e]); tiles past the total are unused.
+    first_tile = tile_ends - tiles
+    for j in range(0, tl.max(tiles, 0)):
+        owned = expert_ok & (j < tiles)
+        tl.store(tile_expert_ptr + first_tile + j, experts, mask=owned)
+        tl.store(tile_row_ptr + first_tile + j, starts + j * BLOCK_M, mask=owned)
+    for t0 in range(tl.sum(tiles, 0), max_tiles, BLOCK_P):
         t = t0 + tl.arange(0, BLOCK_P)
-        in_range = t < max_tiles
-        # expert of tile t = number of experts whose tiles end at or before t
-        owner = tl.sum((tile_ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        used = in_range & (t < total_tiles)
-        owner = tl.minimum(owner, num_experts - 1)
-        first = tl.load(tile_start_ptr + owner, mask=used, other=0)
-        row = tl.load(offsets_ptr + owner, mask=used, other=0) + (t - first) * BLOCK_M
-        tl.store(tile_expert_ptr + t, tl.where(used, owner, -1), mask=in_range)
-        tl.store(tile_row_ptr + t, tl.where(used, row, 0), mask=in_range)
+        tl.store(tile_expert_ptr + t, tl.full([BLOCK_P], -1, tl.int32), mask=t < max_tiles)
+        tl.store(tile_row_ptr + t, tl.zeros([BLOCK_P], tl.int32), mask=t < max_tiles)
 
 
 # FP4 -> 16-bit decode, four bytes (eight values) per call: spread the bytes into 16-bit lanes (prmt),
@@ -154,8 +150,8 @@ def _decode_fp4(packed, scale, HIGH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.
 
 
 @triton.jit
-def _dot_chunk(acc, w_row_ptr, s_row_ptr, k0, a_lo, a_hi, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+def _dot_chunk(acc, w_row_ptr, s_row_ptr, k0, a, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DTYPE: tl.constexpr, USE_ASM: tl.constexpr, JOIN_HALVES: tl.constexpr):
     """acc += W[rows, k0:k0+BLOCK_K] @ A^T for one chunk in the chunked nibble layout."""
     HALF: tl.constexpr = BLOCK_K // 2
     kb = tl.arange(0, HALF)
@@ -163,8 +159,14 @@ def _dot_chunk(acc, w_row_ptr, s_row_ptr, k0, a_lo, a_hi, row_mask, BLOCK_N: tl.
     sb = tl.arange(0, HALF // 16)
     s_lo = _load_scales(s_row_ptr + (k0 // 16 + sb)[None, :], row_mask, DTYPE)
     s_hi = _load_scales(s_row_ptr + (k0 // 16 + HALF // 16 + sb)[None, :], row_mask, DTYPE)
-    acc = tl.dot(_decode_fp4(packed, s_lo, False, BLOCK_N, HALF, DTYPE, USE_ASM), a_lo, acc)
-    return tl.dot(_decode_fp4(packed, s_hi, True, BLOCK_N, HALF, DTYPE, USE_ASM), a_hi, acc)
+    w_lo = _decode_fp4(packed, s_lo, False, BLOCK_N, HALF, DTYPE, USE_ASM)
+    w_hi = _decode_fp4(packed, s_hi, True, BLOCK_N, HALF, DTYPE, USE_ASM)
+    if JOIN_HALVES:  # one K=128 dot: Triton keeps its wgmmas in flight instead of waiting per half
+        w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, BLOCK_K])
+        return tl.dot(w, a, acc)
+    a_halves = tl.reshape(tl.permute(tl.reshape(a, [2, HALF, a.shape[1]]), (1, 2, 0)), [HALF, a.shape[1], 2])
+    a_lo, a_hi = tl.split(a_halves)
+    return tl.dot(w_hi, a_hi, tl.dot(w_lo, a_lo, acc))
 
 
 @triton.jit
@@ -198,6 +200,7 @@ def _moe_gemm_kernel(
     DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
+    JOIN_HALVES: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
 
@@ -248,19 +251,16 @@ def _moe_gemm_kernel(
             s_up = s_rows + n_out * sfk
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
 
-        HALF: tl.constexpr = BLOCK_K // 2
-        kb = tl.arange(0, HALF)
+        kb = tl.arange(0, BLOCK_K)
         k_start = split * k_per_split
         for k0 in tl.range(k_start, k_start + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
-                a_lo = tl.load(a_base + (k0 + kb)[:, None])
-                a_hi = tl.load(a_base + (k0 + HALF + kb)[:, None])
+                a = tl.load(a_base + (k0 + kb)[:, None])
             else:
-                a_lo = tl.load(a_base + (k0 + kb)[:, None], mask=(k0 + kb < k)[:, None], other=0.0)
-                a_hi = tl.load(a_base + (k0 + HALF + kb)[:, None], mask=(k0 + HALF + kb < k)[:, None], other=0.0)
-            acc = _dot_chunk(acc, w_rows, s_rows, k0, a_lo, a_hi, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM)
+                a = tl.load(a_base + (k0 + kb)[:, None], mask=(k0 + kb < k)[:, None], other=0.0)
+            acc = _dot_chunk(acc, w_rows, s_rows, k0, a, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM, JOIN_HALVES)
             if GATED:
-                acc_up = _dot_chunk(acc_up, w_up, s_up, k0, a_lo, a_hi, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM)
+                acc_up = _dot_chunk(acc_up, w_up, s_up, k0, a, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM, JOIN_HALVES)
 
         store_mask = n_ok & row_ok[None, :]
         fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
@@ -326,9 +326,9 @@ def route(
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
     dev = topk_ids.device
     i32 = torch.int32
-    sizes = (num_pairs, num_experts, num_experts + 1, num_experts, num_experts, n_tiles, n_tiles, 1)
+    sizes = (num_pairs, num_experts, num_experts + 1, num_experts, n_tiles, n_tiles, 1)
     ints = torch.empty(sum(sizes), dtype=i32, device=dev)
-    sorted_pairs, counts, offsets, cursor, tile_start, tile_expert, tile_row, num_tiles = torch.split(ints, sizes)
+    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles = torch.split(ints, sizes)
     ids = topk_ids.reshape(-1)
     _route_kernel[(1,)](
         ids,
@@ -337,7 +337,6 @@ def route(
         counts,
         offsets,
         cursor,
-        tile_start,
         tile_expert,
         tile_row,
         num_tiles,
@@ -346,7 +345,7 @@ def route(
         n_tiles,
         HAS_MAP=expert_map is not None,
         BLOCK_M=block_m,
-        BLOCK_P=256,
+        BLOCK_P=min(1024, triton.next_power_of_2(max(num_pairs, 16))),
         E_POW2=triton.next_power_of_2(num_experts),
         num_warps=8,
     )
@@ -391,7 +390,7 @@ def fused_moe_sm90(
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights,
         intermediate, hidden, k1p, num_pairs,
         TOP_K=top_k, GATED=True, SPLIT_K=1, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
+        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm, JOIN_HALVES=g1.join_halves,
         num_warps=g1.num_warps,
     )  # fmt: skip
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -400,7 +399,7 @@ def fused_moe_sm90(
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
         hidden, intermediate, k2p, num_pairs,
         TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm,
+        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm, JOIN_HALVES=g2.join_halves,
         num_warps=g2.num_warps,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))

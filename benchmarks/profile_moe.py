@@ -1,0 +1,64 @@
+"""Where the time of one fused MoE forward goes: per-kernel CUDA time from the torch profiler.
+
+    python benchmarks/profile_moe.py --model qwen3-30b-a3b --tokens 1
+    python benchmarks/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tune_moe import MODELS, make_layer  # noqa: E402
+
+from moe_nvfp4 import prepare_moe_weights, topk_softmax  # noqa: E402
+from moe_nvfp4.configs import MoEKernelConfig, select_config  # noqa: E402
+from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
+
+
+def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int = 20) -> dict[str, float]:
+    e, k, h, i = MODELS[model]
+    q13, q2 = make_layer(e, h, i, "cuda")
+    w = prepare_moe_weights(q13, q2)
+    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
+    cfg = config or select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
+    for _ in range(3):
+        fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.device_time_total > 0:
+            per_kernel[evt.key[:60]] += evt.device_time_total / iters
+    return dict(per_kernel)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--config", default=None, help="MoEKernelConfig as JSON (default: the selected config)")
+    args = p.parse_args()
+    cfg = MoEKernelConfig.from_dict(json.loads(args.config)) if args.config else None
+    times = profile(args.model, args.tokens, cfg)
+    total = sum(times.values())
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"{us:9.1f} us  {100 * us / total:5.1f}%  {name}")
+    print(f"{total:9.1f} us  total device time per forward ({args.model}, T={args.tokens})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
