@@ -143,3 +143,37 @@ def test_bad_shapes_raise(gen):
     with pytest.raises(ValueError, match="do not hold"):
         packed = torch.zeros(130, 40, dtype=torch.uint8)
         NVFP4Tensor(packed, swz[:128], torch.tensor(1.0), ScaleLayout.SWIZZLED_128x4).linear_scales()
+
+
+# ---- ChunkedNibbleLayout (the sm_90 kernel's weight layout) ----
+
+
+@pytest.mark.parametrize("k", [16, 48, 128, 144, 256, 400])
+def test_chunked_nibble_layout_places_every_element(k: int, gen: torch.Generator) -> None:
+    """Byte i of chunk c holds element c*128 + i (low nibble) and c*128 + 64 + i (high nibble)."""
+    from moe_nvfp4.formats import unpack_fp4
+    from moe_nvfp4.layouts import ChunkedNibbleLayout
+
+    layout = ChunkedNibbleLayout()
+    packed = torch.randint(0, 256, (3, 5, k // 2), generator=gen, dtype=torch.uint8)
+    out = layout.pack(packed)
+    kp = layout.padded_k(k)
+    assert out.shape == (3, 5, kp // 2) and kp % 128 == 0 and kp - k < 128
+    codes = torch.nn.functional.pad(unpack_fp4(packed), (0, kp - k))
+    for c in range(kp // 128):
+        for i in range(64):
+            byte = out[..., c * 64 + i]
+            assert torch.equal(byte & 0xF, codes[..., c * 128 + i])
+            assert torch.equal(byte >> 4, codes[..., c * 128 + 64 + i])
+    assert torch.equal(layout.unpack(out, k), packed)
+    scales = torch.randint(0, 127, (3, 5, k // 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    padded = layout.pad_scales(scales, k).view(torch.uint8)
+    assert padded.shape == (3, 5, kp // 16)
+    assert torch.equal(padded[..., : k // 16], scales.view(torch.uint8)) and not padded[..., k // 16 :].any()
+
+
+def test_chunked_nibble_layout_rejects_wrong_k() -> None:
+    from moe_nvfp4.layouts import ChunkedNibbleLayout
+
+    with pytest.raises(ValueError, match="does not match"):
+        ChunkedNibbleLayout().unpack(torch.zeros(2, 64, dtype=torch.uint8), 256)

@@ -1,0 +1,78 @@
+"""Kernel configs: every shipped JSON file loads and validates; selection and the default heuristic."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_nvfp4.configs import (
+    CONFIG_DIR,
+    GemmConfig,
+    MoEKernelConfig,
+    default_config,
+    load_config_file,
+    select_config,
+)
+
+SHIPPED = sorted(CONFIG_DIR.glob("*/*.json"))
+
+
+def test_configs_are_shipped() -> None:
+    assert SHIPPED, f"no tuned config files under {CONFIG_DIR}"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_file_is_valid(path: Path) -> None:
+    meta, entries = load_config_file(str(path))
+    assert meta["device"].replace(" ", "_") + ".json" == path.name
+    assert entries
+    for entry in entries:
+        cfg = MoEKernelConfig.from_dict(entry["config"])
+        assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 64, 300, 5000])
+@pytest.mark.parametrize("shape", [(8, 2, 4096, 14336), (128, 8, 2048, 768), (7, 3, 48, 80)])
+def test_default_config_is_valid(tokens: int, shape: tuple[int, int, int, int]) -> None:
+    e, k, h, i = shape
+    cfg = default_config(tokens, e, k, h, i)
+    assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
+
+
+def test_select_prefers_smallest_covering_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moe_nvfp4.configs as configs
+
+    small = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, split_k=2))
+    large = MoEKernelConfig(128, GemmConfig(128, num_warps=8), GemmConfig(128, num_warps=8))
+    entries = [
+        dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=16, config=small.to_dict()),
+        dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=4096, config=large.to_dict()),
+    ]
+    meta = dict(kernel=configs.KERNEL_NAME, version=configs.CONFIG_VERSION, device="Fake GPU")
+    (tmp_path / configs.KERNEL_NAME).mkdir()
+    (tmp_path / configs.KERNEL_NAME / "Fake_GPU.json").write_text(json.dumps(dict(meta=meta, entries=entries)))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    pick = lambda t, dtype=torch.bfloat16: select_config(t, 8, 2, 256, 256, dtype, "Fake GPU")  # noqa: E731
+    assert pick(1) == small and pick(16) == small
+    assert pick(17) == large and pick(4096) == large
+    assert pick(5000) == default_config(5000, 8, 2, 256, 256)  # past every entry
+    assert pick(1, torch.float16) == default_config(1, 8, 2, 256, 256)  # no fp16 entry
+
+
+def test_bad_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(meta=dict(kernel="other", version=1), entries=[])))
+    with pytest.raises(ValueError, match="expected meta"):
+        load_config_file(str(path))
+    bad_cfg = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, split_k=3)).to_dict()  # 3 does not divide chunks
+    entry = dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=1, config=bad_cfg)
+    path.write_text(json.dumps(dict(meta=dict(kernel="fused_moe_sm90", version=1), entries=[entry])))
+    with pytest.raises(ValueError, match="invalid config"):
+        load_config_file(str(path))
+
+
+def test_gated_gemm_cannot_split_k() -> None:
+    assert not GemmConfig(split_k=2).is_valid(1024, gated=True)
+    assert GemmConfig(split_k=2).is_valid(1024, gated=False)
