@@ -203,8 +203,13 @@ class Marlin(Path):
         self._silu = MoEActivation.SILU
         self._input_dtype = get_marlin_input_dtype()  # None unless VLLM_MARLIN_INPUT_DTYPE is set
         self._num_experts = shape.num_experts
-        # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output)
-        self._moe_sum = lambda inp, outp, topk_ids, expert_map: ops.moe_sum(inp, outp)
+        # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output) sums in place; fused_marlin_moe
+        # returns what moe_sum returns, so hand back the output tensor.
+        def moe_sum(inp, outp, topk_ids, expert_map):
+            ops.moe_sum(inp, outp)
+            return outp
+
+        self._moe_sum = moe_sum
 
     def fn(self, copy, x, topk_weights, topk_ids):
         w13, w13_s, w13_gs, w2, w2_s, w2_gs = self.weights[copy]

@@ -61,7 +61,17 @@ RUNNER = textwrap.dedent(
 )
 
 
+_RUNS: dict[tuple[str, str | None, int], list[dict]] = {}  # one engine start per (model, method, TP) per session
+
+
 def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str) -> list[dict]:
+    key = (str(model), quantization, tp)
+    if key not in _RUNS:
+        _RUNS[key] = _start_llm(tmp_path, model, quantization, tp=tp, tag=tag)
+    return _RUNS[key]
+
+
+def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int, tag: str) -> list[dict]:
     out = tmp_path / f"{tag}.json"
     args = {"model": str(model), "quantization": quantization, "tp": tp, "mem": 0.3, "prompts": PROMPTS,
             "max_tokens": MAX_TOKENS, "out": str(out)}
