@@ -93,7 +93,8 @@ def write_random_checkpoint(out: Path, layers: int) -> Path:
     cfg = qwen3_config(layers)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(dev).manual_seed(0)
-    h, i, e, v = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["vocab_size"]
+    h, i, v = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["vocab_size"]
+    e = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 renamed it for some families
     q, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
 
     def rnd(*shape):
