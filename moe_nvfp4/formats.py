@@ -161,7 +161,9 @@ def global_scale_for(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
     batch = x.shape[:batch_dims]
     flat = x.detach().abs().float().reshape(*batch, math.prod(x.shape[batch_dims:]))
     amax = flat.amax(dim=-1) if flat.shape[-1] else flat.new_zeros(batch)  # empty: like all zeros
-    scale = amax / (NVFP4.value_max * NVFP4.scale_max)
+    # Divide by a tensor, not a Python number: CUDA turns division by a scalar into multiplication by its
+    # reciprocal, one ulp away from the CPU result, and checkpoints converted on either must be identical.
+    scale = amax / torch.full_like(amax, NVFP4.value_max * NVFP4.scale_max)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
