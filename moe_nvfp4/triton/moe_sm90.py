@@ -23,6 +23,17 @@ import triton.language as tl
 from ..configs import MoEKernelConfig
 
 @triton.jit
+def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs p0 .. p0+BLOCK_P: their local expert and whether they count (in range, on this rank)."""
+    offs = p0 + tl.arange(0, BLOCK_P)
+    valid = offs < num_pairs
+    e = tl.load(ids_ptr + offs, mask=valid, other=0)
+    if HAS_MAP:
+        e = tl.load(expert_map_ptr + e, mask=valid, other=-1)
+    return offs, e, valid & (e >= 0)
+
+
+@triton.jit
 def _route_kernel(
     ids_ptr,
     expert_map_ptr,
@@ -45,12 +56,7 @@ def _route_kernel(
     expert_ok = experts < num_experts
     counts = tl.zeros([E_POW2], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        valid = offs < num_pairs
-        e = tl.load(ids_ptr + offs, mask=valid, other=0)
-        if HAS_MAP:
-            e = tl.load(expert_map_ptr + e, mask=valid, other=-1)
-        valid = valid & (e >= 0)
+        _, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP, BLOCK_P)
         counts += tl.histogram(tl.where(valid, e, 0), E_POW2, mask=valid)
     ends = tl.cumsum(counts, 0)
     starts = ends - counts
@@ -66,12 +72,7 @@ def _route_kernel(
     # Scatter: the order inside an expert's run may vary between runs, which changes no result (each
     # row's dot products are independent of its neighbours and the combine is by pair index).
     for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        valid = offs < num_pairs
-        e = tl.load(ids_ptr + offs, mask=valid, other=0)
-        if HAS_MAP:
-            e = tl.load(expert_map_ptr + e, mask=valid, other=-1)
-        valid = valid & (e >= 0)
+        offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP, BLOCK_P)
         pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
         tl.store(sorted_pairs_ptr + pos, offs, mask=valid)
 
