@@ -117,16 +117,20 @@ def select_config(
     tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str
 ) -> MoEKernelConfig:
     """The tuned entry for this device and shape with the smallest max_tokens >= tokens, else the default."""
-    path = config_path(device_name)
-    if path.exists():
-        _, entries = load_config_file(str(path))
-        dtype_name = str(dtype).removeprefix("torch.")
-        fits = [
-            e
-            for e in entries
-            if (e["experts"], e["hidden"], e["intermediate"], e["dtype"]) == (experts, hidden, intermediate, dtype_name)
-            and e["max_tokens"] >= tokens
-        ]
-        if fits:
-            return MoEKernelConfig.from_dict(min(fits, key=lambda e: e["max_tokens"])["config"])
+    dtype_name = str(dtype).removeprefix("torch.")
+    fits = [
+        e
+        for e in _tuned_entries(device_name)
+        if (e["experts"], e["hidden"], e["intermediate"], e["dtype"]) == (experts, hidden, intermediate, dtype_name)
+        and e["max_tokens"] >= tokens
+    ]
+    if fits:
+        return MoEKernelConfig.from_dict(min(fits, key=lambda e: e["max_tokens"])["config"])
     return default_config(tokens, experts, top_k, hidden, intermediate)
+
+
+@lru_cache(maxsize=None)
+def _tuned_entries(device_name: str) -> tuple[dict, ...]:
+    """The device's tuned entries, read once per process (select_config runs on every forward)."""
+    path = config_path(device_name)
+    return load_config_file(str(path))[1] if path.exists() else ()
