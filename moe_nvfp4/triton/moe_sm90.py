@@ -299,12 +299,13 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        routed = True
-        if HAS_MAP:
-            routed = tl.load(expert_map_ptr + tl.load(ids_ptr + pair)) >= 0
+        pair_mask = mask
+        if HAS_MAP:  # pairs routed to another rank were never written
+            local = tl.load(expert_map_ptr + tl.load(ids_ptr + pair) + tl.zeros([BLOCK_H], tl.int32))
+            pair_mask = mask & (local >= 0)
         for split in tl.static_range(SPLIT_K):
             row = partial_ptr + split * stride_split + pair.to(tl.int64) * hidden
-            acc += tl.load(row + offs, mask=mask & routed, other=0.0)
+            acc += tl.load(row + offs, mask=pair_mask, other=0.0)
     tl.store(out_ptr + token.to(tl.int64) * hidden + offs, acc.to(DTYPE), mask=mask)
 
 
