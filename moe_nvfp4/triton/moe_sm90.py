@@ -189,7 +189,6 @@ def _moe_gemm_kernel(
     n_out,
     k,
     kp,
-    num_rows,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -390,7 +389,7 @@ def fused_moe_sm90(
     _moe_gemm_kernel[(sms * g1.programs_per_sm,)](
         x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), 0,
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights,
-        intermediate, hidden, k1p, num_pairs,
+        intermediate, hidden, k1p,
         TOP_K=top_k, GATED=True, SPLIT_K=1, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
         GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm, JOIN_HALVES=g1.join_halves,
         num_warps=g1.num_warps,
@@ -399,7 +398,7 @@ def fused_moe_sm90(
     _moe_gemm_kernel[(sms * g2.programs_per_sm,)](
         act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1), partial.stride(0),
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
-        hidden, intermediate, k2p, num_pairs,
+        hidden, intermediate, k2p,
         TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
         GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm, JOIN_HALVES=g2.join_halves,
         num_warps=g2.num_warps,
