@@ -1,0 +1,111 @@
+"""Public API on CPU: packing round trip, input checks before any launch, dispatch, the custom op.
+
+Bound: on CPU fused_moe runs the torch reference on the unpacked weights, so it must equal
+fused_moe_torch exactly (same function, same float32 math).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+from moe_nvfp4.dispatch import backend_for
+
+
+def _layer(gen: torch.Generator, e: int = 4, h: int = 48, i: int = 32):
+    w13 = m.quantize_nvfp4(torch.randn(e, 2 * i, h, generator=gen), segments=2)
+    w2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=gen))
+    return w13, w2
+
+
+def test_prepare_round_trips_to_checkpoint_tensors(gen: torch.Generator) -> None:
+    w13, w2 = _layer(gen)
+    weights = m.prepare_moe_weights(w13, w2)
+    assert (weights.num_experts, weights.hidden, weights.intermediate) == (4, 48, 32)
+    assert weights.w13_packed.shape == (4, 64, 64) and weights.w2_packed.shape == (4, 48, 64)  # K padded to 128
+    back13, back2 = weights.to_nvfp4()
+    for a, b in ((back13, w13), (back2, w2)):
+        assert torch.equal(a.packed, b.packed)
+        assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+        assert torch.equal(a.global_scale.reshape(-1), b.global_scale.float().reshape(-1))
+
+
+def test_shared_w13_scale_is_expanded_to_gate_and_up(gen: torch.Generator) -> None:
+    w13, w2 = _layer(gen)
+    shared = m.quantize_nvfp4(m.dequantize_nvfp4(w13))  # one global scale per expert
+    weights = m.prepare_moe_weights(shared, w2)
+    assert torch.equal(weights.w13_global, shared.global_scale[:, None].expand(4, 2))
+
+
+def test_prepare_rejects_bad_weights(gen: torch.Generator) -> None:
+    w13, w2 = _layer(gen)
+    with pytest.raises(ValueError, match="do not match"):
+        m.prepare_moe_weights(w13, m.quantize_nvfp4(torch.randn(4, 48, 48, generator=gen)))
+    bad = m.NVFP4Tensor(w2.packed, w2.block_scale, w2.global_scale.clone())
+    bad.global_scale[2] = float("nan")
+    with pytest.raises(m.CheckpointError, match=r"w2\.weight_scale_2 \(expert 2\)"):
+        m.prepare_moe_weights(w13, bad)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 9])
+def test_cpu_fused_moe_is_the_reference(tokens: int, gen: torch.Generator) -> None:
+    w13, w2 = _layer(gen)
+    weights = m.prepare_moe_weights(w13, w2)
+    x = torch.randn(tokens, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(tokens, 4, generator=gen), 2)
+    assert torch.equal(m.fused_moe(x, weights, tw, ti), m.fused_moe_torch(x, w13, w2, tw, ti))
+
+
+def test_inputs_are_checked_before_launch(gen: torch.Generator) -> None:
+    weights = m.prepare_moe_weights(*_layer(gen))
+    x = torch.randn(3, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(3, 4, generator=gen), 2)
+    cases = [
+        ((x.float(), weights, tw, ti), TypeError, "bfloat16 or float16"),
+        ((x[:, :32], weights, tw, ti), ValueError, r"x must be \[T, 48\]"),
+        ((x, weights, tw, ti[:2]), ValueError, "topk_ids must be"),
+        ((x, weights, tw, ti.float()), TypeError, "int32 or int64"),
+        ((x, weights, tw[:, :1], ti), ValueError, "must match topk_ids"),
+        ((x, weights, tw, torch.zeros(3, 17, dtype=torch.int32)), ValueError, "k<=16"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            m.fused_moe(*args)
+    with pytest.raises(ValueError, match="expert_map"):
+        m.fused_moe(x, weights, tw, ti, expert_map=torch.zeros(2, 4, dtype=torch.int32))
+
+
+def test_dispatch_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert backend_for(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("MOE_NVFP4_BACKEND", "triton")
+    assert backend_for(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("MOE_NVFP4_BACKEND", "cute")
+    with pytest.raises(ValueError, match="MOE_NVFP4_BACKEND"):
+        backend_for(torch.device("cpu"))
+
+
+def test_custom_op_under_torch_compile(gen: torch.Generator) -> None:
+    """The fake implementation lets torch.compile trace through the op (fullgraph) on CPU."""
+    w13, w2 = _layer(gen)
+    weights = m.prepare_moe_weights(w13, w2)
+    x = torch.randn(5, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def layer(x, tw, ti):
+        return m.fused_moe(x, weights, tw, ti) * 2
+
+    assert torch.equal(layer(x, tw, ti), m.fused_moe(x, weights, tw, ti) * 2)
+
+
+def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
+    """Schema, fake tensor and AOT-dispatch checks of torch.library for moe_nvfp4::fused_moe."""
+    from moe_nvfp4.ops import fused_moe_op
+
+    weights = m.prepare_moe_weights(*_layer(gen))
+    x = torch.randn(5, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
+    w = weights
+    args = (x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, 32)
+    result = torch.library.opcheck(fused_moe_op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
