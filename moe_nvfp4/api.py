@@ -52,17 +52,12 @@ class MoEWeights:
 
     def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
-        h, i = self.hidden, self.intermediate
-        w13 = NVFP4Tensor(
-            self.layout.unpack(self.w13_packed, h),
-            self.w13_scale[..., : h // 16].contiguous().view(torch.float8_e4m3fn),
-            self.w13_global,
-        )
-        w2 = NVFP4Tensor(
-            self.layout.unpack(self.w2_packed, i),
-            self.w2_scale[..., : i // 16].contiguous().view(torch.float8_e4m3fn),
-            self.w2_global,
-        )
+
+        def unpack(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int) -> NVFP4Tensor:
+            return NVFP4Tensor(self.layout.unpack(packed, k), self.layout.unpad_scales(scale, k), global_scale)
+
+        w13 = unpack(self.w13_packed, self.w13_scale, self.w13_global, self.hidden)
+        w2 = unpack(self.w2_packed, self.w2_scale, self.w2_global, self.intermediate)
         return w13, w2
 
 

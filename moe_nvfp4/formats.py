@@ -210,8 +210,7 @@ def quantize_nvfp4(
     blocks = wf.reshape(*batch, n, k // NVFP4.block_size, NVFP4.block_size)
     block_amax = blocks.abs().amax(dim=-1)
     scale = (block_amax / (NVFP4.value_max * row_scale)).clamp(max=NVFP4.scale_max)
-    block_scale = scale.to(NVFP4.scale_dtype)
-    scale_f = block_scale.float()
+    scale_f = scale.to(NVFP4.scale_dtype).float()  # rounded to e4m3
     scale_f = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
     block_scale = scale_f.to(NVFP4.scale_dtype)
     codes = encode_e2m1(blocks / (scale_f * row_scale).unsqueeze(-1))

@@ -105,3 +105,7 @@ class ChunkedNibbleLayout:
         """Linear block scales [..., N, K/16] -> [..., N, KP/16], zero padded."""
         extra = (self.padded_k(k) - k) // 16
         return torch.nn.functional.pad(scales.view(torch.uint8), (0, extra)).view(scales.dtype) if extra else scales
+
+    def unpad_scales(self, padded: torch.Tensor, k: int) -> torch.Tensor:
+        """Inverse of ``pad_scales`` for e4m3 bits stored as uint8: [..., N, KP/16] -> e4m3 [..., N, K/16]."""
+        return padded[..., : k // 16].contiguous().view(torch.float8_e4m3fn)
