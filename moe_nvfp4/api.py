@@ -4,7 +4,7 @@
     out = fused_moe(x, weights, topk_weights, topk_ids, expert_map=None)
 
 Supported: x bf16 or fp16 [T, H] with any T >= 0; E up to 1024; top-k up to 16; H and I multiples of
-16 (the kernel pads K to 128 at pack time; multiples of 128 avoid the padded tail); gate and up with
+16 (the layout pads rows to 64 and K to 128 at pack time; multiples of 128 avoid padded work); gate and up with
 separate global scales.  Everything is checked before any kernel launches.
 """
 from __future__ import annotations
@@ -15,21 +15,22 @@ import torch
 
 from .checkpoint import validate_nvfp4
 from .formats import NVFP4Tensor
-from .layouts import ChunkedNibbleLayout
+from .layouts import FragmentLayout
 
 __all__ = ["MoEWeights", "prepare_moe_weights", "fused_moe", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
-LAYOUT = ChunkedNibbleLayout()
+LAYOUT = FragmentLayout()
 
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """Expert weights in the kernel's layout (``layouts.ChunkedNibbleLayout``).
+    """Expert weights in the kernel's layout (``layouts.FragmentLayout``; padN pads to 64, padK to 128).
 
-    w13_packed uint8 [E, 2I, pad(H)/2], w13_scale uint8 (e4m3 bits) [E, 2I, pad(H)/16], w13_global fp32
-    [E, 2] (gate, up); w2_packed [E, H, pad(I)/2], w2_scale [E, H, pad(I)/16], w2_global fp32 [E].
+    w13_packed uint8 [E, 2 padN(I), padK(H)/2] (gate rows, then up rows), w13_scale uint8
+    [E, 2 padN(I), padK(H)/16], w13_global fp32 [E, 2] (gate, up); w2_packed [E, padN(H), padK(I)/2],
+    w2_scale [E, padN(H), padK(I)/16], w2_global fp32 [E].
     """
 
     w13_packed: torch.Tensor
@@ -40,7 +41,7 @@ class MoEWeights:
     w2_global: torch.Tensor
     hidden: int
     intermediate: int
-    layout: ChunkedNibbleLayout = LAYOUT
+    layout: FragmentLayout = LAYOUT
 
     @property
     def num_experts(self) -> int:
@@ -53,11 +54,15 @@ class MoEWeights:
     def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
 
-        def unpack(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int) -> NVFP4Tensor:
-            return NVFP4Tensor(self.layout.unpack(packed, k), self.layout.unpad_scales(scale, k), global_scale)
+        def unpack(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs = [self.layout.unpack(v, s, n, k) for v, s in zip(values, scales)]
+            return torch.stack([p for p, _ in pairs]), torch.stack([s for _, s in pairs])
 
-        w13 = unpack(self.w13_packed, self.w13_scale, self.w13_global, self.hidden)
-        w2 = unpack(self.w2_packed, self.w2_scale, self.w2_global, self.intermediate)
+        h, i, ip = self.hidden, self.intermediate, self.layout.padded_n(self.intermediate)
+        gate = unpack(self.w13_packed[:, :ip], self.w13_scale[:, :ip], i, h)
+        up = unpack(self.w13_packed[:, ip:], self.w13_scale[:, ip:], i, h)
+        w13 = NVFP4Tensor(torch.cat((gate[0], up[0]), 1), torch.cat((gate[1], up[1]), 1), self.w13_global)
+        w2 = NVFP4Tensor(*unpack(self.w2_packed, self.w2_scale, h, i), self.w2_global)
         return w13, w2
 
 
@@ -85,17 +90,23 @@ def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
     if w2.global_scale.shape != (e,):
         raise ValueError(f"w2 global scale must be [E], got {tuple(w2.global_scale.shape)}")
 
-    def pack(q: NVFP4Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n, kp = q.n, LAYOUT.padded_k(k)
-        packed = torch.empty(e, n, kp // 2, dtype=torch.uint8, device=q.packed.device)
-        scale = torch.empty(e, n, kp // 16, dtype=torch.uint8, device=q.packed.device)
+    def pack(q: NVFP4Tensor, row_blocks: tuple[tuple[int, int], ...], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each (start, rows) block of q's rows becomes its own padded run of rows (gate and up stay apart)."""
+        np_, kp = sum(LAYOUT.padded_n(rows) for _, rows in row_blocks), LAYOUT.padded_k(k)
+        packed = torch.empty(e, np_, kp // 2, dtype=torch.uint8, device=q.packed.device)
+        scale = torch.empty(e, np_, kp // 16, dtype=torch.uint8, device=q.packed.device)
         for expert in range(e):
-            packed[expert] = LAYOUT.pack(q.packed[expert])
-            scale[expert] = LAYOUT.pad_scales(q.block_scale[expert], k).view(torch.uint8)
+            row = 0
+            for start, rows in row_blocks:
+                end = row + LAYOUT.padded_n(rows)
+                packed[expert, row:end], scale[expert, row:end] = LAYOUT.pack(
+                    q.packed[expert, start : start + rows], q.block_scale[expert, start : start + rows]
+                )
+                row = end
         return packed, scale
 
-    w13_packed, w13_scale = pack(w13, h)
-    w2_packed, w2_scale = pack(w2, i)
+    w13_packed, w13_scale = pack(w13, ((0, i), (i, i)), h)
+    w2_packed, w2_scale = pack(w2, ((0, h),), i)
     return MoEWeights(
         w13_packed, w13_scale, gs13.contiguous(), w2_packed, w2_scale, w2.global_scale.float().contiguous(), h, i
     )

@@ -1,7 +1,7 @@
 """Kernel configurations: frozen dataclasses with one ``is_valid``, a default heuristic, tuned JSON.
 
 Tuned entries live in ``configs/fused_moe_sm90/<device>.json`` at the repository root:
-  {"meta": {"kernel": "fused_moe_sm90", "version": 1, "device": "NVIDIA H200", ...},
+  {"meta": {"kernel": "fused_moe_sm90", "version": 2, "device": "NVIDIA H200", ...},
    "entries": [{"experts": 128, "hidden": 2048, "intermediate": 768, "dtype": "bfloat16",
                 "max_tokens": 16, "config": {...MoEKernelConfig fields...}}, ...]}
 An entry applies to token counts up to ``max_tokens`` (the smallest such entry wins).  The file's
@@ -19,10 +19,10 @@ import torch
 
 __all__ = ["GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config"]
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves)
 KERNEL_NAME = "fused_moe_sm90"
 CONFIG_DIR = Path(os.environ.get("MOE_NVFP4_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
-CHUNK_K = 128  # the kernel's K step, fixed by the weight layout (layouts.ChunkedNibbleLayout)
+CHUNK_K = 128  # the kernel's K step, fixed by the weight layout (layouts.FragmentLayout)
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,11 @@ class GemmConfig:
     num_warps: int = 4
     split_k: int = 1
     programs_per_sm: int = 1
-    join_halves: bool = True  # one K=128 dot per chunk (True) or one per nibble half
 
     def is_valid(self, k_padded: int, gated: bool) -> bool:
         chunks = k_padded // CHUNK_K
         return (
-            self.block_n in (16, 32, 64, 128, 256)
+            self.block_n in (64, 128, 256)  # whole 64-row units of the layout
             and self.group_m >= 1
             and 1 <= self.num_stages <= 8
             and self.num_warps in (1, 2, 4, 8, 16)

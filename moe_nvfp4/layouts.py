@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ChunkedNibbleLayout", "SCALE_LAYOUT_VERSION", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset"]
+__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "encode_scale_e5m3", "decode_scale_e5m3", "SCALE_LAYOUT_VERSION", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset"]
 
 SCALE_LAYOUT_VERSION = 1
 
@@ -61,51 +61,108 @@ def unswizzle_scales_128x4(swizzled: torch.Tensor, rows: int, scale_cols: int) -
     return linear[..., :rows, :scale_cols].contiguous()
 
 
-@dataclass(frozen=True)
-class ChunkedNibbleLayout:
-    """Weight layout of the sm_90 Triton MoE kernel.
+# Bit positions, inside one 32-bit word, of the four code bits (m, e0, e1, sign) of each of the word's eight
+# values.  Values 0-1, 2-3, 4-5, 6-7 decode to one bf16x2 register each: value 2j into bits (6, 7, 8, 15) and
+# value 2j+1 into (22, 23, 24, 31), i.e. exponent LSBs and first mantissa bit, so a code c becomes the bf16
+# of c * 2^-126.  The positions make each register cheap to extract (sm90 kernel, _DECODE_ASM):
+#   values 0-1: w & P;  2-3: (w << 3) & P;  4-5: ((w & 0x40074007) * 66) & P;
+#   6-7: (((w >> 3) & 0x05C005C0) * 33) & P  with P = 0x81C081C0 (the multiplies add disjoint shifted copies).
+FRAGMENT_WORD_BITS: tuple[tuple[int, int, int, int], ...] = (
+    (6, 7, 8, 15), (22, 23, 24, 31),
+    (3, 4, 5, 12), (19, 20, 21, 28),
+    (0, 1, 2, 14), (16, 17, 18, 30),
+    (9, 10, 11, 13), (25, 26, 27, 29),
+)
 
-    K is zero-padded to a multiple of ``chunk_k``.  Within each chunk of ``chunk_k`` K-elements, byte i
-    holds element i in the low nibble and element i + chunk_k/2 in the high nibble, so the kernel decodes
-    the two halves of a chunk as two dense [N, chunk_k/2] operands with no register shuffle.  Block scales
-    stay linear ([..., N, KP/16], padded with zeros, which decode padded values to 0).
+
+def encode_scale_e5m3(scales: torch.Tensor) -> torch.Tensor:
+    """Non-negative e4m3 block scales -> the kernel's byte: 0 for zero, else ((e + 10) << 3) | m for
+    s = 2^e * (1 + m/8), e in [-9, 8] (e4m3 subnormals normalised).  Exact; decodes with one shift and
+    one add to bf16 (bits (b << 4) + 0x7000 = s * 2^107) or fp16 (bits (b << 7) + 0x1400 = s)."""
+    s = scales.float()
+    mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+    e = exp - 1
+    m = torch.round((mant * 2 - 1) * 8).to(torch.int32)
+    byte = ((e + 10) << 3) | m
+    return torch.where(s > 0, byte, torch.zeros_like(byte)).to(torch.uint8)
+
+
+def decode_scale_e5m3(byte: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``encode_scale_e5m3`` -> float32 (byte 0 -> 0)."""
+    b = byte.to(torch.int32)
+    value = torch.ldexp(1 + (b & 7).float() / 8, (b >> 3) - 10)
+    return torch.where(b == 0, torch.zeros_like(value), value)
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """Weight layout of the sm_90 Triton MoE kernel: each thread's wgmma A fragment is one contiguous run.
+
+    Rows are zero-padded to a multiple of 64 (a *unit*: one warp group's 64-row wgmma tile), K to a
+    multiple of 128 (a *chunk*).  Unit u, chunk c occupies 4096 value bytes at (u * chunks + c) * 4096:
+    128 slots of 32 bytes; slot t = 32 * warp + 4 * r + q holds rows R = 16 * warp + r and R + 8 at
+    K = 16 g + 2 q + {0, 1} + {0, 8} for g = 0..7, one 32-bit word per g (bits: FRAGMENT_WORD_BITS;
+    values in word order (R, +0), (R, +1), (R, +8), (R, +9), then the same for R + 8).  These are exactly
+    the registers of the wgmma A operand, so a thread's fragment is two 16-byte loads and needs no shuffle.
+    Scales: 512 bytes per unit and chunk at (u * chunks + c) * 512: 16 bytes per (warp, r) row pair,
+    (g, R) and (g, R + 8) for g = 0..7, in ``encode_scale_e5m3`` form (shared by the four threads q).
+    A block whose scale is zero has its codes zeroed (its values are zero either way).
     """
 
+    unit_rows: int = 64
     chunk_k: int = 128
-    version: int = 1
+    version: int = 2
 
     def padded_k(self, k: int) -> int:
         return -(-k // self.chunk_k) * self.chunk_k
 
-    def pack(self, packed: torch.Tensor) -> torch.Tensor:
-        """Standard packing [..., N, K/2] (even K in the low nibble) -> [..., N, KP/2] in this layout."""
+    def padded_n(self, n: int) -> int:
+        return -(-n // self.unit_rows) * self.unit_rows
+
+    def pack(self, packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One matrix: standard packing [N, K/2] + linear e4m3 scales [N, K/16] ->
+        (values uint8 [NP, KP/2], scales uint8 [NP, KP/16]) in this layout."""
         from .formats import unpack_fp4
 
-        *batch, n, half_k = packed.shape
-        kp = self.padded_k(2 * half_k)
-        codes = unpack_fp4(packed)
-        if kp != 2 * half_k:
-            codes = torch.nn.functional.pad(codes, (0, kp - 2 * half_k))
-        chunks = codes.reshape(*batch, n, kp // self.chunk_k, self.chunk_k)
-        half = self.chunk_k // 2
-        return (chunks[..., :half] | (chunks[..., half:] << 4)).reshape(*batch, n, kp // 2)
+        n, k = packed.shape[0], packed.shape[1] * 2
+        np_, kp = self.padded_n(n), self.padded_k(k)
+        codes = torch.zeros(np_, kp, dtype=torch.uint8, device=packed.device)
+        codes[:n, :k] = unpack_fp4(packed)
+        s = torch.zeros(np_, kp // 16, dtype=torch.float32, device=packed.device)
+        s[:n, : k // 16] = scales.float()
+        codes = codes.view(np_, kp // 16, 16).masked_fill_((s == 0)[..., None], 0).view(np_, kp)
+        units, chunks = np_ // 64, kp // 128
+        # [unit, warp, rh, r, chunk, g, kh, q, kp] -> [unit, chunk, warp, r, q, g, rh, kh, kp]
+        v = codes.view(units, 4, 2, 8, chunks, 8, 2, 4, 2).permute(0, 4, 1, 3, 7, 5, 2, 6, 8)
+        v = v.reshape(units, chunks, 128, 8, 8).to(torch.int64)
+        word = torch.zeros(v.shape[:-1], dtype=torch.int64, device=packed.device)
+        for j, positions in enumerate(FRAGMENT_WORD_BITS):
+            for bit, pos in enumerate(positions):
+                word |= ((v[..., j] >> bit) & 1) << pos
+        values = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+        # scales [unit, warp, rh, r, chunk, g] -> [unit, chunk, warp, r, g, rh]
+        sb = encode_scale_e5m3(s).view(units, 4, 2, 8, chunks, 8).permute(0, 4, 1, 3, 5, 2)
+        return values.reshape(np_, kp // 2), sb.reshape(np_, kp // 16)
 
-    def unpack(self, packed: torch.Tensor, k: int) -> torch.Tensor:
-        """Inverse of ``pack``: [..., N, KP/2] -> standard packing [..., N, K/2]."""
+    def unpack(self, values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of ``pack`` (zero-scale blocks come back with zero codes): -> (packed [N, K/2] uint8,
+        e4m3 scales [N, K/16])."""
         from .formats import pack_fp4
 
-        *batch, n, half_kp = packed.shape
-        if half_kp * 2 != self.padded_k(k):
-            raise ValueError(f"packed K of {half_kp * 2} does not match K={k} padded to {self.padded_k(k)}")
-        chunks = packed.reshape(*batch, n, half_kp * 2 // self.chunk_k, self.chunk_k // 2)
-        codes = torch.cat((chunks & 0x0F, chunks >> 4), dim=-1).reshape(*batch, n, half_kp * 2)
-        return pack_fp4(codes[..., :k])
-
-    def pad_scales(self, scales: torch.Tensor, k: int) -> torch.Tensor:
-        """Linear block scales [..., N, K/16] -> [..., N, KP/16], zero padded."""
-        extra = (self.padded_k(k) - k) // 16
-        return torch.nn.functional.pad(scales.view(torch.uint8), (0, extra)).view(scales.dtype) if extra else scales
-
-    def unpad_scales(self, padded: torch.Tensor, k: int) -> torch.Tensor:
-        """Inverse of ``pad_scales`` for e4m3 bits stored as uint8: [..., N, KP/16] -> e4m3 [..., N, K/16]."""
-        return padded[..., : k // 16].contiguous().view(torch.float8_e4m3fn)
+        np_, kp = self.padded_n(n), self.padded_k(k)
+        if tuple(values.shape) != (np_, kp // 2) or tuple(scales.shape) != (np_, kp // 16):
+            raise ValueError(
+                f"packed values {tuple(values.shape)} / scales {tuple(scales.shape)} do not hold an [{n}, {k}] matrix "
+                f"(expected {(np_, kp // 2)} and {(np_, kp // 16)})"
+            )
+        units, chunks = np_ // 64, kp // 128
+        b = values.view(units, chunks, 128, 8, 4).to(torch.int64)
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+        v = torch.zeros(*word.shape, 8, dtype=torch.int64, device=values.device)
+        for j, positions in enumerate(FRAGMENT_WORD_BITS):
+            for bit, pos in enumerate(positions):
+                v[..., j] |= ((word >> pos) & 1) << bit
+        codes = v.view(units, chunks, 4, 8, 4, 8, 2, 2, 2).permute(0, 2, 6, 3, 1, 5, 7, 4, 8).reshape(np_, kp)
+        sb = scales.view(units, chunks, 4, 8, 8, 2).permute(0, 2, 5, 3, 1, 4).reshape(np_, kp // 16)
+        e4m3 = decode_scale_e5m3(sb[:n, : k // 16]).to(torch.float8_e4m3fn)
+        return pack_fp4(codes[:n, :k].to(torch.uint8)), e4m3

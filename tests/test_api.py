@@ -22,7 +22,7 @@ def test_prepare_round_trips_to_checkpoint_tensors(gen: torch.Generator) -> None
     w13, w2 = _layer(gen)
     weights = m.prepare_moe_weights(w13, w2)
     assert (weights.num_experts, weights.hidden, weights.intermediate) == (4, 48, 32)
-    assert weights.w13_packed.shape == (4, 64, 64) and weights.w2_packed.shape == (4, 48, 64)  # K padded to 128
+    assert weights.w13_packed.shape == (4, 128, 64) and weights.w2_packed.shape == (4, 64, 64)  # rows to 64, K to 128
     back13, back2 = weights.to_nvfp4()
     for a, b in ((back13, w13), (back2, w2)):
         assert torch.equal(a.packed, b.packed)

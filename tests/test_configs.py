@@ -9,6 +9,7 @@ import torch
 
 from moe_nvfp4.configs import (
     CONFIG_DIR,
+    CONFIG_VERSION,
     GemmConfig,
     MoEKernelConfig,
     default_config,
@@ -50,7 +51,7 @@ def test_select_prefers_smallest_covering_entry(tmp_path: Path, monkeypatch: pyt
         dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=16, config=small.to_dict()),
         dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=4096, config=large.to_dict()),
     ]
-    meta = dict(kernel=configs.KERNEL_NAME, version=configs.CONFIG_VERSION, device="Fake GPU")
+    meta = dict(kernel=configs.KERNEL_NAME, version=CONFIG_VERSION, device="Fake GPU")
     (tmp_path / configs.KERNEL_NAME).mkdir()
     (tmp_path / configs.KERNEL_NAME / "Fake_GPU.json").write_text(json.dumps(dict(meta=meta, entries=entries)))
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
@@ -68,7 +69,7 @@ def test_bad_file_is_refused(tmp_path: Path) -> None:
         load_config_file(str(path))
     bad_cfg = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, split_k=3)).to_dict()  # 3 does not divide chunks
     entry = dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=1, config=bad_cfg)
-    path.write_text(json.dumps(dict(meta=dict(kernel="fused_moe_sm90", version=1), entries=[entry])))
+    path.write_text(json.dumps(dict(meta=dict(kernel="fused_moe_sm90", version=CONFIG_VERSION), entries=[entry])))
     with pytest.raises(ValueError, match="invalid config"):
         load_config_file(str(path))
 

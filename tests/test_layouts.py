@@ -145,35 +145,62 @@ def test_bad_shapes_raise(gen):
         NVFP4Tensor(packed, swz[:128], torch.tensor(1.0), ScaleLayout.SWIZZLED_128x4).linear_scales()
 
 
-# ---- ChunkedNibbleLayout (the sm_90 kernel's weight layout) ----
+# ---- FragmentLayout (the sm_90 kernel's weight layout) ----
 
 
-@pytest.mark.parametrize("k", [16, 48, 128, 144, 256, 400])
-def test_chunked_nibble_layout_places_every_element(k: int, gen: torch.Generator) -> None:
-    """Byte i of chunk c holds element c*128 + i (low nibble) and c*128 + 64 + i (high nibble)."""
-    from moe_nvfp4.formats import unpack_fp4
-    from moe_nvfp4.layouts import ChunkedNibbleLayout
+@pytest.mark.parametrize("n,k", [(64, 128), (100, 48), (130, 400), (8, 16)])
+def test_fragment_layout_places_every_element(n: int, k: int, gen: torch.Generator) -> None:
+    """Every code sits at the bit positions the layout's docstring names, every scale in its slot; pack/unpack
+    round-trip (a zero-scale block comes back with zero codes)."""
+    from moe_nvfp4.formats import pack_fp4, unpack_fp4
+    from moe_nvfp4.layouts import FRAGMENT_WORD_BITS, FragmentLayout, decode_scale_e5m3
 
-    layout = ChunkedNibbleLayout()
-    packed = torch.randint(0, 256, (3, 5, k // 2), generator=gen, dtype=torch.uint8)
-    out = layout.pack(packed)
-    kp = layout.padded_k(k)
-    assert out.shape == (3, 5, kp // 2) and kp % 128 == 0 and kp - k < 128
-    codes = torch.nn.functional.pad(unpack_fp4(packed), (0, kp - k))
-    for c in range(kp // 128):
-        for i in range(64):
-            byte = out[..., c * 64 + i]
-            assert torch.equal(byte & 0xF, codes[..., c * 128 + i])
-            assert torch.equal(byte >> 4, codes[..., c * 128 + 64 + i])
-    assert torch.equal(layout.unpack(out, k), packed)
-    scales = torch.randint(0, 127, (3, 5, k // 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    padded = layout.pad_scales(scales, k).view(torch.uint8)
-    assert padded.shape == (3, 5, kp // 16)
-    assert torch.equal(padded[..., : k // 16], scales.view(torch.uint8)) and not padded[..., k // 16 :].any()
+    layout = FragmentLayout()
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(1, 127, (n, k // 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales.view(torch.uint8)[0, 0] = 0
+    values, sbytes = layout.pack(pack_fp4(codes), scales)
+    np_, kp = layout.padded_n(n), layout.padded_k(k)
+    assert values.shape == (np_, kp // 2) and sbytes.shape == (np_, kp // 16)
+    flat, sflat = values.flatten().to(torch.int64), sbytes.flatten()
+    expected = torch.zeros(np_, kp, dtype=torch.int64)
+    expected[:n, :k] = codes
+    expected[0, :16] = 0
+    chunks = kp // 128
+    for row in range(0, np_, 7):
+        for kk in range(0, kp, 5):
+            unit, rr, c, kc = row // 64, row % 64, kk // 128, kk % 128
+            warp, rh, r = rr // 16, (rr % 16) // 8, rr % 8
+            g, kh, q, kpair = kc // 16, (kc % 16) // 8, (kc % 8) // 2, kc % 2
+            word_at = ((unit * chunks + c) * 128 + warp * 32 + r * 4 + q) * 32 + g * 4
+            word = sum(int(flat[word_at + b]) << (8 * b) for b in range(4))
+            got = sum(((word >> pos) & 1) << bit for bit, pos in enumerate(FRAGMENT_WORD_BITS[4 * rh + 2 * kh + kpair]))
+            assert got == expected[row, kk], (row, kk)
+            scale = sflat[((unit * chunks + c) * 32 + warp * 8 + r) * 16 + g * 2 + rh]
+            want = scales[row, kk // 16].float() if row < n and kk < k else torch.tensor(0.0)
+            assert decode_scale_e5m3(scale) == want, (row, kk)
+    packed, back = layout.unpack(values, sbytes, n, k)
+    assert torch.equal(unpack_fp4(packed), expected[:n, :k].to(torch.uint8))
+    assert torch.equal(back.view(torch.uint8), scales.view(torch.uint8))
 
 
-def test_chunked_nibble_layout_rejects_wrong_k() -> None:
-    from moe_nvfp4.layouts import ChunkedNibbleLayout
+def test_scale_byte_decodes_exactly_to_biased_bf16_and_fp16() -> None:
+    """Every non-negative e4m3 (subnormals included) -> byte -> the kernel's shift-and-add decode is exact."""
+    from moe_nvfp4.layouts import decode_scale_e5m3, encode_scale_e5m3
 
-    with pytest.raises(ValueError, match="does not match"):
-        ChunkedNibbleLayout().unpack(torch.zeros(2, 64, dtype=torch.uint8), 256)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    byte = encode_scale_e5m3(e4m3)
+    assert torch.equal(decode_scale_e5m3(byte), e4m3.float())
+    b = byte.to(torch.int32)
+    bf16 = ((b << 4) + 0x7000).to(torch.int16).view(torch.bfloat16).float()
+    fp16 = ((b << 7) + 0x1400).to(torch.int16).view(torch.float16).float()
+    nonzero = e4m3.float() > 0
+    assert torch.equal(bf16[nonzero], e4m3.float()[nonzero] * 2.0**107)
+    assert torch.equal(fp16[nonzero], e4m3.float()[nonzero])
+
+
+def test_fragment_layout_rejects_wrong_shape() -> None:
+    from moe_nvfp4.layouts import FragmentLayout
+
+    with pytest.raises(ValueError, match="do not hold"):
+        FragmentLayout().unpack(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8), 64, 256)

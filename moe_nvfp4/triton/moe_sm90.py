@@ -9,10 +9,11 @@ Launches per forward (each grid sized from the SM count or T, never from routing
 
 The GEMMs compute out^T = W @ A^T ("swap AB"): the decoded weights are the MMA's large side and the
 token tile (16..128 rows) its small side, so decode-sized batches do not pad the tensor core with
-zeros.  An FP4 code decodes exactly to fp16 bits (value * 2^-14) and the e4m3 scale to fp16 bits
-(value * 2^-8); their product, scaled by 2^22 in fp32, is the exact dequantized weight, rounded to
-the activation dtype without loss (at most 6 significant bits).  Global scales apply in fp32 in the
-epilogue, separately for gate and up.
+zeros.  Weights arrive in layouts.FragmentLayout, where each thread's bytes are exactly its wgmma A
+registers: two 16-byte loads per 128-wide K chunk, decoded in registers with no shuffle.  A code decodes
+to bf16 bits of value * 2^-126 (fp16: value * 2^-14) and the block scale byte to a biased bf16 (fp16)
+scale; their product is the exact dequantized weight times a power of two, undone in the fp32 epilogue
+together with the global scales (gate and up separately).
 """
 from __future__ import annotations
 
@@ -88,86 +89,103 @@ def _route_kernel(
         tl.store(tile_row_ptr + t, tl.zeros([BLOCK_P], tl.int32), mask=t < max_tiles)
 
 
-# FP4 -> 16-bit decode, four bytes (eight values) per call: spread the bytes into 16-bit lanes (prmt),
-# move the sign to bit 15 and the 3 magnitude bits to the top of the exponent / first mantissa bit, then
-# one packed multiply by the (pre-biased) block scale.  Low nibbles are the first half of a chunk, high
-# nibbles the second (layouts.ChunkedNibbleLayout).
-_ASM_BODY = """{{
-.reg .b32 t, u, a, b;
-prmt.b32 t, $2, 0, 0x4140;
-prmt.b32 u, $2, 0, 0x4342;
-shl.b32 a, t, {sign}; and.b32 a, a, 0x80008000;
-shl.b32 b, t, {mag}; and.b32 b, b, {mask}; or.b32 a, a, b;
-mul.rn.{ty}x2 $0, a, $3;
-shl.b32 a, u, {sign}; and.b32 a, a, 0x80008000;
-shl.b32 b, u, {mag}; and.b32 b, b, {mask}; or.b32 a, a, b;
-mul.rn.{ty}x2 $1, a, $4;
+# FP4 -> 16-bit decode of one 32-bit word of layouts.FragmentLayout (eight values, bits FRAGMENT_WORD_BITS)
+# plus its two block scales (bytes 0 and 1 of $5: rows R and R + 8).  Four masked shifts/multiplies put each
+# value pair into the exponent LSBs / first mantissa bit of a bf16x2 register (code * 2^-126), one packed
+# multiply applies the scale.  fp16 moves the three magnitude bits up by three (code * 2^-14).
+_DECODE_ASM = """{{
+.reg .b32 s, x, t, lo, hi;
+.reg .b16 s0, s1;
+prmt.b32 x, $5, 0, 0x4140;
+mad.lo.u32 s, x, {scale_mul}, {scale_add};
+mov.b32 {{s0, s1}}, s;
+mov.b32 lo, {{s0, s0}};
+mov.b32 hi, {{s1, s1}};
+and.b32 x, $4, 0x81C081C0;{fix}
+mul.rn.{ty}x2 $0, x, lo;
+shl.b32 x, $4, 3; and.b32 x, x, 0x81C081C0;{fix}
+mul.rn.{ty}x2 $1, x, lo;
+and.b32 x, $4, 0x40074007; mul.lo.u32 x, x, 66; and.b32 x, x, 0x81C081C0;{fix}
+mul.rn.{ty}x2 $2, x, hi;
+shr.b32 x, $4, 3; and.b32 x, x, 0x05C005C0; mul.lo.u32 x, x, 33; and.b32 x, x, 0x81C081C0;{fix}
+mul.rn.{ty}x2 $3, x, hi;
 }}"""
-_BF16 = dict(mask="0x01C001C0", ty="bf16")
-_FP16 = dict(mask="0x0E000E00", ty="f16")
-ASM_BF16_LO: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=12, mag=6, **_BF16))
-ASM_BF16_HI: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=8, mag=2, **_BF16))
-ASM_FP16_LO: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=12, mag=9, **_FP16))
-ASM_FP16_HI: tl.constexpr = tl.constexpr(_ASM_BODY.format(sign=8, mag=5, **_FP16))
-# A decoded code is value * 2^-126 in bf16 bits and value * 2^-14 in fp16 bits.  Scales are pre-multiplied
-# by SCALE_BIAS so that products stay exact (bf16: normal numbers; fp16: exact subnormals), and the
-# epilogue multiplies by EPILOGUE_FIX = 2^126 / SCALE_BIAS (bf16) or 2^14 (fp16).
-BF16_SCALE_BIAS: tl.constexpr = tl.constexpr(2.0**119)
-BF16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**7)
+_FP16_FIX = "\nshl.b32 t, x, 3; and.b32 t, t, 0x0E000E00; and.b32 x, x, 0x80008000; or.b32 x, x, t;"
+DECODE_BF16: tl.constexpr = tl.constexpr(_DECODE_ASM.format(scale_mul=16, scale_add="0x70007000", fix="", ty="bf16"))
+DECODE_FP16: tl.constexpr = tl.constexpr(_DECODE_ASM.format(scale_mul=128, scale_add="0x14001400", fix=_FP16_FIX, ty="f16"))
+# The decoded scale is block_scale * 2^107 (bf16) or block_scale (fp16), the decoded code value * 2^-126 or
+# value * 2^-14: every product is exact, and the epilogue multiplies by EPILOGUE_FIX.
+BF16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**19)
 FP16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**14)
 
 
 @triton.jit
-def _load_scales(s_ptrs, mask, DTYPE: tl.constexpr):
-    """e4m3 bytes -> block scales in DTYPE, pre-biased for the decode (exact)."""
-    s = tl.load(s_ptrs, mask=mask, other=0).to(tl.uint16)
-    bits = ((s & 0x80) << 8) | ((s & 0x7F) << 7)  # e4m3 -> fp16 bits of value * 2^-8
-    scale = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    if DTYPE == tl.bfloat16:
-        scale = scale * BF16_SCALE_BIAS
-    return scale.to(DTYPE)
+def _lanes_portable(r, scale, DTYPE: tl.constexpr):
+    """Plain-Triton twin of the PTX: a bf16x2-pattern word -> its two values times the scale (float32)."""
+    out = []
+    for lane in tl.static_range(2):
+        bits = ((r >> (16 * lane)) & 0xFFFF).to(tl.uint16)
+        if DTYPE == tl.float16:
+            bits = (bits & 0x8000) | ((bits << 3) & 0x0E00)
+        out.append((bits.to(DTYPE, bitcast=True).to(tl.float32) * scale).to(DTYPE))
+    return tl.join(out[0], out[1])
 
 
 @triton.jit
-def _decode_fp4(packed, scale, HIGH: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    """uint8 [ROWS, COLS] (the chosen nibble of each byte) x scales [ROWS, COLS // 16] -> DTYPE weights,
-    each equal to value * block_scale / EPILOGUE_FIX exactly."""
-    s = tl.reshape(tl.broadcast_to(scale[:, :, None], [ROWS, COLS // 16, 16]), [ROWS, COLS])
-    if USE_ASM:
-        if DTYPE == tl.bfloat16:
-            asm: tl.constexpr = ASM_BF16_HI if HIGH else ASM_BF16_LO
-            return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [packed, s], dtype=tl.bfloat16, is_pure=True, pack=4)
-        else:
-            asm: tl.constexpr = ASM_FP16_HI if HIGH else ASM_FP16_LO
-            return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [packed, s], dtype=tl.float16, is_pure=True, pack=4)
-    # The same bit manipulation in plain Triton, for the interpreter (no inline PTX there).
-    n = ((packed >> 4) if HIGH else (packed & 0xF)).to(tl.uint16)
+def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
+    """The same bit manipulation as _DECODE_ASM in plain Triton (the interpreter has no inline PTX)."""
+    b02, b13 = tl.split(tl.reshape(p, [SLOTS, 8, 2, 2]).to(tl.uint32))
+    b0, b2 = tl.split(b02)
+    b1, b3 = tl.split(b13)
+    w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    pattern = 0x81C081C0
+    s_lo, s_hi = tl.split(tl.reshape(s, [SLOTS, 8, 2]).to(tl.uint32))
     if DTYPE == tl.bfloat16:
-        bits = ((n & 8) << 12) | ((n & 7) << 6)
+        s_lo = ((s_lo << 4) + 0x7000).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        s_hi = ((s_hi << 4) + 0x7000).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
     else:
-        bits = ((n & 8) << 12) | ((n & 7) << 9)
-    return (bits.to(DTYPE, bitcast=True).to(tl.float32) * s.to(tl.float32)).to(DTYPE)
+        s_lo = ((s_lo << 7) + 0x1400).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        s_hi = ((s_hi << 7) + 0x1400).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    r0 = _lanes_portable(w & pattern, s_lo, DTYPE)
+    r1 = _lanes_portable((w << 3) & pattern, s_lo, DTYPE)
+    r2 = _lanes_portable(((w & 0x40074007) * 66) & pattern, s_hi, DTYPE)
+    r3 = _lanes_portable((((w >> 3) & 0x05C005C0) * 33) & pattern, s_hi, DTYPE)
+    lo = tl.reshape(tl.permute(tl.join(r0, r1), (0, 1, 3, 2)), [SLOTS, 32])
+    hi = tl.reshape(tl.permute(tl.join(r2, r3), (0, 1, 3, 2)), [SLOTS, 32])
+    return lo, hi
 
 
 @triton.jit
-def _dot_chunk(acc, w_row_ptr, s_row_ptr, k0, a, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DTYPE: tl.constexpr, USE_ASM: tl.constexpr, JOIN_HALVES: tl.constexpr):
-    """acc += W[rows, k0:k0+BLOCK_K] @ A^T for one chunk in the chunked nibble layout."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    kb = tl.arange(0, HALF)
-    packed = tl.load(w_row_ptr + (k0 // 2 + kb)[None, :], mask=row_mask, other=0)
-    sb = tl.arange(0, HALF // 16)
-    s_lo = _load_scales(s_row_ptr + (k0 // 16 + sb)[None, :], row_mask, DTYPE)
-    s_hi = _load_scales(s_row_ptr + (k0 // 16 + HALF // 16 + sb)[None, :], row_mask, DTYPE)
-    w_lo = _decode_fp4(packed, s_lo, False, BLOCK_N, HALF, DTYPE, USE_ASM)
-    w_hi = _decode_fp4(packed, s_hi, True, BLOCK_N, HALF, DTYPE, USE_ASM)
-    if JOIN_HALVES:  # one K=128 dot: Triton keeps its wgmmas in flight instead of waiting per half
-        w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, BLOCK_K])
-        return tl.dot(w, a, acc)
-    a_halves = tl.reshape(tl.permute(tl.reshape(a, [2, HALF, a.shape[1]]), (1, 2, 0)), [HALF, a.shape[1], 2])
-    a_lo, a_hi = tl.split(a_halves)
-    return tl.dot(w_hi, a_hi, tl.dot(w_lo, a_lo, acc))
+def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """FragmentLayout slots -> the [ROWS, 128] weight tile in natural (row, k) order, DTYPE, each value
+    code * block_scale / EPILOGUE_FIX exactly.  p: uint8 [2 ROWS, 32]; s: uint8 [2 ROWS, 16] (per slot)."""
+    SLOTS: tl.constexpr = 2 * ROWS
+    if USE_ASM:
+        s4 = tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 8, 1, 2]), [SLOTS, 8, 2, 2]), [SLOTS, 32])
+        if DTYPE == tl.bfloat16:
+            lo, hi = tl.inline_asm_elementwise(DECODE_BF16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(DECODE_FP16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=4)
+    else:
+        lo, hi = _decode_portable(p, s, SLOTS, DTYPE)
+    # lo/hi [slot, g, kh, kp] with slot = 32 warp + 4 r + q: rows 16 warp + r (lo) and + 8 (hi),
+    # k = 16 g + 8 kh + 2 q + kp.  Pure relabelling: these are the wgmma A registers already.
+    shape: tl.constexpr = [ROWS // 16, 8, 4, 8, 2, 2]
+    w = tl.join(tl.reshape(lo, shape), tl.reshape(hi, shape))  # [warp, r, q, g, kh, kp, rh]
+    return tl.reshape(tl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [ROWS, 128])
+
+
+@triton.jit
+def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    """acc += W[tile rows, chunk] @ A^T for one 128-wide K chunk (FragmentLayout addresses)."""
+    p = tl.load(w_slots[:, None] + chunk * 4096 + tl.arange(0, 32)[None, :], mask=slot_ok[:, None], other=0)
+    s = tl.load(s_pairs[:, None] + chunk * 512 + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0)
+    # four threads (q) share each row pair's scales
+    s = tl.reshape(tl.broadcast_to(tl.reshape(s, [BLOCK_N // 16, 8, 1, 16]), [BLOCK_N // 16, 8, 4, 16]), [2 * BLOCK_N, 16])
+    return tl.dot(_decode_fragments(p, s, BLOCK_N, DTYPE, USE_ASM), a, acc)
 
 
 @triton.jit
@@ -200,7 +218,6 @@ def _moe_gemm_kernel(
     DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
-    JOIN_HALVES: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
 
@@ -213,9 +230,14 @@ def _moe_gemm_kernel(
     num_m_tiles = tl.load(num_tiles_ptr)
     num_n_tiles = tl.cdiv(n_out, BLOCK_N)
     total = num_m_tiles * num_n_tiles * SPLIT_K
-    w_rows_total = 2 * n_out if GATED else n_out
-    sfk = kp // 16
-    k_per_split = kp // SPLIT_K
+    chunks = kp // BLOCK_K
+    n_units = tl.cdiv(n_out, 64)  # 64-row units of FragmentLayout (gate and up padded apart)
+    unit_bytes = chunks * 4096
+    unit_scale_bytes = chunks * 512
+    chunks_per_split = chunks // SPLIT_K
+    UNITS: tl.constexpr = BLOCK_N // 64
+    slot = tl.arange(0, 2 * BLOCK_N)
+    pair = tl.arange(0, BLOCK_N // 2)
     for tile in range(pid, total, tl.num_programs(0)):
         split = tile % SPLIT_K
         mn = tile // SPLIT_K
@@ -232,35 +254,40 @@ def _moe_gemm_kernel(
         row_end = tl.load(offsets_ptr + expert + 1)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
-        pair = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
         if GATED:
-            a_rows = pair // TOP_K
+            a_rows = pair_id // TOP_K
         else:
             a_rows = tl.where(row_ok, rows, row0)
         a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
 
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < n_out)[:, None]
-        w_expert = w_ptr + expert.to(tl.int64) * w_rows_total * (kp // 2)
-        s_expert = s_ptr + expert.to(tl.int64) * w_rows_total * sfk
-        w_rows = w_expert + offs_n.to(tl.int64)[:, None] * (kp // 2)
-        s_rows = s_expert + offs_n.to(tl.int64)[:, None] * sfk
+        matrices = 2 * n_units if GATED else n_units  # units per expert
+        slot_unit = n_tile * UNITS + slot // 128
+        pair_unit = n_tile * UNITS + pair // 32
+        slot_ok = slot_unit < n_units
+        pair_ok = pair_unit < n_units
+        unit0 = expert.to(tl.int64) * matrices
+        w_slots = w_ptr + (unit0 + slot_unit) * unit_bytes + (slot % 128) * 32
+        s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if GATED:
-            w_up = w_rows + n_out * (kp // 2)
-            s_up = s_rows + n_out * sfk
+            w_up = w_slots + n_units * unit_bytes
+            s_up = s_pairs + n_units * unit_scale_bytes
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
 
         kb = tl.arange(0, BLOCK_K)
-        k_start = split * k_per_split
-        for k0 in tl.range(k_start, k_start + k_per_split, BLOCK_K, num_stages=NUM_STAGES):
+        first_chunk = split * chunks_per_split
+        for chunk in tl.range(first_chunk, first_chunk + chunks_per_split, num_stages=NUM_STAGES):
+            k0 = chunk * BLOCK_K
             if EVEN_K:
                 a = tl.load(a_base + (k0 + kb)[:, None])
             else:
                 a = tl.load(a_base + (k0 + kb)[:, None], mask=(k0 + kb < k)[:, None], other=0.0)
-            acc = _dot_chunk(acc, w_rows, s_rows, k0, a, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM, JOIN_HALVES)
+            acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
             if GATED:
-                acc_up = _dot_chunk(acc_up, w_up, s_up, k0, a, n_ok, BLOCK_N, BLOCK_K, DTYPE, USE_ASM, JOIN_HALVES)
+                acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
 
         store_mask = n_ok & row_ok[None, :]
         fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
@@ -271,9 +298,9 @@ def _moe_gemm_kernel(
             out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
             tl.store(out_ptrs, act.to(DTYPE), mask=store_mask)
         else:
-            weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
             y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-            out_ptrs = out_ptr + split * stride_split + pair.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            out_ptrs = out_ptr + split * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
             tl.store(out_ptrs, y, mask=store_mask)
 
 
@@ -391,7 +418,7 @@ def fused_moe_sm90(
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights,
         intermediate, hidden, k1p,
         TOP_K=top_k, GATED=True, SPLIT_K=1, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm, JOIN_HALVES=g1.join_halves,
+        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
         num_warps=g1.num_warps,
     )  # fmt: skip
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -400,7 +427,7 @@ def fused_moe_sm90(
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
         hidden, intermediate, k2p,
         TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm, JOIN_HALVES=g2.join_halves,
+        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm,
         num_warps=g2.num_warps,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))
