@@ -272,7 +272,6 @@ def make_weights(shape: MoEShape, seed: int, device: str):
 
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_experts, shape.hidden, shape.inter
-    w13_q = w2_q = None
     w13 = torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16, generator=gen) * (h**-0.5)
     w13_q = quantize_nvfp4(w13, segments=1)  # one global scale per expert: vLLM's Marlin path keeps one
     del w13

@@ -94,6 +94,30 @@ def decode_scale_e5m3(byte: torch.Tensor) -> torch.Tensor:
     return torch.where(b == 0, torch.zeros_like(value), value)
 
 
+# Row-major codes [NP, KP] seen as [unit, warp, rh, r, chunk, g, kh, q, kp] (row = 64 unit + 16 warp + 8 rh + r,
+# k = 128 chunk + 16 g + 8 kh + 2 q + kp), and the order FragmentLayout stores them in:
+# [unit, chunk, slot = (warp, r, q), word g, value = (rh, kh, kp)].
+def _value_dims(units: int, chunks: int) -> tuple[int, ...]:
+    return (units, 4, 2, 8, chunks, 8, 2, 4, 2)
+
+
+_VALUE_ORDER = (0, 4, 1, 3, 7, 5, 2, 6, 8)
+
+
+# Scales [NP, KP/16] seen as [unit, warp, rh, r, chunk, g]; stored as [unit, chunk, (warp, r), g, rh].
+def _scale_dims(units: int, chunks: int) -> tuple[int, ...]:
+    return (units, 4, 2, 8, chunks, 8)
+
+
+_SCALE_ORDER = (0, 4, 1, 3, 5, 2)
+
+
+def _unpermute(stored: torch.Tensor, dims: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of ``x.view(dims).permute(order)``: the stored tensor back in ``dims`` order."""
+    inverse = tuple(order.index(d) for d in range(len(order)))
+    return stored.reshape(tuple(dims[d] for d in order)).permute(inverse)
+
+
 @dataclass(frozen=True)
 class FragmentLayout:
     """Weight layout of the sm_90 Triton MoE kernel: each thread's wgmma A fragment is one contiguous run.
@@ -131,17 +155,14 @@ class FragmentLayout:
         s = torch.zeros(np_, kp // 16, dtype=torch.float32, device=packed.device)
         s[:n, : k // 16] = scales.float()
         codes = codes.view(np_, kp // 16, 16).masked_fill_((s == 0)[..., None], 0).view(np_, kp)
-        units, chunks = np_ // 64, kp // 128
-        # [unit, warp, rh, r, chunk, g, kh, q, kp] -> [unit, chunk, warp, r, q, g, rh, kh, kp]
-        v = codes.view(units, 4, 2, 8, chunks, 8, 2, 4, 2).permute(0, 4, 1, 3, 7, 5, 2, 6, 8)
-        v = v.reshape(units, chunks, 128, 8, 8).to(torch.int64)
+        units, chunks = np_ // self.unit_rows, kp // self.chunk_k
+        v = codes.view(_value_dims(units, chunks)).permute(_VALUE_ORDER).reshape(units, chunks, 128, 8, 8).to(torch.int64)
         word = torch.zeros(v.shape[:-1], dtype=torch.int64, device=packed.device)
         for j, positions in enumerate(FRAGMENT_WORD_BITS):
             for bit, pos in enumerate(positions):
                 word |= ((v[..., j] >> bit) & 1) << pos
         values = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-        # scales [unit, warp, rh, r, chunk, g] -> [unit, chunk, warp, r, g, rh]
-        sb = encode_scale_e5m3(s).view(units, 4, 2, 8, chunks, 8).permute(0, 4, 1, 3, 5, 2)
+        sb = encode_scale_e5m3(s).view(_scale_dims(units, chunks)).permute(_SCALE_ORDER)
         return values.reshape(np_, kp // 2), sb.reshape(np_, kp // 16)
 
     def unpack(self, values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,14 +176,14 @@ class FragmentLayout:
                 f"packed values {tuple(values.shape)} / scales {tuple(scales.shape)} do not hold an [{n}, {k}] matrix "
                 f"(expected {(np_, kp // 2)} and {(np_, kp // 16)})"
             )
-        units, chunks = np_ // 64, kp // 128
+        units, chunks = np_ // self.unit_rows, kp // self.chunk_k
         b = values.view(units, chunks, 128, 8, 4).to(torch.int64)
         word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
         v = torch.zeros(*word.shape, 8, dtype=torch.int64, device=values.device)
         for j, positions in enumerate(FRAGMENT_WORD_BITS):
             for bit, pos in enumerate(positions):
                 v[..., j] |= ((word >> pos) & 1) << bit
-        codes = v.view(units, chunks, 4, 8, 4, 8, 2, 2, 2).permute(0, 2, 6, 3, 1, 5, 7, 4, 8).reshape(np_, kp)
-        sb = scales.view(units, chunks, 4, 8, 8, 2).permute(0, 2, 5, 3, 1, 4).reshape(np_, kp // 16)
+        codes = _unpermute(v, _value_dims(units, chunks), _VALUE_ORDER).reshape(np_, kp)
+        sb = _unpermute(scales, _scale_dims(units, chunks), _SCALE_ORDER).reshape(np_, kp // 16)
         e4m3 = decode_scale_e5m3(sb[:n, : k // 16]).to(torch.float8_e4m3fn)
         return pack_fp4(codes[:n, :k].to(torch.uint8)), e4m3

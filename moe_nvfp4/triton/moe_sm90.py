@@ -132,6 +132,15 @@ def _lanes_portable(r, scale, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _scales_portable(s, DTYPE: tl.constexpr):
+    """Scale bytes -> float32 values of the decoded DTYPE scale (the PTX's prmt + mad)."""
+    s = s.to(tl.uint32)
+    if DTYPE == tl.bfloat16:
+        return ((s << 4) + 0x7000).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return ((s << 7) + 0x1400).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
     """The same bit manipulation as _DECODE_ASM in plain Triton (the interpreter has no inline PTX)."""
     b02, b13 = tl.split(tl.reshape(p, [SLOTS, 8, 2, 2]).to(tl.uint32))
@@ -139,13 +148,7 @@ def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
     b1, b3 = tl.split(b13)
     w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
     pattern = 0x81C081C0
-    s_lo, s_hi = tl.split(tl.reshape(s, [SLOTS, 8, 2]).to(tl.uint32))
-    if DTYPE == tl.bfloat16:
-        s_lo = ((s_lo << 4) + 0x7000).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-        s_hi = ((s_hi << 4) + 0x7000).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-    else:
-        s_lo = ((s_lo << 7) + 0x1400).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        s_hi = ((s_hi << 7) + 0x1400).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    s_lo, s_hi = tl.split(_scales_portable(tl.reshape(s, [SLOTS, 8, 2]), DTYPE))
     r0 = _lanes_portable(w & pattern, s_lo, DTYPE)
     r1 = _lanes_portable((w << 3) & pattern, s_lo, DTYPE)
     r2 = _lanes_portable(((w & 0x40074007) * 66) & pattern, s_hi, DTYPE)
