@@ -1,5 +1,5 @@
 """moe-nvfp4: NVFP4 Mixture-of-Experts kernels and formats.  Public names only; no import-time side effects."""
-from .api import MoEWeights, fused_moe, prepare_moe_weights
+from .api import MoEWeights, fused_moe, prepare_moe_weights, warmup_fused_moe
 from .checkpoint import CheckpointError, Convention, NVFP4Linear, from_checkpoint, to_checkpoint, validate_nvfp4
 from .formats import (
     NVFP4,
@@ -42,4 +42,5 @@ __all__ = [
     "topk_softmax",
     "unswizzle_scales_128x4",
     "validate_nvfp4",
+    "warmup_fused_moe",
 ]

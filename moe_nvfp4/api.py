@@ -17,7 +17,7 @@ from .checkpoint import validate_nvfp4
 from .formats import NVFP4Tensor
 from .layouts import FragmentLayout
 
-__all__ = ["MoEWeights", "prepare_moe_weights", "fused_moe", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
@@ -163,3 +163,37 @@ def fused_moe(
         None if expert_map is None else expert_map.to(torch.int32),
         weights.intermediate,
     )
+
+
+def warmup_fused_moe(
+    weights: MoEWeights,
+    top_k: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+) -> list[int]:
+    """Compile every kernel variant ``fused_moe`` can launch for 1..max_tokens tokens, now, not mid-serving.
+
+    The kernels are compiled per tuned config (one per token-count range) and per routing-block size;
+    this runs one forward on zeros at the fewest tokens of each.  Later calls with any T <= max_tokens,
+    same weights shape, dtype, top_k and expert-map presence, compile nothing.  Returns the token counts
+    run (empty on CPU, where nothing is compiled).
+    """
+    from .configs import config_device_name, configs_up_to
+    from .dispatch import backend_for
+
+    device = weights.w13_packed.device
+    if backend_for(device) == "torch" or max_tokens < 1:
+        return []
+    from .triton.moe_sm90 import ROUTE_BLOCK_SMALL
+
+    e, h, i = weights.num_experts, weights.hidden, weights.intermediate
+    first = configs_up_to(max_tokens, e, top_k, h, i, dtype, config_device_name(device))
+    counts = sorted(set(first.values()) | {min(max_tokens, ROUTE_BLOCK_SMALL // top_k + 1)})
+    n_global = e if expert_map is None else expert_map.numel()
+    for t in counts:
+        x = torch.zeros(t, h, dtype=dtype, device=device)
+        ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
+        fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map)
+    return counts

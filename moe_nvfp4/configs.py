@@ -4,8 +4,9 @@ Tuned entries live in ``configs/fused_moe_sm90/<device>.json`` at the repository
   {"meta": {"kernel": "fused_moe_sm90", "version": 2, "device": "NVIDIA H200", ...},
    "entries": [{"experts": 128, "hidden": 2048, "intermediate": 768, "dtype": "bfloat16",
                 "max_tokens": 16, "config": {...MoEKernelConfig fields...}}, ...]}
-An entry applies to token counts up to ``max_tokens`` (the smallest such entry wins).  The file's
-metadata is checked on load; shapes with no entry use ``default_config``.
+An entry applies to token counts up to ``max_tokens`` (the smallest such entry wins; past the largest,
+the largest entry's config, tuned for the most tokens, is kept).  The file's metadata is checked on load;
+shapes with no entry use ``default_config``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config"]
+__all__ = [
+    "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config",
+    "configs_up_to", "config_device_name",
+]
 
 CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves)
 KERNEL_NAME = "fused_moe_sm90"
@@ -77,10 +81,14 @@ def _pad(k: int) -> int:
     return -(-k // CHUNK_K) * CHUNK_K
 
 
+# default_config's token tile: the first block_m whose row bound holds the mean rows per expert, else 128.
+DEFAULT_BLOCK_M = ((16, 16), (32, 32), (96, 64))
+
+
 def default_config(tokens: int, experts: int, top_k: int, hidden: int, intermediate: int) -> MoEKernelConfig:
     """Readable heuristic: token tile from the mean rows per expert; small tiles for decode."""
     rows_per_expert = max(1, tokens * top_k // max(experts, 1))
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
+    block_m = next((bm for bound, bm in DEFAULT_BLOCK_M if rows_per_expert <= bound), 128)
     big = block_m >= 64
     gemm1 = GemmConfig(block_n=128 if big else 64, num_warps=8 if big else 4, num_stages=3 if big else 4)
     gemm2 = GemmConfig(block_n=128 if big else 64, num_warps=8 if big else 4, num_stages=3 if big else 4)
@@ -108,24 +116,48 @@ def load_config_file(path: str) -> tuple[dict, tuple[dict, ...]]:
     return meta, entries
 
 
+def config_device_name(device: torch.device) -> str:
+    """The name configs are keyed by: the CUDA device name ("cpu" for the Triton interpreter)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def config_path(device_name: str) -> Path:
     return CONFIG_DIR / KERNEL_NAME / (device_name.replace(" ", "_") + ".json")
+
+
+def _entries_for(experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str) -> list[dict]:
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = (experts, hidden, intermediate, dtype_name)
+    return [e for e in _tuned_entries(device_name) if (e["experts"], e["hidden"], e["intermediate"], e["dtype"]) == key]
 
 
 def select_config(
     tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str
 ) -> MoEKernelConfig:
-    """The tuned entry for this device and shape with the smallest max_tokens >= tokens, else the default."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    fits = [
-        e
-        for e in _tuned_entries(device_name)
-        if (e["experts"], e["hidden"], e["intermediate"], e["dtype"]) == (experts, hidden, intermediate, dtype_name)
-        and e["max_tokens"] >= tokens
-    ]
-    if fits:
-        return MoEKernelConfig.from_dict(min(fits, key=lambda e: e["max_tokens"])["config"])
+    """The tuned entry for this device and shape with the smallest max_tokens >= tokens (past every entry,
+    the largest one); the default heuristic for a shape with no entry."""
+    entries = _entries_for(experts, hidden, intermediate, dtype, device_name)
+    if entries:
+        fits = [e for e in entries if e["max_tokens"] >= tokens]
+        entry = min(fits, key=lambda e: e["max_tokens"]) if fits else max(entries, key=lambda e: e["max_tokens"])
+        return MoEKernelConfig.from_dict(entry["config"])
     return default_config(tokens, experts, top_k, hidden, intermediate)
+
+
+def configs_up_to(
+    max_tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str
+) -> dict[MoEKernelConfig, int]:
+    """Every config ``select_config`` picks for 1..max_tokens tokens, each with the fewest tokens that pick it.
+
+    select_config is constant between the token counts where an entry or a default_config bound ends, so
+    checking 1 and each count just past such an end finds every config (what a warm-up must compile).
+    """
+    ends = [e["max_tokens"] for e in _entries_for(experts, hidden, intermediate, dtype, device_name)]
+    ends += [-(-(bound + 1) * experts // top_k) - 1 for bound, _ in DEFAULT_BLOCK_M]  # last T with rows <= bound
+    found: dict[MoEKernelConfig, int] = {}
+    for tokens in sorted({1} | {end + 1 for end in ends if 0 < end < max_tokens}):
+        found.setdefault(select_config(tokens, experts, top_k, hidden, intermediate, dtype, device_name), tokens)
+    return found
 
 
 @lru_cache(maxsize=None)

@@ -58,8 +58,23 @@ def test_select_prefers_smallest_covering_entry(tmp_path: Path, monkeypatch: pyt
     pick = lambda t, dtype=torch.bfloat16: select_config(t, 8, 2, 256, 256, dtype, "Fake GPU")  # noqa: E731
     assert pick(1) == small and pick(16) == small
     assert pick(17) == large and pick(4096) == large
-    assert pick(5000) == default_config(5000, 8, 2, 256, 256)  # past every entry
+    assert pick(5000) == large  # past every entry: the config tuned for the most tokens
     assert pick(1, torch.float16) == default_config(1, 8, 2, 256, 256)  # no fp16 entry
+    assert configs.configs_up_to(8192, 8, 2, 256, 256, torch.bfloat16, "Fake GPU") == {small: 1, large: 17}
+    assert configs.configs_up_to(16, 8, 2, 256, 256, torch.bfloat16, "Fake GPU") == {small: 1}
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (60, 4), (512, 16)])
+def test_configs_up_to_finds_every_default_config(experts: int, top_k: int) -> None:
+    """Brute force over every token count: each picked config is listed with the first count picking it."""
+    from moe_nvfp4.configs import configs_up_to
+
+    limit = 4000
+    found = configs_up_to(limit, experts, top_k, 256, 256, torch.float32, "No Such GPU")
+    first: dict[MoEKernelConfig, int] = {}
+    for t in range(1, limit + 1):
+        first.setdefault(select_config(t, experts, top_k, 256, 256, torch.float32, "No Such GPU"), t)
+    assert found == first and len(found) >= 3
 
 
 def test_bad_file_is_refused(tmp_path: Path) -> None:

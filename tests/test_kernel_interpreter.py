@@ -59,7 +59,19 @@ CASES = [  # (experts, top_k, hidden, inter, tokens, split_k, use_map): why
     pytest.param(3, 2, 128, 256, 1, 2, 0, id="one token, split-K GEMM2"),
     pytest.param(5, 2, 128, 128, 0, 1, 0, id="no tokens"),
     pytest.param(6, 2, 128, 128, 11, 1, 1, id="expert map"),
+    pytest.param(4, 2, 128, 128, 70, 1, 0, id="140 pairs: routing in blocks of 1024"),
 ]
+
+WARMUP_SCRIPT = textwrap.dedent(
+    """
+    import torch, moe_nvfp4 as m
+    g = torch.Generator().manual_seed(0)
+    q13 = m.quantize_nvfp4(torch.randn(4, 256, 128, generator=g), segments=2)
+    q2 = m.quantize_nvfp4(torch.randn(4, 128, 128, generator=g))
+    w = m.prepare_moe_weights(q13, q2)
+    print(m.warmup_fused_moe(w, 2, torch.float16, 140))
+    """
+)
 
 
 @pytest.mark.parametrize("e,k,h,i,t,split,use_map", CASES)
@@ -69,3 +81,12 @@ def test_kernel_matches_reference(e, k, h, i, t, split, use_map, seed: int) -> N
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL
+
+
+def test_warmup_runs_one_forward_per_kernel_variant() -> None:
+    """Default configs for E=4, top-2: block_m 16 up to T=33, 32 up to 65, 64 beyond; the routing kernel
+    switches to 1024-pair blocks past 128 pairs (T=65).  Each first T runs once, through the Triton path."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
+    proc = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[1, 34, 65, 66]"

@@ -338,6 +338,27 @@ def test_expert_parallel_uses_expert_map(plugin, gen):
     torch.testing.assert_close(total, ref.float(), atol=1e-4, rtol=3e-2)
 
 
+def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, monkeypatch):
+    """process_weights_after_loading compiles the kernels for the scheduler's whole token budget, once per
+    process and shape (same-shaped layers share the compiled kernels); an expert map is a new variant."""
+    import moe_nvfp4
+    from vllm.config import DeviceConfig, VllmConfig
+
+    from moe_nvfp4_vllm import moe_method
+
+    calls = []
+    monkeypatch.setattr(moe_method, "_WARMED", set())
+    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None: calls.append(
+        (w.num_experts, k, dtype, tokens, expert_map is None)) or [])
+    budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
+    ex = _experts(gen)
+    for _ in range(2):
+        _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
+    assert calls == [(E, TOPK, torch.bfloat16, budget, True)]
+    _load(_routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=0), ex.tensors)
+    assert calls[1:] == [(E // 2, TOPK, torch.bfloat16, budget, False)]
+
+
 def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
     """Plain BF16 experts: quantized expert by expert, gate and up with their own global scales."""
     import moe_nvfp4

@@ -10,6 +10,8 @@ Life of a layer (vLLM 0.26 ``RoutedExperts``):
    negative, non-positive global scale), gate and up keep their own global scales, BF16 experts are
    quantized expert by expert, ``moe_nvfp4.prepare_moe_weights`` packs for the kernel and the checkpoint
    parameters are freed.
+   Then ``moe_nvfp4.warmup_fused_moe`` compiles every kernel variant up to the scheduler's token budget
+   (once per process and shape), so no request ever waits on a Triton compile.
 3. ``apply``: ``moe_nvfp4.fused_moe`` with the router's ``topk_weights`` / ``topk_ids`` (the MoE runner calls
    ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map.
    No host synchronisation, so vLLM's CUDA graphs capture it.
@@ -18,10 +20,13 @@ Activations stay in BF16/FP16 on Hopper: a W4A4 checkpoint's input scales are lo
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported, MoEActivation
+from vllm.logger import init_logger
 from vllm.model_executor.utils import set_weight_attrs
 
 import moe_nvfp4
@@ -31,6 +36,8 @@ from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 __all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR"]
 
 WEIGHTS_ATTR = "moe_nvfp4_weights"  # the packed MoEWeights on the layer after loading
+_WARMED: set[tuple] = set()  # (shape, dtype, top_k, expert map, tokens) already compiled in this process
+logger = init_logger(f"vllm.{__name__}")  # under "vllm", whose handlers vLLM configures
 
 # Parameter kinds.
 PACKED, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE, DENSE = "packed", "block_scale", "global_scale", "input_scale", "dense"
@@ -62,6 +69,9 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         self.loaded: set[tuple[str, int, str]] = set()  # (param name, local expert, shard id)
         self.w13_input_scale: torch.Tensor | None = None  # validated multipliers [E, 2], unused on Hopper
         self.w2_input_scale: torch.Tensor | None = None
+        vllm_config = get_current_vllm_config_or_none()
+        # The most tokens one forward can see: the scheduler's budget, gathered over data-parallel ranks.
+        self.max_tokens = vllm_config.scheduler_config.max_num_batched_tokens * moe.dp_size if vllm_config else 0
 
     # ---- parameters ----
 
@@ -202,6 +212,22 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         del w13, w2
         setattr(layer, WEIGHTS_ATTR, weights)
         self.loaded.clear()
+        self._warmup(layer, weights)
+
+    def _warmup(self, layer: torch.nn.Module, weights: moe_nvfp4.MoEWeights) -> None:
+        """Compile the kernels for every token count now (Triton compiles lazily, per tuned config)."""
+        dtype, top_k, expert_map = self.moe.in_dtype, self.moe.experts_per_token, layer.expert_map
+        key = (weights.w13_packed.shape, weights.w2_packed.shape, weights.w13_packed.device, dtype, top_k,
+               expert_map is None, self.max_tokens)  # fmt: skip
+        if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
+            return
+        start = time.perf_counter()
+        counts = moe_nvfp4.warmup_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
+        _WARMED.add(key)
+        if counts:
+            torch.cuda.empty_cache()  # the warm-up's temporaries are not the model's memory
+            logger.info("nvfp4_grouped: compiled MoE kernels for token counts %s (up to %d) in %.1f s",
+                        counts, self.max_tokens, time.perf_counter() - start)  # fmt: skip
 
     def _by_kind(self, layer: torch.nn.Module, prefix: str, kind: str) -> torch.Tensor:
         p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))

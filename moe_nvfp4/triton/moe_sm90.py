@@ -34,7 +34,8 @@ def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr
     return offs, e, valid & (e >= 0)
 
 
-@triton.jit
+# The pair and tile counts change with T: not specialized on, so a new T never compiles a new variant.
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _route_kernel(
     ids_ptr,
     expert_map_ptr,
@@ -339,6 +340,14 @@ def _combine_kernel(
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+ROUTE_BLOCK_SMALL = 128  # pairs the routing kernel takes per step at decode sizes (more pairs: 1024)
+
+
+def compiled_variants() -> int:
+    """How many kernel variants Triton has compiled in this process (all kernels here, all devices)."""
+    kernels = (_route_kernel, _moe_gemm_kernel, _combine_kernel)
+    # device_caches: device -> (kernel cache, ...) in Triton 3.x; the interpreter has none.
+    return sum(len(caches[0]) for k in kernels for caches in getattr(k, "device_caches", {}).values())
 
 
 def _num_sms(device: torch.device) -> int:
@@ -355,11 +364,16 @@ def route(
 
     num_pairs = topk_ids.numel()
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
-    dev = topk_ids.device
-    i32 = torch.int32
     sizes = (num_pairs, num_experts, num_experts + 1, num_experts, n_tiles, n_tiles, 1)
-    ints = torch.empty(sum(sizes), dtype=i32, device=dev)
-    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles = torch.split(ints, sizes)
+    # One allocation; each part starts on a 16-byte boundary, the alignment Triton specializes pointers
+    # on, so the kernels see the same pointer properties for every T (no recompilation).
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 4) * 4)
+    ints = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
+    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles = (
+        ints[start : start + size] for start, size in zip(starts, sizes)
+    )
     ids = topk_ids.reshape(-1)
     _route_kernel[(1,)](
         ids,
@@ -376,7 +390,7 @@ def route(
         n_tiles,
         HAS_MAP=expert_map is not None,
         BLOCK_M=block_m,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(num_pairs, 16))),
+        BLOCK_P=ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else 1024,  # two variants: decode, the rest
         E_POW2=triton.next_power_of_2(num_experts),
         num_warps=8,
     )

@@ -14,7 +14,7 @@ import torch
 
 import moe_nvfp4 as m
 from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
+from moe_nvfp4.triton.moe_sm90 import compiled_variants, fused_moe_sm90, route
 
 pytestmark = pytest.mark.gpu
 
@@ -65,6 +65,14 @@ def _layer(case: Case, gen: torch.Generator, dev: str):
     return m.quantize_nvfp4(w13, segments=2), m.quantize_nvfp4(w2)
 
 
+def _problem(case: Case, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    """(q13, q2, packed weights, x, topk_weights, topk_ids) for a random layer and softmax routing."""
+    q13, q2 = _layer(case, gen, "cuda")
+    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
+    tw, ti = m.topk_softmax(torch.randn(case.tokens, case.experts, generator=gen, device="cuda"), case.top_k)
+    return q13, q2, m.prepare_moe_weights(q13, q2), x, tw, ti
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
@@ -110,11 +118,7 @@ def test_expert_map(dtype: torch.dtype, gen: torch.Generator) -> None:
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 def test_configs_agree_and_outputs_fully_written(split_k: int, gen: torch.Generator) -> None:
     """Every tile shape computes the same function; outputs and scratch start poisoned with NaN."""
-    case = Case("cfg", 8, 2, 512, 512, 23)
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
-    tw, ti = m.topk_softmax(torch.randn(case.tokens, 8, generator=gen, device="cuda"), 2)
+    q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
     for block_m, block_n, warps in ((16, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8)):
@@ -144,11 +148,7 @@ def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
 
 
 def test_deterministic(gen: torch.Generator) -> None:
-    case = Case("det", 16, 4, 512, 256, 200)
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
-    tw, ti = m.topk_softmax(torch.randn(case.tokens, 16, generator=gen, device="cuda"), 4)
+    _, _, w, x, tw, ti = _problem(Case("det", 16, 4, 512, 256, 200), gen)
     first = m.fused_moe(x, w, tw, ti)
     for _ in range(3):
         assert torch.equal(m.fused_moe(x, w, tw, ti), first)
@@ -156,10 +156,7 @@ def test_deterministic(gen: torch.Generator) -> None:
 
 def test_cuda_graph_replay_with_new_inputs(gen: torch.Generator) -> None:
     case = Case("graph", 16, 4, 256, 256, 24)
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
-    tw, ti = m.topk_softmax(torch.randn(case.tokens, 16, generator=gen, device="cuda"), 4)
+    q13, q2, w, x, tw, ti = _problem(case, gen)
     m.fused_moe(x, w, tw, ti)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -176,17 +173,30 @@ def test_cuda_graph_replay_with_new_inputs(gen: torch.Generator) -> None:
 
 
 def test_torch_compile(gen: torch.Generator) -> None:
-    case = Case("compile", 8, 2, 256, 256, 17)
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
-    tw, ti = m.topk_softmax(torch.randn(case.tokens, 8, generator=gen, device="cuda"), 2)
+    _, _, w, x, tw, ti = _problem(Case("compile", 8, 2, 256, 256, 17), gen)
 
     @torch.compile(fullgraph=True)
     def layer(x, tw, ti):
         return m.fused_moe(x * 2, w, tw, ti) + 1
 
     torch.testing.assert_close(layer(x, tw, ti), m.fused_moe(x * 2, w, tw, ti) + 1, rtol=0, atol=0)
+
+
+def test_warmup_leaves_nothing_to_compile(gen: torch.Generator) -> None:
+    """After warmup_fused_moe(max_tokens), no T <= max_tokens compiles a kernel (vLLM serves any T)."""
+    case = Case("warm", 24, 3, 256, 128, 0)  # no tuned entry: default configs, block_m 16/32/64 up to 700
+    q13, q2 = _layer(case, gen, "cuda")
+    w = m.prepare_moe_weights(q13, q2)
+    assert m.warmup_fused_moe(w, 3, torch.bfloat16, 700) == [1, 43, 136, 264]
+    before = compiled_variants()
+    assert before > 0
+    for t in (1, 2, 5, 16, 42, 43, 45, 100, 135, 136, 257, 263, 264, 511, 699, 700):
+        x = torch.randn(t, case.hidden, generator=gen, device="cuda").bfloat16()
+        tw, ti = m.topk_softmax(torch.randn(t, case.experts, generator=gen, device="cuda"), case.top_k)
+        out = m.fused_moe(x, w, tw, ti)
+        assert compiled_variants() == before, f"T={t} compiled a new kernel variant"
+        ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+        assert _rel(out, ref) < REL_TOL[torch.bfloat16], t
 
 
 def test_bad_inputs_fail_before_launch(gen: torch.Generator) -> None:

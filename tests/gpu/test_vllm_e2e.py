@@ -41,10 +41,16 @@ RUNNER = textwrap.dedent(
         register()
         print("plugin registered by hand (package not installed)", file=sys.stderr)
     from vllm import LLM, SamplingParams
+    extra = {}
+    if args["tp"] > 1 and (os.environ.get("NCCL_NVLS_ENABLE") == "0"
+                           or os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"):
+        # vLLM's all-reduce + RMSNorm fusion (FlashInfer, mnnvl backend) needs NVLink multicast; on machines
+        # that switch multicast off its TP=2 profile run hits an illegal address (vLLM 0.26.0, 2x H200).
+        extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     llm = LLM(
         model=args["model"], quantization=args["quantization"], tensor_parallel_size=args["tp"],
         skip_tokenizer_init=True, max_model_len=256, gpu_memory_utilization=args["mem"], seed=0,
-        dtype="bfloat16", max_num_seqs=8,
+        dtype="bfloat16", max_num_seqs=8, **extra,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], logprobs=5, detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
