@@ -2,13 +2,13 @@
 
     python benchmarks/profile_e2e.py --layers 4 --batches 1 64 --paths ours vllm_modelopt_fp4
 
-Same checkpoints as e2e_throughput.py.  Each path runs in a fresh subprocess with the engine in-process
+Same checkpoints as e2e_throughput.py.  Each path runs in a fresh subprocess, the engine in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the torch profiler sees the model runner) or, with ``--multiprocess``,
-as vLLM runs by default, the engine process tracing itself (vLLM's torch profiler; cpu op times are then
-inclusive, not self): per batch size, one warm-up
-generate, then one profiled generate of that many prompts x ``--output-len`` tokens.  Printed per path: wall time, GPU
-kernel time by kernel (top 25), and how often a few host-side ops ran (an MoE op called on the host during
-decode means it ran outside the CUDA graph).
+as vLLM runs by default, the engine process tracing itself (vLLM's torch profiler; host op times are then
+inclusive, not self).  Per batch size: one warm-up generate, then one profiled generate of that many prompts
+x ``--output-len`` tokens.  Printed per path: wall time, GPU time per kernel (top 60), the host ops that
+took longest, and how often a few host-side ops ran (an MoE op counted on the host during decode ran
+outside the CUDA graph).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def summarize(events):  # events: (kind, name, count, us); kind 'gpu' or 'cpu' (
             cpu[name[:90]] += us
             if any(op in name for op in args["host_ops"]):
                 host[name] += count
-    top = [(k, (calls[k], us)) for k, us in kernels.most_common(25)]
+    top = [(k, (calls[k], us)) for k, us in kernels.most_common(60)]
     return {"gpu_kernel_us": sum(kernels.values()), "top_kernels": top, "host_op_counts": dict(host),
             "top_host_us": cpu.most_common(15)}
 
