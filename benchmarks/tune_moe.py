@@ -44,11 +44,12 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
     rows = max(1, tokens * top_k // experts)
     block_ms = [16] if rows <= 8 else [16, 32] if rows <= 24 else [32, 64] if rows <= 96 else [64, 128]
     out = {base}
-    for bm, bn, warps, stages, per_sm, split in itertools.product(
-        block_ms, (64, 128), (4, 8), (3, 4), (1, 2), (1, 2, 4) if rows <= 16 else (1,)
+    splits = (1, 2, 4) if rows <= 16 else (1,)  # decode: too few tiles to fill the GPU without a K split
+    for bm, bn, warps, stages, per_sm, split1, split2 in itertools.product(
+        block_ms, (64, 128), (4, 8), (3, 4), (1, 2), splits, splits
     ):
-        gemm1 = GemmConfig(block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
-        cfg = MoEKernelConfig(block_m=bm, gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split))
+        gemm1 = GemmConfig(block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=per_sm, split_k=split1)
+        cfg = MoEKernelConfig(block_m=bm, gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2))
         if cfg.is_valid(-(-hidden // 128) * 128, -(-inter // 128) * 128):
             out.add(cfg)
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))

@@ -40,7 +40,7 @@ class GemmConfig:
     split_k: int = 1
     programs_per_sm: int = 1
 
-    def is_valid(self, k_padded: int, gated: bool) -> bool:
+    def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
         return (
             self.block_n in (64, 128, 256)  # whole 64-row units of the layout
@@ -48,8 +48,7 @@ class GemmConfig:
             and 1 <= self.num_stages <= 8
             and self.num_warps in (1, 2, 4, 8, 16)
             and self.split_k >= 1
-            and chunks % self.split_k == 0
-            and not (gated and self.split_k != 1)  # SiLU is not linear: GEMM1 cannot split K
+            and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
             and 1 <= self.programs_per_sm <= 8
         )
 
@@ -65,8 +64,8 @@ class MoEKernelConfig:
     def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
         return (
             self.block_m in (16, 32, 64, 128, 256)
-            and self.gemm1.is_valid(hidden_padded, gated=True)
-            and self.gemm2.is_valid(intermediate_padded, gated=False)
+            and self.gemm1.is_valid(hidden_padded)
+            and self.gemm2.is_valid(intermediate_padded)
         )
 
     @classmethod

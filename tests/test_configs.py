@@ -89,6 +89,8 @@ def test_bad_file_is_refused(tmp_path: Path) -> None:
         load_config_file(str(path))
 
 
-def test_gated_gemm_cannot_split_k() -> None:
-    assert not GemmConfig(split_k=2).is_valid(1024, gated=True)
-    assert GemmConfig(split_k=2).is_valid(1024, gated=False)
+def test_split_k_must_divide_the_k_chunks() -> None:
+    """Both GEMMs may split K (GEMM1's SiLU waits for GEMM2's A load), into whole 128-wide chunks."""
+    assert GemmConfig(split_k=2).is_valid(1024) and GemmConfig(split_k=8).is_valid(1024)
+    assert not GemmConfig(split_k=3).is_valid(1024) and not GemmConfig(split_k=16).is_valid(1024)
+    assert MoEKernelConfig(16, GemmConfig(split_k=4), GemmConfig(split_k=2)).is_valid(512, 256)

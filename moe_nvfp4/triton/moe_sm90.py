@@ -2,7 +2,8 @@
 
 Launches per forward (each grid sized from the SM count or T, never from routing data):
   1. ``_route_kernel``   one program: per-expert counts/offsets, pairs grouped by expert, the tile map.
-  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up.
+  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up
+     (split over K at decode sizes: fp32 gate and up partials, the SiLU left to GEMM2's A load).
   3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
      (token, k) pair (and per K split) into a float32 buffer.
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
@@ -193,9 +194,37 @@ def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.co
 
 
 @triton.jit
+def _load_a(a_base, stride_a_split, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, A_SPLITS: tl.constexpr,
+            DTYPE: tl.constexpr):
+    """A^T for K columns k0 .. k0 + BLOCK_K: [BLOCK_K, BLOCK_M] in DTYPE.
+
+    A_SPLITS > 1: GEMM1 ran split over K and left fp32 partial sums per split, [gate | up] per row; they are
+    summed here and SiLU(gate) * up is applied, so the gated activation is computed once K is complete.
+    """
+    kk = k0 + tl.arange(0, BLOCK_K)
+    ptrs = a_base + kk[:, None]
+    k_ok = (kk < k)[:, None]
+    if A_SPLITS == 1:
+        if EVEN_K:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=k_ok, other=0.0)
+    gate = tl.zeros(ptrs.shape, dtype=tl.float32)
+    up = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for s in tl.static_range(A_SPLITS):
+        if EVEN_K:
+            gate += tl.load(ptrs + s * stride_a_split)
+            up += tl.load(ptrs + s * stride_a_split + k)
+        else:
+            gate += tl.load(ptrs + s * stride_a_split, mask=k_ok, other=0.0)
+            up += tl.load(ptrs + s * stride_a_split + k, mask=k_ok, other=0.0)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     stride_a,
+    stride_a_split,
     w_ptr,
     s_ptr,
     gs_ptr,
@@ -222,13 +251,15 @@ def _moe_gemm_kernel(
     DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
+    A_SPLITS: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
 
     GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up);
-    the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order.
-    Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes gs * topk_weight * acc (fp32)
-    to out[split, pair, n].
+    the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order, or with
+    SPLIT_K > 1 the fp32 partials gs_g * gate and gs_u * up to out[split, row, n] and [.., n_out + n].
+    Otherwise (GEMM2): A rows are the sorted rows (A_SPLITS > 1: GEMM1's partials, see _load_a); the
+    epilogue writes gs * topk_weight * acc (fp32) to out[split, pair, n].
     """
     pid = tl.program_id(0)
     num_m_tiles = tl.load(num_tiles_ptr)
@@ -281,14 +312,9 @@ def _moe_gemm_kernel(
             s_up = s_pairs + n_units * unit_scale_bytes
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
 
-        kb = tl.arange(0, BLOCK_K)
         first_chunk = split * chunks_per_split
         for chunk in tl.range(first_chunk, first_chunk + chunks_per_split, num_stages=NUM_STAGES):
-            k0 = chunk * BLOCK_K
-            if EVEN_K:
-                a = tl.load(a_base + (k0 + kb)[:, None])
-            else:
-                a = tl.load(a_base + (k0 + kb)[:, None], mask=(k0 + kb < k)[:, None], other=0.0)
+            a = _load_a(a_base, stride_a_split, chunk * BLOCK_K, k, BLOCK_K, EVEN_K, A_SPLITS, DTYPE)
             acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
             if GATED:
                 acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
@@ -298,13 +324,16 @@ def _moe_gemm_kernel(
         if GATED:
             gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
             up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
-            act = gate / (1.0 + tl.exp(-gate)) * up
-            out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-            tl.store(out_ptrs, act.to(DTYPE), mask=store_mask)
+            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            if SPLIT_K == 1:
+                tl.store(out_ptrs, (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE), mask=store_mask)
+            else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
+                tl.store(out_ptrs, gate, mask=store_mask)
+                tl.store(out_ptrs + n_out, up, mask=store_mask)
         else:
             weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
             y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-            out_ptrs = out_ptr + split * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
             tl.store(out_ptrs, y, mask=store_mask)
 
 
@@ -428,24 +457,27 @@ def fused_moe_sm90(
     sms = _num_sms(x.device)
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
-    act = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
     g1, g2 = config.gemm1, config.gemm2
+    if g1.split_k == 1:  # the gated activation, in x's dtype
+        act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
+    else:  # fp32 partial sums per K split, [gate | up] per row
+        act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
     _moe_gemm_kernel[(sms * g1.programs_per_sm,)](
-        x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), 0,
+        x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
         sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights,
         intermediate, hidden, k1p,
-        TOP_K=top_k, GATED=True, SPLIT_K=1, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
+        TOP_K=top_k, GATED=True, SPLIT_K=g1.split_k, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
         GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
-        num_warps=g1.num_warps,
+        A_SPLITS=1, num_warps=g1.num_warps,
     )  # fmt: skip
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=torch.float32, device=x.device)
     _moe_gemm_kernel[(sms * g2.programs_per_sm,)](
-        act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1), partial.stride(0),
-        sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
+        act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
+        partial.stride(0), sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
         hidden, intermediate, k2p,
         TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
         GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm,
-        num_warps=g2.num_warps,
+        A_SPLITS=g1.split_k, num_warps=g2.num_warps,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))
     ids = topk_ids.reshape(-1)

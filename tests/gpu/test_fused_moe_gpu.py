@@ -115,15 +115,16 @@ def test_expert_map(dtype: torch.dtype, gen: torch.Generator) -> None:
     assert _rel(out, ref) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("split_k", [1, 2, 4])
-def test_configs_agree_and_outputs_fully_written(split_k: int, gen: torch.Generator) -> None:
-    """Every tile shape computes the same function; outputs and scratch start poisoned with NaN."""
+@pytest.mark.parametrize("split1,split2", [(1, 1), (1, 2), (1, 4), (2, 1), (4, 2)])
+def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: torch.Generator) -> None:
+    """Every tile shape and K split computes the same function; outputs and scratch start poisoned with NaN.
+    GEMM1 split over K leaves fp32 partials whose SiLU GEMM2 applies as it loads them."""
     q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
     for block_m, block_n, warps in ((16, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8)):
-        cfg = MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps),
-                              GemmConfig(block_n, num_warps=warps, split_k=split_k))  # fmt: skip
+        cfg = MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, split_k=split1),
+                              GemmConfig(block_n, num_warps=warps, split_k=split2))  # fmt: skip
         torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
         out = torch.full_like(x, float("nan"))
         fused_moe_sm90(x, *args, cfg, out=out)
