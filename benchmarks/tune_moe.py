@@ -55,6 +55,20 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))
 
 
+def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> list[MoEKernelConfig]:
+    """At most ``limit`` configs: ``first``, then evenly spaced picks from each (GEMM1, GEMM2) K-split pair,
+    taken in turn, so every split combination is timed however small the limit."""
+    groups: dict[tuple[int, int], list[MoEKernelConfig]] = {}
+    for c in cands:
+        if c != first:
+            groups.setdefault((c.gemm1.split_k, c.gemm2.split_k), []).append(c)
+    per_group = -(-(limit - 1) // max(1, len(groups)))
+    counts = [min(per_group, len(g)) for g in groups.values()]
+    picks = [[g[i * len(g) // n] for i in range(n)] for g, n in zip(groups.values(), counts)]
+    in_turn = [c for row in itertools.zip_longest(*picks) for c in row if c is not None]
+    return [first] + in_turn[: limit - 1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -80,12 +94,10 @@ def main() -> int:
             x = torch.randn(t, h, device=dev, dtype=dtype)
             tw, ti = topk_softmax(torch.randn(t, e, device=dev), k, renormalize=True)
             ref = fused_moe_torch(x[:64], q13, q2, tw[:64], ti[:64]).float()
-            cands = candidates(t, e, k, h, i)
             if args.probe:
                 cands = [default_config(t, e, k, h, i)]
-            elif len(cands) > args.max_candidates:  # an even spread over the grid, the default first
-                step = len(cands) / (args.max_candidates - 1)
-                cands = [default_config(t, e, k, h, i)] + [cands[int(j * step)] for j in range(args.max_candidates - 1)]
+            else:
+                cands = spread(candidates(t, e, k, h, i), args.max_candidates, default_config(t, e, k, h, i))
             best = None
             for cfg in cands:
                 try:
