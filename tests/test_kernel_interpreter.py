@@ -62,6 +62,7 @@ CASES = [  # (experts, top_k, hidden, inter, tokens, GEMM1 split_k, GEMM2 split_
     pytest.param(4, 2, 128, 128, 70, 1, 1, 0, id="140 pairs: routing in blocks of 1024"),
     pytest.param(5, 2, 512, 80, 3, 4, 1, 0, id="split-K GEMM1 (SiLU in GEMM2's A load), padded GEMM2 K"),
     pytest.param(6, 3, 256, 256, 7, 2, 2, 1, id="both GEMMs split, expert map"),
+    pytest.param(3, 2, 144, 48, 4, 2, 1, 0, id="split-K GEMM1 over a padded K tail, rows padded"),
 ]
 
 WARMUP_SCRIPT = textwrap.dedent(
