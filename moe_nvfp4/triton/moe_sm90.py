@@ -194,6 +194,12 @@ def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.co
 
 
 @triton.jit
+def _silu_times(gate, up):
+    """The gated activation SiLU(gate) * up, in fp32 (GEMM1's epilogue, or GEMM2's A load after a K split)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _load_a(a_base, stride_a_split, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, A_SPLITS: tl.constexpr,
             DTYPE: tl.constexpr):
     """A^T for K columns k0 .. k0 + BLOCK_K: [BLOCK_K, BLOCK_M] in DTYPE.
@@ -217,7 +223,7 @@ def _load_a(a_base, stride_a_split, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.con
         else:
             gate += tl.load(ptrs + s * stride_a_split, mask=k_ok, other=0.0)
             up += tl.load(ptrs + s * stride_a_split + k, mask=k_ok, other=0.0)
-    return (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE)
+    return _silu_times(gate, up).to(DTYPE)
 
 
 @triton.jit
@@ -326,7 +332,7 @@ def _moe_gemm_kernel(
             up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
             out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
             if SPLIT_K == 1:
-                tl.store(out_ptrs, (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE), mask=store_mask)
+                tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
             else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
                 tl.store(out_ptrs, gate, mask=store_mask)
                 tl.store(out_ptrs + n_out, up, mask=store_mask)
