@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+VOCAB = 151936  # Qwen3's vocabulary; prompts are random ids below it
 PATHS = {  # name -> (checkpoint kind, quantization argument)
     "ours": ("modelopt", "nvfp4_grouped"),
     "vllm_modelopt_fp4": ("modelopt", "modelopt_fp4"),
@@ -45,9 +46,7 @@ if args["quantization"] == "nvfp4_grouped" and "nvfp4_grouped" not in {e.name fo
     from moe_nvfp4_vllm.plugin import register; register()
 import torch
 from vllm import LLM, SamplingParams
-llm = LLM(model=args["model"], quantization=args["quantization"], skip_tokenizer_init=True, dtype="bfloat16",
-          max_model_len=args["input_len"] + args["output_len"] + 16, max_num_seqs=max(args["batches"]),
-          gpu_memory_utilization=args["mem"], seed=0)
+llm = LLM(**args["engine"])
 g = torch.Generator().manual_seed(0)
 rows = []
 for b in args["batches"]:
@@ -72,7 +71,7 @@ def qwen3_config(layers: int) -> dict:
 
     cfg = Qwen3MoeConfig(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=VOCAB,
         max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
         mlp_only_layers=[],
     )
@@ -143,15 +142,38 @@ def convert(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Path) -> dict:
-    out = out_dir / f"e2e_{name}.rows.json"
-    spec = {"model": str(model), "quantization": quantization, "batches": args.batches, "input_len": args.input_len,
-            "output_len": args.output_len, "repeats": args.repeats, "mem": args.gpu_memory_utilization,
-            "vocab": 151936, "out": str(out)}
+def engine_kwargs(model: Path, quantization: str | None, batches: list[int], input_len: int, output_len: int,
+                  mem: float) -> dict:
+    """``LLM(...)`` arguments shared by every path here and by profile_e2e.py (the same engine)."""
+    return dict(model=str(model), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
+                max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), gpu_memory_utilization=mem,
+                seed=0)
+
+
+def checkpoints(work_dir: Path, layers: int, paths: list[str]) -> dict[str, Path]:
+    """Checkpoint kind -> directory: the random BF16 model, and its ModelOpt conversion when a path needs it."""
+    bf16 = write_random_checkpoint(work_dir / f"qwen3-30b-a3b-shape-L{layers}-bf16", layers)
+    ckpts = {"bf16": bf16}
+    if any(PATHS[p][0] == "modelopt" for p in paths):
+        ckpts["modelopt"] = convert(bf16, work_dir / f"qwen3-30b-a3b-shape-L{layers}-modelopt")
+    return ckpts
+
+
+def run_runner(runner: str, spec: dict) -> subprocess.CompletedProcess:
+    """One path's engine in a fresh Python (vLLM holds the GPU until its process exits), this repo importable."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", runner, json.dumps(spec)], env=env, capture_output=True, text=True)
+
+
+def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Path) -> dict:
+    out = out_dir / f"e2e_{name}.rows.json"
+    spec = {"engine": engine_kwargs(model, quantization, args.batches, args.input_len, args.output_len,
+                                    args.gpu_memory_utilization),
+            "quantization": quantization, "batches": args.batches, "input_len": args.input_len,
+            "output_len": args.output_len, "repeats": args.repeats, "vocab": VOCAB, "out": str(out)}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(spec)], env=env, capture_output=True, text=True)
+    proc = run_runner(RUNNER, spec)
     result = {"path": name, "quantization": quantization, "checkpoint": str(model), "wall_s": time.perf_counter() - t0}
     if proc.returncode != 0:
         result["error"] = proc.stderr[-4000:]
@@ -225,10 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    bf16 = write_random_checkpoint(args.work_dir / f"qwen3-30b-a3b-shape-L{args.layers}-bf16", args.layers)
-    ckpts = {"bf16": bf16}
-    if any(PATHS[p][0] == "modelopt" for p in args.paths):
-        ckpts["modelopt"] = convert(bf16, args.work_dir / f"qwen3-30b-a3b-shape-L{args.layers}-modelopt")
+    ckpts = checkpoints(args.work_dir, args.layers, args.paths)
     results = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
     report = {
         "environment": environment(),

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_throughput import PATHS, REPO, convert, write_random_checkpoint  # noqa: E402
+from e2e_throughput import PATHS, VOCAB, checkpoints, engine_kwargs, run_runner  # noqa: E402
 
 HOST_OPS = ("moe_nvfp4::fused_moe", "vllm::moe_forward", "cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel")
 
@@ -37,9 +35,7 @@ extra = {}
 if args["multiprocess"]:  # the engine process profiles itself and writes a trace
     extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": args["trace_dir"],
                                 "torch_profiler_with_stack": False}
-llm = LLM(model=args["model"], quantization=args["quantization"], skip_tokenizer_init=True, dtype="bfloat16",
-          max_model_len=args["input_len"] + args["output_len"] + 16, max_num_seqs=max(args["batches"]),
-          gpu_memory_utilization=0.85, seed=0, **extra)
+llm = LLM(**args["engine"], **extra)
 g = torch.Generator().manual_seed(0)
 params = SamplingParams(temperature=0.0, max_tokens=args["output_len"], ignore_eos=True, detokenize=False)
 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -62,7 +58,7 @@ def summarize(events):  # events: (kind, name, count, us); kind 'gpu' or 'cpu' (
 
 
 for batch in args["batches"]:
-    prompts = [{"prompt_token_ids": torch.randint(0, 151936, (args["input_len"],), generator=g).tolist()}
+    prompts = [{"prompt_token_ids": torch.randint(0, args["vocab"], (args["input_len"],), generator=g).tolist()}
                for _ in range(batch)]
     llm.generate(prompts, params, use_tqdm=False)
     if args["multiprocess"]:
@@ -108,17 +104,15 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/moe_nvfp4_e2e"))
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    bf16 = write_random_checkpoint(args.work_dir / f"qwen3-30b-a3b-shape-L{args.layers}-bf16", args.layers)
-    ckpts = {"bf16": bf16, "modelopt": convert(bf16, args.work_dir / f"qwen3-30b-a3b-shape-L{args.layers}-modelopt")}
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
+    ckpts = checkpoints(args.work_dir, args.layers, args.paths)
     results = {}
     for path in args.paths:
         kind, quantization = PATHS[path]
-        spec = {"model": str(ckpts[kind]), "quantization": quantization, "batches": args.batches,
-                "input_len": args.input_len, "output_len": args.output_len, "host_ops": HOST_OPS,
-                "multiprocess": args.multiprocess, "trace_dir": str(args.work_dir / f"traces-{path}")}
-        proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(spec)], env=env, capture_output=True, text=True)
+        spec = {"engine": engine_kwargs(ckpts[kind], quantization, args.batches, args.input_len, args.output_len, 0.85),
+                "batches": args.batches, "input_len": args.input_len, "output_len": args.output_len,
+                "vocab": VOCAB, "host_ops": HOST_OPS, "multiprocess": args.multiprocess,
+                "trace_dir": str(args.work_dir / f"traces-{path}")}
+        proc = run_runner(RUNNER, spec)
         rows = [json.loads(x.removeprefix("RESULT ")) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if len(rows) != len(args.batches):
             print(f"{path}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
