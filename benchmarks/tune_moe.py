@@ -3,8 +3,12 @@
     python benchmarks/tune_moe.py                      # Mixtral + Qwen3-30B-A3B shapes, bf16, all token counts
     python benchmarks/tune_moe.py --probe              # time the default heuristic only (no tuning)
 
-For each (model, tokens) every candidate is checked against the torch reference first, then timed by
-CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the fastest valid one is written.
+    python benchmarks/tune_moe.py --tokens 1,16 --max-candidates 48 --update   # re-tune decode, keep the rest
+
+For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
+climbs from the fastest of those through configs one value away.  Each candidate is checked against the
+torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the
+fastest valid one is written.
 """
 from __future__ import annotations
 
@@ -15,13 +19,16 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
-from moe_nvfp4.configs import CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, default_config  # noqa: E402
+from moe_nvfp4.configs import (  # noqa: E402
+    CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, default_config, load_config_file,
+)
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate)
@@ -39,20 +46,49 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
     return q13, q2
 
 
-def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
-    base = default_config(tokens, experts, top_k, hidden, inter)
+# The values each GEMM's launch parameters are searched over.
+GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2))
+DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 4))
+
+
+def search_space(tokens: int, experts: int, top_k: int) -> tuple[list[int], dict[str, tuple[int, ...]]]:
+    """(token tiles, per-GEMM choices) for a token count.  Decode (<= 16 rows per expert) also splits K, as
+    too few tiles would leave SMs idle, and tries more programs per SM to hide the decode's latency."""
     rows = max(1, tokens * top_k // experts)
     block_ms = [16] if rows <= 8 else [16, 32] if rows <= 24 else [32, 64] if rows <= 96 else [64, 128]
-    out = {base}
-    splits = (1, 2, 4) if rows <= 16 else (1,)  # decode: too few tiles to fill the GPU without a K split
-    for bm, bn, warps, stages, per_sm, split1, split2 in itertools.product(
-        block_ms, (64, 128), (4, 8), (3, 4), (1, 2), splits, splits
+    return block_ms, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
+
+
+def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
+    return cfg.is_valid(-(-hidden // 128) * 128, -(-inter // 128) * 128)
+
+
+def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
+    """The grid: both GEMMs share every parameter but the K split; plus the default heuristic."""
+    block_ms, choices = search_space(tokens, experts, top_k)
+    shared = {f: v for f, v in choices.items() if f != "split_k"}
+    splits = choices.get("split_k", (1,))
+    out = {default_config(tokens, experts, top_k, hidden, inter)}
+    for bm, values, split1, split2 in itertools.product(
+        block_ms, itertools.product(*shared.values()), splits, splits
     ):
-        gemm1 = GemmConfig(block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=per_sm, split_k=split1)
+        gemm1 = GemmConfig(**dict(zip(shared, values)), split_k=split1)
         cfg = MoEKernelConfig(block_m=bm, gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2))
-        if cfg.is_valid(-(-hidden // 128) * 128, -(-inter // 128) * 128):
+        if _valid(cfg, hidden, inter):
             out.add(cfg)
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))
+
+
+def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
+    """Valid configs differing from ``cfg`` in one value: the token tile, or one parameter of one GEMM
+    (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
+    block_ms, choices = search_space(tokens, experts, top_k)
+    out = [dataclasses.replace(cfg, block_m=bm) for bm in block_ms if bm != cfg.block_m]
+    for gemm in ("gemm1", "gemm2"):
+        g = getattr(cfg, gemm)
+        for f, values in choices.items():
+            out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v})}) for v in values if v != getattr(g, f)]
+    return [c for c in out if _valid(c, hidden, inter)]
 
 
 def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> list[MoEKernelConfig]:
@@ -69,6 +105,49 @@ def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> 
     return [first] + in_turn[: limit - 1]
 
 
+def search(
+    measure: Callable[[MoEKernelConfig], float | None],
+    start: list[MoEKernelConfig],
+    next_to: Callable[[MoEKernelConfig], list[MoEKernelConfig]],
+    limit: int,
+) -> tuple[MoEKernelConfig, float] | None:
+    """Time ``start`` (a spread over the grid), then climb: time the best config's untimed neighbours and
+    move to the first faster one, until none is faster or ``limit`` configs were timed.  ``measure``
+    returns microseconds, or None for a config that failed (it counts against the limit)."""
+    timed: dict[MoEKernelConfig, float | None] = {}
+
+    def run(cfg: MoEKernelConfig) -> float | None:
+        timed[cfg] = measure(cfg)
+        return timed[cfg]
+
+    for cfg in start[:limit]:
+        run(cfg)
+    ok = {c: us for c, us in timed.items() if us is not None}
+    if not ok:
+        return None
+    best = min(ok, key=ok.get)
+    improved = True
+    while improved and len(timed) < limit:
+        improved = False
+        for cfg in next_to(best):
+            if cfg in timed:
+                continue
+            us = run(cfg)
+            if us is not None and us < timed[best]:
+                best, improved = cfg, True
+                break
+            if len(timed) >= limit:
+                break
+    return best, timed[best]
+
+
+def merge_entries(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` entries not re-tuned in ``new`` (same shape, dtype and max_tokens), then ``new``."""
+    key = lambda e: (e["experts"], e["hidden"], e["intermediate"], e["dtype"], e["max_tokens"])  # noqa: E731
+    fresh = {key(e) for e in new}
+    return [e for e in old if key(e) not in fresh] + new
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -77,6 +156,7 @@ def main() -> int:
     p.add_argument("--probe", action="store_true", help="time the default heuristic only")
     p.add_argument("--max-candidates", type=int, default=24)
     p.add_argument("--out", default=None, help="JSON to write (default: configs/fused_moe_sm90/<device>.json)")
+    p.add_argument("--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now")
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -94,28 +174,31 @@ def main() -> int:
             x = torch.randn(t, h, device=dev, dtype=dtype)
             tw, ti = topk_softmax(torch.randn(t, e, device=dev), k, renormalize=True)
             ref = fused_moe_torch(x[:64], q13, q2, tw[:64], ti[:64]).float()
-            if args.probe:
-                cands = [default_config(t, e, k, h, i)]
-            else:
-                cands = spread(candidates(t, e, k, h, i), args.max_candidates, default_config(t, e, k, h, i))
-            best = None
-            for cfg in cands:
+            errors: dict[MoEKernelConfig, float] = {}
+
+            def measure(cfg: MoEKernelConfig) -> float | None:
                 try:
                     out = fused_moe_sm90(x, *w, tw, ti, None, i, cfg)
-                    err = ((out[:64].float() - ref).norm() / ref.norm()).item()
+                    errors[cfg] = err = ((out[:64].float() - ref).norm() / ref.norm()).item()
                     if not err < 2e-2:
                         print(f"  {model} T={t} {cfg}: rel err {err:.3g} -- rejected", flush=True)
-                        continue
-                    us = 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
+                        return None
+                    return 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
                 except Exception as exc:  # a config that fails to compile is skipped, not fatal
                     print(f"  {model} T={t} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, cfg, err)
-            if best is None:
+                    return None
+
+            first = default_config(t, e, k, h, i)
+            if args.probe:
+                found = search(measure, [first], lambda c: [], 1)
+            else:  # half the budget spread over the grid, the rest climbing from the best of those
+                start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
+                found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates)
+            if found is None:
                 lines.append(f"{model:>14} T={t:>5}: no valid config")
                 continue
-            us, cfg, err = best
+            cfg, us = found
+            err = errors[cfg]
             lines.append(f"{model:>14} T={t:>5}: {us:9.1f} us  err {err:.2e}  {cfg}")
             print(lines[-1], flush=True)
             entries.append(dict(experts=e, hidden=h, intermediate=i, dtype=args.dtype, max_tokens=t,
@@ -125,8 +208,13 @@ def main() -> int:
     if not args.probe:
         out_path = Path(args.out) if args.out else config_path(name)
         out_path.parent.mkdir(parents=True, exist_ok=True)
+        commands = [" ".join(sys.argv)]
+        if args.update and out_path.exists():
+            old_meta, old_entries = load_config_file(str(out_path))
+            entries = merge_entries(list(old_entries), entries)
+            commands = old_meta.get("commands", [old_meta.get("command")]) + commands
         meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, torch=torch.__version__,
-                    date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))  # fmt: skip
+                    date=time.strftime("%Y-%m-%d"), commands=commands)  # fmt: skip
         out_path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1) + "\n")
         print(f"wrote {out_path}")
     print("\n".join(lines))

@@ -1,6 +1,7 @@
 """benchmarks/tune_moe.py's candidate grid and its sampling (CPU; the timing itself needs a GPU)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -8,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from tune_moe import MODELS, candidates, spread  # noqa: E402
+from tune_moe import MODELS, candidates, merge_entries, neighbors, search, spread  # noqa: E402
 
-from moe_nvfp4.configs import default_config  # noqa: E402
+from moe_nvfp4.configs import GemmConfig, MoEKernelConfig, default_config  # noqa: E402
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -27,3 +28,64 @@ def test_spread_keeps_the_default_and_covers_every_k_split(model: str, tokens: i
         assert splits <= {(c.gemm1.split_k, c.gemm2.split_k) for c in picked[1:]}
     if tokens == 1:  # decode: both GEMMs may split K (GEMM2 only by divisors of its 6 or 112 chunks)
         assert {s1 for s1, _ in splits} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
+    e, k, h, i = MODELS[model]
+    first = default_config(tokens, e, k, h, i)
+    near = neighbors(first, tokens, e, k, h, i)
+    assert near and len(near) == len(set(near)) and first not in near
+
+    def values(c: MoEKernelConfig) -> list:
+        return [c.block_m, *dataclasses.astuple(c.gemm1), *dataclasses.astuple(c.gemm2)]
+
+    for c in near:
+        assert c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
+        assert sum(a != b for a, b in zip(values(c), values(first))) == 1
+    # GEMM1 and GEMM2 move independently
+    assert any(c.gemm1 == first.gemm1 and c.gemm2 != first.gemm2 for c in near)
+
+
+def test_search_climbs_to_the_optimum_within_the_limit() -> None:
+    e, k, h, i = MODELS["qwen3-30b-a3b"]
+    tokens = 1
+    target = MoEKernelConfig(block_m=16, gemm1=GemmConfig(block_n=64, programs_per_sm=3, split_k=4),
+                             gemm2=GemmConfig(block_n=128, num_stages=3, split_k=2))  # fmt: skip
+    assert target.is_valid(h, i)
+
+    def distance(c: MoEKernelConfig) -> float:  # a cost with one minimum, at target
+        fields = [(c.gemm1, target.gemm1), (c.gemm2, target.gemm2)]
+        return 10.0 + sum(a != b for g, t in fields for a, b in zip(dataclasses.astuple(g), dataclasses.astuple(t)))
+
+    calls: list[MoEKernelConfig] = []
+
+    def measure(c: MoEKernelConfig) -> float | None:
+        calls.append(c)
+        return None if c.gemm1.num_warps == 8 else distance(c)  # failures count, never win
+
+    first = default_config(tokens, e, k, h, i)
+    start = spread(candidates(tokens, e, k, h, i), 12, first)
+    best, us = search(measure, start, lambda c: neighbors(c, tokens, e, k, h, i), 400)
+    assert best == target and us == 10.0
+    assert len(calls) == len(set(calls)) <= 400
+    calls.clear()
+    limited = search(measure, start, lambda c: neighbors(c, tokens, e, k, h, i), 15)
+    assert limited is not None and limited[1] > 10.0 and len(calls) == 15  # stopped at the limit, short of it
+
+
+def test_search_reports_nothing_when_every_config_fails() -> None:
+    first = default_config(1, 8, 2, 4096, 14336)
+    assert search(lambda c: None, [first], lambda c: [], 4) is None
+
+
+def test_merge_entries_replaces_only_what_was_retuned() -> None:
+    def entry(tokens: int, us: float, experts: int = 8) -> dict:
+        return dict(experts=experts, hidden=4096, intermediate=14336, dtype="bfloat16", max_tokens=tokens, time_us=us)
+
+    old = [entry(1, 90.0), entry(16, 280.0), entry(1, 30.0, experts=128)]
+    new = [entry(1, 60.0)]
+    merged = merge_entries(old, new)
+    assert sorted((m["experts"], m["max_tokens"], m["time_us"]) for m in merged) == [
+        (8, 1, 60.0), (8, 16, 280.0), (128, 1, 30.0)]  # fmt: skip
