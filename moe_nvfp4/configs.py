@@ -27,6 +27,9 @@ CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join
 KERNEL_NAME = "fused_moe_sm90"
 CONFIG_DIR = Path(os.environ.get("MOE_NVFP4_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
 CHUNK_K = 128  # the kernel's K step, fixed by the weight layout (layouts.FragmentLayout)
+# GEMM2's split-K A tiles must leave room for the weight stages in sm_90's 227 KiB: configs past this bound
+# failed to launch on an H200 (Triton OutOfResources; e.g. block_m 32, split 4, 3 stages needs 273 KiB).
+SPLIT_A_SMEM_LIMIT = 160 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,15 @@ class MoEKernelConfig:
             self.block_m in (16, 32, 64, 128, 256)
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
+            and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
         )
+
+    def gemm2_split_a_bytes(self) -> int:
+        """Shared memory GEMM2's pipeline takes for GEMM1's fp32 gate and up partials (0 unless GEMM1
+        splits K): one [128, block_m] tile per split, gate and up, per stage in flight."""
+        if self.gemm1.split_k == 1:
+            return 0
+        return (self.gemm2.num_stages - 1) * self.block_m * CHUNK_K * 2 * 4 * self.gemm1.split_k
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":

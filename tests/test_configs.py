@@ -93,4 +93,22 @@ def test_split_k_must_divide_the_k_chunks() -> None:
     """Both GEMMs may split K (GEMM1's SiLU waits for GEMM2's A load), into whole 128-wide chunks."""
     assert GemmConfig(split_k=2).is_valid(1024) and GemmConfig(split_k=8).is_valid(1024)
     assert not GemmConfig(split_k=3).is_valid(1024) and not GemmConfig(split_k=16).is_valid(1024)
-    assert MoEKernelConfig(16, GemmConfig(split_k=4), GemmConfig(split_k=2)).is_valid(512, 256)
+    assert MoEKernelConfig(16, GemmConfig(split_k=4), GemmConfig(split_k=2, num_stages=3)).is_valid(512, 256)
+
+
+# (block_m, GEMM1 split, GEMM2 stages) launched, or refused by Triton for shared memory, on an H200
+# (triton 3.6; GEMM2 block_n 64 and 128, 4 and 8 warps alike unless noted).
+LAUNCHED_ON_H200 = [(16, 2, 4), (16, 4, 3), (32, 2, 3), (32, 4, 2), (64, 2, 2)]
+OUT_OF_SHARED_MEMORY_ON_H200 = [(32, 2, 4), (32, 4, 3), (32, 4, 4), (64, 2, 3), (64, 4, 2), (64, 4, 4)]
+
+
+def test_gemm1_split_leaves_gemm2_room_in_shared_memory() -> None:
+    """GEMM2 stages GEMM1's fp32 partials (gate and up per split) in shared memory: configs that ran out of
+    it on the GPU are invalid, configs that ran are valid.  (32, 2, 4) failed only with 8 warps; the bound
+    refuses it for all, as it refuses (16, 4, 4), which launched: the bound is conservative."""
+    def cfg(block_m: int, split: int, stages: int) -> MoEKernelConfig:
+        return MoEKernelConfig(block_m, GemmConfig(split_k=split), GemmConfig(num_stages=stages))
+
+    assert all(cfg(*c).is_valid(512, 768) for c in LAUNCHED_ON_H200)
+    assert not any(cfg(*c).is_valid(512, 768) for c in OUT_OF_SHARED_MEMORY_ON_H200)
+    assert cfg(64, 1, 4).is_valid(512, 768) and cfg(64, 1, 4).gemm2_split_a_bytes() == 0  # no split: no partials

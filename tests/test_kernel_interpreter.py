@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent(
     emap = None
     if use_map:  # two global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32)
-    cfg = MoEKernelConfig(16, GemmConfig(64, split_k=split1), GemmConfig(64, split_k=split2))
+    cfg = MoEKernelConfig(16, GemmConfig(64, split_k=split1), GemmConfig(64, split_k=split2, num_stages=3))
+    assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
     fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, emap,
                    i, cfg, out=out)
