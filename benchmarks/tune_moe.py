@@ -163,6 +163,8 @@ def main() -> int:
     dev = "cuda"
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name()
+    out_path = Path(args.out) if args.out else config_path(name)
+    old_meta, old_entries = load_config_file(str(out_path)) if args.update and out_path.exists() else ({}, ())
     entries, lines = [], []
     for model in args.models.split(","):
         e, k, h, i = MODELS[model]
@@ -193,6 +195,10 @@ def main() -> int:
                 found = search(measure, [first], lambda c: [], 1)
             else:  # half the budget spread over the grid, the rest climbing from the best of those
                 start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
+                incumbent = [MoEKernelConfig.from_dict(o["config"]) for o in old_entries
+                             if (o["experts"], o["hidden"], o["intermediate"], o["dtype"], o["max_tokens"])
+                             == (e, h, i, args.dtype, t)]  # fmt: skip
+                start = incumbent + [c for c in start if c not in incumbent]  # --update: never worse than before
                 found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates)
             if found is None:
                 lines.append(f"{model:>14} T={t:>5}: no valid config")
@@ -206,13 +212,9 @@ def main() -> int:
         del weights, q13, q2
         torch.cuda.empty_cache()
     if not args.probe:
-        out_path = Path(args.out) if args.out else config_path(name)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        commands = [" ".join(sys.argv)]
-        if args.update and out_path.exists():
-            old_meta, old_entries = load_config_file(str(out_path))
-            entries = merge_entries(list(old_entries), entries)
-            commands = old_meta.get("commands", [old_meta.get("command")]) + commands
+        entries = merge_entries(list(old_entries), entries)
+        commands = old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []) + [" ".join(sys.argv)]
         meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, torch=torch.__version__,
                     date=time.strftime("%Y-%m-%d"), commands=commands)  # fmt: skip
         out_path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1) + "\n")
