@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,12 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_engine import run_until_written  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["mixtral", "qwen3_moe"]
 MAX_TOKENS = 24
 MIN_EQUAL_TOKENS = 8  # tokens that must agree before any tie is allowed
+ENGINE_TIMEOUT_S = 900  # engine start (torch.compile, CUDA graphs, our warm-up) and generation
+EXIT_GRACE_S = 60  # how long an engine may take to shut down once its results are written
 LOGPROB_ATOL = 0.05  # chosen-token log-probabilities: ours vs the dequantized-BF16 reference
 PROMPTS = [[1, 17, 42, 99, 7, 3], [5, 200, 13, 77, 128, 9, 31, 64], [250, 2, 3, 4]]
 
@@ -61,8 +65,9 @@ RUNNER = textwrap.dedent(
             "tokens": list(c.token_ids),
             "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs],
         })
-    with open(args["out"], "w") as f:
+    with open(args["out"] + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(args["out"] + ".tmp", args["out"])  # the test sees the file whole or not at all
     """
 )
 
@@ -83,10 +88,8 @@ def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int
             "max_tokens": MAX_TOKENS, "out": str(out)}
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(args)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM run {tag} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    run_until_written([sys.executable, "-c", RUNNER, json.dumps(args)], env, out, tag=tag,
+                      timeout_s=ENGINE_TIMEOUT_S, exit_grace_s=EXIT_GRACE_S)
     return json.loads(out.read_text())
 
 
