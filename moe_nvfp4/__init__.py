@@ -1,5 +1,5 @@
 """moe-nvfp4: NVFP4 Mixture-of-Experts kernels and formats.  Public names only; no import-time side effects."""
-from .api import MoEWeights, fused_moe, prepare_moe_weights, warmup_fused_moe
+from .api import MoEWeights, fused_moe, prepare_moe_weights, quantize_activations, warmup_fused_moe
 from .checkpoint import CheckpointError, Convention, NVFP4Linear, from_checkpoint, to_checkpoint, validate_nvfp4
 from .formats import (
     NVFP4,
@@ -34,6 +34,7 @@ __all__ = [
     "grouped_gemm_nvfp4_torch",
     "moe_dense_torch",
     "plan_routing",
+    "quantize_activations",
     "quantize_activations_nvfp4",
     "quantize_nvfp4",
     "swizzle_scales_128x4",

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import validate_nvfp4
-from .formats import NVFP4Tensor
+from .dispatch import backend_for
+from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
 from .layouts import FragmentLayout
 
-__all__ = ["MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = [
+    "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "quantize_activations", "MAX_EXPERTS",
+    "MAX_TOP_K",
+]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
@@ -181,7 +185,6 @@ def warmup_fused_moe(
     run (empty on CPU, where nothing is compiled).
     """
     from .configs import config_device_name, configs_up_to
-    from .dispatch import backend_for
 
     device = weights.w13_packed.device
     if backend_for(device) == "torch" or max_tokens < 1:
@@ -197,3 +200,31 @@ def warmup_fused_moe(
         ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
         fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map)
     return counts
+
+
+def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
+    """Activations [M, K] (bf16, fp16 or fp32; K a multiple of 16) -> NVFP4 with 128x4-swizzled e4m3 scales,
+    the layout block-scaled MMAs read.  ``input_global_scale``: one float32 value, ModelOpt's ``input_scale``
+    (amax / (6 * 448), a multiplier; values past the calibrated range saturate at 6).
+
+    CUDA: one Triton launch, no host synchronisation; CPU: the reference (``quantize_activations_nvfp4``,
+    then ``swizzled_scales``).  Both give the same bytes.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] % NVFP4.block_size:
+        raise ValueError(f"x must be [M, K] with K a multiple of {NVFP4.block_size}, got {tuple(x.shape)}")
+    if input_global_scale.numel() != 1 or input_global_scale.dtype != torch.float32:
+        raise ValueError(
+            f"input_global_scale must be one float32 value, got {input_global_scale.dtype} "
+            f"{tuple(input_global_scale.shape)}"
+        )
+    if input_global_scale.device != x.device:
+        raise ValueError(f"input_global_scale is on {input_global_scale.device}, x on {x.device}")
+    gs = input_global_scale.reshape(())
+    if backend_for(x.device) == "torch":
+        return quantize_activations_nvfp4(x, gs).swizzled_scales()
+    from .triton.quant_act import quantize_activations_sm90
+
+    packed, scales = quantize_activations_sm90(x.contiguous(), gs.reshape(1))
+    return NVFP4Tensor(packed, scales, gs, ScaleLayout.SWIZZLED_128x4)
