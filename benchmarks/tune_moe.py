@@ -141,11 +141,15 @@ def search(
     return best, timed[best]
 
 
+def entry_key(entry: dict) -> tuple:
+    """What a tuned entry is for: shape, dtype and token bound."""
+    return entry["experts"], entry["hidden"], entry["intermediate"], entry["dtype"], entry["max_tokens"]
+
+
 def merge_entries(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` entries not re-tuned in ``new`` (same shape, dtype and max_tokens), then ``new``."""
-    key = lambda e: (e["experts"], e["hidden"], e["intermediate"], e["dtype"], e["max_tokens"])  # noqa: E731
-    fresh = {key(e) for e in new}
-    return [e for e in old if key(e) not in fresh] + new
+    """``old`` entries not re-tuned in ``new`` (same entry_key), then ``new``."""
+    fresh = {entry_key(e) for e in new}
+    return [e for e in old if entry_key(e) not in fresh] + new
 
 
 def main() -> int:
@@ -196,8 +200,7 @@ def main() -> int:
             else:  # half the budget spread over the grid, the rest climbing from the best of those
                 start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
                 incumbent = [MoEKernelConfig.from_dict(o["config"]) for o in old_entries
-                             if (o["experts"], o["hidden"], o["intermediate"], o["dtype"], o["max_tokens"])
-                             == (e, h, i, args.dtype, t)]  # fmt: skip
+                             if entry_key(o) == (e, h, i, args.dtype, t)]  # fmt: skip
                 start = incumbent + [c for c in start if c not in incumbent]  # --update: never worse than before
                 found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates)
             if found is None:
