@@ -9,6 +9,7 @@ separate global scales.  Everything is checked before any kernel launches.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,10 +17,12 @@ import torch
 from .checkpoint import validate_nvfp4
 from .dispatch import backend_for
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
-from .layouts import FragmentLayout
+from .layouts import FragmentLayout, padded_scale_shape
+from .reference import grouped_gemm_nvfp4_torch
 
 __all__ = [
-    "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "quantize_activations", "MAX_EXPERTS",
+    "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "quantize_activations", "grouped_gemm_nvfp4",
+    "MAX_EXPERTS",
     "MAX_TOP_K",
 ]
 
@@ -228,3 +231,58 @@ def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> N
 
     packed, scales = quantize_activations_sm90(x.contiguous(), gs.reshape(1))
     return NVFP4Tensor(packed, scales, gs, ScaleLayout.SWIZZLED_128x4)
+
+
+def grouped_gemm_nvfp4(
+    a: Sequence[NVFP4Tensor],
+    b: Sequence[NVFP4Tensor],
+    *,
+    alpha: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+) -> list[torch.Tensor]:
+    """W4A4 NVFP4 grouped GEMM: per group g, ``alpha[g] * A_g @ B_g^T`` -> out_dtype [M_g, N_g], where A_g
+    [M_g, K_g] and B_g [N_g, K_g] are NVFP4 (packed e2m1, e4m3 block scales in either layout, one global
+    scale each) and alpha float32 [G] is optional.  The semantics of ``reference.grouped_gemm_nvfp4_torch``.
+
+    CUDA: one persistent Triton launch over all groups, both operands decoded in registers (exact), fp32
+    accumulation; CPU: the reference.  Group sizes are read on the host here (pointer arrays are built per
+    call), so this form is not for CUDA graphs; fused_moe is.
+    """
+    if not a or len(a) != len(b):
+        raise ValueError(f"need one B per A and at least one group, got {len(a)} A and {len(b)} B groups")
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float16 or bfloat16, got {out_dtype}")
+    device = a[0].packed.device
+    for g, (ag, bg) in enumerate(zip(a, b)):
+        for name, t in (("A", ag), ("B", bg)):
+            if t.packed.dim() != 2 or t.packed.dtype != torch.uint8:
+                raise ValueError(f"group {g}: {name} must be one packed uint8 [rows, K/2] matrix, got "
+                                 f"{t.packed.dtype} {tuple(t.packed.shape)}")  # fmt: skip
+            if t.global_scale.numel() != 1:
+                raise ValueError(f"group {g}: {name} needs one global scale, got shape {tuple(t.global_scale.shape)}")
+            if {t.packed.device, t.block_scale.device, t.global_scale.device} != {device}:
+                raise ValueError(f"group {g}: {name} is not entirely on {device}")
+        if ag.k != bg.k or ag.k % NVFP4.block_size:
+            raise ValueError(f"group {g}: A has K={ag.k}, B has K={bg.k}; they must agree and be multiples of 16")
+    if alpha is not None and (alpha.shape != (len(a),) or alpha.dtype != torch.float32 or alpha.device != device):
+        raise ValueError(f"alpha must be float32 [{len(a)}] on {device}, got {alpha.dtype} {tuple(alpha.shape)} "
+                         f"on {alpha.device}")  # fmt: skip
+    if backend_for(device) == "torch":
+        return grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
+    from .triton.grouped_w4a4 import grouped_gemm_w4a4_sm90
+
+    a_sw = [t.swizzled_scales() for t in a]
+    b_sw = [t.swizzled_scales() for t in b]
+    for g, (ag, bg) in enumerate(zip(a_sw, b_sw)):
+        for name, t in (("A", ag), ("B", bg)):
+            want = padded_scale_shape(t.n, t.k // NVFP4.block_size)
+            if tuple(t.block_scale.shape) != want:
+                raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
+                                 f"expected {want}")  # fmt: skip
+    scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
+    if alpha is not None:
+        scale = scale * alpha
+    return grouped_gemm_w4a4_sm90(
+        [t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
+        [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw], scale, out_dtype,
+    )  # fmt: skip

@@ -1,0 +1,52 @@
+"""W4A4 grouped GEMM on the GPU: bit for bit on exact data (fp16 and bf16 out), at the four shapes of the
+public B200 NVFP4 group-GEMM problem; ||out - ref|| / ||ref|| < 2e-3 (fp16) / 8e-3 (bf16) on random data."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_w4a4 import exact_groups, random_groups  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# (M per group, N, K) of the benchmark's four problems
+PROBLEMS = [
+    ([80, 176, 128, 72, 64, 248, 96, 160], 4096, 7168),
+    ([40, 76, 168, 72, 164, 148, 196, 160], 7168, 2048),
+    ([192, 320], 3072, 4096),
+    ([128, 384], 4096, 1536),
+]
+REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+def _cuda(groups: list[m.NVFP4Tensor]) -> list[m.NVFP4Tensor]:
+    return [t.to("cuda") for t in groups]
+
+
+@pytest.mark.parametrize("problem", range(len(PROBLEMS)))
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_bit_exact_on_exact_data(problem: int, out_dtype: torch.dtype, seed: int) -> None:
+    ms, n, k = PROBLEMS[problem]
+    a, b, alpha = exact_groups([(mm, n, k) for mm in ms], seed)
+    got = m.grouped_gemm_nvfp4(_cuda(a), _cuda(b), alpha=alpha.cuda(), out_dtype=out_dtype)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
+    for g, (x, y) in enumerate(zip(got, ref)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert torch.equal(x.cpu(), y), f"group {g}: {(x.cpu().float() - y.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_random_data_within_bound(out_dtype: torch.dtype, seed: int) -> None:
+    sizes = [(0, 256, 512), (1, 384, 512), (77, 200, 1024), (300, 64, 160)]
+    a, b = random_groups(sizes, seed)
+    got = m.grouped_gemm_nvfp4(_cuda(a), _cuda(b), out_dtype=out_dtype)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, out_dtype=out_dtype)
+    assert got[0].shape == (0, 256)
+    for x, y in zip(got[1:], ref[1:]):
+        assert ((x.cpu().float() - y.float()).norm() / y.float().norm()).item() < REL_TOL[out_dtype]

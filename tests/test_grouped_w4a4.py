@@ -1,0 +1,118 @@
+"""W4A4 grouped GEMM (moe_nvfp4.grouped_gemm_nvfp4): the Triton kernel under the interpreter against the
+reference.  Bounds: where every product and sum is exact in float32 (helpers_w4a4.exact_groups), fp16 output
+bit for bit and bf16 output within one bf16 ulp (the interpreter truncates float32 -> bf16; the GPU tier
+checks bf16 bit for bit); on quantized random data ||out - ref|| / ||ref|| < 2e-3 (fp16) or 8e-3 (bf16,
+truncated), from output rounding and float32 sums in another order."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+
+TESTS = Path(__file__).resolve().parent
+REL_TOL = {"float16": 2e-3, "bfloat16": 8e-3}
+# ragged M (one empty group), N not a multiple of the tile, K with a masked tail (48, 272) and per group
+SIZES = [(37, 48, 48), (0, 64, 128), (130, 80, 272), (5, 130, 64)]
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, moe_nvfp4 as m
+    from helpers_w4a4 import exact_groups, random_groups
+    sizes, seed, out_dtype = json.loads(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+    a, b, alpha = exact_groups(sizes, seed)
+    got = m.grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=out_dtype)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
+    if out_dtype == torch.float16:
+        exact = [bool(torch.equal(x, y)) for x, y in zip(got, ref)]
+    else:  # the interpreter truncates float32 -> bf16 (no round to nearest): within one bf16 ulp (2^-7 relative)
+        exact = [bool(((x.float() - y.float()).abs() <= y.float().abs() * 2.0**-7).all()) for x, y in zip(got, ref)]
+    shapes = [list(x.shape) == list(y.shape) and x.dtype == y.dtype for x, y in zip(got, ref)]
+    a, b = random_groups(sizes, seed + 1)
+    got = m.grouped_gemm_nvfp4(a, b, out_dtype=out_dtype)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, out_dtype=out_dtype)
+    errs = [((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item() for x, y in zip(got, ref) if y.numel()]
+    print(json.dumps(dict(exact=exact, shapes=shapes, errs=errs)))
+    """
+)
+
+DECODE_SCRIPT = textwrap.dedent(
+    """
+    import torch, triton, triton.language as tl, moe_nvfp4 as m
+    from moe_nvfp4.triton.grouped_w4a4 import _e2m1_values, _e4m3_values
+
+    @triton.jit
+    def decode(bytes_ptr, values_ptr, scales_ptr):
+        o = tl.arange(0, 128)
+        b = tl.load(bytes_ptr + o)
+        tl.store(values_ptr + tl.arange(0, 256), tl.reshape(_e2m1_values(tl.reshape(b, [1, 128]), 1, 128), [256]))
+        tl.store(scales_ptr + o, _e4m3_values(b.to(tl.int32)))
+
+    b = torch.arange(128, dtype=torch.uint8)  # every positive e4m3 byte (0x7f is NaN); low/high nibbles 0..15
+    values, scales = torch.empty(256), torch.empty(128)
+    decode[(1,)](b, values, scales)
+    codes = m.formats.unpack_fp4(b)
+    ok_values = torch.equal(values, m.formats.decode_e2m1(codes))
+    finite = torch.arange(127)
+    ok_scales = torch.equal(scales[finite], b[finite].view(torch.float8_e4m3fn).float())
+    print(ok_values, ok_scales)
+    """
+)
+
+
+@pytest.mark.slow
+def test_decoders_cover_every_code_and_scale_byte() -> None:
+    """All 16 e2m1 codes (both nibbles) and all 127 finite positive e4m3 bytes, subnormals included."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", DECODE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+def test_triton_kernel_matches_the_reference(out_dtype: str, seed: int) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(SIZES), str(seed % 2**31), out_dtype], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(result["shapes"]) and all(result["exact"]), result
+    assert len(result["errs"]) == 3 and max(result["errs"]) < REL_TOL[out_dtype], result
+
+
+def test_cpu_path_is_the_reference() -> None:
+    sys.path.insert(0, str(TESTS))
+    from helpers_w4a4 import exact_groups
+
+    a, b, alpha = exact_groups([(3, 16, 32), (4, 8, 48)], seed=1)
+    got = m.grouped_gemm_nvfp4(a, b, alpha=alpha)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, alpha=alpha)
+    assert all(torch.equal(x, y) for x, y in zip(got, ref))
+
+
+def _operand(rows: int, k: int) -> m.NVFP4Tensor:
+    return m.quantize_nvfp4(torch.ones(rows, k))
+
+
+@pytest.mark.parametrize(
+    "a,b,kwargs,error,match",
+    [
+        ([], [], {}, ValueError, "at least one group"),
+        ([_operand(4, 32)], [_operand(8, 48)], {}, ValueError, "group 0: A has K=32, B has K=48"),
+        ([_operand(4, 32)], [_operand(8, 32)], {"out_dtype": torch.float32}, TypeError, "float16 or bfloat16"),
+        ([_operand(4, 32)], [_operand(8, 32)], {"alpha": torch.ones(2)}, ValueError, r"alpha must be float32 \[1\]"),
+        ([m.quantize_nvfp4(torch.ones(2, 4, 32))], [_operand(8, 32)], {}, ValueError, "group 0: A must be one packed"),
+    ],
+)
+def test_bad_inputs_fail_before_any_kernel(a, b, kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        m.grouped_gemm_nvfp4(a, b, **kwargs)
