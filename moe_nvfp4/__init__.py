@@ -1,5 +1,14 @@
 """moe-nvfp4: NVFP4 Mixture-of-Experts kernels and formats.  Public names only; no import-time side effects."""
-from .api import MoEWeights, fused_moe, grouped_gemm_nvfp4, prepare_moe_weights, quantize_activations, warmup_fused_moe
+from .api import (
+    MoEWeights,
+    fused_moe,
+    grouped_gemm_nvfp4,
+    launch_grouped_gemm_nvfp4,
+    plan_grouped_gemm_nvfp4,
+    prepare_moe_weights,
+    quantize_activations,
+    warmup_fused_moe,
+)
 from .checkpoint import CheckpointError, Convention, NVFP4Linear, from_checkpoint, to_checkpoint, validate_nvfp4
 from .formats import (
     NVFP4,
@@ -32,6 +41,8 @@ __all__ = [
     "from_checkpoint",
     "fused_moe_torch",
     "grouped_gemm_nvfp4",
+    "launch_grouped_gemm_nvfp4",
+    "plan_grouped_gemm_nvfp4",
     "grouped_gemm_nvfp4_torch",
     "moe_dense_torch",
     "plan_routing",

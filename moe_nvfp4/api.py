@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +21,12 @@ from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
 from .layouts import FragmentLayout, padded_scale_shape
 from .reference import grouped_gemm_nvfp4_torch
 
+if TYPE_CHECKING:
+    from .triton.grouped_w4a4 import GroupedW4A4Plan
+
 __all__ = [
     "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "quantize_activations", "grouped_gemm_nvfp4",
-    "MAX_EXPERTS",
+    "plan_grouped_gemm_nvfp4", "launch_grouped_gemm_nvfp4", "MAX_EXPERTS",
     "MAX_TOP_K",
 ]
 
@@ -245,9 +249,55 @@ def grouped_gemm_nvfp4(
     scale each) and alpha float32 [G] is optional.  The semantics of ``reference.grouped_gemm_nvfp4_torch``.
 
     CUDA: one persistent Triton launch over all groups, both operands decoded in registers (exact), fp32
-    accumulation; CPU: the reference.  Group sizes are read on the host here (pointer arrays are built per
-    call), so this form is not for CUDA graphs; fused_moe is.
+    accumulation; CPU: the reference.  Each call plans on the host (pointer arrays, group sizes); to capture
+    the launch in a CUDA graph, plan once with ``plan_grouped_gemm_nvfp4`` and launch the plan.
     """
+    _check_grouped(a, b, alpha, out_dtype)
+    if backend_for(a[0].packed.device) == "torch":
+        return grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
+    return launch_grouped_gemm_nvfp4(plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=out_dtype))
+
+
+def plan_grouped_gemm_nvfp4(
+    a: Sequence[NVFP4Tensor],
+    b: Sequence[NVFP4Tensor],
+    *,
+    alpha: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+) -> GroupedW4A4Plan:
+    """Checked inputs -> a plan for ``launch_grouped_gemm_nvfp4`` (CUDA): outputs allocated, operands with
+    swizzled scales held, pointer arrays and tile prefix sums on the device.  Launching the plan allocates
+    and copies nothing, so it can be captured in a CUDA graph."""
+    _check_grouped(a, b, alpha, out_dtype)
+    a_sw = [t.swizzled_scales() for t in a]
+    b_sw = [t.swizzled_scales() for t in b]
+    for g, (ag, bg) in enumerate(zip(a_sw, b_sw)):
+        for name, t in (("A", ag), ("B", bg)):
+            want = padded_scale_shape(t.n, t.k // NVFP4.block_size)
+            if tuple(t.block_scale.shape) != want:
+                raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
+                                 f"expected {want}")  # fmt: skip
+    scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
+    if alpha is not None:
+        scale = scale * alpha
+    from .triton.grouped_w4a4 import plan_grouped_w4a4
+
+    return plan_grouped_w4a4(
+        [t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
+        [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw], scale, out_dtype,
+    )  # fmt: skip
+
+
+def launch_grouped_gemm_nvfp4(plan: GroupedW4A4Plan) -> list[torch.Tensor]:
+    """Run a plan: one kernel launch, no allocation or copy (capturable); returns the plan's outputs."""
+    from .triton.grouped_w4a4 import launch_grouped_w4a4
+
+    return launch_grouped_w4a4(plan)
+
+
+def _check_grouped(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], alpha: torch.Tensor | None, out_dtype: torch.dtype
+) -> None:
     if not a or len(a) != len(b):
         raise ValueError(f"need one B per A and at least one group, got {len(a)} A and {len(b)} B groups")
     if out_dtype not in (torch.float16, torch.bfloat16):
@@ -267,22 +317,3 @@ def grouped_gemm_nvfp4(
     if alpha is not None and (alpha.shape != (len(a),) or alpha.dtype != torch.float32 or alpha.device != device):
         raise ValueError(f"alpha must be float32 [{len(a)}] on {device}, got {alpha.dtype} {tuple(alpha.shape)} "
                          f"on {alpha.device}")  # fmt: skip
-    if backend_for(device) == "torch":
-        return grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
-    from .triton.grouped_w4a4 import grouped_gemm_w4a4_sm90
-
-    a_sw = [t.swizzled_scales() for t in a]
-    b_sw = [t.swizzled_scales() for t in b]
-    for g, (ag, bg) in enumerate(zip(a_sw, b_sw)):
-        for name, t in (("A", ag), ("B", bg)):
-            want = padded_scale_shape(t.n, t.k // NVFP4.block_size)
-            if tuple(t.block_scale.shape) != want:
-                raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
-                                 f"expected {want}")  # fmt: skip
-    scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
-    if alpha is not None:
-        scale = scale * alpha
-    return grouped_gemm_w4a4_sm90(
-        [t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
-        [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw], scale, out_dtype,
-    )  # fmt: skip

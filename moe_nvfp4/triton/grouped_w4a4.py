@@ -11,11 +11,13 @@ One persistent launch over every group's tiles: groups are found through the til
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["grouped_gemm_w4a4_sm90"]
+__all__ = ["GroupedW4A4Plan", "plan_grouped_w4a4", "launch_grouped_w4a4"]
 
 
 @triton.jit
@@ -103,7 +105,27 @@ def _grouped_w4a4_kernel(
 _TL_OUT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def grouped_gemm_w4a4_sm90(
+@dataclass(frozen=True)
+class GroupedW4A4Plan:
+    """Everything one launch needs, built once on the host: outputs, pointer arrays, sizes, tile prefix sums.
+    ``launch_grouped_w4a4(plan)`` then only launches the kernel, so it can be captured in a CUDA graph and
+    replayed after writing new values into the same input tensors."""
+
+    outs: list[torch.Tensor]
+    inputs: tuple[list[torch.Tensor], ...]  # held so the memory the pointers name stays alive
+    pointers: tuple[torch.Tensor, ...]  # int64 [G] each: A, B, A scales, B scales, outputs
+    sizes: torch.Tensor  # int32 [G, 3]: M, N, K
+    tile_starts: torch.Tensor  # int32 [G + 1]
+    alpha: torch.Tensor  # float32 [G]
+    total_tiles: int
+    grid: int
+    out_dtype: torch.dtype
+    block_m: int
+    block_n: int
+    block_k: int
+
+
+def plan_grouped_w4a4(
     a_packed: list[torch.Tensor],
     a_scales: list[torch.Tensor],
     b_packed: list[torch.Tensor],
@@ -114,27 +136,44 @@ def grouped_gemm_w4a4_sm90(
     block_m: int = 64,
     block_n: int = 64,
     block_k: int = 128,
-) -> list[torch.Tensor]:
-    """Host wrapper (inputs checked by api.grouped_gemm_nvfp4): packed [M_g, K_g/2] / [N_g, K_g/2] uint8,
-    swizzled scales, alpha float32 [G] (already times both global scales) -> out_dtype [M_g, N_g] per group."""
+) -> GroupedW4A4Plan:
+    """Inputs checked by api.grouped_gemm_nvfp4: packed [M_g, K_g/2] / [N_g, K_g/2] uint8, swizzled e4m3
+    scales, alpha float32 [G] (already times both global scales); outputs out_dtype [M_g, N_g]."""
     device = a_packed[0].device
     sizes = [(a.shape[0], b.shape[0], a.shape[1] * 2) for a, b in zip(a_packed, b_packed)]
     outs = [torch.empty(m, n, dtype=out_dtype, device=device) for m, n, _ in sizes]
     tile_starts = [0]
     for m, n, _ in sizes:
         tile_starts.append(tile_starts[-1] + triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
-    if tile_starts[-1] == 0:
-        return outs
 
-    def ptrs(ts: list[torch.Tensor]) -> torch.Tensor:
+    def pointer_array(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)
 
+    scales_a = [s.view(torch.uint8) for s in a_scales]
+    scales_b = [s.view(torch.uint8) for s in b_scales]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    _grouped_w4a4_kernel[(min(tile_starts[-1], 2 * sms),)](
-        ptrs(a_packed), ptrs(b_packed), ptrs([s.view(torch.uint8) for s in a_scales]),
-        ptrs([s.view(torch.uint8) for s in b_scales]), ptrs(outs),
-        torch.tensor(sizes, dtype=torch.int32, device=device), torch.tensor(tile_starts, dtype=torch.int32, device=device),
-        alpha, len(sizes), OUT_DTYPE=_TL_OUT[out_dtype], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
-    )  # fmt: skip
-    return outs
+    return GroupedW4A4Plan(
+        outs=outs,
+        inputs=(a_packed, a_scales, b_packed, b_scales),
+        pointers=tuple(pointer_array(ts) for ts in (a_packed, b_packed, scales_a, scales_b, outs)),
+        sizes=torch.tensor(sizes, dtype=torch.int32, device=device).reshape(-1, 3),
+        tile_starts=torch.tensor(tile_starts, dtype=torch.int32, device=device),
+        alpha=alpha,
+        total_tiles=tile_starts[-1],
+        grid=min(tile_starts[-1], 2 * sms),
+        out_dtype=out_dtype,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+    )
+
+
+def launch_grouped_w4a4(plan: GroupedW4A4Plan) -> list[torch.Tensor]:
+    """One persistent launch (nothing else: no allocation, no host-to-device copy); returns plan.outs."""
+    if plan.total_tiles:
+        _grouped_w4a4_kernel[(plan.grid,)](
+            *plan.pointers, plan.sizes, plan.tile_starts, plan.alpha, plan.sizes.shape[0],
+            OUT_DTYPE=_TL_OUT[plan.out_dtype], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+            num_warps=4,
+        )  # fmt: skip
+    return plan.outs
