@@ -1,4 +1,5 @@
-"""W4A4 grouped GEMM on the GPU: bit for bit on exact data (fp16 and bf16 out), at the four shapes of the
+"""W4A4 grouped GEMM on the GPU: bit for bit on exact data (fp16 and bf16 out; also a planned launch replayed
+in a CUDA graph after new inputs are written), at the four shapes of the
 public B200 NVFP4 group-GEMM problem; ||out - ref|| / ||ref|| < 2e-3 (fp16) / 8e-3 (bf16) on random data."""
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def test_random_data_within_bound(out_dtype: torch.dtype, seed: int) -> None:
     assert got[0].shape == (0, 256)
     for x, y in zip(got[1:], ref[1:]):
         assert ((x.cpu().float() - y.float()).norm() / y.float().norm()).item() < REL_TOL[out_dtype]
+
+
+def test_planned_launch_replays_in_a_cuda_graph(seed: int) -> None:
+    sizes = [(64, 256, 512), (3, 256, 512), (130, 256, 512)]
+    a, b, alpha = exact_groups(sizes, seed)
+    plan = m.plan_grouped_gemm_nvfp4(_cuda(a), _cuda(b), alpha=alpha.cuda(), out_dtype=torch.bfloat16)
+    m.launch_grouped_gemm_nvfp4(plan)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m.launch_grouped_gemm_nvfp4(plan)
+    a2, _, _ = exact_groups(sizes, seed + 1)
+    for packed, scales, new in zip(plan.inputs[0], plan.inputs[1], a2):
+        packed.copy_(new.packed)
+        scales.copy_(new.swizzled_scales().block_scale)
+    for out in plan.outs:
+        out.fill_(float("nan"))
+    graph.replay()
+    ref = m.grouped_gemm_nvfp4_torch(a2, b, alpha=alpha, out_dtype=torch.bfloat16)
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(plan.outs, ref))
