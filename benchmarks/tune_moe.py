@@ -69,21 +69,23 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
     shared = {f: v for f, v in choices.items() if f != "split_k"}
     splits = choices.get("split_k", (1,))
     out = {default_config(tokens, experts, top_k, hidden, inter)}
-    for bm, values, split1, split2 in itertools.product(
-        block_ms, itertools.product(*shared.values()), splits, splits
+    for bm, values, split1, split2, low in itertools.product(
+        block_ms, itertools.product(*shared.values()), splits, splits, (False, True)
     ):
         gemm1 = GemmConfig(**dict(zip(shared, values)), split_k=split1)
-        cfg = MoEKernelConfig(block_m=bm, gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2))
+        cfg = MoEKernelConfig(block_m=bm, gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2),
+                              partials_in_x_dtype=low)  # fmt: skip
         if _valid(cfg, hidden, inter):
             out.add(cfg)
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))
 
 
 def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
-    """Valid configs differing from ``cfg`` in one value: the token tile, or one parameter of one GEMM
-    (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
+    """Valid configs differing from ``cfg`` in one value: the token tile, the partials' dtype, or one
+    parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
     block_ms, choices = search_space(tokens, experts, top_k)
     out = [dataclasses.replace(cfg, block_m=bm) for bm in block_ms if bm != cfg.block_m]
+    out.append(dataclasses.replace(cfg, partials_in_x_dtype=not cfg.partials_in_x_dtype))
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
         for f, values in choices.items():
@@ -91,17 +93,21 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
     return [c for c in out if _valid(c, hidden, inter)]
 
 
+def _spaced(items: list) -> list:
+    """``items`` reordered so every prefix is spread over the whole list (bit-reversed index order)."""
+    bits = max(1, (len(items) - 1).bit_length())
+    return [items[i] for i in sorted(range(len(items)), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))]
+
+
 def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> list[MoEKernelConfig]:
-    """At most ``limit`` configs: ``first``, then evenly spaced picks from each (GEMM1, GEMM2) K-split pair,
-    taken in turn, so every split combination is timed however small the limit."""
+    """At most ``limit`` configs: ``first``, then one config from each (GEMM1, GEMM2) K-split pair in turn,
+    each pair's configs in a spread-out order, so every split combination is timed however small the limit
+    and the whole grid once the limit allows."""
     groups: dict[tuple[int, int], list[MoEKernelConfig]] = {}
     for c in cands:
         if c != first:
             groups.setdefault((c.gemm1.split_k, c.gemm2.split_k), []).append(c)
-    per_group = -(-(limit - 1) // max(1, len(groups)))
-    counts = [min(per_group, len(g)) for g in groups.values()]
-    picks = [[g[i * len(g) // n] for i in range(n)] for g, n in zip(groups.values(), counts)]
-    in_turn = [c for row in itertools.zip_longest(*picks) for c in row if c is not None]
+    in_turn = [c for row in itertools.zip_longest(*map(_spaced, groups.values())) for c in row if c is not None]
     return [first] + in_turn[: limit - 1]
 
 

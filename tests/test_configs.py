@@ -112,3 +112,12 @@ def test_gemm1_split_leaves_gemm2_room_in_shared_memory() -> None:
     assert all(cfg(*c).is_valid(512, 768) for c in LAUNCHED_ON_H200)
     assert not any(cfg(*c).is_valid(512, 768) for c in OUT_OF_SHARED_MEMORY_ON_H200)
     assert cfg(64, 1, 4).is_valid(512, 768) and cfg(64, 1, 4).gemm2_split_a_bytes() == 0  # no split: no partials
+
+
+def test_files_without_the_partials_field_still_load() -> None:
+    """Entries written before partials_in_x_dtype existed load with float32 partials; new ones round-trip."""
+    old = {"block_m": 32, "gemm1": {"block_n": 128}, "gemm2": {"block_n": 64, "split_k": 2}}
+    cfg = MoEKernelConfig.from_dict(old)
+    assert cfg.partials_in_x_dtype is False and cfg.gemm2.split_k == 2
+    new = MoEKernelConfig(partials_in_x_dtype=True)
+    assert MoEKernelConfig.from_dict(json.loads(json.dumps(new.to_dict()))) == new

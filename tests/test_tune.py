@@ -39,7 +39,7 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     assert near and len(near) == len(set(near)) and first not in near
 
     def values(c: MoEKernelConfig) -> list:
-        return [c.block_m, *dataclasses.astuple(c.gemm1), *dataclasses.astuple(c.gemm2)]
+        return [c.block_m, c.partials_in_x_dtype, *dataclasses.astuple(c.gemm1), *dataclasses.astuple(c.gemm2)]
 
     for c in near:
         assert c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)

@@ -5,7 +5,7 @@ Launches per forward (each grid sized from the SM count or T, never from routing
   2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up
      (split over K at decode sizes: fp32 gate and up partials, the SiLU left to GEMM2's A load).
   3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
-     (token, k) pair (and per K split) into a float32 buffer.
+     (token, k) pair (and per K split) into a float32 buffer (or one in x's dtype, per config).
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
 
 The GEMMs compute out^T = W @ A^T ("swap AB"): the decoded weights are the MMA's large side and the
@@ -265,7 +265,7 @@ def _moe_gemm_kernel(
     the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order, or with
     SPLIT_K > 1 the fp32 partials gs_g * gate and gs_u * up to out[split, row, n] and [.., n_out + n].
     Otherwise (GEMM2): A rows are the sorted rows (A_SPLITS > 1: GEMM1's partials, see _load_a); the
-    epilogue writes gs * topk_weight * acc (fp32) to out[split, pair, n].
+    epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype).
     """
     pid = tl.program_id(0)
     num_m_tiles = tl.load(num_tiles_ptr)
@@ -370,7 +370,7 @@ def _combine_kernel(
             pair_mask = mask & (local >= 0)
         for split in tl.static_range(SPLIT_K):
             row = partial_ptr + split * stride_split + pair.to(tl.int64) * hidden
-            acc += tl.load(row + offs, mask=pair_mask, other=0.0)
+            acc += tl.load(row + offs, mask=pair_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * hidden + offs, acc.to(DTYPE), mask=mask)
 
 
@@ -476,7 +476,8 @@ def fused_moe_sm90(
         GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
         A_SPLITS=1, num_warps=g1.num_warps,
     )  # fmt: skip
-    partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=torch.float32, device=x.device)
+    partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
+    partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
     _moe_gemm_kernel[(sms * g2.programs_per_sm,)](
         act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
         partial.stride(0), sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
