@@ -29,7 +29,7 @@ from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk
 from moe_nvfp4.configs import (  # noqa: E402
     CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, default_config, load_config_file,
 )
-from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
+from moe_nvfp4.triton.moe_sm90 import ROUTE_BLOCK_SMALL, fused_moe_sm90  # noqa: E402
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -51,12 +51,15 @@ GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), prog
 DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 4))
 
 
-def search_space(tokens: int, experts: int, top_k: int) -> tuple[list[int], dict[str, tuple[int, ...]]]:
-    """(token tiles, per-GEMM choices) for a token count.  Decode (<= 16 rows per expert) also splits K, as
-    too few tiles would leave SMs idle, and tries more programs per SM to hide the decode's latency."""
+def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
+    """(choices of the MoE-level fields, per-GEMM choices) for a token count.  Decode (<= 16 rows per
+    expert) also splits K, as too few tiles would leave SMs idle, and tries more programs per SM to hide the
+    decode's latency; routing inside the GEMMs is offered where it applies (<= ROUTE_BLOCK_SMALL pairs)."""
     rows = max(1, tokens * top_k // experts)
-    block_ms = [16] if rows <= 8 else [16, 32] if rows <= 24 else [32, 64] if rows <= 96 else [64, 128]
-    return block_ms, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
+    block_ms = (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
+    moe = dict(block_m=block_ms, partials_in_x_dtype=(False, True),
+               route_in_gemm=(False, True) if tokens * top_k <= ROUTE_BLOCK_SMALL else (False,))  # fmt: skip
+    return moe, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
 
 
 def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
@@ -65,27 +68,26 @@ def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
 
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """The grid: both GEMMs share every parameter but the K split; plus the default heuristic."""
-    block_ms, choices = search_space(tokens, experts, top_k)
+    moe, choices = search_space(tokens, experts, top_k)
     shared = {f: v for f, v in choices.items() if f != "split_k"}
     splits = choices.get("split_k", (1,))
     out = {default_config(tokens, experts, top_k, hidden, inter)}
-    for bm, values, split1, split2, low in itertools.product(
-        block_ms, itertools.product(*shared.values()), splits, splits, (False, True)
+    for moe_values, values, split1, split2 in itertools.product(
+        itertools.product(*moe.values()), itertools.product(*shared.values()), splits, splits
     ):
         gemm1 = GemmConfig(**dict(zip(shared, values)), split_k=split1)
-        cfg = MoEKernelConfig(block_m=bm, gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2),
-                              partials_in_x_dtype=low)  # fmt: skip
+        cfg = MoEKernelConfig(**dict(zip(moe, moe_values)), gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2))
         if _valid(cfg, hidden, inter):
             out.add(cfg)
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))
 
 
 def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
-    """Valid configs differing from ``cfg`` in one value: the token tile, the partials' dtype, or one
-    parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
-    block_ms, choices = search_space(tokens, experts, top_k)
-    out = [dataclasses.replace(cfg, block_m=bm) for bm in block_ms if bm != cfg.block_m]
-    out.append(dataclasses.replace(cfg, partials_in_x_dtype=not cfg.partials_in_x_dtype))
+    """Valid configs differing from ``cfg`` in one value: a MoE-level field (token tile, partials' dtype,
+    routing) or one parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or
+    programs per SM)."""
+    moe, choices = search_space(tokens, experts, top_k)
+    out = [dataclasses.replace(cfg, **{f: v}) for f, values in moe.items() for v in values if v != getattr(cfg, f)]
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
         for f, values in choices.items():

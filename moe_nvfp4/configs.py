@@ -60,12 +60,15 @@ class GemmConfig:
 class MoEKernelConfig:
     """block_m (token rows per tile) is shared: both GEMMs read the same tile map.  partials_in_x_dtype:
     GEMM2 writes its rows per (token, k) in x's dtype instead of float32, halving what the combine moves
-    (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does."""
+    (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does.  route_in_gemm: at most
+    128 (token, k) pairs (the routing kernel's small block), both GEMMs plan the routing from topk_ids in
+    registers and the routing launch is skipped; more pairs use the routing kernel either way."""
 
     block_m: int = 16
     gemm1: GemmConfig = field(default_factory=GemmConfig)
     gemm2: GemmConfig = field(default_factory=GemmConfig)
     partials_in_x_dtype: bool = False
+    route_in_gemm: bool = False
 
     def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
         return (
@@ -85,7 +88,8 @@ class MoEKernelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":
         return cls(block_m=d["block_m"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
-                   partials_in_x_dtype=d.get("partials_in_x_dtype", False))  # fmt: skip
+                   partials_in_x_dtype=d.get("partials_in_x_dtype", False),
+                   route_in_gemm=d.get("route_in_gemm", False))  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self)

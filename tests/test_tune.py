@@ -39,7 +39,7 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     assert near and len(near) == len(set(near)) and first not in near
 
     def values(c: MoEKernelConfig) -> list:
-        return [c.block_m, c.partials_in_x_dtype, *dataclasses.astuple(c.gemm1), *dataclasses.astuple(c.gemm2)]
+        return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *dataclasses.astuple(c.gemm1), *dataclasses.astuple(c.gemm2)]
 
     for c in near:
         assert c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
@@ -89,3 +89,12 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
     merged = merge_entries(old, new)
     assert sorted((m["experts"], m["max_tokens"], m["time_us"]) for m in merged) == [
         (8, 1, 60.0), (8, 16, 280.0), (128, 1, 30.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 16, True), ("qwen3-30b-a3b", 17, False),
+                                                  ("mixtral-8x7b", 64, True), ("mixtral-8x7b", 65, False)])
+def test_routing_in_the_gemms_is_offered_only_where_it_applies(model: str, tokens: int, offered: bool) -> None:
+    """At most 128 (token, k) pairs: Qwen3 (top-8) up to 16 tokens, Mixtral (top-2) up to 64."""
+    e, k, h, i = MODELS[model]
+    assert any(c.route_in_gemm for c in candidates(tokens, e, k, h, i)) == offered
+    assert any(c.route_in_gemm for c in neighbors(default_config(tokens, e, k, h, i), tokens, e, k, h, i)) == offered

@@ -227,6 +227,39 @@ def _load_a(a_base, stride_a_split, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
+def _plan_in_registers(ids_ptr, expert_map_ptr, num_pairs, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_P: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
+    """_route_kernel's plan for at most BLOCK_P pairs, kept in registers: per-expert counts, first rows,
+    tiles and tile ends, and each pair's row.  Rows inside an expert's run follow the pair order, so both
+    GEMMs derive the same rows."""
+    offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, 0, num_pairs, HAS_MAP, BLOCK_P)
+    e = tl.where(valid, e, 0)
+    counts = tl.histogram(e, E_POW2, mask=valid)
+    starts = tl.cumsum(counts, 0) - counts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    earlier_same = (e[:, None] == e[None, :]) & valid[None, :] & (offs[None, :] < offs[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    row_of_pair = tl.where(valid, tl.gather(starts, e, 0) + rank, -1)
+    return counts, starts, tiles, tl.cumsum(tiles, 0), row_of_pair
+
+
+@triton.jit
+def _tile_in_registers(m_tile, counts, starts, tiles, tile_ends, row_of_pair, BLOCK_M: tl.constexpr,
+                       BLOCK_P: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
+    """Token tile m_tile of the in-register plan: (expert, first row, end of the expert's rows, pair ids)."""
+    expert = tl.sum((tile_ends <= m_tile).to(tl.int32), 0)  # experts whose tiles all come earlier
+    mine = tl.arange(0, E_POW2) == expert
+    start = tl.sum(tl.where(mine, starts, 0), 0)
+    row0 = start + (m_tile - tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    pairs = tl.arange(0, BLOCK_P)
+    pair_id = tl.sum(tl.where(row_of_pair[None, :] == rows[:, None], pairs[None, :], 0), axis=1)
+    return expert, row0, start + tl.sum(tl.where(mine, counts, 0), 0), pair_id
+
+
+# num_pairs changes with T, and the routing tensors come from the caller at any alignment: not specialized on,
+# so neither a new T nor a new topk_ids allocation compiles a new variant.
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
 def _moe_gemm_kernel(
     a_ptr,
     stride_a,
@@ -243,6 +276,9 @@ def _moe_gemm_kernel(
     tile_row_ptr,
     num_tiles_ptr,
     topk_weights_ptr,
+    ids_ptr,
+    expert_map_ptr,
+    num_pairs,
     n_out,
     k,
     kp,
@@ -258,8 +294,15 @@ def _moe_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     A_SPLITS: tl.constexpr,
+    ROUTE_IN_KERNEL: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    E_POW2: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
+
+    The tile map comes from _route_kernel's buffers, or with ROUTE_IN_KERNEL (at most BLOCK_P pairs) from
+    topk_ids directly: every program computes the plan in registers, and no routing launch is needed.
 
     GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up);
     the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order, or with
@@ -268,7 +311,12 @@ def _moe_gemm_kernel(
     epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype).
     """
     pid = tl.program_id(0)
-    num_m_tiles = tl.load(num_tiles_ptr)
+    if ROUTE_IN_KERNEL:
+        counts, starts, tiles, tile_ends, row_of_pair = _plan_in_registers(
+            ids_ptr, expert_map_ptr, num_pairs, HAS_MAP, BLOCK_M, BLOCK_P, E_POW2)
+        num_m_tiles = tl.sum(tiles, 0)
+    else:
+        num_m_tiles = tl.load(num_tiles_ptr)
     num_n_tiles = tl.cdiv(n_out, BLOCK_N)
     total = num_m_tiles * num_n_tiles * SPLIT_K
     chunks = kp // BLOCK_K
@@ -290,12 +338,18 @@ def _moe_gemm_kernel(
         m_tile = first_m + in_group % group_m
         n_tile = in_group // group_m
 
-        expert = tl.load(tile_expert_ptr + m_tile)
-        row0 = tl.load(tile_row_ptr + m_tile)
-        row_end = tl.load(offsets_ptr + expert + 1)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        if ROUTE_IN_KERNEL:
+            expert, row0, row_end, pair_id = _tile_in_registers(
+                m_tile, counts, starts, tiles, tile_ends, row_of_pair, BLOCK_M, BLOCK_P, E_POW2)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < row_end
+        else:
+            expert = tl.load(tile_expert_ptr + m_tile)
+            row0 = tl.load(tile_row_ptr + m_tile)
+            row_end = tl.load(offsets_ptr + expert + 1)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < row_end
+            pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
         if GATED:
             a_rows = pair_id // TOP_K
         else:
@@ -447,7 +501,8 @@ def fused_moe_sm90(
     config: MoEKernelConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels."""
+    """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels (three when
+    the config routes inside the GEMMs and there are at most ROUTE_BLOCK_SMALL pairs)."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]
@@ -456,10 +511,17 @@ def fused_moe_sm90(
         return out
     dtype = _TL_DTYPES[x.dtype]
     use_asm = x.is_cuda  # the Triton interpreter runs on CPU tensors and has no inline PTX
-    sorted_pairs, _, offsets, tile_expert, tile_row, num_tiles = route(
-        topk_ids, num_experts, config.block_m, expert_map
-    )
     num_pairs = t * top_k
+    ids = topk_ids.reshape(-1)
+    emap = ids if expert_map is None else expert_map
+    in_kernel = config.route_in_gemm and num_pairs <= ROUTE_BLOCK_SMALL
+    if in_kernel:  # the GEMMs plan from topk_ids themselves; the tile-map arguments go unread
+        tile_map = (ids,) * 5
+    else:
+        sorted_pairs, _, offsets, tile_expert, tile_row, num_tiles = route(topk_ids, num_experts, config.block_m, expert_map)
+        tile_map = (sorted_pairs, offsets, tile_expert, tile_row, num_tiles)
+    routing = dict(ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
+                   E_POW2=triton.next_power_of_2(num_experts))  # fmt: skip
     sms = _num_sms(x.device)
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
@@ -470,26 +532,23 @@ def fused_moe_sm90(
         act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
     _moe_gemm_kernel[(sms * g1.programs_per_sm,)](
         x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
-        sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights,
-        intermediate, hidden, k1p,
+        *tile_map, topk_weights, ids, emap, num_pairs, intermediate, hidden, k1p,
         TOP_K=top_k, GATED=True, SPLIT_K=g1.split_k, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
         GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
-        A_SPLITS=1, num_warps=g1.num_warps,
+        A_SPLITS=1, **routing, num_warps=g1.num_warps,
     )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
     _moe_gemm_kernel[(sms * g2.programs_per_sm,)](
         act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
-        partial.stride(0), sorted_pairs, offsets, tile_expert, tile_row, num_tiles, topk_weights.reshape(-1),
-        hidden, intermediate, k2p,
+        partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap, num_pairs, hidden, intermediate, k2p,
         TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
         GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm,
-        A_SPLITS=g1.split_k, num_warps=g2.num_warps,
+        A_SPLITS=g1.split_k, **routing, num_warps=g2.num_warps,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))
-    ids = topk_ids.reshape(-1)
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        partial, ids, ids if expert_map is None else expert_map, out, hidden, partial.stride(0),
+        partial, ids, emap, out, hidden, partial.stride(0),
         TOP_K=top_k, SPLIT_K=g2.split_k, HAS_MAP=expert_map is not None, BLOCK_H=block_h, DTYPE=dtype,
         num_warps=4,
     )  # fmt: skip

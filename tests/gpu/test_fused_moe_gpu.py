@@ -119,14 +119,15 @@ def test_expert_map(dtype: torch.dtype, gen: torch.Generator) -> None:
 def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: torch.Generator) -> None:
     """Every tile shape and K split computes the same function; outputs and scratch start poisoned with NaN.
     GEMM1 split over K leaves fp32 partials whose SiLU GEMM2 applies as it loads them; two configs keep
-    GEMM2's rows in x's dtype."""
+    GEMM2's rows in x's dtype, two route inside the GEMMs (46 pairs)."""
     q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, 512)
     cfgs = [MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, split_k=split1),
-                            GemmConfig(block_n, num_warps=warps, num_stages=stages, split_k=split2), low)
-            for block_m, block_n, warps, stages, low in
-            ((16, 64, 4, 3, False), (32, 128, 4, 2, True), (64, 128, 8, 4, False), (128, 64, 8, 4, True))]
+                            GemmConfig(block_n, num_warps=warps, num_stages=stages, split_k=split2), low, in_gemm)
+            for block_m, block_n, warps, stages, low, in_gemm in
+            ((16, 64, 4, 3, False, True), (32, 128, 4, 2, True, False), (64, 128, 8, 4, False, True),
+             (128, 64, 8, 4, True, False))]
     valid = [cfg for cfg in cfgs if cfg.is_valid(512, 512)]  # a GEMM1 K split rules out the large token tiles
     assert len(valid) >= 2 and (split1 > 1 or len(valid) == len(cfgs))
     for cfg in valid:
