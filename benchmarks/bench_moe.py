@@ -316,6 +316,7 @@ def run_model(
     import torch
 
     from moe_nvfp4 import moe_dense_torch
+    from moe_nvfp4.configs import config_device_name, select_config
 
     rows: list[dict] = []
     t0 = time.time()
@@ -370,6 +371,9 @@ def run_model(
         flops = shape.flops(t)
         row.update(touched_experts=touched, hbm_bytes=nbytes, weight_bytes=touched * fp4_expert, flops=flops)
         row.update(floors(nbytes, flops, ceilings))
+        if x.is_cuda:  # the tuned (or default) config ours runs at this T, so a row can be traced to it
+            row["ours_config"] = select_config(t, shape.num_experts, shape.top_k, shape.hidden, shape.inter, x.dtype,
+                                               config_device_name(x.device)).to_dict()  # fmt: skip
 
         # Correctness: every path once, eagerly, against the float32 torch reference on the same weights.
         outs: dict[str, torch.Tensor] = {}
