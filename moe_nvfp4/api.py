@@ -255,7 +255,7 @@ def grouped_gemm_nvfp4(
     _check_grouped(a, b, alpha, out_dtype)
     if backend_for(a[0].packed.device) == "torch":
         return grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
-    return launch_grouped_gemm_nvfp4(plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=out_dtype))
+    return launch_grouped_gemm_nvfp4(_plan_grouped(a, b, alpha, out_dtype))
 
 
 def plan_grouped_gemm_nvfp4(
@@ -269,6 +269,13 @@ def plan_grouped_gemm_nvfp4(
     swizzled scales held, pointer arrays and tile prefix sums on the device.  Launching the plan allocates
     and copies nothing, so it can be captured in a CUDA graph."""
     _check_grouped(a, b, alpha, out_dtype)
+    return _plan_grouped(a, b, alpha, out_dtype)
+
+
+def _plan_grouped(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], alpha: torch.Tensor | None, out_dtype: torch.dtype
+) -> GroupedW4A4Plan:
+    """plan_grouped_gemm_nvfp4 for inputs _check_grouped has passed."""
     a_sw = [t.swizzled_scales() for t in a]
     b_sw = [t.swizzled_scales() for t in b]
     for g, (ag, bg) in enumerate(zip(a_sw, b_sw)):

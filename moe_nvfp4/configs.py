@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -87,9 +87,9 @@ class MoEKernelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":
-        return cls(block_m=d["block_m"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
-                   partials_in_x_dtype=d.get("partials_in_x_dtype", False),
-                   route_in_gemm=d.get("route_in_gemm", False))  # fmt: skip
+        # block_m, gemm1 and gemm2 are required; fields added later are optional (older files get the defaults)
+        later = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name not in ("block_m", "gemm1", "gemm2")}
+        return cls(block_m=d["block_m"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]), **later)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .scale_layout import swizzled_offset
+
 __all__ = ["GroupedW4A4Plan", "plan_grouped_w4a4", "launch_grouped_w4a4"]
 
 
@@ -50,7 +52,7 @@ def _load_operand(ptr, scale_ptr, row0, rows_total, k0, k, scale_col_blocks, ROW
     values = _e2m1_values(packed, ROWS, BLOCK_K // 2)
     j = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     i = rows[:, None]
-    offset = ((i // 128) * scale_col_blocks + j[None, :] // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j[None, :] % 4
+    offset = swizzled_offset(i, j[None, :], scale_col_blocks)
     s_ok = (rows < rows_total)[:, None] & (j < k // 16)[None, :]
     scales = _e4m3_values(tl.load(scale_ptr + offset.to(tl.int64), mask=s_ok, other=0).to(tl.int32))
     scaled = tl.reshape(values, [ROWS, BLOCK_K // 16, 16]) * scales[:, :, None]
@@ -137,7 +139,7 @@ def plan_grouped_w4a4(
     block_n: int = 64,
     block_k: int = 128,
 ) -> GroupedW4A4Plan:
-    """Inputs checked by api.grouped_gemm_nvfp4: packed [M_g, K_g/2] / [N_g, K_g/2] uint8, swizzled e4m3
+    """Inputs checked by api.plan_grouped_gemm_nvfp4: packed [M_g, K_g/2] / [N_g, K_g/2] uint8, swizzled e4m3
     scales, alpha float32 [G] (already times both global scales); outputs out_dtype [M_g, N_g]."""
     device = a_packed[0].device
     sizes = [(a.shape[0], b.shape[0], a.shape[1] * 2) for a, b in zip(a_packed, b_packed)]

@@ -35,6 +35,14 @@ def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr
     return offs, e, valid & (e >= 0)
 
 
+@triton.jit
+def _expert_runs(counts, BLOCK_M: tl.constexpr):
+    """Per-expert pair counts -> (first sorted row, token tiles, end of its tiles): the plan's layout, shared
+    by _route_kernel and the GEMMs' in-register routing."""
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    return tl.cumsum(counts, 0) - counts, tiles, tl.cumsum(tiles, 0)
+
+
 # The pair and tile counts change with T: not specialized on, so a new T never compiles a new variant.
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _route_kernel(
@@ -61,13 +69,10 @@ def _route_kernel(
     for p0 in range(0, num_pairs, BLOCK_P):
         _, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP, BLOCK_P)
         counts += tl.histogram(tl.where(valid, e, 0), E_POW2, mask=valid)
-    ends = tl.cumsum(counts, 0)
-    starts = ends - counts
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(tiles, 0)
+    starts, tiles, tile_ends = _expert_runs(counts, BLOCK_M)
     tl.store(counts_ptr + experts, counts, mask=expert_ok)
     tl.store(offsets_ptr + experts, starts, mask=expert_ok)
-    tl.store(offsets_ptr + experts + 1, ends, mask=experts == num_experts - 1)
+    tl.store(offsets_ptr + experts + 1, starts + counts, mask=experts == num_experts - 1)
     tl.store(cursor_ptr + experts, starts, mask=expert_ok)
     tl.store(num_tiles_ptr, tl.sum(tiles, 0))
     tl.debug_barrier()
@@ -235,12 +240,11 @@ def _plan_in_registers(ids_ptr, expert_map_ptr, num_pairs, HAS_MAP: tl.constexpr
     offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, 0, num_pairs, HAS_MAP, BLOCK_P)
     e = tl.where(valid, e, 0)
     counts = tl.histogram(e, E_POW2, mask=valid)
-    starts = tl.cumsum(counts, 0) - counts
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    starts, tiles, tile_ends = _expert_runs(counts, BLOCK_M)
     earlier_same = (e[:, None] == e[None, :]) & valid[None, :] & (offs[None, :] < offs[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     row_of_pair = tl.where(valid, tl.gather(starts, e, 0) + rank, -1)
-    return counts, starts, tiles, tl.cumsum(tiles, 0), row_of_pair
+    return counts, starts, tiles, tile_ends, row_of_pair
 
 
 @triton.jit
@@ -520,8 +524,10 @@ def fused_moe_sm90(
     else:
         sorted_pairs, _, offsets, tile_expert, tile_row, num_tiles = route(topk_ids, num_experts, config.block_m, expert_map)
         tile_map = (sorted_pairs, offsets, tile_expert, tile_row, num_tiles)
-    routing = dict(ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
-                   E_POW2=triton.next_power_of_2(num_experts))  # fmt: skip
+    # constexprs both GEMMs share
+    shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
+                  ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
+                  E_POW2=triton.next_power_of_2(num_experts))  # fmt: skip
     sms = _num_sms(x.device)
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
@@ -533,18 +539,16 @@ def fused_moe_sm90(
     _moe_gemm_kernel[(sms * g1.programs_per_sm,)](
         x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
         *tile_map, topk_weights, ids, emap, num_pairs, intermediate, hidden, k1p,
-        TOP_K=top_k, GATED=True, SPLIT_K=g1.split_k, BLOCK_N=g1.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g1.group_m, EVEN_K=hidden == k1p, DTYPE=dtype, NUM_STAGES=g1.num_stages, USE_ASM=use_asm,
-        A_SPLITS=1, **routing, num_warps=g1.num_warps,
+        GATED=True, SPLIT_K=g1.split_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m, EVEN_K=hidden == k1p,
+        NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, num_warps=g1.num_warps,
     )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
     _moe_gemm_kernel[(sms * g2.programs_per_sm,)](
         act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
         partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap, num_pairs, hidden, intermediate, k2p,
-        TOP_K=top_k, GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, BLOCK_M=config.block_m, BLOCK_K=128,
-        GROUP_M=g2.group_m, EVEN_K=intermediate == k2p, DTYPE=dtype, NUM_STAGES=g2.num_stages, USE_ASM=use_asm,
-        A_SPLITS=g1.split_k, **routing, num_warps=g2.num_warps,
+        GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m, EVEN_K=intermediate == k2p,
+        NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, num_warps=g2.num_warps,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ..formats import NVFP4
 from ..layouts import padded_scale_shape
+from .scale_layout import swizzled_offset
 
 __all__ = ["quantize_activations_sm90"]
 
@@ -85,7 +86,7 @@ def _quantize_act_kernel(
     # 128x4 blocked layout (layouts.swizzled_offset): 512-byte tiles of 128 rows x 4 scale columns
     j = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
     i = rows[:, None]
-    offset = ((i // 128) * scale_col_blocks + j[None, :] // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j[None, :] % 4
+    offset = swizzled_offset(i, j[None, :], scale_col_blocks)
     tl.store(scale_ptr + offset.to(tl.int64), scale_byte.to(tl.uint8), mask=(rows < m)[:, None] & (j < k // 16)[None, :])
 
 
