@@ -4,9 +4,11 @@
     python benchmarks/tune_moe.py --probe              # time the default heuristic only (no tuning)
 
     python benchmarks/tune_moe.py --tokens 1,16 --max-candidates 48 --update   # re-tune decode, keep the rest
+    python benchmarks/tune_moe.py --update --climb --max-candidates 8          # climb from the shipped configs
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
-climbs from the fastest of those through configs one value away.  Each candidate is checked against the
+climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
+the default heuristic, alone; the on/off switches are tried first).  Each candidate is checked against the
 torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the
 fastest valid one is written.
 """
@@ -57,8 +59,9 @@ def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple
     decode's latency; routing inside the GEMMs is offered where it applies (<= ROUTE_BLOCK_SMALL pairs)."""
     rows = max(1, tokens * top_k // experts)
     block_ms = (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
-    moe = dict(block_m=block_ms, partials_in_x_dtype=(False, True),
-               route_in_gemm=(False, True) if tokens * top_k <= ROUTE_BLOCK_SMALL else (False,))  # fmt: skip
+    # the on/off switches first: a short climb (--climb) tries them before the tile sizes
+    moe = dict(partials_in_x_dtype=(False, True),
+               route_in_gemm=(False, True) if tokens * top_k <= ROUTE_BLOCK_SMALL else (False,), block_m=block_ms)  # fmt: skip
     return moe, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
 
 
@@ -169,6 +172,7 @@ def main() -> int:
     p.add_argument("--max-candidates", type=int, default=24)
     p.add_argument("--out", default=None, help="JSON to write (default: configs/fused_moe_sm90/<device>.json)")
     p.add_argument("--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now")
+    p.add_argument("--climb", action="store_true", help="no spread: climb from the file's entry (or the default) only")
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -206,10 +210,13 @@ def main() -> int:
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)
             else:  # half the budget spread over the grid, the rest climbing from the best of those
-                start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
                 incumbent = [MoEKernelConfig.from_dict(o["config"]) for o in old_entries
                              if entry_key(o) == (e, h, i, args.dtype, t)]  # fmt: skip
-                start = incumbent + [c for c in start if c not in incumbent]  # --update: never worse than before
+                if args.climb:
+                    start = incumbent or [first]
+                else:
+                    start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
+                    start = incumbent + [c for c in start if c not in incumbent]  # --update: never worse than before
                 found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates)
             if found is None:
                 lines.append(f"{model:>14} T={t:>5}: no valid config")
