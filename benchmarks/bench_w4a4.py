@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"device: {meta.get('device', 'cpu')}, torch {meta['torch']}, triton {meta['triton']}",
         f"copy bandwidth {meta['ceilings']['copy_GBps']:.0f} GB/s, bf16 matmul {meta['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s",
-        f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}",
+        f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}"
+        + (" (dirty)" if meta.get("git_dirty") else ""),
         f"timing: {rows[0]['timing']['method'] if rows else '-'} (graph = CUDA graph replay) of prepared launches "
         "(moe_nvfp4.plan_grouped_gemm_nvfp4), median per launch, inputs rotated so the L2 does not hold them"
         + (f"; sizes divided by {args.shrink}" if args.shrink > 1 else ""),

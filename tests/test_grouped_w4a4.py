@@ -21,6 +21,8 @@ TESTS = Path(__file__).resolve().parent
 REL_TOL = {"float16": 2e-3, "bfloat16": 8e-3}
 # ragged M (one empty group), N not a multiple of the tile, K with a masked tail (48, 272) and per group
 SIZES = [(37, 48, 48), (0, 64, 128), (130, 80, 272), (5, 130, 64)]
+# every K a multiple of the default block_k: no K masks (the kernel's EVEN_K path)
+EVEN_K_SIZES = [(37, 48, 64), (0, 64, 128), (130, 80, 192), (5, 130, 64)]
 
 SCRIPT = textwrap.dedent(
     """
@@ -55,30 +57,33 @@ SCRIPT = textwrap.dedent(
 DECODE_SCRIPT = textwrap.dedent(
     """
     import torch, triton, triton.language as tl, moe_nvfp4 as m
-    from moe_nvfp4.triton.grouped_w4a4 import _e2m1_values, _e4m3_values
+    from moe_nvfp4.triton.grouped_w4a4 import _decode_portable, _scale_words
 
     @triton.jit
-    def decode(bytes_ptr, values_ptr, scales_ptr):
-        o = tl.arange(0, 128)
-        b = tl.load(bytes_ptr + o)
-        tl.store(values_ptr + tl.arange(0, 256), tl.reshape(_e2m1_values(tl.reshape(b, [1, 128]), 1, 128), [256]))
-        tl.store(scales_ptr + o, _e4m3_values(b.to(tl.int32)))
+    def decode(bytes_ptr, scale_ptr, lo_ptr, hi_ptr, ROWS: tl.constexpr, BYTES: tl.constexpr):
+        o = tl.arange(0, ROWS)[:, None] * BYTES + tl.arange(0, BYTES)[None, :]
+        scales = _scale_words(tl.load(scale_ptr + o).to(tl.uint32))
+        lo, hi = _decode_portable(tl.load(bytes_ptr + o), scales, ROWS, BYTES)
+        tl.store(lo_ptr + o, lo.to(tl.float32))
+        tl.store(hi_ptr + o, hi.to(tl.float32))
 
-    b = torch.arange(128, dtype=torch.uint8)  # every positive e4m3 byte (0x7f is NaN); low/high nibbles 0..15
-    values, scales = torch.empty(256), torch.empty(128)
-    decode[(1,)](b, values, scales)
-    codes = m.formats.unpack_fp4(b)
-    ok_values = torch.equal(values, m.formats.decode_e2m1(codes))
-    finite = torch.arange(127)
-    ok_scales = torch.equal(scales[finite], b[finite].view(torch.float8_e4m3fn).float())
-    print(ok_values, ok_scales)
+    # every packed byte (low and high nibble: all 16 codes each) with every positive e4m3 byte (0x7f is NaN)
+    packed = torch.arange(256, dtype=torch.uint8).repeat(128)
+    scale = torch.arange(128, dtype=torch.uint8).repeat_interleave(256)
+    lo, hi = torch.empty(packed.shape), torch.empty(packed.shape)
+    decode[(1,)](packed, scale, lo, hi, 1024, 32)
+    values = m.formats.decode_e2m1(m.formats.unpack_fp4(packed)).reshape(-1, 2)
+    want = values * scale.view(torch.float8_e4m3fn).float()[:, None] * 2.0**-7
+    finite = scale < 127
+    print(torch.equal(lo[finite], want[finite, 0]), torch.equal(hi[finite], want[finite, 1]))
     """
 )
 
 
 @pytest.mark.slow
-def test_decoders_cover_every_code_and_scale_byte() -> None:
-    """All 16 e2m1 codes (both nibbles) and all 127 finite positive e4m3 bytes, subnormals included."""
+def test_decode_covers_every_code_and_scale_byte() -> None:
+    """The plain-Triton twin of the decode PTX: all 16 e2m1 codes in both nibbles times all 127 finite positive
+    e4m3 scale bytes (subnormals included) give code * scale * 2^-7 exactly."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", DECODE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -86,16 +91,48 @@ def test_decoders_cover_every_code_and_scale_byte() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sizes", [SIZES, EVEN_K_SIZES], ids=["k_tail", "even_k"])
 @pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
-def test_triton_kernel_matches_the_reference(out_dtype: str, seed: int) -> None:
+def test_triton_kernel_matches_the_reference(out_dtype: str, sizes: list, seed: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(SIZES), str(seed % 2**31), out_dtype], env=env,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(sizes), str(seed % 2**31), out_dtype], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(result["shapes"]) and all(result["exact"]) and all(result["replanned"]), result
     assert len(result["errs"]) == 3 and max(result["errs"]) < REL_TOL[out_dtype], result
+
+
+CONFIG_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, moe_nvfp4 as m
+    from helpers_w4a4 import exact_groups
+    from moe_nvfp4.triton.grouped_w4a4 import plan_grouped_w4a4
+    sizes, seed, config = json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    a, b, alpha = exact_groups(sizes, seed)
+    default = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.float16)
+    plan = plan_grouped_w4a4(*default.inputs, default.alpha, torch.float16, **config)
+    got = m.launch_grouped_gemm_nvfp4(plan)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=torch.float16)
+    print(json.dumps([bool(torch.equal(x, y)) for x, y in zip(got, ref)]))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [SIZES, EVEN_K_SIZES], ids=["k_tail", "even_k"])
+@pytest.mark.parametrize("config", [dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2),
+                                    dict(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3)])  # fmt: skip
+def test_other_tile_configs_are_exact(config: dict, sizes: list, seed: int) -> None:
+    """Tiles other than the default (two scale words per row at block_k 128; 256 rows of B, past one 128-row
+    scale block) are bit exact too: fp16 out, exact data."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", CONFIG_SCRIPT, json.dumps(sizes), str(seed % 2**31), json.dumps(config)],
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def test_cpu_path_is_the_reference() -> None:
@@ -125,3 +162,19 @@ def _operand(rows: int, k: int) -> m.NVFP4Tensor:
 def test_bad_inputs_fail_before_any_kernel(a, b, kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
         m.grouped_gemm_nvfp4(a, b, **kwargs)
+
+
+@pytest.mark.parametrize(("rows", "expected"), [(128, 128), (128 * 8, 128), (128 * 9, 256)])
+def test_wide_tiles_only_past_four_waves(rows: int, expected: int) -> None:
+    """block_n=None picks 256 only when 128-wide tiles exceed WIDE_TILE_WAVES waves (2 'SMs' on the CPU: 8
+    tiles); the measured H200 trade-off is in plan_grouped_w4a4's docstring."""
+    sys.path.insert(0, str(TESTS))
+    from helpers_w4a4 import exact_groups
+
+    from moe_nvfp4.triton.grouped_w4a4 import WIDE_TILE_WAVES, plan_grouped_w4a4
+
+    assert WIDE_TILE_WAVES == 4
+    a, b, alpha = exact_groups([(rows, 128, 64)], seed=0)
+    default = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.float16)
+    plan = plan_grouped_w4a4(*default.inputs, default.alpha, torch.float16)
+    assert (plan.block_n, default.block_n) == (expected, expected)

@@ -24,6 +24,15 @@ PROBLEMS = [
     ([128, 384], 4096, 1536),
 ]
 REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+# plan_grouped_w4a4 tile configs besides the default 128x128x64 (w8, 3 stages): the ones timed against it
+TILE_CONFIGS = [
+    dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    dict(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3),
+]
+# ragged M (one empty group), N not a multiple of any tile, K with a masked tail (48, 272)
+RAGGED = [(37, 48, 48), (0, 64, 128), (130, 80, 272), (5, 130, 64)]
 
 
 def _cuda(groups: list[m.NVFP4Tensor]) -> list[m.NVFP4Tensor]:
@@ -70,3 +79,24 @@ def test_planned_launch_replays_in_a_cuda_graph(seed: int) -> None:
     graph.replay()
     ref = m.grouped_gemm_nvfp4_torch(a2, b, alpha=alpha, out_dtype=torch.bfloat16)
     assert all(torch.equal(x.cpu(), y) for x, y in zip(plan.outs, ref))
+
+
+@pytest.mark.parametrize("config", TILE_CONFIGS, ids=lambda c: "bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}".format(**c))
+@pytest.mark.parametrize("sizes", [2, 3, "ragged"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_tile_configs_bit_exact(config: dict, sizes: int | str, out_dtype: torch.dtype, seed: int) -> None:
+    """sizes: a problem's index (its smaller two) or the ragged groups."""
+    from moe_nvfp4.triton.grouped_w4a4 import plan_grouped_w4a4
+
+    if sizes == "ragged":
+        groups = RAGGED
+    else:
+        ms, n, k = PROBLEMS[sizes]
+        groups = [(mm, n, k) for mm in ms]
+    a, b, alpha = exact_groups(groups, seed)
+    default = m.plan_grouped_gemm_nvfp4(_cuda(a), _cuda(b), alpha=alpha.cuda(), out_dtype=out_dtype)
+    plan = plan_grouped_w4a4(*default.inputs, default.alpha, out_dtype, **config)
+    got = m.launch_grouped_gemm_nvfp4(plan)
+    ref = m.grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
+    for g, (x, y) in enumerate(zip(got, ref)):
+        assert torch.equal(x.cpu(), y), f"group {g}: {(x.cpu().float() - y.float()).abs().max()}"
