@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import MoEKernelConfig
 
@@ -44,6 +45,17 @@ def _expert_runs(counts, BLOCK_M: tl.constexpr):
 
 
 # The pair and tile counts change with T: not specialized on, so a new T never compiles a new variant.
+@triton.jit
+def _after_previous_kernel(PDL: tl.constexpr):
+    """Programmatic dependent launch: wait until the previous kernel in the stream has finished and its
+    writes are visible (every kernel here calls this before its first memory access), then let the next
+    kernel launch now, so its CTAs become resident and start the moment this one ends instead of after a
+    launch gap.  Decode forwards are four short dependent kernels; the gaps are a visible share of them."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _route_kernel(
     ids_ptr,
@@ -62,7 +74,9 @@ def _route_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     E_POW2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_previous_kernel(PDL)
     experts = tl.arange(0, E_POW2)
     expert_ok = experts < num_experts
     counts = tl.zeros([E_POW2], dtype=tl.int32)
@@ -302,6 +316,7 @@ def _moe_gemm_kernel(
     HAS_MAP: tl.constexpr,
     BLOCK_P: tl.constexpr,
     E_POW2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
 
@@ -314,6 +329,7 @@ def _moe_gemm_kernel(
     Otherwise (GEMM2): A rows are the sorted rows (A_SPLITS > 1: GEMM1's partials, see _load_a); the
     epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype).
     """
+    _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     if ROUTE_IN_KERNEL:
         counts, starts, tiles, tile_ends, row_of_pair = _plan_in_registers(
@@ -414,8 +430,10 @@ def _combine_kernel(
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = sum over k, then K splits, of partial[split, t * TOP_K + k] (fixed order)."""
+    _after_previous_kernel(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -447,6 +465,13 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # the Triton interpreter (TRITON_INTERPRET=1) runs on CPU tensors
         return 2
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dependent_launch(device: torch.device) -> dict:
+    """Launch options of every kernel here: programmatic dependent launch on sm_90+ (see
+    _after_previous_kernel); the interpreter (CPU tensors) and older GPUs launch plainly."""
+    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 def route(
@@ -486,6 +511,7 @@ def route(
         BLOCK_P=ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else 1024,  # two variants: decode, the rest
         E_POW2=triton.next_power_of_2(num_experts),
         num_warps=8,
+        **_dependent_launch(topk_ids.device),
     )
     return sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles
 
@@ -527,7 +553,7 @@ def fused_moe_sm90(
     # constexprs both GEMMs share
     shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
                   ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
-                  E_POW2=triton.next_power_of_2(num_experts))  # fmt: skip
+                  E_POW2=triton.next_power_of_2(num_experts), **_dependent_launch(x.device))  # fmt: skip
     sms = _num_sms(x.device)
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
@@ -554,6 +580,6 @@ def fused_moe_sm90(
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
         partial, ids, emap, out, hidden, partial.stride(0),
         TOP_K=top_k, SPLIT_K=g2.split_k, HAS_MAP=expert_map is not None, BLOCK_H=block_h, DTYPE=dtype,
-        num_warps=4,
+        num_warps=4, **_dependent_launch(x.device),
     )  # fmt: skip
     return out

@@ -115,6 +115,29 @@ def test_expert_map(dtype: torch.dtype, gen: torch.Generator) -> None:
     assert _rel(out, ref) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_shards_sum_to_reference(tp: int, gen: torch.Generator) -> None:
+    """What vLLM's TP does to our op, on the real kernel: rank r holds gate and up rows r*I/tp.. of w13 and the
+    same columns of w2 (its I/tp slice, whole 16-element scale blocks); the ranks' outputs, summed (the
+    all-reduce), equal the unsharded reference."""
+    case = Case("tp", 8, 2, 512, 768, 37)
+    q13, q2 = _layer(case, gen, "cuda")
+    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
+    tw, ti = _routing(case, gen, "cuda")
+    shard = case.inter // tp
+    total = torch.zeros(case.tokens, case.hidden, dtype=torch.float64, device="cuda")
+    for rank in range(tp):
+        rows = torch.cat([torch.arange(rank * shard, (rank + 1) * shard),
+                          case.inter + torch.arange(rank * shard, (rank + 1) * shard)]).cuda()  # fmt: skip
+        w13 = m.NVFP4Tensor(q13.packed[:, rows], q13.block_scale[:, rows], q13.global_scale)
+        cols = slice(rank * shard, (rank + 1) * shard)
+        w2 = m.NVFP4Tensor(q2.packed[..., cols.start // 2 : cols.stop // 2], q2.block_scale[..., cols.start // 16 : cols.stop // 16],
+                           q2.global_scale)  # fmt: skip
+        total += m.fused_moe(x, m.prepare_moe_weights(w13, w2), tw, ti).double()
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+    assert _rel(total, ref) < tp * REL_TOL[torch.bfloat16]  # each rank rounds its output to bf16 once
+
+
 @pytest.mark.parametrize("split1,split2", [(1, 1), (1, 2), (1, 4), (2, 1), (4, 2)])
 def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: torch.Generator) -> None:
     """Every tile shape and K split computes the same function; outputs and scratch start poisoned with NaN.

@@ -1,0 +1,59 @@
+"""The sm_90 MoE kernels compiled for Hopper on the CPU machine (Triton compiles without a GPU): with
+programmatic dependent launch each kernel must wait for the previous kernel (griddepcontrol.wait) before its
+first global memory access, or it could read routing data or activations that are not written yet."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_nvfp4.triton import moe_sm90 as K
+
+GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
+
+KERNELS = {
+    "route": (K._route_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", sorted_pairs_ptr="*i32", counts_ptr="*i32",
+              offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
+              num_pairs="i32", num_experts="i32", max_tiles="i32"),
+              dict(HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128), 8),
+    "gemm1": (K._moe_gemm_kernel, dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8",
+              gs_ptr="*fp32", out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32",
+              offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
+              topk_weights_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", num_pairs="i32", n_out="i32", k="i32",
+              kp="i32"),
+              dict(TOP_K=2, GATED=True, SPLIT_K=1, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8, EVEN_K=True,
+                   DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False, HAS_MAP=False,
+                   BLOCK_P=128, E_POW2=128), 4),
+    "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
+                hidden="i32", stride_split="i32"),
+                dict(TOP_K=2, SPLIT_K=1, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
+}  # fmt: skip
+
+
+def _ptx(name: str, pdl: bool) -> str:
+    kernel, signature, constexprs, warps = KERNELS[name]
+    constexprs = dict(constexprs, PDL=pdl)
+    assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
+    src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl)).asm["ptx"]
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_every_kernel_waits_for_the_previous_one_before_touching_memory(name: str) -> None:
+    ptx = _ptx(name, pdl=True)
+    wait = ptx.find("griddepcontrol.wait")
+    trigger = ptx.find("griddepcontrol.launch_dependents")
+    first_access = GLOBAL_ACCESS.search(ptx)
+    assert first_access is not None and 0 <= wait < first_access.start(), name
+    assert wait < trigger < first_access.start(), name  # the next kernel may launch once this one is running
+    assert "griddepcontrol" not in _ptx(name, pdl=False)  # plain launches (interpreter, pre-sm_90) have none
+
+
+def test_launch_options_follow_the_device() -> None:
+    import torch
+
+    assert K._dependent_launch(torch.device("cpu")) == dict(PDL=False)
