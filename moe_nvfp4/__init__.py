@@ -2,10 +2,12 @@
 from .api import (
     MoEWeights,
     fused_moe,
+    fused_moe_w4a4,
     grouped_gemm_nvfp4,
     launch_grouped_gemm_nvfp4,
     plan_grouped_gemm_nvfp4,
     prepare_moe_weights,
+    prepare_moe_weights_w4a4,
     quantize_activations,
     warmup_fused_moe,
 )
@@ -29,7 +31,9 @@ __all__ = [
     "CheckpointError",
     "MoEWeights",
     "fused_moe",
+    "fused_moe_w4a4",
     "prepare_moe_weights",
+    "prepare_moe_weights_w4a4",
     "Convention",
     "NVFP4",
     "NVFP4Format",

@@ -22,10 +22,13 @@ from .layouts import FragmentLayout, padded_scale_shape
 from .reference import grouped_gemm_nvfp4_torch
 
 if TYPE_CHECKING:
+    from .cute.host import GroupedW4A4Sm100Plan
+    from .cute.moe_host import MoEWeightsSm100
     from .triton.grouped_w4a4 import GroupedW4A4Plan
 
 __all__ = [
-    "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "quantize_activations", "grouped_gemm_nvfp4",
+    "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "prepare_moe_weights_w4a4", "fused_moe_w4a4",
+    "quantize_activations", "grouped_gemm_nvfp4",
     "plan_grouped_gemm_nvfp4", "launch_grouped_gemm_nvfp4", "MAX_EXPERTS",
     "MAX_TOP_K",
 ]
@@ -77,12 +80,9 @@ class MoEWeights:
         return w13, w2
 
 
-def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
-    """Validate and pack checkpoint tensors for the kernel, one expert at a time.
-
-    w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]); w2: [E, H, I] (global [E]).
-    The result lives on the inputs' device; peak extra memory is one expert's temporaries.
-    """
+def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Shape and value checks shared by both weight layouts; returns both with linear scales and w13's
+    global scale as [E, 2] (gate, up)."""
     if w13.packed.dim() != 3 or w2.packed.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}")
     e, two_i, h = w13.packed.shape[0], w13.n, w13.k
@@ -100,6 +100,17 @@ def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
         raise ValueError(f"w13 global scale must be [E] or [E, 2], got {tuple(w13.global_scale.shape)}")
     if w2.global_scale.shape != (e,):
         raise ValueError(f"w2 global scale must be [E], got {tuple(w2.global_scale.shape)}")
+    return NVFP4Tensor(w13.packed, w13.block_scale, gs13.contiguous()), w2
+
+
+def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
+    """Validate and pack checkpoint tensors for the kernel, one expert at a time.
+
+    w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]); w2: [E, H, I] (global [E]).
+    The result lives on the inputs' device; peak extra memory is one expert's temporaries.
+    """
+    w13, w2 = _validated(w13, w2)
+    e, h, i = w13.packed.shape[0], w13.k, w2.k
 
     def pack(q: NVFP4Tensor, row_blocks: tuple[tuple[int, int], ...], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each (start, rows) block of q's rows becomes its own padded run of rows (gate and up stay apart)."""
@@ -119,16 +130,16 @@ def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
     w13_packed, w13_scale = pack(w13, ((0, i), (i, i)), h)
     w2_packed, w2_scale = pack(w2, ((0, h),), i)
     return MoEWeights(
-        w13_packed, w13_scale, gs13.contiguous(), w2_packed, w2_scale, w2.global_scale.float().contiguous(), h, i
+        w13_packed, w13_scale, w13.global_scale, w2_packed, w2_scale, w2.global_scale.float().contiguous(), h, i
     )
 
 
-def _check_inputs(x: torch.Tensor, weights: MoEWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  expert_map: torch.Tensor | None) -> None:
+def _check_inputs(x: torch.Tensor, hidden: int, weights_device: torch.device, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] != weights.hidden:
-        raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}], got {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or not 1 <= topk_ids.shape[1] <= MAX_TOP_K:
         raise ValueError(f"topk_ids must be [T={x.shape[0]}, k<={MAX_TOP_K}], got {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -139,7 +150,7 @@ def _check_inputs(x: torch.Tensor, weights: MoEWeights, topk_weights: torch.Tens
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"expert_map must be a 1-D int32 tensor, got {expert_map.dtype} {tuple(expert_map.shape)}")
-    devices = {t.device for t in (x, weights.w13_packed, topk_weights, topk_ids)}
+    devices = {t.device for t in (x, topk_weights, topk_ids)} | {weights_device}
     if len(devices) != 1:
         raise ValueError(f"x, weights and routing tensors must be on one device, got {devices}")
 
@@ -158,7 +169,7 @@ def fused_moe(
     local experts contribute.  No host synchronisation: capturable in a CUDA graph.  On CUDA this runs
     the Triton kernels (one launch per GEMM over all experts); on CPU the torch reference.
     """
-    _check_inputs(x, weights, topk_weights, topk_ids, expert_map)
+    _check_inputs(x, weights.hidden, weights.w13_packed.device, topk_weights, topk_ids, expert_map)
     from .ops import fused_moe_op
 
     return fused_moe_op(
@@ -174,6 +185,51 @@ def fused_moe(
         None if expert_map is None else expert_map.to(torch.int32),
         weights.intermediate,
     )
+
+
+def prepare_moe_weights_w4a4(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeightsSm100:
+    """Validate checkpoint tensors (as ``prepare_moe_weights``) and lay them out for the sm_100a W4A4 MoE
+    kernels: K-major packed values, 128x4-swizzled scales, w13's gate and up rows interleaved in blocks of 32
+    (``cute.moe_host.MoEWeightsSm100``).  H must be a multiple of 32 (TMA rows of whole 16-byte units)."""
+    from .cute.moe_host import prepare_moe_weights_sm100
+
+    return prepare_moe_weights_sm100(*_validated(w13, w2))
+
+
+def fused_moe_w4a4(
+    x: torch.Tensor,
+    weights: MoEWeightsSm100,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_input_scale: torch.Tensor,
+    w2_input_scale: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W4A4 NVFP4 MoE forward: ``fused_moe`` with the activations entering each GEMM quantized to NVFP4 with a
+    fixed global scale (one float32 value each: ModelOpt's ``input_scale``, a multiplier), the semantics of
+    ``fused_moe_torch(..., w13_input_scale=, w2_input_scale=)``.
+
+    sm_100/sm_103 (``dispatch.backend_for`` -> "cute"): the block-scaled CuTe DSL kernels (compiled and
+    checked, not yet run on hardware); CPU: the reference.  Other GPUs have no FP4 tensor cores: run
+    ``fused_moe`` there (activations stay 16-bit).
+    """
+    _check_inputs(x, weights.hidden, weights.w2.packed.device, topk_weights, topk_ids, expert_map)
+    for name, scale in (("w13_input_scale", w13_input_scale), ("w2_input_scale", w2_input_scale)):
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
+            raise ValueError(f"{name} must be one float32 value on {x.device}, got {scale.dtype} "
+                             f"{tuple(scale.shape)} on {scale.device}")  # fmt: skip
+    backend = backend_for(x.device)
+    if backend == "triton":
+        raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {x.device} has none: "
+                         "use fused_moe (16-bit activations)")  # fmt: skip
+    from .ops import fused_moe_w4a4_op
+
+    return fused_moe_w4a4_op(
+        x, weights.tensors(), topk_weights.float(), topk_ids.to(torch.int32),
+        None if expert_map is None else expert_map.to(torch.int32), weights.intermediate,
+        w13_input_scale.reshape(1), w2_input_scale.reshape(1),
+    )  # fmt: skip
 
 
 def warmup_fused_moe(
@@ -248,9 +304,11 @@ def grouped_gemm_nvfp4(
     [M_g, K_g] and B_g [N_g, K_g] are NVFP4 (packed e2m1, e4m3 block scales in either layout, one global
     scale each) and alpha float32 [G] is optional.  The semantics of ``reference.grouped_gemm_nvfp4_torch``.
 
-    CUDA: one persistent Triton launch over all groups, both operands decoded in registers (exact), fp32
-    accumulation; CPU: the reference.  Each call plans on the host (pointer arrays, group sizes); to capture
-    the launch in a CUDA graph, plan once with ``plan_grouped_gemm_nvfp4`` and launch the plan.
+    One persistent launch over all groups, by device (``dispatch.backend_for``): Hopper and other CUDA GPUs run
+    the Triton kernel (both operands decoded in registers, exact; fp32 accumulation); sm_100/sm_103 run the
+    CuTe DSL kernel (block-scaled tcgen05 MMA; compiled and checked, not yet run on hardware); CPU runs the
+    reference.  Each call plans on the host (pointer arrays, group sizes); to capture the launch in a CUDA
+    graph, plan once with ``plan_grouped_gemm_nvfp4`` and launch the plan.
     """
     _check_grouped(a, b, alpha, out_dtype)
     if backend_for(a[0].packed.device) == "torch":
@@ -264,9 +322,9 @@ def plan_grouped_gemm_nvfp4(
     *,
     alpha: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
-) -> GroupedW4A4Plan:
-    """Checked inputs -> a plan for ``launch_grouped_gemm_nvfp4`` (CUDA): outputs allocated, operands with
-    swizzled scales held, pointer arrays and tile prefix sums on the device.  Launching the plan allocates
+) -> GroupedW4A4Plan | GroupedW4A4Sm100Plan:
+    """Checked inputs -> a plan for ``launch_grouped_gemm_nvfp4`` (CUDA; the backend's plan type): outputs
+    allocated, operands with swizzled scales held, pointer arrays and group sizes on the device.  Launching the plan allocates
     and copies nothing, so it can be captured in a CUDA graph."""
     _check_grouped(a, b, alpha, out_dtype)
     return _plan_grouped(a, b, alpha, out_dtype)
@@ -274,7 +332,7 @@ def plan_grouped_gemm_nvfp4(
 
 def _plan_grouped(
     a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], alpha: torch.Tensor | None, out_dtype: torch.dtype
-) -> GroupedW4A4Plan:
+) -> GroupedW4A4Plan | GroupedW4A4Sm100Plan:
     """plan_grouped_gemm_nvfp4 for inputs _check_grouped has passed."""
     a_sw = [t.swizzled_scales() for t in a]
     b_sw = [t.swizzled_scales() for t in b]
@@ -287,16 +345,23 @@ def _plan_grouped(
     scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
     if alpha is not None:
         scale = scale * alpha
+    operands = ([t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
+                [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw])  # fmt: skip
+    if backend_for(a[0].packed.device) == "cute":
+        from .cute.host import plan_grouped_w4a4_sm100
+
+        return plan_grouped_w4a4_sm100(operands, scale, out_dtype)
     from .triton.grouped_w4a4 import plan_grouped_w4a4
 
-    return plan_grouped_w4a4(
-        [t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
-        [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw], scale, out_dtype,
-    )  # fmt: skip
+    return plan_grouped_w4a4(*operands, scale, out_dtype)
 
 
-def launch_grouped_gemm_nvfp4(plan: GroupedW4A4Plan) -> list[torch.Tensor]:
+def launch_grouped_gemm_nvfp4(plan: GroupedW4A4Plan | GroupedW4A4Sm100Plan) -> list[torch.Tensor]:
     """Run a plan: one kernel launch, no allocation or copy (capturable); returns the plan's outputs."""
+    from .cute.host import GroupedW4A4Sm100Plan, launch_grouped_w4a4_sm100  # no cutlass import until a launch
+
+    if isinstance(plan, GroupedW4A4Sm100Plan):
+        return launch_grouped_w4a4_sm100(plan)
     from .triton.grouped_w4a4 import launch_grouped_w4a4
 
     return launch_grouped_w4a4(plan)

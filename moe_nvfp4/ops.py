@@ -5,7 +5,7 @@ import torch
 
 from .dispatch import backend_for
 
-__all__ = ["fused_moe_op"]
+__all__ = ["fused_moe_op", "fused_moe_w4a4_op"]
 
 
 @torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
@@ -46,4 +46,33 @@ def fused_moe_op(
 @fused_moe_op.register_fake
 def _(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids, expert_map,
       intermediate):  # fmt: skip
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moe_nvfp4::fused_moe_w4a4", mutates_args=())
+def fused_moe_w4a4_op(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    intermediate: int,
+    w13_input_scale: torch.Tensor,
+    w2_input_scale: torch.Tensor,
+) -> torch.Tensor:
+    """weights: ``MoEWeightsSm100.tensors()``; inputs already checked by api.fused_moe_w4a4."""
+    from .cute.moe_host import MoEWeightsSm100, fused_moe_w4a4_sm100
+
+    packed = MoEWeightsSm100.from_tensors(weights, intermediate)
+    if backend_for(x.device) == "torch":
+        from .reference import fused_moe_torch
+
+        w13, w2 = packed.to_nvfp4()
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
+                               w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)  # fmt: skip
+    return fused_moe_w4a4_sm100(x, packed, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
+
+
+@fused_moe_w4a4_op.register_fake
+def _(x, weights, topk_weights, topk_ids, expert_map, intermediate, w13_input_scale, w2_input_scale):
     return torch.empty_like(x)

@@ -79,9 +79,24 @@ def test_dispatch_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert backend_for(torch.device("cpu")) == "torch"
     monkeypatch.setenv("MOE_NVFP4_BACKEND", "triton")
     assert backend_for(torch.device("cpu")) == "triton"
-    monkeypatch.setenv("MOE_NVFP4_BACKEND", "cute")
+    monkeypatch.setenv("MOE_NVFP4_BACKEND", "cute")  # a kernel for sm_100a: refused where it cannot run
+    with pytest.raises(ValueError, match="sm_100/sm_103"):
+        backend_for(torch.device("cpu"))
+    monkeypatch.setenv("MOE_NVFP4_BACKEND", "cuda")
     with pytest.raises(ValueError, match="MOE_NVFP4_BACKEND"):
         backend_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((9, 0), "triton"), ((10, 0), "cute"), ((10, 3), "cute"),
+                                                      ((12, 0), "triton"), ((8, 0), "triton")])  # fmt: skip
+def test_capability_switch(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: str) -> None:
+    """sm_100/sm_103 (block-scaled FP4 tensor cores) -> CuTe DSL; other CUDA GPUs (incl. consumer Blackwell,
+    sm_120, whose FP4 MMA is another instruction) -> Triton; the variable overrides it."""
+    monkeypatch.delenv("MOE_NVFP4_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert backend_for(torch.device("cuda", 0)) == expected
+    monkeypatch.setenv("MOE_NVFP4_BACKEND", "triton")
+    assert backend_for(torch.device("cuda", 0)) == "triton"
 
 
 def test_custom_op_under_torch_compile(gen: torch.Generator) -> None:
@@ -109,3 +124,30 @@ def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
     args = (x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, 32)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fused_moe_w4a4: the sm_100 weight layout round-trips to the checkpoint tensors, the CPU path (also under
+    torch.compile, through the custom op's fake) is fused_moe_torch with the input scales, and a GPU without
+    FP4 tensor cores is told to use fused_moe; bad input scales fail before any launch."""
+    import moe_nvfp4.api as api
+
+    w13, w2 = _layer(gen, h=64, i=48)
+    weights = m.prepare_moe_weights_w4a4(w13, w2)
+    back13, back2 = weights.to_nvfp4()
+    assert torch.equal(back13.packed, w13.packed) and torch.equal(back2.packed, w2.packed)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(9, 4, generator=gen), 2)
+    s13, s2 = torch.tensor([0.7]), torch.tensor([0.3])
+    ref = m.fused_moe_torch(x, w13, w2, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
+    assert torch.equal(m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2), ref)
+    compiled = torch.compile(lambda x: m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2),
+                             fullgraph=True, backend="eager")  # fmt: skip
+    assert torch.equal(compiled(x), ref)
+    with pytest.raises(ValueError, match="w2_input_scale must be one float32"):
+        m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=torch.ones(2))
+    monkeypatch.setattr(api, "backend_for", lambda device: "triton")
+    with pytest.raises(ValueError, match="use fused_moe"):
+        m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2)

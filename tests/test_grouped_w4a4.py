@@ -178,3 +178,25 @@ def test_wide_tiles_only_past_four_waves(rows: int, expected: int) -> None:
     default = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.float16)
     plan = plan_grouped_w4a4(*default.inputs, default.alpha, torch.float16)
     assert (plan.block_n, default.block_n) == (expected, expected)
+
+
+def test_capability_switch_picks_the_cute_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where dispatch says "cute" (sm_100/sm_103) the API plans for the CuTe DSL kernel, with the same operands
+    and alpha the Triton plan gets, and launches that plan through its own launcher."""
+    sys.path.insert(0, str(TESTS))
+    import moe_nvfp4.api as api
+    import moe_nvfp4.cute.host as cute_host
+    from helpers_w4a4 import exact_groups
+
+    a, b, alpha = exact_groups([(37, 48, 64), (5, 130, 128)], seed=0)
+    triton_plan = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.bfloat16)
+    monkeypatch.setattr(api, "backend_for", lambda device: "cute")
+    plan = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.bfloat16)
+    assert isinstance(plan, cute_host.GroupedW4A4Sm100Plan)
+    assert plan.variant.out_dtype == torch.bfloat16
+    assert torch.equal(plan.alpha, triton_plan.alpha)
+    for ours, theirs in zip(plan.inputs, triton_plan.inputs):
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(ours, theirs))
+    launched = []
+    monkeypatch.setattr(cute_host, "launch_grouped_w4a4_sm100", lambda p: launched.append(p) or p.outs)
+    assert m.launch_grouped_gemm_nvfp4(plan) is plan.outs and launched == [plan]

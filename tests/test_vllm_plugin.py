@@ -295,6 +295,43 @@ def test_load_and_apply_matches_reference(plugin, gen, convention, w4a4):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors"])
+def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, convention, monkeypatch):
+    """Where dispatch says "cute" (sm_100/sm_103; faked here) a checkpoint with input scales is laid out for
+    the W4A4 kernels and apply quantizes the activations with each GEMM's largest input scale; the forward
+    (the W4A4 op's CPU path, the reference) equals fused_moe_torch with those scales."""
+    import moe_nvfp4
+    import moe_nvfp4_vllm.moe_method as method
+
+    monkeypatch.setattr(method, "backend_for", lambda device: "cute")
+    ex = _experts(gen, convention, w4a4=True)
+    layer = _routed_experts(_config(plugin, convention, True))
+    _load(layer, ex.tensors)
+    weights = getattr(layer, method.WEIGHTS_ATTR)
+    assert type(weights).__name__ == "MoEWeightsSm100"
+    w13, w2 = weights.to_nvfp4()
+    assert torch.equal(w13.packed, ex.w13.packed) and torch.equal(w2.packed, ex.w2.packed)
+    largest = torch.tensor([0.5 + (E - 1) / 10])
+    for got in layer.quant_method.w4a4_input_scales:
+        torch.testing.assert_close(got, largest)
+    x, tw, ids = _routing(gen)
+    out = layer.quant_method.apply(layer, x, tw, ids, None, None)
+    ref = moe_nvfp4.fused_moe_torch(x, ex.w13, ex.w2, tw, ids, w13_input_scale=largest, w2_input_scale=largest)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+def test_w4a4_checkpoint_stays_w4a16_on_hopper(plugin, gen, monkeypatch):
+    """Without FP4 tensor cores (dispatch "triton") the same checkpoint keeps the 16-bit-activation layout."""
+    import moe_nvfp4_vllm.moe_method as method
+
+    monkeypatch.setattr(method, "backend_for", lambda device: "triton")
+    layer = _routed_experts(_config(plugin, "modelopt", True))
+    monkeypatch.setattr(layer.quant_method, "_warmup", lambda layer, weights: None)  # no Triton on CPU tensors
+    _load(layer, _experts(gen, "modelopt", w4a4=True).tensors)
+    assert type(getattr(layer, method.WEIGHTS_ATTR)).__name__ == "MoEWeights"
+    assert layer.quant_method.w4a4_input_scales is None
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_shards_sum_to_reference(plugin, gen, tp):
     """Each rank loads its slice of the intermediate dimension; the ranks' partial outputs sum to the whole."""

@@ -17,6 +17,10 @@ Life of a layer (vLLM 0.26 ``RoutedExperts``):
    No host synchronisation, so vLLM's CUDA graphs capture it.
 
 Activations stay in BF16/FP16 on Hopper: a W4A4 checkpoint's input scales are loaded and validated, not used.
+On sm_100/sm_103 (``moe_nvfp4.dispatch.backend_for`` -> "cute"; ``MOE_NVFP4_BACKEND=triton`` keeps the
+16-bit path) a checkpoint with input scales runs W4A4: ``prepare_moe_weights_w4a4`` and ``fused_moe_w4a4``
+with each GEMM's largest input scale over the local experts (one value per GEMM: the activations of all
+experts are quantized in one launch, and the largest calibrated range saturates none of them).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 import moe_nvfp4
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention, validate_nvfp4
+from moe_nvfp4.dispatch import backend_for
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
 __all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR"]
@@ -69,6 +74,7 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         self.loaded: set[tuple[str, int, str]] = set()  # (param name, local expert, shard id)
         self.w13_input_scale: torch.Tensor | None = None  # validated multipliers [E, 2], unused on Hopper
         self.w2_input_scale: torch.Tensor | None = None
+        self.w4a4_input_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # set where W4A4 runs (sm_100)
         vllm_config = get_current_vllm_config_or_none()
         # The most tokens one forward can see: the scheduler's budget, gathered over data-parallel ranks.
         self.max_tokens = vllm_config.scheduler_config.max_num_batched_tokens * moe.dp_size if vllm_config else 0
@@ -208,10 +214,15 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
             w13, w2 = self._checkpoint_tensors(layer, name, global_ids, has_input)
         for p in self.params:
             delattr(layer, p.name)  # the checkpoint copies; prepare_moe_weights makes the kernel's own
+        self.loaded.clear()
+        if self.w13_input_scale is not None and backend_for(w13.packed.device) == "cute":
+            self.w4a4_input_scales = (self.w13_input_scale.max().reshape(1).float(),
+                                      self.w2_input_scale.max().reshape(1).float())  # fmt: skip
+            setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2))
+            return
         weights = moe_nvfp4.prepare_moe_weights(w13, w2)
         del w13, w2
         setattr(layer, WEIGHTS_ATTR, weights)
-        self.loaded.clear()
         self._warmup(layer, weights)
 
     def _warmup(self, layer: torch.nn.Module, weights: moe_nvfp4.MoEWeights) -> None:
@@ -320,6 +331,12 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Shared experts are run by the MoE runner itself (mk_can_overlap_shared_experts is False here).
+        if self.w4a4_input_scales is not None:
+            w13_scale, w2_scale = self.w4a4_input_scales
+            return moe_nvfp4.fused_moe_w4a4(
+                x, getattr(layer, WEIGHTS_ATTR), topk_weights.to(torch.float32), topk_ids.to(torch.int32),
+                w13_input_scale=w13_scale, w2_input_scale=w2_scale, expert_map=layer.expert_map,
+            )  # fmt: skip
         return moe_nvfp4.fused_moe(
             x,
             getattr(layer, WEIGHTS_ATTR),

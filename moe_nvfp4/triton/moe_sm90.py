@@ -516,6 +516,19 @@ def route(
     return sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles
 
 
+def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[t] = the fixed-order sum of partial[split, t * top_k + k] over k and splits (one launch); pairs
+    whose expert maps to -1 are skipped (their rows were never written)."""
+    t, hidden = out.shape
+    ids = topk_ids.reshape(-1)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
+        partial, ids, ids if expert_map is None else expert_map, out, hidden, partial.stride(0),
+        TOP_K=topk_ids.shape[1], SPLIT_K=partial.shape[0], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
+        DTYPE=_TL_DTYPES[out.dtype], num_warps=4, **_dependent_launch(out.device),
+    )  # fmt: skip
+
+
 def fused_moe_sm90(
     x: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -576,10 +589,5 @@ def fused_moe_sm90(
         GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m, EVEN_K=intermediate == k2p,
         NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, num_warps=g2.num_warps,
     )  # fmt: skip
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        partial, ids, emap, out, hidden, partial.stride(0),
-        TOP_K=top_k, SPLIT_K=g2.split_k, HAS_MAP=expert_map is not None, BLOCK_H=block_h, DTYPE=dtype,
-        num_warps=4, **_dependent_launch(x.device),
-    )  # fmt: skip
+    combine(partial, topk_ids, expert_map, out)
     return out

@@ -1,0 +1,1 @@
+"""Blackwell (sm_100a) kernels in CuTe DSL.  Importing this package does not import cutlass."""
