@@ -88,8 +88,9 @@ def assert_block_scaled_mma(text: str, variant: GroupedW4A4Variant) -> None:
     mmas = [line for line in text.splitlines() if "tcgen05.mma" in line]
     assert mmas and all(BLOCK_SCALED_MMA in line for line in mmas), mmas[:3]
     assert len(mmas) == MMAS_PER_STAGE  # one K stage, unrolled
-    # Instruction descriptor (PTX ISA, block-scaled kinds): bits 7-9 A type (E2M1 = 1 for mxf4nvf4), 17-22 N >> 3,
-    # 23 scale type (0 = UE4M3), 24-28 M >> 4.  Bits 13/14 (negate A/B) come from the tiled MMA's runtime fields.
+    # Instruction descriptor (PTX ISA, block-scaled kinds; CUTLASS InstrDescriptorBlockScaled): bits 7-9 A type and
+    # 10-12 B type (E2M1 = 1 for mxf4nvf4), 17-22 N >> 3, 23 scale type (0 = UE4M3), 24-28 M >> 4.  Bits 13/14
+    # (negate A/B) come from the tiled MMA's runtime fields: the PTX selects between two constants.
     descriptors = set()
     for operands in _operands(text, BLOCK_SCALED_MMA):
         descriptors |= {v for v in _immediates(text, operands[3]) if v >> 24}
@@ -99,6 +100,7 @@ def assert_block_scaled_mma(text: str, variant: GroupedW4A4Variant) -> None:
         assert ((d >> 17) & 0x3F) << 3 == variant.tile_n
         assert (d >> 23) & 1 == 0, "scales must be UE4M3 (NVFP4), not UE8M0 (MXFP4)"
         assert (d >> 7) & 7 == 1, "A must be E2M1"
+        assert (d >> 10) & 7 == 1, "B must be E2M1"
 
 
 def assert_tma_stage(text: str, variant: GroupedW4A4Variant) -> None:

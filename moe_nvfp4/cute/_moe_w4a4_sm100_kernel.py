@@ -77,7 +77,8 @@ class MoeDownSm100(GroupedW4A4Sm100):
             if in_rows:
                 pair = row_pairs[row]
                 scale = alpha[group, 0] * row_weights[row]
-            pair_row = cute.make_tensor(out_ptr + pair * n, cute.make_layout(n))
+            # 64-bit row offset: T * top_k * H passes 2^31 at large T (H = 7168, top-8: from ~37k tokens)
+            pair_row = cute.make_tensor(out_ptr + cutlass.Int64(pair) * n, cute.make_layout(n))
             for sub_n in cutlass.range_constexpr(cute.size(tTR_cC, mode=[4])):
                 load_accumulators(tiled_t2r, tTR_tAcc[(None, None, None, sub_m, sub_n)], values, k_tiles)
                 result.store((values.load() * scale).to(self.out_dtype))

@@ -83,7 +83,7 @@ def kernel_arguments(
     from cutlass.cute.typing import AddressSpace
 
     kinds = (
-        (cutlass.Float4E2M1FN, 32), (cutlass.Float4E2M1FN, 32), (cutlass.Float8E4M3FN, 16), (cutlass.Float8E4M3FN, 16),
+        (cutlass.Float4E2M1FN, 16), (cutlass.Float4E2M1FN, 16), (cutlass.Float8E4M3FN, 16), (cutlass.Float8E4M3FN, 16),
         (cutlass.Int64, 16), (cutlass.Int32, 16), (cutlass.Float32, 16), (cutlass.Int64, 128),
     )  # fmt: skip
     pointers = [make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align) for (dtype, align), address in zip(kinds, addresses)]

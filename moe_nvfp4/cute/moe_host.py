@@ -144,12 +144,14 @@ def padded_rows(
     expert = tile_expert.long()[tile]
     sorted_index = tile_row.long()[tile] + rows % TILE_M
     valid = (expert >= 0) & (sorted_index < offsets.long()[expert.clamp(min=0) + 1])
-    pair = sorted_pairs.long()[sorted_index.clamp(max=sorted_pairs.numel() - 1)]
+    # With an expert map the routing writes only the local pairs: entries past them hold whatever memory was
+    # there, so a padding row's pair is replaced before it indexes anything.
+    pair = torch.where(valid, sorted_pairs.long()[sorted_index.clamp(max=sorted_pairs.numel() - 1)], 0)
     row_pairs = torch.where(valid, pair, -1)
     tiles = (counts.long() + TILE_M - 1) // TILE_M
     return PaddedRows(
         row_pairs=row_pairs.to(torch.int32),
-        row_weights=torch.where(valid, topk_weights.reshape(-1).float()[pair.clamp(min=0)], 0.0),
+        row_weights=torch.where(valid, topk_weights.reshape(-1).float()[pair], 0.0),
         padded_offsets=TILE_M * (torch.cumsum(tiles, 0) - tiles),
         counts=counts.to(torch.int32),
     )
@@ -192,7 +194,7 @@ def _gemm_plan(
         pointers=expert_pointers(columns),
         sizes=sizes.to(torch.int32).contiguous(),
         alpha=alpha.float().contiguous(),
-        descriptors=torch.zeros(num_ctas, DESCRIPTOR_WORDS, dtype=torch.int64, device=out.device),
+        descriptors=torch.empty(num_ctas, DESCRIPTOR_WORDS, dtype=torch.int64, device=out.device),  # written by the kernel before use
         template_addresses=(a.packed.data_ptr(), b_packed.data_ptr(), a.block_scale.data_ptr(), b_scale.data_ptr()),
         template_mnk=(a.packed.shape[0], b_packed.shape[1], k),
         num_ctas=num_ctas,
