@@ -28,9 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "prepare_moe_weights_w4a4", "fused_moe_w4a4",
-    "quantize_activations", "grouped_gemm_nvfp4",
-    "plan_grouped_gemm_nvfp4", "launch_grouped_gemm_nvfp4", "MAX_EXPERTS",
-    "MAX_TOP_K",
+    "quantize_activations", "grouped_gemm_nvfp4", "plan_grouped_gemm_nvfp4", "launch_grouped_gemm_nvfp4",
+    "MAX_EXPERTS", "MAX_TOP_K",
 ]
 
 MAX_EXPERTS = 1024
@@ -134,6 +133,13 @@ def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
     )
 
 
+def _check_global_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
+    """An activation global scale argument: one float32 value on the activations' device."""
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+        raise ValueError(f"{name} must be one float32 value on {device}, got {scale.dtype} {tuple(scale.shape)} "
+                         f"on {scale.device}")  # fmt: skip
+
+
 def _check_inputs(x: torch.Tensor, hidden: int, weights_device: torch.device, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -215,12 +221,9 @@ def fused_moe_w4a4(
     ``fused_moe`` there (activations stay 16-bit).
     """
     _check_inputs(x, weights.hidden, weights.w2.packed.device, topk_weights, topk_ids, expert_map)
-    for name, scale in (("w13_input_scale", w13_input_scale), ("w2_input_scale", w2_input_scale)):
-        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
-            raise ValueError(f"{name} must be one float32 value on {x.device}, got {scale.dtype} "
-                             f"{tuple(scale.shape)} on {scale.device}")  # fmt: skip
-    backend = backend_for(x.device)
-    if backend == "triton":
+    _check_global_scale("w13_input_scale", w13_input_scale, x.device)
+    _check_global_scale("w2_input_scale", w2_input_scale, x.device)
+    if backend_for(x.device) == "triton":
         raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {x.device} has none: "
                          "use fused_moe (16-bit activations)")  # fmt: skip
     from .ops import fused_moe_w4a4_op
@@ -277,13 +280,7 @@ def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> N
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] % NVFP4.block_size:
         raise ValueError(f"x must be [M, K] with K a multiple of {NVFP4.block_size}, got {tuple(x.shape)}")
-    if input_global_scale.numel() != 1 or input_global_scale.dtype != torch.float32:
-        raise ValueError(
-            f"input_global_scale must be one float32 value, got {input_global_scale.dtype} "
-            f"{tuple(input_global_scale.shape)}"
-        )
-    if input_global_scale.device != x.device:
-        raise ValueError(f"input_global_scale is on {input_global_scale.device}, x on {x.device}")
+    _check_global_scale("input_global_scale", input_global_scale, x.device)
     gs = input_global_scale.reshape(())
     if backend_for(x.device) == "torch":
         return quantize_activations_nvfp4(x, gs).swizzled_scales()
@@ -324,8 +321,8 @@ def plan_grouped_gemm_nvfp4(
     out_dtype: torch.dtype = torch.float16,
 ) -> GroupedW4A4Plan | GroupedW4A4Sm100Plan:
     """Checked inputs -> a plan for ``launch_grouped_gemm_nvfp4`` (CUDA; the backend's plan type): outputs
-    allocated, operands with swizzled scales held, pointer arrays and group sizes on the device.  Launching the plan allocates
-    and copies nothing, so it can be captured in a CUDA graph."""
+    allocated, operands with swizzled scales held, pointer arrays and group sizes on the device.  Launching
+    the plan allocates and copies nothing, so it can be captured in a CUDA graph."""
     _check_grouped(a, b, alpha, out_dtype)
     return _plan_grouped(a, b, alpha, out_dtype)
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-__all__ = ["BACKENDS", "backend_for", "has_native_fp4_mma"]
+__all__ = ["BACKENDS", "backend_for", "has_native_fp4_mma", "sm_count"]
 
 BACKENDS = ("torch", "triton", "cute")
 
@@ -21,6 +21,12 @@ BACKENDS = ("torch", "triton", "cute")
 def has_native_fp4_mma(device: torch.device) -> bool:
     """Blackwell datacenter parts (sm_100/sm_103) have block-scaled FP4 tensor cores."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+
+
+def sm_count(device: torch.device, *, off_gpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent grids are sized from it); ``off_gpu`` stands in
+    where kernels run under the Triton interpreter or plans are only inspected (CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else off_gpu
 
 
 def backend_for(device: torch.device) -> str:

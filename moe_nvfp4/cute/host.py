@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dispatch import sm_count
+
 from .grouped_w4a4_sm100 import TILE_K, TILE_M, GroupedW4A4Variant, compiled_kernel, kernel_arguments
 
 __all__ = ["GroupedW4A4Sm100Plan", "plan_grouped_w4a4_sm100", "launch_grouped_w4a4_sm100", "num_ctas_for", "tile_walk"]
@@ -75,7 +77,7 @@ def plan_grouped_w4a4_sm100(
         pointers=pointers.to(device),
         sizes=torch.tensor(sizes, dtype=torch.int32).reshape(-1, 3).to(device),
         alpha=alpha,
-        descriptors=torch.zeros(num_ctas, DESCRIPTOR_WORDS, dtype=torch.int64, device=device),
+        descriptors=descriptor_workspace(num_ctas, device),
         # The host builds each descriptor once from a template the kernel rewrites before any load; the largest
         # tensors make templates with real, non-empty memory behind them.
         template_addresses=tuple(max(ts, key=torch.Tensor.numel).data_ptr() for ts in columns[:4]),
@@ -85,9 +87,14 @@ def plan_grouped_w4a4_sm100(
     )
 
 
+def descriptor_workspace(num_ctas: int, device: torch.device) -> torch.Tensor:
+    """Each CTA's four 128-byte TMA descriptors; left uninitialised, as the kernel writes them before use."""
+    return torch.empty(num_ctas, DESCRIPTOR_WORDS, dtype=torch.int64, device=device)
+
+
 def num_ctas_for(device: torch.device) -> int:
     """The persistent grid: one CTA per SM (1 off the GPU, where plans are only inspected)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return sm_count(device, off_gpu=1)
 
 
 def launch_grouped_w4a4_sm100(plan: GroupedW4A4Sm100Plan) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import triton.language as tl
 from ..formats import NVFP4Tensor, ScaleLayout
 from ..layouts import swizzle_scales_128x4, unswizzle_scales_128x4
 from .grouped_w4a4_sm100 import TILE_M, GroupedW4A4Variant
-from .host import DESCRIPTOR_WORDS, GroupedW4A4Sm100Plan, launch_grouped_w4a4_sm100, num_ctas_for
+from .host import GroupedW4A4Sm100Plan, descriptor_workspace, launch_grouped_w4a4_sm100, num_ctas_for
 from .moe_w4a4_sm100 import GATE_UP_BLOCK, MoeDownVariant, MoeGateUpVariant
 
 __all__ = ["MoEWeightsSm100", "prepare_moe_weights_sm100", "PaddedRows", "padded_rows", "padded_intermediate", "expert_pointers",
@@ -194,7 +194,7 @@ def _gemm_plan(
         pointers=expert_pointers(columns),
         sizes=sizes.to(torch.int32).contiguous(),
         alpha=alpha.float().contiguous(),
-        descriptors=torch.empty(num_ctas, DESCRIPTOR_WORDS, dtype=torch.int64, device=out.device),  # written by the kernel before use
+        descriptors=descriptor_workspace(num_ctas, out.device),
         template_addresses=(a.packed.data_ptr(), b_packed.data_ptr(), a.block_scale.data_ptr(), b_scale.data_ptr()),
         template_mnk=(a.packed.shape[0], b_packed.shape[1], k),
         num_ctas=num_ctas,

@@ -17,12 +17,14 @@ One persistent launch over every group's tiles: groups are found through the til
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import sm_count
 from .scale_layout import swizzled_offset
 
 __all__ = ["GroupedW4A4Plan", "plan_grouped_w4a4", "launch_grouped_w4a4"]
@@ -263,14 +265,15 @@ def plan_grouped_w4a4(
     # elsewhere is copied once here (the plan holds and reads the copy)
     a_packed, b_packed, a_scales, b_scales = ([_aligned(t) for t in ts] for ts in (a_packed, b_packed, a_scales, b_scales))
     sizes = [(a.shape[0], b.shape[0], a.shape[1] * 2) for a, b in zip(a_packed, b_packed)]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    sms = sm_count(device, off_gpu=2)
+
+    def tiles_per_group(tile_n: int) -> list[int]:
+        return [triton.cdiv(m, block_m) * triton.cdiv(n, tile_n) for m, n, _ in sizes]
+
     if block_n is None:
-        narrow_tiles = sum(triton.cdiv(m, block_m) * triton.cdiv(n, 128) for m, n, _ in sizes)
-        block_n = 256 if narrow_tiles > WIDE_TILE_WAVES * sms else 128
+        block_n = 256 if sum(tiles_per_group(128)) > WIDE_TILE_WAVES * sms else 128
     outs = [torch.empty(m, n, dtype=out_dtype, device=device) for m, n, _ in sizes]
-    tile_starts = [0]
-    for m, n, _ in sizes:
-        tile_starts.append(tile_starts[-1] + triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
+    tile_starts = [0, *itertools.accumulate(tiles_per_group(block_n))]
 
     def pointer_array(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)

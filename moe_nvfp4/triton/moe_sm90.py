@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import MoEKernelConfig
+from ..dispatch import sm_count
 
 @triton.jit
 def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -44,7 +45,6 @@ def _expert_runs(counts, BLOCK_M: tl.constexpr):
     return tl.cumsum(counts, 0) - counts, tiles, tl.cumsum(tiles, 0)
 
 
-# The pair and tile counts change with T: not specialized on, so a new T never compiles a new variant.
 @triton.jit
 def _after_previous_kernel(PDL: tl.constexpr):
     """Programmatic dependent launch: wait until the previous kernel in the stream has finished and its
@@ -56,6 +56,7 @@ def _after_previous_kernel(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# The pair and tile counts change with T: not specialized on, so a new T never compiles a new variant.
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _route_kernel(
     ids_ptr,
@@ -461,12 +462,6 @@ def compiled_variants() -> int:
     return sum(len(caches[0]) for k in kernels for caches in getattr(k, "device_caches", {}).values())
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # the Triton interpreter (TRITON_INTERPRET=1) runs on CPU tensors
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _dependent_launch(device: torch.device) -> dict:
     """Launch options of every kernel here: programmatic dependent launch on sm_90+ (see
     _after_previous_kernel); the interpreter (CPU tensors) and older GPUs launch plainly."""
@@ -567,7 +562,7 @@ def fused_moe_sm90(
     shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
                   ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
                   E_POW2=triton.next_power_of_2(num_experts), **_dependent_launch(x.device))  # fmt: skip
-    sms = _num_sms(x.device)
+    sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
     g1, g2 = config.gemm1, config.gemm2
