@@ -6,22 +6,29 @@
     python benchmarks/tune_moe.py --tokens 1,16 --max-candidates 48 --update   # re-tune decode, keep the rest
     python benchmarks/tune_moe.py --update --climb --max-candidates 8          # climb from the shipped configs
 
+    python benchmarks/tune_moe.py --update --sweep --jobs 12 --max-candidates 300 --tokens 1,16,64
+
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
-the default heuristic, alone; the on/off switches are tried first).  Each candidate is checked against the
-torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the
-fastest valid one is written.
+the default heuristic, alone; the on/off switches are tried first).  --sweep times, from that start, every
+tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
+best so far), before the climb.  Each candidate is checked against the torch reference first, then timed
+by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the fastest valid one is written.
+--jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
+timing process), as compiling, not timing, is most of a sweep's time.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,8 +56,11 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 
 
 # The values each GEMM's launch parameters are searched over.
-GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2))
-DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 4))
+GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
+                    max_registers=(None, 168, 128))  # fmt: skip
+DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4))
+# --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
+SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
@@ -116,27 +126,60 @@ def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> 
     return [first] + in_turn[: limit - 1]
 
 
+def gemm_sweep(
+    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
+) -> list[MoEKernelConfig]:
+    """``cfg`` with every valid (tile shape, programs per SM, K split, register cap) of one GEMM; GEMM1's
+    sweep also takes every token tile (block_m, which both GEMMs share, changes which GEMM1 shapes win)."""
+    moe, choices = search_space(tokens, experts, top_k)
+    g = getattr(cfg, gemm)
+    out = []
+    for block_m, (block_n, warps), pps, split, regs in itertools.product(
+        moe["block_m"] if gemm == "gemm1" else (cfg.block_m,), SWEEP_SHAPES, choices["programs_per_sm"],
+        choices.get("split_k", (1,)), choices["max_registers"],
+    ):  # fmt: skip
+        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, split_k=split, max_registers=regs)
+        c = dataclasses.replace(cfg, block_m=block_m, **{gemm: new})
+        if _valid(c, hidden, inter):
+            out.append(c)
+    return out
+
+
 def search(
     measure: Callable[[MoEKernelConfig], float | None],
     start: list[MoEKernelConfig],
     next_to: Callable[[MoEKernelConfig], list[MoEKernelConfig]],
     limit: int,
+    sweeps: Sequence[Callable[[MoEKernelConfig], list[MoEKernelConfig]]] = (),
+    prepare: Callable[[list[MoEKernelConfig]], None] = lambda configs: None,
 ) -> tuple[MoEKernelConfig, float] | None:
-    """Time ``start`` (a spread over the grid), then climb: time the best config's untimed neighbours and
-    move to the first faster one, until none is faster or ``limit`` configs were timed.  ``measure``
-    returns microseconds, or None for a config that failed (it counts against the limit)."""
+    """Time ``start`` (a spread over the grid), then each of ``sweeps`` in turn (every config it gives for
+    the best so far), then climb: time the best config's untimed neighbours and move to the first faster
+    one, until none is faster or ``limit`` configs were timed.  ``measure`` returns microseconds, or None for
+    a config that failed (it counts against the limit); ``prepare`` sees each batch before it is timed."""
     timed: dict[MoEKernelConfig, float | None] = {}
 
     def run(cfg: MoEKernelConfig) -> float | None:
         timed[cfg] = measure(cfg)
         return timed[cfg]
 
-    for cfg in start[:limit]:
-        run(cfg)
-    ok = {c: us for c, us in timed.items() if us is not None}
-    if not ok:
+    def run_batch(configs: list[MoEKernelConfig]) -> None:
+        batch = [c for c in dict.fromkeys(configs) if c not in timed][: limit - len(timed)]
+        prepare(batch)
+        for cfg in batch:
+            run(cfg)
+
+    def fastest() -> MoEKernelConfig | None:
+        ok = {c: us for c, us in timed.items() if us is not None}
+        return min(ok, key=ok.get) if ok else None
+
+    run_batch(start)
+    for sweep in sweeps:
+        if fastest() is not None:
+            run_batch(sweep(fastest()))
+    best = fastest()
+    if best is None:
         return None
-    best = min(ok, key=ok.get)
     improved = True
     while improved and len(timed) < limit:
         improved = False
@@ -150,6 +193,28 @@ def search(
             if len(timed) >= limit:
                 break
     return best, timed[best]
+
+
+_COMPILE_INPUTS: dict = {}
+
+
+def _compile_worker(job: tuple) -> None:
+    """--jobs: run one config once in a worker process, so Triton compiles it into its on-disk cache.  The
+    weights are zeros of the real shapes and dtypes: what a kernel is specialized on, not the values."""
+    weight_specs, tokens, experts, top_k, hidden, inter, dtype_name, cfg_dict = job
+    key = (weight_specs, tokens, experts, top_k, hidden, dtype_name)
+    if key not in _COMPILE_INPUTS:
+        _COMPILE_INPUTS.clear()
+        w = tuple(torch.zeros(shape, dtype=getattr(torch, dt), device="cuda") for shape, dt in weight_specs)
+        x = torch.zeros(tokens, hidden, device="cuda", dtype=getattr(torch, dtype_name))
+        tw, ti = topk_softmax(torch.randn(tokens, experts, device="cuda"), top_k, renormalize=True)
+        _COMPILE_INPUTS[key] = (x, w, tw, ti)
+    x, w, tw, ti = _COMPILE_INPUTS[key]
+    try:
+        fused_moe_sm90(x, *w, tw, ti, None, inter, MoEKernelConfig.from_dict(cfg_dict))
+        torch.cuda.synchronize()
+    except Exception:  # the timing process reports it
+        pass
 
 
 def entry_key(entry: dict) -> tuple:
@@ -173,7 +238,12 @@ def main() -> int:
     p.add_argument("--out", default=None, help="JSON to write (default: configs/fused_moe_sm90/<device>.json)")
     p.add_argument("--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now")
     p.add_argument("--climb", action="store_true", help="no spread: climb from the file's entry (or the default) only")
+    p.add_argument("--sweep", action="store_true", help="sweep GEMM1's, then GEMM2's, launch shapes before climbing")
+    p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
+    p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     args = p.parse_args()
+    log = open(args.log, "a") if args.log else None
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
     from triton.testing import do_bench_cudagraph
 
     dev = "cuda"
@@ -182,6 +252,16 @@ def main() -> int:
     out_path = Path(args.out) if args.out else config_path(name)
     old_meta, old_entries = load_config_file(str(out_path)) if args.update and out_path.exists() else ({}, ())
     entries, lines = [], []
+    commands = old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []) + [" ".join(sys.argv)]
+    meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"), commands=commands)  # fmt: skip
+
+    def write(new_entries: list[dict]) -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        merged = merge_entries(list(old_entries), new_entries)
+        out_path.write_text(json.dumps({"meta": meta, "entries": merged}, indent=1) + "\n")
+        print(f"wrote {out_path}", flush=True)
+
     for model in args.models.split(","):
         e, k, h, i = MODELS[model]
         q13, q2 = make_layer(e, h, i, dev)
@@ -201,11 +281,23 @@ def main() -> int:
                     if not err < 2e-2:
                         print(f"  {model} T={t} {cfg}: rel err {err:.3g} -- rejected", flush=True)
                         return None
-                    return 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
+                    us = 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
+                    if log is not None:
+                        log.write(json.dumps(dict(model=model, tokens=t, us=round(us, 2), config=cfg.to_dict())) + "\n")
+                        log.flush()
+                    return us
                 except Exception as exc:  # a config that fails to compile is skipped, not fatal
                     print(f"  {model} T={t} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     return None
 
+            specs = tuple((tuple(a.shape), str(a.dtype).removeprefix("torch.")) for a in w)
+
+            def prepare(batch: list[MoEKernelConfig]) -> None:
+                if pool is not None and len(batch) > 1:
+                    pool.map(_compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1)
+
+            sweeps = [functools.partial(gemm_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
+                      for g in ("gemm1", "gemm2")] if args.sweep else []  # fmt: skip
             first = default_config(t, e, k, h, i)
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)
@@ -217,7 +309,7 @@ def main() -> int:
                 else:
                     start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
                     start = incumbent + [c for c in start if c not in incumbent]  # --update: never worse than before
-                found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates)
+                found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates, sweeps, prepare)
             if found is None:
                 lines.append(f"{model:>14} T={t:>5}: no valid config")
                 continue
@@ -227,16 +319,10 @@ def main() -> int:
             print(lines[-1], flush=True)
             entries.append(dict(experts=e, hidden=h, intermediate=i, dtype=args.dtype, max_tokens=t,
                                 config=cfg.to_dict(), time_us=round(us, 2)))  # fmt: skip
+            if not args.probe:  # after every size: a long run stopped part way keeps what it found
+                write(entries)
         del weights, q13, q2
         torch.cuda.empty_cache()
-    if not args.probe:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        entries = merge_entries(list(old_entries), entries)
-        commands = old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []) + [" ".join(sys.argv)]
-        meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, torch=torch.__version__,
-                    date=time.strftime("%Y-%m-%d"), commands=commands)  # fmt: skip
-        out_path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1) + "\n")
-        print(f"wrote {out_path}")
     print("\n".join(lines))
     return 0
 

@@ -34,7 +34,12 @@ SPLIT_A_SMEM_LIMIT = 160 * 1024
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One GEMM's launch parameters (the weight tile is BLOCK_N rows x 128 K per step)."""
+    """One GEMM's launch parameters (the weight tile is BLOCK_N rows x 128 K per step).
+
+    max_registers caps the registers per thread (ptxas ``.maxnreg``; None: the compiler's choice).  The
+    decode GEMMs are issue-bound with few warps per scheduler, and registers bound how many programs fit on
+    an SM: a GEMM1 tile of 128 rows takes 236 registers, two programs of 4 warps, whatever programs_per_sm
+    asks for.  Capped at 168 three fit, at 128 four (ptxas then waits on each wgmma instead of spilling)."""
 
     block_n: int = 64
     group_m: int = 8
@@ -42,6 +47,7 @@ class GemmConfig:
     num_warps: int = 4
     split_k: int = 1
     programs_per_sm: int = 1
+    max_registers: int | None = None
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -53,7 +59,13 @@ class GemmConfig:
             and self.split_k >= 1
             and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
             and 1 <= self.programs_per_sm <= 8
+            and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
         )
+
+    def launch_options(self) -> dict:
+        """Triton launch keywords: warps, and the register cap when there is one."""
+        cap = {} if self.max_registers is None else {"maxnreg": self.max_registers}
+        return {"num_warps": self.num_warps, **cap}
 
 
 @dataclass(frozen=True)

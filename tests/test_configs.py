@@ -121,3 +121,15 @@ def test_files_without_the_partials_field_still_load() -> None:
     assert cfg.partials_in_x_dtype is False and cfg.gemm2.split_k == 2
     new = MoEKernelConfig(partials_in_x_dtype=True)
     assert MoEKernelConfig.from_dict(json.loads(json.dumps(new.to_dict()))) == new
+
+
+def test_register_cap_is_checked_and_reaches_the_launch() -> None:
+    """max_registers becomes Triton's maxnreg (ptxas .maxnreg); absent, the launch leaves it to the compiler,
+    and files written before the field existed load without one."""
+    assert GemmConfig(max_registers=168).is_valid(1024) and GemmConfig(max_registers=128).is_valid(1024)
+    assert not any(GemmConfig(max_registers=r).is_valid(1024) for r in (0, 56, 130, 256))
+    assert GemmConfig(num_warps=8, max_registers=128).launch_options() == dict(num_warps=8, maxnreg=128)
+    assert GemmConfig(num_warps=4).launch_options() == dict(num_warps=4)
+    capped = MoEKernelConfig(gemm1=GemmConfig(block_n=128, max_registers=168))
+    assert MoEKernelConfig.from_dict(json.loads(json.dumps(capped.to_dict()))) == capped
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.max_registers is None

@@ -34,12 +34,16 @@ KERNELS = {
 }  # fmt: skip
 
 
-def _ptx(name: str, pdl: bool) -> str:
+def _compile(name: str, pdl: bool, **options):
     kernel, signature, constexprs, warps = KERNELS[name]
     constexprs = dict(constexprs, PDL=pdl)
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options))
+
+
+def _ptx(name: str, pdl: bool) -> str:
+    return _compile(name, pdl).asm["ptx"]
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -57,3 +61,28 @@ def test_launch_options_follow_the_device() -> None:
     import torch
 
     assert K._dependent_launch(torch.device("cpu")) == dict(PDL=False)
+
+
+def test_register_cap_bounds_the_gemm_registers() -> None:
+    """GemmConfig.max_registers is Triton's maxnreg: the PTX carries .maxnreg and ptxas keeps under it, which is
+    what lets more programs share an SM (65536 registers / (threads x registers per thread))."""
+    from moe_nvfp4.configs import GemmConfig
+
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    def registers(ptx: str) -> int:  # ptxas -v on the PTX Triton produced
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                  capture_output=True, text=True, check=True).stderr  # fmt: skip
+        return int(re.search(r"Used (\d+) registers", info).group(1))
+
+    options = GemmConfig(max_registers=80).launch_options()
+    capped = _compile("gemm1", True, maxnreg=options["maxnreg"]).asm["ptx"]
+    free = _ptx("gemm1", True)
+    assert ".maxnreg 80" in capped and ".maxnreg" not in free
+    assert registers(capped) <= 80 < registers(free)

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from tune_moe import MODELS, candidates, merge_entries, neighbors, search, spread  # noqa: E402
+from tune_moe import SWEEP_SHAPES, MODELS, candidates, gemm_sweep, merge_entries, neighbors, search, spread  # noqa: E402
 
 from moe_nvfp4.configs import GemmConfig, MoEKernelConfig, default_config  # noqa: E402
 
@@ -57,7 +57,8 @@ def test_search_climbs_to_the_optimum_within_the_limit() -> None:
 
     def distance(c: MoEKernelConfig) -> float:  # a cost with one minimum, at target
         fields = [(c.gemm1, target.gemm1), (c.gemm2, target.gemm2)]
-        return 10.0 + sum(a != b for g, t in fields for a, b in zip(dataclasses.astuple(g), dataclasses.astuple(t)))
+        gemms = sum(a != b for g, t in fields for a, b in zip(dataclasses.astuple(g), dataclasses.astuple(t)))
+        return 10.0 + gemms + (c.block_m != target.block_m)
 
     calls: list[MoEKernelConfig] = []
 
@@ -98,3 +99,41 @@ def test_routing_in_the_gemms_is_offered_only_where_it_applies(model: str, token
     e, k, h, i = MODELS[model]
     assert any(c.route_in_gemm for c in candidates(tokens, e, k, h, i)) == offered
     assert any(c.route_in_gemm for c in neighbors(default_config(tokens, e, k, h, i), tokens, e, k, h, i)) == offered
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
+def test_gemm_sweep_varies_one_gemm_over_every_shape_and_register_cap(model: str, gemm: str) -> None:
+    e, k, h, i = MODELS[model]
+    first = default_config(1, e, k, h, i)
+    swept = gemm_sweep(first, gemm, 1, e, k, h, i)
+    other = "gemm2" if gemm == "gemm1" else "gemm1"
+    assert swept and len(swept) == len(set(swept))
+    assert all(c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128) for c in swept)
+    assert all(getattr(c, other) == getattr(first, other) for c in swept)
+    assert all(c.block_m == first.block_m for c in swept)  # one token tile at T=1 (16 rows)
+    mid = default_config(64, e, k, h, i)  # the token tile moves with GEMM1's sweep only
+    tiles = {c.block_m for c in gemm_sweep(mid, gemm, 64, e, k, h, i)}
+    assert tiles == ({16, 32} if model == "mixtral-8x7b" else {16}) if gemm == "gemm1" else tiles == {mid.block_m}
+    g = [getattr(c, gemm) for c in swept]
+    assert {(x.block_n, x.num_warps) for x in g} == set(SWEEP_SHAPES)
+    assert {x.max_registers for x in g} == {None, 168, 128} and {x.programs_per_sm for x in g} == {1, 2, 3, 4}
+    assert {x.num_stages for x in g} == {getattr(first, gemm).num_stages}  # not swept
+
+
+def test_search_times_each_sweep_from_the_best_so_far_before_climbing() -> None:
+    e, k, h, i = MODELS["qwen3-30b-a3b"]
+    first = default_config(1, e, k, h, i)
+    target = dataclasses.replace(first, gemm1=dataclasses.replace(first.gemm1, block_n=128, max_registers=168, programs_per_sm=3),
+                                 gemm2=dataclasses.replace(first.gemm2, split_k=3, max_registers=128))  # fmt: skip
+
+    def cost(c: MoEKernelConfig) -> float:  # separable: each GEMM's sweep finds its half of the target
+        return 10.0 + (c.gemm1 != target.gemm1) + (c.gemm2 != target.gemm2) + (c.block_m != target.block_m)
+
+    batches: list[list[MoEKernelConfig]] = []
+    sweeps = [lambda c, g=g: gemm_sweep(c, g, 1, e, k, h, i) for g in ("gemm1", "gemm2")]
+    best, us = search(cost, [first], lambda c: neighbors(c, 1, e, k, h, i), 1000, sweeps, batches.append)
+    assert best == target and us == 10.0
+    assert [len(b) for b in batches[:3]] == [1, len(sweeps[0](first)) - 1, len(sweeps[1](best)) - 1]
+    timed = [c for b in batches for c in b]
+    assert len(timed) == len(set(timed))  # nothing timed twice

@@ -574,7 +574,7 @@ def fused_moe_sm90(
         x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
         *tile_map, topk_weights, ids, emap, num_pairs, intermediate, hidden, k1p,
         GATED=True, SPLIT_K=g1.split_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m, EVEN_K=hidden == k1p,
-        NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, num_warps=g1.num_warps,
+        NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
     )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
@@ -582,7 +582,7 @@ def fused_moe_sm90(
         act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
         partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap, num_pairs, hidden, intermediate, k2p,
         GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m, EVEN_K=intermediate == k2p,
-        NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, num_warps=g2.num_warps,
+        NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
     )  # fmt: skip
     combine(partial, topk_ids, expert_map, out)
     return out
