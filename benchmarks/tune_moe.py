@@ -6,7 +6,7 @@
     python benchmarks/tune_moe.py --tokens 1,16 --max-candidates 48 --update   # re-tune decode, keep the rest
     python benchmarks/tune_moe.py --update --climb --max-candidates 8          # climb from the shipped configs
 
-    python benchmarks/tune_moe.py --update --sweep --jobs 12 --max-candidates 300 --tokens 1,16,64
+    python benchmarks/tune_moe.py --update --climb --sweep --jobs 14 --max-candidates 200 --log sweep.jsonl
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
