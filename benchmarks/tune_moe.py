@@ -7,13 +7,16 @@
     python benchmarks/tune_moe.py --update --climb --max-candidates 8          # climb from the shipped configs
 
     python benchmarks/tune_moe.py --update --climb --sweep --jobs 14 --max-candidates 200 --log sweep.jsonl
+    python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
 the default heuristic, alone; the on/off switches are tried first).  --sweep times, from that start, every
 tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
-best so far), before the climb.  Each candidate is checked against the torch reference first, then timed
-by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the fastest valid one is written.
+best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
+stream-K), a short sweep for new ways of dividing K.  Each candidate is checked against the torch reference
+first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the fastest valid one is
+written.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
 timing process), as compiling, not timing, is most of a sweep's time.
 """
@@ -58,15 +61,15 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
                     max_registers=(None, 168, 128))  # fmt: skip
-DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4))
+DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True))
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
 SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
     """(choices of the MoE-level fields, per-GEMM choices) for a token count.  Decode (<= 16 rows per
-    expert) also splits K, as too few tiles would leave SMs idle, and tries more programs per SM to hide the
-    decode's latency; routing inside the GEMMs is offered where it applies (<= ROUTE_BLOCK_SMALL pairs)."""
+    expert) also splits K or runs stream-K, as too few tiles (or a tile count just past a multiple of the SMs)
+    would leave SMs idle, and tries more programs per SM to hide the decode's latency; routing inside the GEMMs is offered where it applies (<= ROUTE_BLOCK_SMALL pairs)."""
     rows = max(1, tokens * top_k // experts)
     block_ms = (16,) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
     # the on/off switches first: a short climb (--climb) tries them before the tile sizes
@@ -98,13 +101,16 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
 def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """Valid configs differing from ``cfg`` in one value: a MoE-level field (token tile, partials' dtype,
     routing) or one parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or
-    programs per SM)."""
+    programs per SM).  A GEMM's K split and stream-K count as one value, its way of dividing K: turning
+    stream-K on drops the split."""
     moe, choices = search_space(tokens, experts, top_k)
     out = [dataclasses.replace(cfg, **{f: v}) for f, values in moe.items() for v in values if v != getattr(cfg, f)]
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
         for f, values in choices.items():
-            out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v})}) for v in values if v != getattr(g, f)]
+            k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
+            out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
+                    for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
 
 
@@ -115,30 +121,36 @@ def _spaced(items: list) -> list:
 
 
 def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> list[MoEKernelConfig]:
-    """At most ``limit`` configs: ``first``, then one config from each (GEMM1, GEMM2) K-split pair in turn,
-    each pair's configs in a spread-out order, so every split combination is timed however small the limit
-    and the whole grid once the limit allows."""
+    """At most ``limit`` configs: ``first``, then one config from each (GEMM1, GEMM2) pair of K splits and
+    stream-K in turn, each pair's configs in a spread-out order, so every combination is timed however small
+    the limit and the whole grid once the limit allows."""
     groups: dict[tuple[int, int], list[MoEKernelConfig]] = {}
     for c in cands:
         if c != first:
-            groups.setdefault((c.gemm1.split_k, c.gemm2.split_k), []).append(c)
+            groups.setdefault((c.gemm1.split_k, c.gemm2.split_k, c.gemm1.stream_k, c.gemm2.stream_k), []).append(c)
     in_turn = [c for row in itertools.zip_longest(*map(_spaced, groups.values())) for c in row if c is not None]
     return [first] + in_turn[: limit - 1]
 
 
 def gemm_sweep(
-    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
+    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
+    shapes: bool = True,
 ) -> list[MoEKernelConfig]:
-    """``cfg`` with every valid (tile shape, programs per SM, K split, register cap) of one GEMM; GEMM1's
-    sweep also takes every token tile (block_m, which both GEMMs share, changes which GEMM1 shapes win)."""
+    """``cfg`` with every valid (tile shape, programs per SM, K split, stream-K, register cap) of one GEMM;
+    GEMM1's sweep also takes every token tile (block_m, which both GEMMs share, changes which GEMM1 shapes
+    win).  ``shapes=False``: only how the work is divided (programs per SM x K split x stream-K), the
+    token tile, tile shape and register cap kept."""
     moe, choices = search_space(tokens, experts, top_k)
     g = getattr(cfg, gemm)
     out = []
-    for block_m, (block_n, warps), pps, split, regs in itertools.product(
-        moe["block_m"] if gemm == "gemm1" else (cfg.block_m,), SWEEP_SHAPES, choices["programs_per_sm"],
-        choices.get("split_k", (1,)), choices["max_registers"],
+    for block_m, (block_n, warps), pps, split, stream, regs in itertools.product(
+        moe["block_m"] if gemm == "gemm1" and shapes else (cfg.block_m,),
+        SWEEP_SHAPES if shapes else ((g.block_n, g.num_warps),), choices["programs_per_sm"],
+        choices.get("split_k", (1,)), choices.get("stream_k", (False,)),
+        choices["max_registers"] if shapes else (g.max_registers,),
     ):  # fmt: skip
-        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, split_k=split, max_registers=regs)
+        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, split_k=split,
+                                  stream_k=stream, max_registers=regs)  # fmt: skip
         c = dataclasses.replace(cfg, block_m=block_m, **{gemm: new})
         if _valid(c, hidden, inter):
             out.append(c)
@@ -239,6 +251,8 @@ def main() -> int:
     p.add_argument("--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now")
     p.add_argument("--climb", action="store_true", help="no spread: climb from the file's entry (or the default) only")
     p.add_argument("--sweep", action="store_true", help="sweep GEMM1's, then GEMM2's, launch shapes before climbing")
+    p.add_argument("--sweep-k", action="store_true",
+                   help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     args = p.parse_args()
@@ -296,8 +310,8 @@ def main() -> int:
                 if pool is not None and len(batch) > 1:
                     pool.map(_compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1)
 
-            sweeps = [functools.partial(gemm_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                      for g in ("gemm1", "gemm2")] if args.sweep else []  # fmt: skip
+            sweeps = [functools.partial(gemm_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i,
+                                        shapes=args.sweep) for g in ("gemm1", "gemm2")] if args.sweep or args.sweep_k else []  # fmt: skip
             first = default_config(t, e, k, h, i)
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)

@@ -39,7 +39,12 @@ class GemmConfig:
     max_registers caps the registers per thread (ptxas ``.maxnreg``; None: the compiler's choice).  The
     decode GEMMs are issue-bound with few warps per scheduler, and registers bound how many programs fit on
     an SM: a GEMM1 tile of 128 rows takes 236 registers, two programs of 4 warps, whatever programs_per_sm
-    asks for.  Capped at 168 three fit, at 128 four (ptxas then waits on each wgmma instead of spilling)."""
+    asks for.  Capped at 168 three fit, at 128 four (ptxas then waits on each wgmma instead of spilling).
+
+    stream_k: instead of dealing whole tiles out in turn (at decode, 224 tiles on 132 SMs leave some SMs
+    with one tile and some with two), every program takes an equal run of the tiles' K steps; a tile shared
+    by programs is summed by the last of them to finish, in a fixed order (deterministic).  Excludes
+    split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait for a second wave."""
 
     block_n: int = 64
     group_m: int = 8
@@ -48,6 +53,7 @@ class GemmConfig:
     split_k: int = 1
     programs_per_sm: int = 1
     max_registers: int | None = None
+    stream_k: bool = False
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -58,6 +64,7 @@ class GemmConfig:
             and self.num_warps in (1, 2, 4, 8, 16)
             and self.split_k >= 1
             and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
+            and not (self.stream_k and self.split_k > 1)
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
         )
@@ -74,7 +81,8 @@ class MoEKernelConfig:
     GEMM2 writes its rows per (token, k) in x's dtype instead of float32, halving what the combine moves
     (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does.  route_in_gemm: at most
     128 (token, k) pairs (the routing kernel's small block), both GEMMs plan the routing from topk_ids in
-    registers and the routing launch is skipped; more pairs use the routing kernel either way."""
+    registers and the routing launch is skipped; more pairs use the routing kernel either way.  It excludes
+    stream-K GEMMs, whose arrival counters the routing kernel zeroes."""
 
     block_m: int = 16
     gemm1: GemmConfig = field(default_factory=GemmConfig)
@@ -88,6 +96,7 @@ class MoEKernelConfig:
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
+            and not (self.route_in_gemm and (self.gemm1.stream_k or self.gemm2.stream_k))
         )
 
     def gemm2_split_a_bytes(self) -> int:

@@ -1,6 +1,7 @@
 """Kernel configs: every shipped JSON file loads and validates; selection and the default heuristic."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -133,3 +134,14 @@ def test_register_cap_is_checked_and_reaches_the_launch() -> None:
     capped = MoEKernelConfig(gemm1=GemmConfig(block_n=128, max_registers=168))
     assert MoEKernelConfig.from_dict(json.loads(json.dumps(capped.to_dict()))) == capped
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.max_registers is None
+
+
+def test_stream_k_excludes_k_splits_and_routing_in_the_gemms() -> None:
+    """Stream-K has its own K split; its arrival counters are zeroed by the routing kernel, which routing
+    inside the GEMMs skips."""
+    assert GemmConfig(stream_k=True).is_valid(1024) and not GemmConfig(stream_k=True, split_k=2).is_valid(1024)
+    stream = MoEKernelConfig(16, GemmConfig(), GemmConfig(stream_k=True))
+    assert stream.is_valid(512, 256)
+    assert not dataclasses.replace(stream, route_in_gemm=True).is_valid(512, 256)
+    assert MoEKernelConfig.from_dict(stream.to_dict()) == stream
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm = map(int, sys.argv[1:])
+    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm, stream, pps = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent(
     emap = None
     if use_map:  # two global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32)
-    cfg = MoEKernelConfig(16, GemmConfig(64, split_k=split1), GemmConfig(64, split_k=split2, num_stages=3),
+    cfg = MoEKernelConfig(16, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps),
+                          GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps),
                           partials_in_x_dtype=bool(low), route_in_gemm=bool(in_gemm))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
@@ -56,20 +57,26 @@ SCRIPT = textwrap.dedent(
 )
 
 CASES = [  # (experts, top_k, hidden, inter, tokens, GEMM1 split_k, GEMM2 split_k, use_map, partials in x's dtype,
-    #          routing inside the GEMMs)
-    pytest.param(4, 2, 256, 128, 5, 1, 1, 0, 0, 0, id="basic"),
-    pytest.param(7, 3, 48, 32, 9, 1, 1, 0, 0, 0, id="odd-E, rows padded to 64, K padded to 128"),
-    pytest.param(3, 2, 128, 256, 1, 1, 2, 0, 0, 0, id="one token, split-K GEMM2"),
-    pytest.param(5, 2, 128, 128, 0, 1, 1, 0, 0, 0, id="no tokens"),
-    pytest.param(6, 2, 128, 128, 11, 1, 1, 1, 0, 0, id="expert map"),
-    pytest.param(4, 2, 128, 128, 70, 1, 1, 0, 0, 0, id="140 pairs: routing in blocks of 1024"),
-    pytest.param(5, 2, 512, 80, 3, 4, 1, 0, 0, 0, id="split-K GEMM1 (SiLU in GEMM2's A load), padded GEMM2 K"),
-    pytest.param(6, 3, 256, 256, 7, 2, 2, 1, 0, 0, id="both GEMMs split, expert map"),
-    pytest.param(3, 2, 144, 48, 4, 2, 1, 0, 0, 0, id="split-K GEMM1 over a padded K tail, rows padded"),
-    pytest.param(6, 3, 256, 256, 9, 1, 2, 1, 1, 0, id="GEMM2 rows in x's dtype, split-K GEMM2, expert map"),
-    pytest.param(7, 3, 256, 256, 13, 2, 1, 1, 0, 1, id="routing inside the GEMMs: 39 pairs, expert map, GEMM1 split"),
-    pytest.param(5, 2, 128, 128, 70, 1, 1, 0, 0, 1, id="routing inside the GEMMs asked for, 140 pairs: routing kernel"),
-    pytest.param(4, 4, 128, 128, 32, 1, 1, 0, 0, 1, id="routing inside the GEMMs at exactly 128 pairs, 2 tiles each"),
+    #          routing inside the GEMMs, stream-K GEMMs (1: GEMM1, 2: GEMM2, 3: both), programs per "SM" (2 SMs))
+    pytest.param(4, 2, 256, 128, 5, 1, 1, 0, 0, 0, 0, 1, id="basic"),
+    pytest.param(7, 3, 48, 32, 9, 1, 1, 0, 0, 0, 0, 1, id="odd-E, rows padded to 64, K padded to 128"),
+    pytest.param(3, 2, 128, 256, 1, 1, 2, 0, 0, 0, 0, 1, id="one token, split-K GEMM2"),
+    pytest.param(5, 2, 128, 128, 0, 1, 1, 0, 0, 0, 0, 1, id="no tokens"),
+    pytest.param(6, 2, 128, 128, 11, 1, 1, 1, 0, 0, 0, 1, id="expert map"),
+    pytest.param(4, 2, 128, 128, 70, 1, 1, 0, 0, 0, 0, 1, id="140 pairs: routing in blocks of 1024"),
+    pytest.param(5, 2, 512, 80, 3, 4, 1, 0, 0, 0, 0, 1, id="split-K GEMM1 (SiLU in GEMM2's A load), padded GEMM2 K"),
+    pytest.param(6, 3, 256, 256, 7, 2, 2, 1, 0, 0, 0, 1, id="both GEMMs split, expert map"),
+    pytest.param(3, 2, 144, 48, 4, 2, 1, 0, 0, 0, 0, 1, id="split-K GEMM1 over a padded K tail, rows padded"),
+    pytest.param(6, 3, 256, 256, 9, 1, 2, 1, 1, 0, 0, 1, id="GEMM2 rows in x's dtype, split-K GEMM2, expert map"),
+    pytest.param(7, 3, 256, 256, 13, 2, 1, 1, 0, 1, 0, 1, id="routing inside the GEMMs: 39 pairs, expert map, GEMM1 split"),
+    pytest.param(5, 2, 128, 128, 70, 1, 1, 0, 0, 1, 0, 1, id="routing inside the GEMMs asked for, 140 pairs: routing kernel"),
+    pytest.param(4, 4, 128, 128, 32, 1, 1, 0, 0, 1, 0, 1, id="routing inside the GEMMs at exactly 128 pairs, 2 tiles each"),
+    # stream-K: 8 programs over one gated tile of 8 K steps (8 pieces, middle ones too), GEMM2's 16 whole tiles
+    pytest.param(2, 1, 1024, 64, 1, 1, 1, 0, 0, 0, 3, 4, id="stream-K: one tile over 8 programs, GEMM2 whole tiles"),
+    pytest.param(3, 2, 1024, 384, 5, 1, 1, 1, 0, 0, 3, 4, id="stream-K both GEMMs, runs across tile ends, expert map"),
+    pytest.param(5, 2, 256, 128, 1, 1, 1, 0, 1, 0, 3, 8, id="stream-K, more programs than K steps"),
+    pytest.param(6, 3, 384, 256, 7, 1, 1, 0, 0, 0, 1, 3, id="stream-K GEMM1 only, 6 programs, padded rows"),
+    pytest.param(6, 3, 512, 256, 7, 2, 1, 0, 0, 0, 2, 3, id="stream-K GEMM2 after a split-K GEMM1"),
 ]
 
 WARMUP_SCRIPT = textwrap.dedent(
@@ -84,10 +91,10 @@ WARMUP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,in_gemm", CASES)
-def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, in_gemm, seed: int) -> None:
+@pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,in_gemm,stream,pps", CASES)
+def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, in_gemm, stream, pps, seed: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    args = [str(v) for v in (e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm)]
+    args = [str(v) for v in (e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm, stream, pps)]
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL

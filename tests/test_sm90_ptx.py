@@ -15,19 +15,23 @@ from moe_nvfp4.triton import moe_sm90 as K
 
 GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
 
+GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32",
+                      out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32", offsets_ptr="*i32",
+                      tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32", topk_weights_ptr="*fp32",
+                      ids_ptr="*i32", expert_map_ptr="*i32", workspace_ptr="*fp32", arrivals_ptr="*i32",
+                      num_pairs="i32", n_out="i32", k="i32", kp="i32")
+# STREAM_K goes right after SPLIT_K (the kernel's argument order)
+GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
+                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False,
+                        HAS_MAP=False, BLOCK_P=128, E_POW2=128)
+
 KERNELS = {
     "route": (K._route_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", sorted_pairs_ptr="*i32", counts_ptr="*i32",
               offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
-              num_pairs="i32", num_experts="i32", max_tiles="i32"),
+              arrivals_ptr="*i32", num_pairs="i32", num_experts="i32", max_tiles="i32", num_arrivals="i32"),
               dict(HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128), 8),
-    "gemm1": (K._moe_gemm_kernel, dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8",
-              gs_ptr="*fp32", out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32",
-              offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
-              topk_weights_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", num_pairs="i32", n_out="i32", k="i32",
-              kp="i32"),
-              dict(TOP_K=2, GATED=True, SPLIT_K=1, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8, EVEN_K=True,
-                   DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False, HAS_MAP=False,
-                   BLOCK_P=128, E_POW2=128), 4),
+    "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=False), 4),
+    "gemm1 stream-K": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=True), 4),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
                 hidden="i32", stride_split="i32"),
                 dict(TOP_K=2, SPLIT_K=1, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
@@ -86,3 +90,17 @@ def test_register_cap_bounds_the_gemm_registers() -> None:
     free = _ptx("gemm1", True)
     assert ".maxnreg 80" in capped and ".maxnreg" not in free
     assert registers(capped) <= 80 < registers(free)
+
+
+def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
+    """A shared tile's partial sums must be in memory before the program counts itself in, and the last
+    program must read the other programs' partials from L2 after its count: every thread's stores, then a
+    CTA barrier, then one release/acquire atomic at GPU scope, then L1-bypassing loads."""
+    ptx = _ptx("gemm1 stream-K", True)
+    atomics = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
+    assert len(atomics) == 1
+    before = ptx[: atomics[0]]
+    assert re.search(r"@%p\d+ atom\.global", ptx), "one thread counts the program in"
+    assert before.rfind("bar.sync") > before.rfind("st.global") > 0
+    assert ptx.find("ld.global.cg", atomics[0]) > 0 and "ld.global.cg" not in before
+    assert "atom.global" not in _ptx("gemm1", True)  # whole tiles: no counting

@@ -23,11 +23,15 @@ def test_spread_keeps_the_default_and_covers_every_k_split(model: str, tokens: i
     picked = spread(grid, limit, first)
     assert picked[0] == first and len(picked) == len(set(picked)) == min(limit, len({first, *grid}))
     assert all(c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128) for c in picked)
-    splits = {(c.gemm1.split_k, c.gemm2.split_k) for c in grid}
-    if limit - 1 >= len(splits):  # room for one of each K-split pair
-        assert splits <= {(c.gemm1.split_k, c.gemm2.split_k) for c in picked[1:]}
-    if tokens == 1:  # decode: both GEMMs may split K (GEMM2 only by divisors of its 6 or 112 chunks)
-        assert {s1 for s1, _ in splits} == {1, 2, 4}
+    def k_mode(c: MoEKernelConfig) -> tuple:
+        return c.gemm1.split_k, c.gemm2.split_k, c.gemm1.stream_k, c.gemm2.stream_k
+
+    modes = {k_mode(c) for c in grid}
+    if limit - 1 >= len(modes):  # room for one of each pair of K splits and stream-K
+        assert modes <= {k_mode(c) for c in picked[1:]}
+    if tokens == 1:  # decode: both GEMMs may split K (GEMM2 only by divisors of its 6 or 112 chunks) or stream
+        assert {s1 for s1, _, _, _ in modes} == {1, 2, 4}
+        assert (1, 1, True, True) in modes and all(s1 == s2 == 1 for s1, s2, st, _ in modes if st)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -38,14 +42,22 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     near = neighbors(first, tokens, e, k, h, i)
     assert near and len(near) == len(set(near)) and first not in near
 
-    def values(c: MoEKernelConfig) -> list:
-        return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *dataclasses.astuple(c.gemm1), *dataclasses.astuple(c.gemm2)]
+    def values(c: MoEKernelConfig) -> list:  # a GEMM's K split and stream-K are one value: how it divides K
+        def gemm(g: GemmConfig) -> list:
+            return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers,
+                    "stream" if g.stream_k else g.split_k]  # fmt: skip
+
+        assert len(dataclasses.fields(GemmConfig)) == 8, "a new GemmConfig field: add it above"
+        return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
         assert c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
         assert sum(a != b for a, b in zip(values(c), values(first))) == 1
     # GEMM1 and GEMM2 move independently
     assert any(c.gemm1 == first.gemm1 and c.gemm2 != first.gemm2 for c in near)
+    if tokens == 1:  # from a K split, stream-K is one step away
+        split = dataclasses.replace(first, gemm2=dataclasses.replace(first.gemm2, split_k=2))
+        assert dataclasses.replace(split.gemm2, split_k=1, stream_k=True) in [c.gemm2 for c in neighbors(split, tokens, e, k, h, i)]
 
 
 def test_search_climbs_to_the_optimum_within_the_limit() -> None:
@@ -118,6 +130,7 @@ def test_gemm_sweep_varies_one_gemm_over_every_shape_and_register_cap(model: str
     g = [getattr(c, gemm) for c in swept]
     assert {(x.block_n, x.num_warps) for x in g} == set(SWEEP_SHAPES)
     assert {x.max_registers for x in g} == {None, 168, 128} and {x.programs_per_sm for x in g} == {1, 2, 3, 4}
+    assert {x.stream_k for x in g} == {False, True} and not any(x.stream_k and x.split_k > 1 for x in g)
     assert {x.num_stages for x in g} == {getattr(first, gemm).num_stages}  # not swept
 
 
@@ -137,3 +150,14 @@ def test_search_times_each_sweep_from_the_best_so_far_before_climbing() -> None:
     assert [len(b) for b in batches[:3]] == [1, len(sweeps[0](first)) - 1, len(sweeps[1](best)) - 1]
     timed = [c for b in batches for c in b]
     assert len(timed) == len(set(timed))  # nothing timed twice
+
+
+def test_k_sweep_varies_only_how_one_gemm_divides_its_work() -> None:
+    """--sweep-k: programs per SM x K split x stream-K of one GEMM; tile shapes, caps and the token tile kept."""
+    e, k, h, i = MODELS["mixtral-8x7b"]
+    first = default_config(1, e, k, h, i)
+    swept = gemm_sweep(first, "gemm2", 1, e, k, h, i, shapes=False)
+    assert len(swept) == len(set(swept)) == 4 * (3 + 1)  # 4 programs per SM x (splits 1, 2, 4 or stream-K)
+    strip = dict(programs_per_sm=1, split_k=1, stream_k=False)
+    assert {dataclasses.replace(c.gemm2, **strip) for c in swept} == {dataclasses.replace(first.gemm2, **strip)}
+    assert all(c.gemm1 == first.gemm1 and c.block_m == first.block_m for c in swept)

@@ -7,6 +7,8 @@ Launches per forward (each grid sized from the SM count or T, never from routing
   3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
      (token, k) pair (and per K split) into a float32 buffer (or one in x's dtype, per config).
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
+Either GEMM may run stream-K (equal runs of K steps per program; shared tiles summed in a fixed order by
+the last program to finish them, counted with atomics on per-program counters the routing kernel zeroes).
 
 The GEMMs compute out^T = W @ A^T ("swap AB"): the decoded weights are the MMA's large side and the
 token tile (16..128 rows) its small side, so decode-sized batches do not pad the tensor core with
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..configs import MoEKernelConfig
+from ..configs import GemmConfig, MoEKernelConfig
 from ..dispatch import sm_count
 
 @triton.jit
@@ -56,8 +58,9 @@ def _after_previous_kernel(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# The pair and tile counts change with T: not specialized on, so a new T never compiles a new variant.
-@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
+# The pair and tile counts change with T (the counter count with the config): not specialized on, so a new
+# T never compiles a new variant.
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles", "num_arrivals"])
 def _route_kernel(
     ids_ptr,
     expert_map_ptr,
@@ -68,9 +71,11 @@ def _route_kernel(
     tile_expert_ptr,
     tile_row_ptr,
     num_tiles_ptr,
+    arrivals_ptr,
     num_pairs,
     num_experts,
     max_tiles,
+    num_arrivals,
     HAS_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -78,6 +83,10 @@ def _route_kernel(
     PDL: tl.constexpr,
 ):
     _after_previous_kernel(PDL)
+    # The stream-K GEMMs' arrival counters start every forward at zero (see _stream_k_fixup).
+    for a0 in range(0, num_arrivals, BLOCK_P):
+        a = a0 + tl.arange(0, BLOCK_P)
+        tl.store(arrivals_ptr + a, tl.zeros([BLOCK_P], tl.int32), mask=a < num_arrivals)
     experts = tl.arange(0, E_POW2)
     expert_ok = experts < num_experts
     counts = tl.zeros([E_POW2], dtype=tl.int32)
@@ -276,6 +285,45 @@ def _tile_in_registers(m_tile, counts, starts, tiles, tile_ends, row_of_pair, BL
     return expert, row0, start + tl.sum(tl.where(mine, counts, 0), 0), pair_id
 
 
+@triton.jit
+def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end, chunks, steps_per_program,
+                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Stream-K: tile mn's K steps [k_first, k_end) were this program's share.  Returns (acc, acc_up, finish):
+    the tile's whole sums and True in the program that finishes the tile, else finish False.
+
+    A tile shared by several programs (consecutive ones, q_first .. q_last) is finished by the last to
+    arrive, not by a fixed one: no program ever waits for another (programs past the resident ones run
+    later, so waiting could deadlock).  Each program stores its fp32 partial in its own slot (2 q for the
+    first tile it touches, 2 q + 1 for its last), then counts itself in under a release/acquire atomic; the
+    last arrival sums the slots in program order, so the result does not depend on who arrives last."""
+    finish = (k_first == 0) & (k_end == chunks)
+    if (k_first > 0) | (k_end < chunks):
+        q_first = (mn * chunks) // steps_per_program
+        q_last = (mn * chunks + chunks - 1) // steps_per_program
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        PIECE: tl.constexpr = TILE * 2 if GATED else TILE
+        idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        later_tile = ((pid * steps_per_program) // chunks != mn).to(tl.int64)
+        mine = workspace_ptr + (2 * pid + later_tile) * PIECE + idx
+        tl.store(mine, acc)
+        if GATED:
+            tl.store(mine + TILE, acc_up)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(arrivals_ptr + q_first, 1, sem="acq_rel", scope="gpu")
+        finish = arrived == q_last - q_first
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the partial is in memory now (frees registers)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if finish:
+            tl.debug_barrier()
+            for q in tl.range(q_first, q_last + 1, num_stages=1):  # not pipelined: registers are scarce here
+                later = ((q * steps_per_program) // chunks != mn).to(tl.int64)
+                piece = workspace_ptr + (2 * q + later) * PIECE + idx
+                acc += tl.load(piece, cache_modifier=".cg")  # L2: written by other SMs during this kernel
+                if GATED:
+                    acc_up += tl.load(piece + TILE, cache_modifier=".cg")
+    return acc, acc_up, finish
+
+
 # num_pairs changes with T, and the routing tensors come from the caller at any alignment: not specialized on,
 # so neither a new T nor a new topk_ids allocation compiles a new variant.
 @triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
@@ -297,6 +345,8 @@ def _moe_gemm_kernel(
     topk_weights_ptr,
     ids_ptr,
     expert_map_ptr,
+    workspace_ptr,
+    arrivals_ptr,
     num_pairs,
     n_out,
     k,
@@ -304,6 +354,7 @@ def _moe_gemm_kernel(
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    STREAM_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -339,7 +390,6 @@ def _moe_gemm_kernel(
     else:
         num_m_tiles = tl.load(num_tiles_ptr)
     num_n_tiles = tl.cdiv(n_out, BLOCK_N)
-    total = num_m_tiles * num_n_tiles * SPLIT_K
     chunks = kp // BLOCK_K
     n_units = tl.cdiv(n_out, 64)  # 64-row units of FragmentLayout (gate and up padded apart)
     unit_bytes = chunks * 4096
@@ -348,9 +398,29 @@ def _moe_gemm_kernel(
     UNITS: tl.constexpr = BLOCK_N // 64
     slot = tl.arange(0, 2 * BLOCK_N)
     pair = tl.arange(0, BLOCK_N // 2)
-    for tile in range(pid, total, tl.num_programs(0)):
-        split = tile % SPLIT_K
-        mn = tile // SPLIT_K
+    if STREAM_K:  # the tiles' K steps laid end to end, one equal run of them per program
+        total_steps = num_m_tiles * num_n_tiles * chunks
+        steps_per_program = tl.cdiv(total_steps, tl.num_programs(0))
+        first_step = pid * steps_per_program
+        end_step = tl.minimum(first_step + steps_per_program, total_steps)
+        item_first = first_step // chunks
+        item_end = tl.cdiv(end_step, chunks)
+        item_step = 1
+    else:  # whole tiles (or K splits of them) dealt out in turn
+        item_first = pid
+        item_end = num_m_tiles * num_n_tiles * SPLIT_K
+        item_step = tl.num_programs(0)
+    for item in range(item_first, item_end, item_step):
+        if STREAM_K:
+            split = tl.full([], 0, tl.int32)
+            mn = item
+            k_first = tl.maximum(first_step - mn * chunks, 0)
+            k_end = tl.minimum(end_step - mn * chunks, chunks)
+        else:
+            split = item % SPLIT_K
+            mn = item // SPLIT_K
+            k_first = split * chunks_per_split
+            k_end = k_first + chunks_per_split
         # Grouped order: GROUP_M token tiles share each weight tile while it is hot in L2.
         group = mn // (GROUP_M * num_n_tiles)
         first_m = group * GROUP_M
@@ -388,34 +458,39 @@ def _moe_gemm_kernel(
         w_slots = w_ptr + (unit0 + slot_unit) * unit_bytes + (slot % 128) * 32
         s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # GATED only (unused otherwise)
         if GATED:
             w_up = w_slots + n_units * unit_bytes
             s_up = s_pairs + n_units * unit_scale_bytes
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
 
-        first_chunk = split * chunks_per_split
-        for chunk in tl.range(first_chunk, first_chunk + chunks_per_split, num_stages=NUM_STAGES):
+        for chunk in tl.range(k_first, k_end, num_stages=NUM_STAGES):
             a = _load_a(a_base, stride_a_split, chunk * BLOCK_K, k, BLOCK_K, EVEN_K, A_SPLITS, DTYPE)
             acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
             if GATED:
                 acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
 
-        store_mask = n_ok & row_ok[None, :]
-        fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
-        if GATED:
-            gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
-            up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
-            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-            if SPLIT_K == 1:
-                tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
-            else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
-                tl.store(out_ptrs, gate, mask=store_mask)
-                tl.store(out_ptrs + n_out, up, mask=store_mask)
+        if STREAM_K:
+            acc, acc_up, finish = _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end,
+                                                  chunks, steps_per_program, GATED, BLOCK_N, BLOCK_M)  # fmt: skip
         else:
-            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-            tl.store(out_ptrs, y, mask=store_mask)
+            finish = True
+        if finish:
+            store_mask = n_ok & row_ok[None, :]
+            fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
+            if GATED:
+                gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
+                up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
+                out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+                if SPLIT_K == 1:
+                    tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
+                else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
+                    tl.store(out_ptrs, gate, mask=store_mask)
+                    tl.store(out_ptrs + n_out, up, mask=store_mask)
+            else:
+                weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+                y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
+                out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+                tl.store(out_ptrs, y, mask=store_mask)
 
 
 @triton.jit
@@ -470,21 +545,22 @@ def _dependent_launch(device: torch.device) -> dict:
 
 
 def route(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None, arrivals: int = 0
 ) -> tuple[torch.Tensor, ...]:
-    """Launch the routing kernel; returns (sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles)."""
+    """Launch the routing kernel; returns (sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles,
+    arrivals): the last, ``arrivals`` zeroed counters for stream-K GEMMs."""
     from ..routing import max_tiles
 
     num_pairs = topk_ids.numel()
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
-    sizes = (num_pairs, num_experts, num_experts + 1, num_experts, n_tiles, n_tiles, 1)
+    sizes = (num_pairs, num_experts, num_experts + 1, num_experts, n_tiles, n_tiles, 1, arrivals)
     # One allocation; each part starts on a 16-byte boundary, the alignment Triton specializes pointers
     # on, so the kernels see the same pointer properties for every T (no recompilation).
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + -(-size // 4) * 4)
     ints = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
-    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles = (
+    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles, counters = (
         ints[start : start + size] for start, size in zip(starts, sizes)
     )
     ids = topk_ids.reshape(-1)
@@ -498,9 +574,11 @@ def route(
         tile_expert,
         tile_row,
         num_tiles,
+        counters,
         num_pairs,
         num_experts,
         n_tiles,
+        arrivals,
         HAS_MAP=expert_map is not None,
         BLOCK_M=block_m,
         BLOCK_P=ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else 1024,  # two variants: decode, the rest
@@ -508,7 +586,7 @@ def route(
         num_warps=8,
         **_dependent_launch(topk_ids.device),
     )
-    return sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles
+    return sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, counters
 
 
 def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -522,6 +600,15 @@ def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Ten
         TOP_K=topk_ids.shape[1], SPLIT_K=partial.shape[0], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
         DTYPE=_TL_DTYPES[out.dtype], num_warps=4, **_dependent_launch(out.device),
     )  # fmt: skip
+
+
+def _stream_k_workspace(gemm: GemmConfig, programs: int, block_m: int, matrices: int, unused: torch.Tensor) -> torch.Tensor:
+    """fp32 partial tiles of a stream-K GEMM: two per program (its first and its last tile), ``matrices``
+    [block_n, block_m] each (GEMM1: gate and up).  Sized by the grid, never by the routing.  Without
+    stream-K, ``unused`` stands in (the kernel does not read it)."""
+    if not gemm.stream_k:
+        return unused
+    return torch.empty(2 * programs, matrices * gemm.block_n * block_m, dtype=torch.float32, device=unused.device)
 
 
 def fused_moe_sm90(
@@ -553,36 +640,43 @@ def fused_moe_sm90(
     ids = topk_ids.reshape(-1)
     emap = ids if expert_map is None else expert_map
     in_kernel = config.route_in_gemm and num_pairs <= ROUTE_BLOCK_SMALL
+    sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
+    g1, g2 = config.gemm1, config.gemm2
+    programs1, programs2 = sms * g1.programs_per_sm, sms * g2.programs_per_sm
     if in_kernel:  # the GEMMs plan from topk_ids themselves; the tile-map arguments go unread
         tile_map = (ids,) * 5
+        arrivals = ids
     else:
-        sorted_pairs, _, offsets, tile_expert, tile_row, num_tiles = route(topk_ids, num_experts, config.block_m, expert_map)
-        tile_map = (sorted_pairs, offsets, tile_expert, tile_row, num_tiles)
+        # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
+        n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k
+        *tile_map, arrivals = route(topk_ids, num_experts, config.block_m, expert_map, n_arrivals)
+        del tile_map[1]  # the per-expert counts (the GEMMs read the offsets)
     # constexprs both GEMMs share
     shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
                   ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
                   E_POW2=triton.next_power_of_2(num_experts), **_dependent_launch(x.device))  # fmt: skip
-    sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
-    g1, g2 = config.gemm1, config.gemm2
     if g1.split_k == 1:  # the gated activation, in x's dtype
         act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
     else:  # fp32 partial sums per K split, [gate | up] per row
         act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
-    _moe_gemm_kernel[(sms * g1.programs_per_sm,)](
+    _moe_gemm_kernel[(programs1,)](
         x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
-        *tile_map, topk_weights, ids, emap, num_pairs, intermediate, hidden, k1p,
-        GATED=True, SPLIT_K=g1.split_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m, EVEN_K=hidden == k1p,
-        NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
+        *tile_map, topk_weights, ids, emap, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
+        arrivals, num_pairs, intermediate, hidden, k1p,
+        GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
+        EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
     )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
-    _moe_gemm_kernel[(sms * g2.programs_per_sm,)](
+    _moe_gemm_kernel[(programs2,)](
         act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
-        partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap, num_pairs, hidden, intermediate, k2p,
-        GATED=False, SPLIT_K=g2.split_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m, EVEN_K=intermediate == k2p,
-        NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
+        partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap,
+        _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
+        num_pairs, hidden, intermediate, k2p,
+        GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
+        EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
     )  # fmt: skip
     combine(partial, topk_ids, expert_map, out)
     return out

@@ -161,10 +161,62 @@ def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: 
         assert _rel(out, ref) < REL_TOL[torch.bfloat16], cfg
 
 
+STREAM_K_CASES = [  # (case, block_m, block_n, warps, programs per SM, stream-K GEMMs: 1 GEMM1, 2 GEMM2, 3 both)
+    (Case("one token: 14 tiles of 16 steps over 132-528 programs", 8, 2, 2048, 448, 1), 16, 64, 4, 4, 3),
+    (Case("Mixtral-like decode: tiles shared across runs", 8, 2, 4096, 1792, 3), 16, 128, 4, 2, 3),
+    (Case("GEMM1 only, 8 warps", 16, 4, 1024, 512, 19), 32, 128, 8, 1, 1),
+    (Case("GEMM2 only, many experts, padded K", 64, 8, 640, 208, 9), 16, 64, 4, 3, 2),
+    (Case("prefill-sized, both", 8, 2, 1024, 1024, 300), 64, 128, 8, 2, 3),
+]
+
+
+@pytest.mark.parametrize("case,block_m,block_n,warps,pps,stream", STREAM_K_CASES, ids=lambda v: getattr(v, "why", None))
+def test_stream_k_matches_reference_and_is_deterministic(case, block_m, block_n, warps, pps, stream, gen) -> None:
+    """Stream-K: equal runs of K steps per program, shared tiles summed by the last program to finish them.
+    Against the reference with outputs and scratch poisoned, and bit-identical over repeated runs (which
+    program finishes a tile varies from run to run on the GPU; the summation order must not)."""
+    q13, q2, w, x, tw, ti = _problem(case, gen)
+    cfg = MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, programs_per_sm=pps, stream_k=bool(stream & 1)),
+                          GemmConfig(block_n, num_warps=warps, programs_per_sm=pps, stream_k=bool(stream & 2)))  # fmt: skip
+    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
+    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+    first = None
+    for _ in range(5):
+        torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
+        out = torch.full_like(x, float("nan"))
+        fused_moe_sm90(x, *args, cfg, out=out)
+        assert not out.isnan().any(), "unwritten output"
+        assert _rel(out, ref) < REL_TOL[torch.bfloat16]
+        first = out if first is None else first
+        assert torch.equal(out, first)
+
+
+def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
+    """The arrival counters are zeroed by the routing kernel inside the graph: replays with new routing."""
+    case = Case("graph stream-K", 8, 2, 1024, 512, 5)
+    q13, q2, w, x, tw, ti = _problem(case, gen)
+    cfg = MoEKernelConfig(16, GemmConfig(64, programs_per_sm=2, stream_k=True), GemmConfig(128, stream_k=True))
+    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    fused_moe_sm90(x, *args, cfg)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_sm90(x, *args, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        new_w, new_ids = m.topk_softmax(torch.randn(case.tokens, case.experts, generator=gen, device="cuda"), 2)
+        tw.copy_(new_w)
+        ti.copy_(new_ids)
+        graph.replay()
+        ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+        assert _rel(out, ref) < REL_TOL[torch.bfloat16]
+        torch.testing.assert_close(out, fused_moe_sm90(x, *args, cfg), rtol=0, atol=0)
+
+
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
     for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32)):
         ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device="cuda", dtype=torch.int32)
-        sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles = route(ids, experts, block_m, None)
+        sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, _ = route(ids, experts, block_m, None)
         plan = m.plan_routing(ids, experts, block_m)
         assert torch.equal(counts, plan.expert_counts)
         assert torch.equal(offsets, plan.expert_offsets)
