@@ -20,6 +20,8 @@ together with the global scales (gate and up separately).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -286,6 +288,13 @@ def _tile_in_registers(m_tile, counts, starts, tiles, tile_ends, row_of_pair, BL
 
 
 @triton.jit
+def _partial_slot(workspace_ptr, q, mn, chunks, steps_per_program, PIECE: tl.constexpr):
+    """Program q's workspace slot for tile mn: 2 q if mn is the first tile q touches, else 2 q + 1 (its last)."""
+    later = ((q * steps_per_program) // chunks != mn).to(tl.int64)
+    return workspace_ptr + (2 * q + later) * PIECE
+
+
+@triton.jit
 def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end, chunks, steps_per_program,
                     GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Stream-K: tile mn's K steps [k_first, k_end) were this program's share.  Returns (acc, acc_up, finish):
@@ -303,21 +312,20 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
         PIECE: tl.constexpr = TILE * 2 if GATED else TILE
         idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        later_tile = ((pid * steps_per_program) // chunks != mn).to(tl.int64)
-        mine = workspace_ptr + (2 * pid + later_tile) * PIECE + idx
+        mine = _partial_slot(workspace_ptr, pid, mn, chunks, steps_per_program, PIECE) + idx
         tl.store(mine, acc)
         if GATED:
             tl.store(mine + TILE, acc_up)
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(arrivals_ptr + q_first, 1, sem="acq_rel", scope="gpu")
         finish = arrived == q_last - q_first
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the partial is in memory now (frees registers)
+        # the finisher re-reads its own partial too, so the sum runs in program order from zero
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if finish:
             tl.debug_barrier()
-            for q in tl.range(q_first, q_last + 1, num_stages=1):  # not pipelined: registers are scarce here
-                later = ((q * steps_per_program) // chunks != mn).to(tl.int64)
-                piece = workspace_ptr + (2 * q + later) * PIECE + idx
+            for q in tl.range(q_first, q_last + 1, num_stages=1):  # a few pieces: nothing for a pipeline to overlap
+                piece = _partial_slot(workspace_ptr, q, mn, chunks, steps_per_program, PIECE) + idx
                 acc += tl.load(piece, cache_modifier=".cg")  # L2: written by other SMs during this kernel
                 if GATED:
                     acc_up += tl.load(piece + TILE, cache_modifier=".cg")
@@ -537,9 +545,11 @@ def compiled_variants() -> int:
     return sum(len(caches[0]) for k in kernels for caches in getattr(k, "device_caches", {}).values())
 
 
+@functools.lru_cache(maxsize=None)
 def _dependent_launch(device: torch.device) -> dict:
     """Launch options of every kernel here: programmatic dependent launch on sm_90+ (see
-    _after_previous_kernel); the interpreter (CPU tensors) and older GPUs launch plainly."""
+    _after_previous_kernel); the interpreter (CPU tensors) and older GPUs launch plainly.  Cached per
+    device: three launches of every forward ask (callers only read the dict)."""
     pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
     return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
