@@ -8,13 +8,15 @@
 
     python benchmarks/tune_moe.py --update --climb --sweep --jobs 14 --max-candidates 200 --log sweep.jsonl
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
+    python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-ws --jobs 14 --max-candidates 48
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
 the default heuristic, alone; the on/off switches are tried first).  --sweep times, from that start, every
 tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
-stream-K), a short sweep for new ways of dividing K.  Each candidate is checked against the torch reference
+stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
+(moe_sm90_ws) in every tile shape x stages x register cap.  Each candidate is checked against the torch reference
 first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the fastest valid one is
 written.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
@@ -60,10 +62,14 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
-                    max_registers=(None, 168, 128))  # fmt: skip
+                    max_registers=(None, 168, 128), warp_specialized=(False, True))  # fmt: skip
 DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True))
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
 SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
+# --sweep-ws: the warp-specialized kernel's register cap -> the programs per SM it leaves room for (a 4-warp
+# MMA group plus the loader's warp group: uncapped one program, 128 two, 80 three)
+WS_RESIDENCY = ((None, 1), (128, 2), (80, 3))
+WS_STAGES = (4, 6)
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
@@ -109,6 +115,8 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
         g = getattr(cfg, gemm)
         for f, values in choices.items():
             k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
+            if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles
+                k_mode = dict(split_k=1, stream_k=False)
             out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
@@ -152,6 +160,22 @@ def gemm_sweep(
         new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, split_k=split,
                                   stream_k=stream, max_registers=regs)  # fmt: skip
         c = dataclasses.replace(cfg, block_m=block_m, **{gemm: new})
+        if _valid(c, hidden, inter):
+            out.append(c)
+    return out
+
+
+def ws_sweep(
+    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
+) -> list[MoEKernelConfig]:
+    """``cfg`` with one GEMM warp-specialized in every valid tile shape x stages x residency (register cap
+    with the programs per SM it fits); the other GEMM and the token tile kept."""
+    g = getattr(cfg, gemm)
+    out = []
+    for (block_n, warps), stages, (regs, pps) in itertools.product(SWEEP_SHAPES, WS_STAGES, WS_RESIDENCY):
+        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs,
+                                  programs_per_sm=pps, split_k=1, stream_k=False, warp_specialized=True)  # fmt: skip
+        c = dataclasses.replace(cfg, **{gemm: new})
         if _valid(c, hidden, inter):
             out.append(c)
     return out
@@ -253,6 +277,8 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="sweep GEMM1's, then GEMM2's, launch shapes before climbing")
     p.add_argument("--sweep-k", action="store_true",
                    help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
+    p.add_argument("--sweep-ws", action="store_true",
+                   help="time each GEMM warp-specialized in every tile shape x stages x residency before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     args = p.parse_args()
@@ -312,6 +338,9 @@ def main() -> int:
 
             sweeps = [functools.partial(gemm_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i,
                                         shapes=args.sweep) for g in ("gemm1", "gemm2")] if args.sweep or args.sweep_k else []  # fmt: skip
+            if args.sweep_ws:
+                sweeps += [functools.partial(ws_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
+                           for g in ("gemm1", "gemm2")]  # fmt: skip
             first = default_config(t, e, k, h, i)
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)

@@ -54,6 +54,7 @@ class GemmConfig:
     programs_per_sm: int = 1
     max_registers: int | None = None
     stream_k: bool = False
+    warp_specialized: bool = False
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -65,9 +66,15 @@ class GemmConfig:
             and self.split_k >= 1
             and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
             and not (self.stream_k and self.split_k > 1)
+            and (not self.warp_specialized or self._warp_specialized_ok())
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
         )
+
+    def _warp_specialized_ok(self) -> bool:
+        # whole K per tile, one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
+        return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
+                and self.block_n >= 16 * self.num_warps and self.num_stages >= 2)
 
     def launch_options(self) -> dict:
         """Triton launch keywords: warps, and the register cap when there is one."""
@@ -97,6 +104,9 @@ class MoEKernelConfig:
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
             and not (self.route_in_gemm and (self.gemm1.stream_k or self.gemm2.stream_k))
+            # the warp-specialized kernel reads the routing kernel's tile map and whole GEMM1 rows
+            and not (self.route_in_gemm and (self.gemm1.warp_specialized or self.gemm2.warp_specialized))
+            and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
         )
 
     def gemm2_split_a_bytes(self) -> int:

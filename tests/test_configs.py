@@ -145,3 +145,21 @@ def test_stream_k_excludes_k_splits_and_routing_in_the_gemms() -> None:
     assert not dataclasses.replace(stream, route_in_gemm=True).is_valid(512, 256)
     assert MoEKernelConfig.from_dict(stream.to_dict()) == stream
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files
+
+
+def test_warp_specialized_takes_whole_tiles_and_the_routing_kernels_map() -> None:
+    """The warp-specialized kernel reads whole K per tile, the routing kernel's tile map, and GEMM1's rows in
+    x's dtype; its MMA warp groups are 64 rows each."""
+    ws = GemmConfig(warp_specialized=True)
+    assert ws.is_valid(1024)
+    assert not dataclasses.replace(ws, split_k=2).is_valid(1024)
+    assert not dataclasses.replace(ws, stream_k=True).is_valid(1024)
+    assert not dataclasses.replace(ws, num_warps=8).is_valid(1024)  # 64 rows over two warp groups
+    assert dataclasses.replace(ws, block_n=128, num_warps=8).is_valid(1024)
+    assert not dataclasses.replace(ws, num_stages=1).is_valid(1024)  # a ring needs two stages
+    cfg = MoEKernelConfig(16, ws, ws)
+    assert cfg.is_valid(512, 256) and MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert not dataclasses.replace(cfg, route_in_gemm=True).is_valid(512, 256)
+    assert not MoEKernelConfig(16, GemmConfig(split_k=2), ws).is_valid(512, 256)  # GEMM2 would read fp32 partials
+    assert MoEKernelConfig(16, ws, GemmConfig(split_k=2)).is_valid(512, 256)
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.warp_specialized is False

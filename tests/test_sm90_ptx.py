@@ -104,3 +104,53 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
     assert before.rfind("bar.sync") > before.rfind("st.global") > 0
     assert ptx.find("ld.global.cg", atomics[0]) > 0 and "ld.global.cg" not in before
     assert "atom.global" not in _ptx("gemm1", True)  # whole tiles: no counting
+
+
+def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None):
+    """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    w = torch.zeros(8, 64, 4096, dtype=torch.uint8)  # any FragmentLayout-shaped bytes: only the views matter
+    descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in W._descriptors(w, w[:, :8])]
+    signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
+                     out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
+                     offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
+                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
+    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=16, GROUP_M=8, STAGES=4, DTYPE=W.gl.bfloat16,
+                      DECODE=K.DECODE_BF16.value, FIX=2.0**19, PDL=True, LOADER_REGS=W.LOADER_REGISTERS)  # fmt: skip
+    assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
+    # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
+    aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
+                         attrs)
+    options = dict(num_warps=warps, launch_pdl=True, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("gated,block_n,warps,maxnreg", [(True, 64, 4, None), (False, 128, 4, 128), (True, 128, 8, 128)])
+def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, maxnreg: int | None) -> None:
+    """What the Gluon kernel's correctness rests on, in its sm_90 PTX: the MMA warps wait for the previous
+    kernel before the loader warp starts (griddepcontrol.wait, then the barrier that releases the worker);
+    the loader's stage barrier counts 32 cp.async arrivals (.noinc) plus one expect-tx for the TMA boxes of
+    every matrix and unit; the MMA warps fence the async proxy after each wait (cp.async writes, wgmma reads),
+    issue wgmma with register A operands, and wait for all of a step's wgmmas (wait_group 0) before freeing
+    its stage, so no A register is reused while an MMA still reads it."""
+    ptx = _compile_ws(gated, block_n, warps, maxnreg)
+    assert ptx.index("griddepcontrol.wait") < ptx.index("barrier.sync")
+    matrices = (2 if gated else 1) * block_n // 64
+    assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 33;", ptx)
+    assert "cp.async.mbarrier.arrive.noinc" in ptx
+    assert re.search(rf"expect_tx\.shared\.b64 _, \[%r\d+\], {matrices * (4096 + 512)};", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 2 * matrices  # values + scales per unit
+    assert "fence.proxy.async.shared::cta" in ptx
+    wgmma = re.findall(r"wgmma\.mma_async[^\n]*\{", ptx)
+    assert wgmma and all(".bf16.bf16" in w for w in wgmma)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]+\}, \{", ptx)  # A in registers
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
+    assert waits and set(waits) == {"0"}

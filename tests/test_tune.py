@@ -9,7 +9,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from tune_moe import SWEEP_SHAPES, MODELS, candidates, gemm_sweep, merge_entries, neighbors, search, spread  # noqa: E402
+from tune_moe import (  # noqa: E402
+    SWEEP_SHAPES, WS_RESIDENCY, WS_STAGES, MODELS, candidates, gemm_sweep, merge_entries, neighbors, search, spread,
+    ws_sweep,
+)
 
 from moe_nvfp4.configs import GemmConfig, MoEKernelConfig, default_config  # noqa: E402
 
@@ -42,12 +45,12 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     near = neighbors(first, tokens, e, k, h, i)
     assert near and len(near) == len(set(near)) and first not in near
 
-    def values(c: MoEKernelConfig) -> list:  # a GEMM's K split and stream-K are one value: how it divides K
+    def values(c: MoEKernelConfig) -> list:  # K split, stream-K and warp-specialized (whole K) are one value
         def gemm(g: GemmConfig) -> list:
-            return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers,
-                    "stream" if g.stream_k else g.split_k]  # fmt: skip
+            k_mode = "ws" if g.warp_specialized else "stream" if g.stream_k else g.split_k
+            return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode]
 
-        assert len(dataclasses.fields(GemmConfig)) == 8, "a new GemmConfig field: add it above"
+        assert len(dataclasses.fields(GemmConfig)) == 9, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
@@ -161,3 +164,21 @@ def test_k_sweep_varies_only_how_one_gemm_divides_its_work() -> None:
     strip = dict(programs_per_sm=1, split_k=1, stream_k=False)
     assert {dataclasses.replace(c.gemm2, **strip) for c in swept} == {dataclasses.replace(first.gemm2, **strip)}
     assert all(c.gemm1 == first.gemm1 and c.block_m == first.block_m for c in swept)
+
+
+def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency() -> None:
+    """--sweep-ws: one GEMM as the warp-specialized kernel (whole K, so no split or stream-K) in every tile
+    shape x stages x (register cap, programs per SM); the other GEMM and the token tile kept.  Neighbours
+    can turn it on from a split config (dropping the split)."""
+    e, k, h, i = MODELS["mixtral-8x7b"]
+    first = dataclasses.replace(default_config(1, e, k, h, i), gemm1=GemmConfig(split_k=2))
+    for gemm in ("gemm1", "gemm2"):
+        swept = ws_sweep(first, gemm, 1, e, k, h, i)
+        if gemm == "gemm2":  # GEMM2 cannot read GEMM1's fp32 partials warp-specialized
+            assert swept == []
+            continue
+        assert len(swept) == len(set(swept)) == len(SWEEP_SHAPES) * len(WS_STAGES) * len(WS_RESIDENCY)
+        assert all(c.gemm1.warp_specialized and c.gemm1.split_k == 1 and not c.gemm1.stream_k for c in swept)
+        assert all(c.gemm2 == first.gemm2 and c.block_m == first.block_m for c in swept)
+    turned_on = [c for c in neighbors(first, 1, e, k, h, i) if c.gemm1.warp_specialized]
+    assert turned_on and all(c.gemm1.split_k == 1 for c in turned_on)

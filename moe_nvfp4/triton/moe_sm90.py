@@ -671,22 +671,38 @@ def fused_moe_sm90(
         act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
     else:  # fp32 partial sums per K split, [gate | up] per row
         act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
-    _moe_gemm_kernel[(programs1,)](
-        x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
-        *tile_map, topk_weights, ids, emap, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
-        arrivals, num_pairs, intermediate, hidden, k1p,
-        GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
-        EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
-    )  # fmt: skip
+    # The warp-specialized Gluon kernel is sm_90 code; the interpreter (CPU tensors), and rows it cannot copy
+    # 16 bytes at a time, run the Triton kernel with the same tiles, which computes the same sums.
+    from .moe_sm90_ws import launch_gemm_ws
+
+    pdl = shared["PDL"]
+    # its cp.async row copies are 16 bytes: rows of x and of the activation must start 16-byte aligned
+    ws_ok = x.is_cuda and x.stride(0) % 16 == 0 and intermediate % 16 == 0
+    if g1.warp_specialized and ws_ok:
+        launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map,
+                       topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1, pdl)
+    else:
+        _moe_gemm_kernel[(programs1,)](
+            x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
+            *tile_map, topk_weights, ids, emap, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
+            arrivals, num_pairs, intermediate, hidden, k1p,
+            GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
+            EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
+        )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
-    _moe_gemm_kernel[(programs2,)](
-        act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
-        partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap,
-        _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
-        num_pairs, hidden, intermediate, k2p,
-        GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
-        EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
-    )  # fmt: skip
+    if g2.warp_specialized and ws_ok:
+        launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
+                       topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2, config.block_m,
+                       programs2, pdl)  # fmt: skip
+    else:
+        _moe_gemm_kernel[(programs2,)](
+            act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
+            partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap,
+            _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
+            num_pairs, hidden, intermediate, k2p,
+            GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
+            EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
+        )  # fmt: skip
     combine(partial, topk_ids, expert_map, out)
     return out

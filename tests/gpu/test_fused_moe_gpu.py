@@ -192,11 +192,10 @@ def test_stream_k_matches_reference_and_is_deterministic(case, block_m, block_n,
         assert torch.equal(out, first)
 
 
-def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
-    """The arrival counters are zeroed by the routing kernel inside the graph: replays with new routing."""
-    case = Case("graph stream-K", 8, 2, 1024, 512, 5)
+def _graph_replays_with_new_routing(case: Case, cfg: MoEKernelConfig, gen: torch.Generator) -> None:
+    """Capture one forward, replay it three times with new x and routing: each against the reference and
+    bit-identical to an eager call."""
     q13, q2, w, x, tw, ti = _problem(case, gen)
-    cfg = MoEKernelConfig(16, GemmConfig(64, programs_per_sm=2, stream_k=True), GemmConfig(128, stream_k=True))
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
     fused_moe_sm90(x, *args, cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -204,13 +203,65 @@ def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
         out = fused_moe_sm90(x, *args, cfg)
     for _ in range(3):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
-        new_w, new_ids = m.topk_softmax(torch.randn(case.tokens, case.experts, generator=gen, device="cuda"), 2)
+        logits = torch.randn(case.tokens, case.experts, generator=gen, device="cuda")
+        new_w, new_ids = m.topk_softmax(logits, case.top_k)
         tw.copy_(new_w)
         ti.copy_(new_ids)
         graph.replay()
         ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
         assert _rel(out, ref) < REL_TOL[torch.bfloat16]
         torch.testing.assert_close(out, fused_moe_sm90(x, *args, cfg), rtol=0, atol=0)
+
+
+def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
+    """The arrival counters are zeroed by the routing kernel inside the graph: replays with new routing."""
+    cfg = MoEKernelConfig(16, GemmConfig(64, programs_per_sm=2, stream_k=True), GemmConfig(128, stream_k=True))
+    _graph_replays_with_new_routing(Case("graph stream-K", 8, 2, 1024, 512, 5), cfg, gen)
+
+
+WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM), warp-specialized GEMMs)
+    (Case("one token, both GEMMs, one program per SM", 8, 2, 2048, 448, 1), 16, (64, 4, 4, None, 1), 3),
+    (Case("ragged, half the experts empty, 3 per SM", 16, 4, 512, 384, 33, "half_empty"), 16, (64, 4, 6, 80, 3), 3),
+    (Case("every token to one expert, 2 per SM", 8, 2, 256, 512, 40, "one_expert"), 32, (128, 4, 4, 128, 2), 3),
+    (Case("two MMA warp groups, GEMM1 only", 8, 2, 1024, 512, 19), 32, (128, 8, 4, None, 1), 1),
+    (Case("GEMM2 only, padded K, top-8", 64, 8, 640, 208, 9), 16, (64, 4, 4, 128, 2), 2),
+    (Case("prefill-sized tiles", 8, 2, 1024, 1024, 600), 64, (128, 4, 3, 128, 2), 3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case,block_m,shape,which", WS_CASES, ids=lambda v: getattr(v, "why", None))
+def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, gen) -> None:
+    """The warp-specialized Gluon GEMMs (moe_sm90_ws): a TMA loader warp, MMA warps decoding from shared memory.
+    Against the float64 reference with outputs and scratch poisoned, the full FP4 code range, ragged and
+    empty experts, stages reused many times over (K up to 2048 = 16 steps through a ring of 3-6), and the
+    same output as the Triton kernel with the same tiles to within rounding."""
+    q13, q2 = _layer(case, gen, "cuda")
+    w = m.prepare_moe_weights(q13, q2)
+    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
+    tw, ti = _routing(case, gen, "cuda")
+    block_n, warps, stages, regs, pps = shape
+    ws = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
+                    warp_specialized=True)  # fmt: skip
+    plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
+    cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
+    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
+    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
+    out = torch.full_like(x, float("nan"))
+    fused_moe_sm90(x, *args, cfg, out=out)
+    assert not out.isnan().any(), "unwritten output"
+    assert _rel(out, ref) < REL_TOL[dtype]
+    triton_only = MoEKernelConfig(block_m, plain, plain)
+    assert _rel(out, fused_moe_sm90(x, *args, triton_only)) < REL_TOL[dtype] / 4
+
+
+def test_warp_specialized_in_a_cuda_graph(gen: torch.Generator) -> None:
+    """Both warp-specialized GEMMs captured once (their TMA descriptors baked into the graph), replayed with
+    new x and routing: the tile map is read on the device every replay."""
+    ws = GemmConfig(64, num_stages=4, max_registers=128, programs_per_sm=2, warp_specialized=True)
+    _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, 7), MoEKernelConfig(16, ws, ws), gen)
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:

@@ -1,0 +1,254 @@
+"""Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp feeds a ring of shared-memory stages, the MMA
+warps decode FP4 from shared memory into their wgmma A registers.
+
+The Triton kernel (moe_sm90._moe_gemm_kernel) makes every thread compute its own cp.async addresses and
+wait for its own copies: about 40% of its decode loop is that bookkeeping (sm_90 SASS: 170 of 426
+instructions per K step at block_n 64), and the loop is issue-bound.  Here one loader warp issues one TMA
+per 4 KiB weight block and per scale block, and cp.async for the gathered token rows; the MMA warps only
+wait on an mbarrier, read their 32 bytes and 16 scale bytes, decode, and run wgmma.  The loader runs
+ahead across tile boundaries, so a tile's routing metadata loads no longer stall the MMA warps.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..configs import GemmConfig
+from .moe_sm90 import BF16_EPILOGUE_FIX, DECODE_BF16, DECODE_FP16, FP16_EPILOGUE_FIX
+
+_W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+_S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+LOADER_REGISTERS = 56  # the loader warp: pointers and indices (at 40, ptxas spills them)
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M: gl.constexpr):
+    """Tile mn in grouped order (GROUP_M token tiles share a weight tile while it is hot in L2): its n tile,
+    expert, first sorted row and the end of the expert's rows.  Loader and MMA warps walk the same tiles."""
+    group = mn // (GROUP_M * num_n_tiles)
+    first_m = group * GROUP_M
+    group_m = gl.minimum(num_m_tiles - first_m, GROUP_M)
+    in_group = mn % (GROUP_M * num_n_tiles)
+    m_tile = first_m + in_group % group_m
+    expert = gl.load(tile_expert_ptr + m_tile)
+    return in_group // group_m, expert, gl.load(tile_row_ptr + m_tile), gl.load(offsets_ptr + expert + 1)
+
+
+@gluon.jit
+def _loader(a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+            num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp,
+            TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    UNITS: gl.constexpr = BLOCK_N // 64
+    HALVES: gl.constexpr = 2 if GATED else 1
+    MATS: gl.constexpr = HALVES * UNITS
+    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+    pid = gl.program_id(0)
+    num_m_tiles = gl.load(num_tiles_ptr)
+    num_n_tiles = gl.cdiv(n_out, BLOCK_N)
+    chunks = kp // 128
+    n_units = gl.cdiv(n_out, 64)
+    matrices = 2 * n_units if GATED else n_units
+    it = 0
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                              GROUP_M)  # fmt: skip
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
+        row_ok = rows < row_end
+        if GATED:
+            a_rows = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0) // TOP_K
+        else:
+            a_rows = gl.where(row_ok, rows, row0)
+        kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
+        a_ptrs = a_ptr + a_rows.to(gl.int64)[:, None] * stride_a + kk[None, :]
+        unit0 = expert * matrices + n_tile * UNITS
+        for chunk in range(chunks):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            k_ok = (chunk * 128 + kk) < k
+            async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + chunk * 128,
+                                                   mask=row_ok[:, None] & k_ok[None, :])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            mbarrier.expect(bar, MATS * (4096 + 512))
+            for u in gl.static_range(MATS):
+                # gate units then up units (GATED): the up matrix starts n_units units after the gate
+                unit = unit0 + (u % UNITS) + (u // UNITS) * n_units
+                buf = s * HALVES + u // UNITS
+                tma.async_copy_global_to_shared(w_desc, [(unit * chunks + chunk) * 32, 0], bar,
+                                                w_smem.index(buf).slice((u % UNITS) * 32, 32))
+                tma.async_copy_global_to_shared(s_desc, [(unit * chunks + chunk) * 4, 0], bar,
+                                                s_smem.index(buf).slice((u % UNITS) * 4, 4))
+            it += 1
+
+
+@gluon.jit
+def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, DECODE: gl.constexpr, NW: gl.constexpr,
+                 DOT_L: gl.constexpr):
+    """One stage's BLOCK_N x 128 weights of one matrix, from FragmentLayout bytes in shared memory to the
+    wgmma A operand registers.  Thread (warp, r, q) of 64-row unit u reads slot 128 u + 32 warp + 4 r + q:
+    its 32 value bytes and its row pair's 16 scale bytes (the four q threads read the same ones)."""
+    PAIRS: gl.constexpr = BLOCK_N // 2
+    P_L: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+    S_L: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+    FRAG: gl.constexpr = [BLOCK_N // 16, 8, 4, 8, 2, 2]  # [warp row block, r, q, g, kh, kp] of lo / hi
+    p = w_smem.reshape([PAIRS, 4, 32]).load(P_L)
+    # each thread's 16 scale bytes, then as the decode wants them: (s_R, s_R+8) twice per 32-bit word
+    s4 = s_smem.reshape([PAIRS, 1, 16]).load(S_L).broadcast_to([PAIRS, 4, 16]).reshape([PAIRS, 4, 8, 1, 2])
+    s4 = gl.convert_layout(s4.broadcast_to([PAIRS, 4, 8, 2, 2]).reshape([PAIRS, 4, 32]), P_L, assert_trivial=True)
+    if DTYPE == gl.bfloat16:
+        lo, hi = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [p, s4], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo, hi = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [p, s4], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=4)
+    # the same relabelling as moe_sm90._decode_fragments: these registers already are the A operand
+    w = gl.join(gl.reshape(lo, FRAG), gl.reshape(hi, FRAG))
+    w = gl.reshape(gl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [BLOCK_N, 128])
+    return gl.convert_layout(w, DOT_L, assert_trivial=True)
+
+
+@gluon.jit
+def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
+              tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp,
+              GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr, DTYPE: gl.constexpr, DECODE: gl.constexpr, FIX: gl.constexpr,
+              NW: gl.constexpr):
+    UNITS: gl.constexpr = BLOCK_N // 64
+    HALVES: gl.constexpr = 2 if GATED else 1
+    MATS: gl.constexpr = HALVES * UNITS
+    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
+    DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
+    pid = gl.program_id(0)
+    num_m_tiles = gl.load(num_tiles_ptr)
+    num_n_tiles = gl.cdiv(n_out, BLOCK_N)
+    chunks = kp // 128
+    it = 0
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                              GROUP_M)  # fmt: skip
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
+        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
+        for chunk in range(chunks):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
+            b = a_smem.index(s).permute((1, 0))
+            gate_w = _decode_tile(w_smem.index(s * HALVES), s_smem.index(s * HALVES), BLOCK_N, DTYPE, DECODE, NW,
+                                  DOT_L)  # fmt: skip
+            acc = warpgroup_mma(gate_w, b, acc, is_async=True)
+            if GATED:  # the up matrix decodes while the gate MMA runs
+                up_w = _decode_tile(w_smem.index(s * HALVES + 1), s_smem.index(s * HALVES + 1), BLOCK_N, DTYPE,
+                                    DECODE, NW, DOT_L)  # fmt: skip
+                acc_up = warpgroup_mma(up_w, b, acc_up, is_async=True)
+            else:
+                up_w = gate_w
+            # wgmma reads its A registers asynchronously: they are deps of the wait, so nothing reuses them
+            # before it.  The wait ends the step: an A operand carried into the next iteration was seen
+            # moved to new registers at the loop back-edge while its MMA still read the old ones (wrong sums).
+            acc, acc_up, gate_w, up_w = warpgroup_mma_wait(0, deps=(acc, acc_up, gate_w, up_w))
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
+        row_ok = rows < row_end
+        offs_n = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))
+        store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
+        if GATED:
+            gate = acc * (gl.load(gs_ptr + expert * 2) * FIX)
+            up = acc_up * (gl.load(gs_ptr + expert * 2 + 1) * FIX)
+            y = gate / (1.0 + gl.exp(-gate)) * up
+            gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
+        else:
+            pair_id = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+            weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+            y = acc * (gl.load(gs_ptr + expert) * FIX * weight)[None, :]
+            gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
+                     y.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@gluon.jit
+def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
+                        tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
+                        TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, DECODE: gl.constexpr,
+                        FIX: gl.constexpr, PDL: gl.constexpr, LOADER_REGS: gl.constexpr):
+    NW: gl.constexpr = gl.num_warps()
+    UNITS: gl.constexpr = BLOCK_N // 64
+    HALVES: gl.constexpr = 2 if GATED else 1
+    MATS: gl.constexpr = HALVES * UNITS
+    if PDL:
+        _gdc_wait()
+    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, 128],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # one buffer per stage and matrix (GATED: gate, up) of BLOCK_N rows: UNITS TMA boxes each
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, UNITS * 32, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, UNITS * 4, 128], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=33)  # the TMA's expect-arrive + one cp.async arrive per loader lane
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
+                     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp, GATED, BLOCK_N,
+                     BLOCK_M, GROUP_M, STAGES, DTYPE, DECODE, FIX, NW)),
+        (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                   num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
+                   BLOCK_M, GROUP_M, STAGES)),
+    ], [1], [LOADER_REGS])
+
+
+def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA views of FragmentLayout weights, one box per 64-row unit and 128-wide K chunk: [blocks x 32, 128]
+    value bytes (4 KiB boxes) and [blocks x 4, 128] scale bytes (512).  Rows of 128 bytes: with 32-byte rows
+    the same boxes streamed at 2.9 TB/s, with 128-byte rows at 3.6 (H200, loads alone).  The 128-byte swizzle
+    keeps the MMA warps' 16-byte reads (thread t: bytes 32 t .. 32 t + 31) free of bank conflicts."""
+    w_rows = w_packed.reshape(-1, 128)
+    s_rows = w_scale.reshape(-1, 128)
+    w_desc = TensorDescriptor(w_rows, list(w_rows.shape), list(w_rows.stride()), [32, 128], _W_SMEM)
+    s_desc = TensorDescriptor(s_rows, list(s_rows.shape), list(s_rows.stride()), [4, 128], _S_SMEM)
+    return w_desc, s_desc
+
+
+def launch_gemm_ws(
+    a: torch.Tensor,
+    stride_a: int,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_global: torch.Tensor,
+    out: torch.Tensor,
+    stride_out: int,
+    tile_map: tuple[torch.Tensor, ...],
+    topk_weights: torch.Tensor,
+    n_out: int,
+    k: int,
+    kp: int,
+    top_k: int,
+    gated: bool,
+    gemm: GemmConfig,
+    block_m: int,
+    programs: int,
+    pdl: bool,
+) -> None:
+    """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
+    whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route()."""
+    w_desc, s_desc = _descriptors(w_packed, w_scale)
+    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    _moe_gemm_ws_kernel[(programs,)](
+        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
+        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
+        STAGES=gemm.num_stages, DTYPE=dtype, DECODE=(DECODE_BF16 if dtype == gl.bfloat16 else DECODE_FP16).value,
+        FIX=(BF16_EPILOGUE_FIX if dtype == gl.bfloat16 else FP16_EPILOGUE_FIX).value, PDL=pdl,
+        LOADER_REGS=LOADER_REGISTERS, launch_pdl=pdl, **gemm.launch_options(),
+    )  # fmt: skip
