@@ -44,7 +44,11 @@ class GemmConfig:
     stream_k: instead of dealing whole tiles out in turn (at decode, 224 tiles on 132 SMs leave some SMs
     with one tile and some with two), every program takes an equal run of the tiles' K steps; a tile shared
     by programs is summed by the last of them to finish, in a fixed order (deterministic).  Excludes
-    split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait for a second wave."""
+    split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait for a second wave.
+
+    warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp and 4 or 8 MMA
+    warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
+    three: the loader's warp group counts too)."""
 
     block_n: int = 64
     group_m: int = 8

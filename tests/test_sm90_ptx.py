@@ -122,7 +122,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None):
                      offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
                      topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=16, GROUP_M=8, STAGES=4, DTYPE=W.gl.bfloat16,
-                      DECODE=K.DECODE_BF16.value, FIX=2.0**19, PDL=True, LOADER_REGS=W.LOADER_REGISTERS)  # fmt: skip
+                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
     aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]

@@ -192,18 +192,26 @@ def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _decode_words(p, s4, DTYPE: tl.constexpr):
+    """_DECODE_ASM on packed bytes: p four FP4 bytes (one word) per call, s4 the word's two scale bytes twice;
+    returns the lo / hi rows' values.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels."""
+    if DTYPE == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(DECODE_BF16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(DECODE_FP16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
 def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
     """FragmentLayout slots -> the [ROWS, 128] weight tile in natural (row, k) order, DTYPE, each value
     code * block_scale / EPILOGUE_FIX exactly.  p: uint8 [2 ROWS, 32]; s: uint8 [2 ROWS, 16] (per slot)."""
     SLOTS: tl.constexpr = 2 * ROWS
     if USE_ASM:
-        s4 = tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 8, 1, 2]), [SLOTS, 8, 2, 2]), [SLOTS, 32])
-        if DTYPE == tl.bfloat16:
-            lo, hi = tl.inline_asm_elementwise(DECODE_BF16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.bfloat16, tl.bfloat16),
-                                               is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(DECODE_FP16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.float16, tl.float16),
-                                               is_pure=True, pack=4)
+        lo, hi = _decode_words(p, tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 8, 1, 2]), [SLOTS, 8, 2, 2]), [SLOTS, 32]),
+                               DTYPE)
     else:
         lo, hi = _decode_portable(p, s, SLOTS, DTYPE)
     # lo/hi [slot, g, kh, kp] with slot = 32 warp + 4 r + q: rows 16 warp + r (lo) and + 8 (hi),
@@ -285,6 +293,17 @@ def _tile_in_registers(m_tile, counts, starts, tiles, tile_ends, row_of_pair, BL
     pairs = tl.arange(0, BLOCK_P)
     pair_id = tl.sum(tl.where(row_of_pair[None, :] == rows[:, None], pairs[None, :], 0), axis=1)
     return expert, row0, start + tl.sum(tl.where(mine, counts, 0), 0), pair_id
+
+
+@triton.jit
+def _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Tile mn's (token tile, weight tile) in grouped order: GROUP_M token tiles share each weight tile while
+    it is hot in L2.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels."""
+    group = mn // (GROUP_M * num_n_tiles)
+    first_m = group * GROUP_M
+    group_m = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    in_group = mn % (GROUP_M * num_n_tiles)
+    return first_m + in_group % group_m, in_group // group_m
 
 
 @triton.jit
@@ -429,13 +448,7 @@ def _moe_gemm_kernel(
             mn = item // SPLIT_K
             k_first = split * chunks_per_split
             k_end = k_first + chunks_per_split
-        # Grouped order: GROUP_M token tiles share each weight tile while it is hot in L2.
-        group = mn // (GROUP_M * num_n_tiles)
-        first_m = group * GROUP_M
-        group_m = tl.minimum(num_m_tiles - first_m, GROUP_M)
-        in_group = mn % (GROUP_M * num_n_tiles)
-        m_tile = first_m + in_group % group_m
-        n_tile = in_group // group_m
+        m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
 
         if ROUTE_IN_KERNEL:
             expert, row0, row_end, pair_id = _tile_in_registers(
@@ -671,14 +684,15 @@ def fused_moe_sm90(
         act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
     else:  # fp32 partial sums per K split, [gate | up] per row
         act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
-    # The warp-specialized Gluon kernel is sm_90 code; the interpreter (CPU tensors), and rows it cannot copy
-    # 16 bytes at a time, run the Triton kernel with the same tiles, which computes the same sums.
-    from .moe_sm90_ws import launch_gemm_ws
-
+    # The warp-specialized Gluon kernel is sm_90 code whose cp.async row copies are 16 bytes, compiled only
+    # where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors) and other
+    # rows run the Triton kernel with the same tiles, which computes the same sums.
+    ws_ok = x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
+    ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
+    if ws1 or ws2:
+        from .moe_sm90_ws import launch_gemm_ws  # imports moe_sm90's decode and tile helpers
     pdl = shared["PDL"]
-    # its cp.async row copies are 16 bytes: rows of x and of the activation must start 16-byte aligned
-    ws_ok = x.is_cuda and x.stride(0) % 16 == 0 and intermediate % 16 == 0
-    if g1.warp_specialized and ws_ok:
+    if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map,
                        topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1, pdl)
     else:
@@ -691,7 +705,7 @@ def fused_moe_sm90(
         )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
-    if g2.warp_specialized and ws_ok:
+    if ws2:
         launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
                        topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2, config.block_m,
                        programs2, pdl)  # fmt: skip

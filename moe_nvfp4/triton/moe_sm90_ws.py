@@ -1,12 +1,12 @@
 """Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp feeds a ring of shared-memory stages, the MMA
 warps decode FP4 from shared memory into their wgmma A registers.
 
-The Triton kernel (moe_sm90._moe_gemm_kernel) makes every thread compute its own cp.async addresses and
-wait for its own copies: about 40% of its decode loop is that bookkeeping (sm_90 SASS: 170 of 426
-instructions per K step at block_n 64), and the loop is issue-bound.  Here one loader warp issues one TMA
-per 4 KiB weight block and per scale block, and cp.async for the gathered token rows; the MMA warps only
-wait on an mbarrier, read their 32 bytes and 16 scale bytes, decode, and run wgmma.  The loader runs
-ahead across tile boundaries, so a tile's routing metadata loads no longer stall the MMA warps.
+Same contract and sums as moe_sm90._moe_gemm_kernel's whole-K path (its decode PTX, tile order and SiLU are
+shared).  There every thread computes its own cp.async addresses and waits for its own copies (170 of the
+decode loop's 426 SASS instructions per K step at block_n 64); here one loader warp issues a TMA per 4 KiB
+value box and per 512-byte scale box, and cp.async for the (gathered) token rows, and runs ahead across
+tile boundaries.  What made it faster on the H200 was the loads' rate: boxes of 128-byte rows stream at
+3.6 TB/s where the same boxes with 32-byte rows reached 2.9 (design 002).
 """
 from __future__ import annotations
 
@@ -19,14 +19,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..configs import GemmConfig
-from .moe_sm90 import BF16_EPILOGUE_FIX, DECODE_BF16, DECODE_FP16, FP16_EPILOGUE_FIX
+from .moe_sm90 import BF16_EPILOGUE_FIX, FP16_EPILOGUE_FIX, _decode_words, _grouped_tile, _silu_times
 
 _W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 _S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 LOADER_REGISTERS = 56  # the loader warp: pointers and indices (at 40, ptxas spills them)
 
+
 @gluon.jit
-def _gdc_wait():
+def _after_previous_kernel():
+    """moe_sm90._after_previous_kernel in Gluon: wait for the previous kernel's writes, then let the next
+    kernel launch (programmatic dependent launch)."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
@@ -34,15 +37,11 @@ def _gdc_wait():
 
 @gluon.jit
 def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M: gl.constexpr):
-    """Tile mn in grouped order (GROUP_M token tiles share a weight tile while it is hot in L2): its n tile,
-    expert, first sorted row and the end of the expert's rows.  Loader and MMA warps walk the same tiles."""
-    group = mn // (GROUP_M * num_n_tiles)
-    first_m = group * GROUP_M
-    group_m = gl.minimum(num_m_tiles - first_m, GROUP_M)
-    in_group = mn % (GROUP_M * num_n_tiles)
-    m_tile = first_m + in_group % group_m
+    """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and the end of the expert's
+    rows.  Loader and MMA warps walk the same tiles."""
+    m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
     expert = gl.load(tile_expert_ptr + m_tile)
-    return in_group // group_m, expert, gl.load(tile_row_ptr + m_tile), gl.load(offsets_ptr + expert + 1)
+    return n_tile, expert, gl.load(tile_row_ptr + m_tile), gl.load(offsets_ptr + expert + 1)
 
 
 @gluon.jit
@@ -94,8 +93,7 @@ def _loader(a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile
 
 
 @gluon.jit
-def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, DECODE: gl.constexpr, NW: gl.constexpr,
-                 DOT_L: gl.constexpr):
+def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, DOT_L: gl.constexpr):
     """One stage's BLOCK_N x 128 weights of one matrix, from FragmentLayout bytes in shared memory to the
     wgmma A operand registers.  Thread (warp, r, q) of 64-row unit u reads slot 128 u + 32 warp + 4 r + q:
     its 32 value bytes and its row pair's 16 scale bytes (the four q threads read the same ones)."""
@@ -107,12 +105,7 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, DEC
     # each thread's 16 scale bytes, then as the decode wants them: (s_R, s_R+8) twice per 32-bit word
     s4 = s_smem.reshape([PAIRS, 1, 16]).load(S_L).broadcast_to([PAIRS, 4, 16]).reshape([PAIRS, 4, 8, 1, 2])
     s4 = gl.convert_layout(s4.broadcast_to([PAIRS, 4, 8, 2, 2]).reshape([PAIRS, 4, 32]), P_L, assert_trivial=True)
-    if DTYPE == gl.bfloat16:
-        lo, hi = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [p, s4], dtype=(gl.bfloat16, gl.bfloat16),
-                                           is_pure=True, pack=4)
-    else:
-        lo, hi = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [p, s4], dtype=(gl.float16, gl.float16),
-                                           is_pure=True, pack=4)
+    lo, hi = _decode_words(p, s4, DTYPE)
     # the same relabelling as moe_sm90._decode_fragments: these registers already are the A operand
     w = gl.join(gl.reshape(lo, FRAG), gl.reshape(hi, FRAG))
     w = gl.reshape(gl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [BLOCK_N, 128])
@@ -123,11 +116,10 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, DEC
 def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
               tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp,
               GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, DTYPE: gl.constexpr, DECODE: gl.constexpr, FIX: gl.constexpr,
-              NW: gl.constexpr):
-    UNITS: gl.constexpr = BLOCK_N // 64
+              STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr):
     HALVES: gl.constexpr = 2 if GATED else 1
-    MATS: gl.constexpr = HALVES * UNITS
+    # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
+    FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
     pid = gl.program_id(0)
@@ -145,12 +137,11 @@ def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out,
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
             b = a_smem.index(s).permute((1, 0))
-            gate_w = _decode_tile(w_smem.index(s * HALVES), s_smem.index(s * HALVES), BLOCK_N, DTYPE, DECODE, NW,
-                                  DOT_L)  # fmt: skip
+            gate_w = _decode_tile(w_smem.index(s * HALVES), s_smem.index(s * HALVES), BLOCK_N, DTYPE, NW, DOT_L)
             acc = warpgroup_mma(gate_w, b, acc, is_async=True)
             if GATED:  # the up matrix decodes while the gate MMA runs
-                up_w = _decode_tile(w_smem.index(s * HALVES + 1), s_smem.index(s * HALVES + 1), BLOCK_N, DTYPE,
-                                    DECODE, NW, DOT_L)  # fmt: skip
+                up_w = _decode_tile(w_smem.index(s * HALVES + 1), s_smem.index(s * HALVES + 1), BLOCK_N, DTYPE, NW,
+                                    DOT_L)  # fmt: skip
                 acc_up = warpgroup_mma(up_w, b, acc_up, is_async=True)
             else:
                 up_w = gate_w
@@ -167,7 +158,7 @@ def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out,
         if GATED:
             gate = acc * (gl.load(gs_ptr + expert * 2) * FIX)
             up = acc_up * (gl.load(gs_ptr + expert * 2 + 1) * FIX)
-            y = gate / (1.0 + gl.exp(-gate)) * up
+            y = _silu_times(gate, up)
             gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
         else:
             pair_id = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
@@ -181,14 +172,13 @@ def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out,
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, DECODE: gl.constexpr,
-                        FIX: gl.constexpr, PDL: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
+                        LOADER_REGS: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    MATS: gl.constexpr = HALVES * UNITS
-    if PDL:
-        _gdc_wait()
+    if PDL:  # the MMA warps wait here; the loader warp starts only when they enter warp_specialize below
+        _after_previous_kernel()
     a_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, 128],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # one buffer per stage and matrix (GATED: gate, up) of BLOCK_N rows: UNITS TMA boxes each
@@ -202,7 +192,7 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     gl.warp_specialize([
         (_consumer, (w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
                      tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp, GATED, BLOCK_N,
-                     BLOCK_M, GROUP_M, STAGES, DTYPE, DECODE, FIX, NW)),
+                     BLOCK_M, GROUP_M, STAGES, DTYPE, NW)),
         (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                    num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
                    BLOCK_M, GROUP_M, STAGES)),
@@ -244,11 +234,9 @@ def launch_gemm_ws(
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
     whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route()."""
     w_desc, s_desc = _descriptors(w_packed, w_scale)
-    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
-        STAGES=gemm.num_stages, DTYPE=dtype, DECODE=(DECODE_BF16 if dtype == gl.bfloat16 else DECODE_FP16).value,
-        FIX=(BF16_EPILOGUE_FIX if dtype == gl.bfloat16 else FP16_EPILOGUE_FIX).value, PDL=pdl,
+        STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip
