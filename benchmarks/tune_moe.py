@@ -16,9 +16,9 @@ the default heuristic, alone; the on/off switches are tried first).  --sweep tim
 tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
-(moe_sm90_ws) in every tile shape x stages x register cap.  Each candidate is checked against the torch reference
-first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph, median); the fastest valid one is
-written.
+(moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap.  Each candidate is
+checked against the torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph,
+median); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
 timing process), as compiling, not timing, is most of a sweep's time.
 """
@@ -62,14 +62,15 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
-                    max_registers=(None, 168, 128), warp_specialized=(False, True))  # fmt: skip
+                    max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4))  # fmt: skip
 DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True))
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
 SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 # --sweep-ws: the warp-specialized kernel's register cap -> the programs per SM it leaves room for (a 4-warp
 # MMA group plus the loader's warp group: uncapped one program, 128 two, 80 three)
 WS_RESIDENCY = ((None, 1), (128, 2), (80, 3))
-WS_STAGES = (4, 6)
+# --sweep-ws: its rings, (K chunks per stage, stages): deeper rings of one chunk, or fewer stages of more
+WS_RINGS = ((1, 4), (1, 6), (2, 2), (2, 4), (4, 2))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
@@ -115,8 +116,8 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
         g = getattr(cfg, gemm)
         for f, values in choices.items():
             k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
-            if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles
-                k_mode = dict(split_k=1, stream_k=False)
+            if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles; the Triton kernel one chunk
+                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1)
             out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
@@ -168,13 +169,14 @@ def gemm_sweep(
 def ws_sweep(
     cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
-    """``cfg`` with one GEMM warp-specialized in every valid tile shape x stages x residency (register cap
-    with the programs per SM it fits); the other GEMM and the token tile kept."""
+    """``cfg`` with one GEMM warp-specialized in every valid tile shape x ring (chunks per stage, stages) x
+    residency (register cap with the programs per SM it fits); the other GEMM and the token tile kept."""
     g = getattr(cfg, gemm)
     out = []
-    for (block_n, warps), stages, (regs, pps) in itertools.product(SWEEP_SHAPES, WS_STAGES, WS_RESIDENCY):
-        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, num_stages=stages, max_registers=regs,
-                                  programs_per_sm=pps, split_k=1, stream_k=False, warp_specialized=True)  # fmt: skip
+    for (block_n, warps), (chunks, stages), (regs, pps) in itertools.product(SWEEP_SHAPES, WS_RINGS, WS_RESIDENCY):
+        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks,
+                                  max_registers=regs, programs_per_sm=pps, split_k=1, stream_k=False,
+                                  warp_specialized=True)  # fmt: skip
         c = dataclasses.replace(cfg, **{gemm: new})
         if _valid(c, hidden, inter):
             out.append(c)

@@ -30,6 +30,8 @@ CHUNK_K = 128  # the kernel's K step, fixed by the weight layout (layouts.Fragme
 # GEMM2's split-K A tiles must leave room for the weight stages in sm_90's 227 KiB: configs past this bound
 # failed to launch on an H200 (Triton OutOfResources; e.g. block_m 32, split 4, 3 stages needs 273 KiB).
 SPLIT_A_SMEM_LIMIT = 160 * 1024
+# sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
+WS_SMEM_LIMIT = 227 * 1024 - 1024
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,9 @@ class GemmConfig:
 
     warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp and 4 or 8 MMA
     warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
-    three: the loader's warp group counts too)."""
+    three: the loader's warp group counts too).  chunks_per_stage (warp-specialized only): K chunks of 128 per
+    stage of its ring, fetched as one TMA box per matrix; the MMA warps keep MMAs running while they decode
+    the stage's next matrix (one at 128 rows per warp group, two at 64) and retire them all at its end."""
 
     block_n: int = 64
     group_m: int = 8
@@ -59,6 +63,7 @@ class GemmConfig:
     max_registers: int | None = None
     stream_k: bool = False
     warp_specialized: bool = False
+    chunks_per_stage: int = 1
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -71,6 +76,8 @@ class GemmConfig:
             and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
             and not (self.stream_k and self.split_k > 1)
             and (not self.warp_specialized or self._warp_specialized_ok())
+            and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
+            and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
         )
@@ -79,6 +86,12 @@ class GemmConfig:
         # whole K per tile, one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
         return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
                 and self.block_n >= 16 * self.num_warps and self.num_stages >= 2)
+
+    def ws_shared_bytes(self, gated: bool, block_m: int) -> int:
+        """Shared memory of the warp-specialized kernel's ring: per stage and chunk, the token rows (16-bit)
+        and each matrix's (GATED: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit."""
+        per_chunk = block_m * CHUNK_K * 2 + (2 if gated else 1) * (self.block_n // 64) * (4096 + 512)
+        return self.num_stages * self.chunks_per_stage * per_chunk
 
     def launch_options(self) -> dict:
         """Triton launch keywords: warps, and the register cap when there is one."""
@@ -111,6 +124,8 @@ class MoEKernelConfig:
             # the warp-specialized kernel reads the routing kernel's tile map and whole GEMM1 rows
             and not (self.route_in_gemm and (self.gemm1.warp_specialized or self.gemm2.warp_specialized))
             and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
+            and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
+                    for g, gated in ((self.gemm1, True), (self.gemm2, False)))
         )
 
     def gemm2_split_a_bytes(self) -> int:

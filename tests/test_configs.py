@@ -163,3 +163,24 @@ def test_warp_specialized_takes_whole_tiles_and_the_routing_kernels_map() -> Non
     assert not MoEKernelConfig(16, GemmConfig(split_k=2), ws).is_valid(512, 256)  # GEMM2 would read fp32 partials
     assert MoEKernelConfig(16, ws, GemmConfig(split_k=2)).is_valid(512, 256)
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.warp_specialized is False
+
+
+def test_warp_specialized_rings_take_whole_chunks_and_fit_shared_memory() -> None:
+    """chunks_per_stage: the warp-specialized kernel's stages of several K chunks.  K must split into whole
+    stages; the Triton kernel takes one chunk per stage, so other GEMMs keep 1; and the ring (token rows plus
+    each matrix's values and scales, per chunk and stage) must fit in sm_90's 227 KiB, or the launch fails."""
+    ring = GemmConfig(block_n=128, num_stages=2, chunks_per_stage=2, warp_specialized=True)
+    assert ring.is_valid(1024) and dataclasses.replace(ring, chunks_per_stage=4).is_valid(1024)
+    assert not ring.is_valid(768 - 128 * 1)  # 5 chunks
+    assert not dataclasses.replace(ring, chunks_per_stage=3).is_valid(768)
+    assert not dataclasses.replace(ring, warp_specialized=False).is_valid(1024)
+    # GEMM1 (gate and up) at block_m 16: 2 x 2 x (16 x 128 x 2 + 2 x 2 x 4608) bytes = 82 KiB
+    assert ring.ws_shared_bytes(True, 16) == 2 * 2 * (16 * 128 * 2 + 2 * 2 * 4608)
+    assert ring.ws_shared_bytes(False, 16) == 2 * 2 * (16 * 128 * 2 + 2 * 4608)
+    deep = dataclasses.replace(ring, num_stages=4)  # GEMM1: 176 KiB at block_m 16, 272 KiB at 64
+    assert MoEKernelConfig(16, deep, deep).is_valid(1024, 1024)
+    assert not MoEKernelConfig(64, deep, deep).is_valid(1024, 1024)
+    assert MoEKernelConfig(64, GemmConfig(), deep).is_valid(1024, 1024)  # GEMM2: 200 KiB
+    cfg = MoEKernelConfig(16, ring, ring)
+    assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.chunks_per_stage == 1

@@ -106,7 +106,7 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
     assert "atom.global" not in _ptx("gemm1", True)  # whole tiles: no counting
 
 
-def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None):
+def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors."""
     import torch
     from triton._C.libtriton import native_specialize_impl
@@ -116,13 +116,14 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None):
     from moe_nvfp4.triton import moe_sm90_ws as W
 
     w = torch.zeros(8, 64, 4096, dtype=torch.uint8)  # any FragmentLayout-shaped bytes: only the views matter
-    descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in W._descriptors(w, w[:, :8])]
+    views = W._descriptors(w, w[:, :8], 1024, block_n // 64, chunks)
+    descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in views]
     signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
                      topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=16, GROUP_M=8, STAGES=4, DTYPE=W.gl.bfloat16,
-                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS)  # fmt: skip
+                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
     aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]
@@ -133,24 +134,38 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-@pytest.mark.parametrize("gated,block_n,warps,maxnreg", [(True, 64, 4, None), (False, 128, 4, 128), (True, 128, 8, 128)])
-def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, maxnreg: int | None) -> None:
+@pytest.mark.parametrize(
+    "gated,block_n,warps,maxnreg,chunks",
+    [(True, 64, 4, None, 1), (False, 128, 4, 128, 1), (True, 128, 8, 128, 1), (True, 64, 4, 128, 2),
+     (True, 128, 4, 128, 2), (False, 64, 4, None, 4)],
+)  # fmt: skip
+def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int) -> None:
     """What the Gluon kernel's correctness rests on, in its sm_90 PTX: the MMA warps wait for the previous
     kernel before the loader warp starts (griddepcontrol.wait, then the barrier that releases the worker);
-    the loader's stage barrier counts 32 cp.async arrivals (.noinc) plus one expect-tx for the TMA boxes of
-    every matrix and unit; the MMA warps fence the async proxy after each wait (cp.async writes, wgmma reads),
-    issue wgmma with register A operands, and wait for all of a step's wgmmas (wait_group 0) before freeing
-    its stage, so no A register is reused while an MMA still reads it."""
-    ptx = _compile_ws(gated, block_n, warps, maxnreg)
+    the loader's stage barrier counts 32 cp.async arrivals (.noinc) plus one expect-tx for one TMA box of
+    values and one of scales per matrix, covering every unit and chunk of the stage; the MMA warps fence the
+    async proxy after each wait (cp.async writes, wgmma reads) and issue wgmma with register A operands.
+    Of the stage's MMAs (gate and up per chunk) at most one (128 rows per warp group) or two (64) run while
+    the next decodes, each retired by a wait_group naming its operand; the stage ends with wait_group 0
+    before it is freed, so no A register is reused while an MMA still reads it, across the loop back-edge
+    above all."""
+    ptx = _compile_ws(gated, block_n, warps, maxnreg, chunks)
     assert ptx.index("griddepcontrol.wait") < ptx.index("barrier.sync")
-    matrices = (2 if gated else 1) * block_n // 64
+    halves = 2 if gated else 1
     assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 33;", ptx)
     assert "cp.async.mbarrier.arrive.noinc" in ptx
-    assert re.search(rf"expect_tx\.shared\.b64 _, \[%r\d+\], {matrices * (4096 + 512)};", ptx)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 2 * matrices  # values + scales per unit
+    box_bytes = halves * (block_n // 64) * chunks * (4096 + 512)
+    assert re.search(rf"expect_tx\.shared\.b64 _, \[%r\d+\], {box_bytes};", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.4d", ptx)) == 2 * halves  # values + scales per matrix
     assert "fence.proxy.async.shared::cta" in ptx
     wgmma = re.findall(r"wgmma\.mma_async[^\n]*\{", ptx)
     assert wgmma and all(".bf16.bf16" in w for w in wgmma)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]+\}, \{", ptx)  # A in registers
+    in_flight = 2 if block_n == 16 * warps else 1
+    mmas = halves * chunks
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
-    assert waits and set(waits) == {"0"}
+    assert waits == [str(in_flight)] * max(0, mmas - in_flight) + ["0"]
+    assert ptx.count("wgmma.commit_group") == mmas
+    last_wait = ptx.rindex("wgmma.wait_group.sync.aligned 0;")
+    release = ptx.index("mbarrier.arrive.shared::cta.b64", last_wait)  # the stage freed for the loader
+    assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait

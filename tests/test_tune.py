@@ -10,11 +10,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
-    SWEEP_SHAPES, WS_RESIDENCY, WS_STAGES, MODELS, candidates, gemm_sweep, merge_entries, neighbors, search, spread,
+    SWEEP_SHAPES, WS_RESIDENCY, WS_RINGS, MODELS, candidates, gemm_sweep, merge_entries, neighbors, search, spread,
     ws_sweep,
 )
 
-from moe_nvfp4.configs import GemmConfig, MoEKernelConfig, default_config  # noqa: E402
+from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -48,9 +48,10 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     def values(c: MoEKernelConfig) -> list:  # K split, stream-K and warp-specialized (whole K) are one value
         def gemm(g: GemmConfig) -> list:
             k_mode = "ws" if g.warp_specialized else "stream" if g.stream_k else g.split_k
-            return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode]
+            return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode,
+                    g.chunks_per_stage]
 
-        assert len(dataclasses.fields(GemmConfig)) == 9, "a new GemmConfig field: add it above"
+        assert len(dataclasses.fields(GemmConfig)) == 10, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
@@ -168,17 +169,28 @@ def test_k_sweep_varies_only_how_one_gemm_divides_its_work() -> None:
 
 def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency() -> None:
     """--sweep-ws: one GEMM as the warp-specialized kernel (whole K, so no split or stream-K) in every tile
-    shape x stages x (register cap, programs per SM); the other GEMM and the token tile kept.  Neighbours
-    can turn it on from a split config (dropping the split)."""
+    shape x ring (chunks per stage, stages) x (register cap, programs per SM) whose ring fits in shared memory;
+    the other GEMM and the token tile kept.  Neighbours can turn it on from a split config (dropping the
+    split) and off from a multi-chunk ring (the Triton kernel takes one chunk per stage)."""
     e, k, h, i = MODELS["mixtral-8x7b"]
     first = dataclasses.replace(default_config(1, e, k, h, i), gemm1=GemmConfig(split_k=2))
-    for gemm in ("gemm1", "gemm2"):
-        swept = ws_sweep(first, gemm, 1, e, k, h, i)
+    for gemm, block_m in (("gemm1", 16), ("gemm1", 64), ("gemm2", 16)):
+        swept = ws_sweep(dataclasses.replace(first, block_m=block_m), gemm, 1, e, k, h, i)
         if gemm == "gemm2":  # GEMM2 cannot read GEMM1's fp32 partials warp-specialized
             assert swept == []
             continue
-        assert len(swept) == len(set(swept)) == len(SWEEP_SHAPES) * len(WS_STAGES) * len(WS_RESIDENCY)
+        fits = [(shape, ring) for shape in SWEEP_SHAPES for ring in WS_RINGS
+                if GemmConfig(shape[0], num_stages=ring[1], chunks_per_stage=ring[0]).ws_shared_bytes(True, block_m)
+                <= WS_SMEM_LIMIT]  # fmt: skip
+        # at block_m 16 every ring fits (the largest, 128-row tiles in 4 stages of 2 chunks, takes 176 KiB)
+        every = len(SWEEP_SHAPES) * len(WS_RINGS)
+        assert len(fits) == every if block_m == 16 else 0 < len(fits) < every
+        assert len(swept) == len(set(swept)) == len(fits) * len(WS_RESIDENCY)
+        assert {(c.gemm1.chunks_per_stage, c.gemm1.num_stages) for c in swept} == set(WS_RINGS)
         assert all(c.gemm1.warp_specialized and c.gemm1.split_k == 1 and not c.gemm1.stream_k for c in swept)
-        assert all(c.gemm2 == first.gemm2 and c.block_m == first.block_m for c in swept)
+        assert all(c.gemm2 == first.gemm2 and c.block_m == block_m for c in swept)
     turned_on = [c for c in neighbors(first, 1, e, k, h, i) if c.gemm1.warp_specialized]
     assert turned_on and all(c.gemm1.split_k == 1 for c in turned_on)
+    ring = dataclasses.replace(first, gemm1=GemmConfig(warp_specialized=True, chunks_per_stage=4, num_stages=2))
+    turned_off = [c for c in neighbors(ring, 1, e, k, h, i) if not c.gemm1.warp_specialized]
+    assert turned_off and all(c.gemm1.chunks_per_stage == 1 for c in turned_off)

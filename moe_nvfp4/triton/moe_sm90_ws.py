@@ -6,7 +6,10 @@ shared).  There every thread computes its own cp.async addresses and waits for i
 decode loop's 426 SASS instructions per K step at block_n 64); here one loader warp issues a TMA per 4 KiB
 value box and per 512-byte scale box, and cp.async for the (gathered) token rows, and runs ahead across
 tile boundaries.  What made it faster on the H200 was the loads' rate: boxes of 128-byte rows stream at
-3.6 TB/s where the same boxes with 32-byte rows reached 2.9 (design 002).
+3.6 TB/s where the same boxes with 32-byte rows reached 2.9 (design 002).  A stage may hold several K
+chunks (GemmConfig.chunks_per_stage): one TMA box per matrix covers all of them, and the MMA warps keep
+MMAs in flight while decoding the stage's next matrix (loads alone then stream at 4.0 TB/s; the decode,
+not the loads, is what limits it).
 """
 from __future__ import annotations
 
@@ -21,8 +24,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..configs import GemmConfig
 from .moe_sm90 import BF16_EPILOGUE_FIX, FP16_EPILOGUE_FIX, _decode_words, _grouped_tile, _silu_times
 
-_W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-_S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+# TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
+# them as the 2-d [units x rows, 128] tile they were laid out as
+_W_BOX = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4)
+_S_BOX = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
+_W_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+_S_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 LOADER_REGISTERS = 56  # the loader warp: pointers and indices (at 40, ptxas spills them)
 
 
@@ -48,15 +55,13 @@ def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_p
 def _loader(a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
             num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp,
             TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr):
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    MATS: gl.constexpr = HALVES * UNITS
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    chunks = kp // 128
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
     it = 0
@@ -72,23 +77,22 @@ def _loader(a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile
         kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
         a_ptrs = a_ptr + a_rows.to(gl.int64)[:, None] * stride_a + kk[None, :]
         unit0 = expert * matrices + n_tile * UNITS
-        for chunk in range(chunks):
+        for step in range(kp // (128 * CHUNKS)):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            k_ok = (chunk * 128 + kk) < k
-            async_copy.async_copy_global_to_shared(a_smem.index(s), a_ptrs + chunk * 128,
-                                                   mask=row_ok[:, None] & k_ok[None, :])
+            for c in gl.static_range(CHUNKS):
+                chunk = step * CHUNKS + c
+                k_ok = (chunk * 128 + kk) < k
+                async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
+                                                       mask=row_ok[:, None] & k_ok[None, :])
             async_copy.mbarrier_arrive(bar, increment_count=False)
-            mbarrier.expect(bar, MATS * (4096 + 512))
-            for u in gl.static_range(MATS):
-                # gate units then up units (GATED): the up matrix starts n_units units after the gate
-                unit = unit0 + (u % UNITS) + (u // UNITS) * n_units
-                buf = s * HALVES + u // UNITS
-                tma.async_copy_global_to_shared(w_desc, [(unit * chunks + chunk) * 32, 0], bar,
-                                                w_smem.index(buf).slice((u % UNITS) * 32, 32))
-                tma.async_copy_global_to_shared(s_desc, [(unit * chunks + chunk) * 4, 0], bar,
-                                                s_smem.index(buf).slice((u % UNITS) * 4, 4))
+            mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (4096 + 512))
+            for h in gl.static_range(HALVES):
+                # GATED: the tile's up units start n_units units after its gate units
+                unit = unit0 + h * n_units
+                tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h))
+                tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h))
             it += 1
 
 
@@ -116,8 +120,13 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
               tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp,
               GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr):
+              STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr):
+    UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
+    # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
+    # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
+    # operands are live)
+    IN_FLIGHT: gl.constexpr = 2 if BLOCK_N == 16 * NW else 1
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
@@ -125,30 +134,41 @@ def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out,
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    chunks = kp // 128
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                               GROUP_M)  # fmt: skip
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
         acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
-        for chunk in range(chunks):
+        for step in range(kp // (128 * CHUNKS)):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
-            b = a_smem.index(s).permute((1, 0))
-            gate_w = _decode_tile(w_smem.index(s * HALVES), s_smem.index(s * HALVES), BLOCK_N, DTYPE, NW, DOT_L)
-            acc = warpgroup_mma(gate_w, b, acc, is_async=True)
-            if GATED:  # the up matrix decodes while the gate MMA runs
-                up_w = _decode_tile(w_smem.index(s * HALVES + 1), s_smem.index(s * HALVES + 1), BLOCK_N, DTYPE, NW,
-                                    DOT_L)  # fmt: skip
-                acc_up = warpgroup_mma(up_w, b, acc_up, is_async=True)
-            else:
-                up_w = gate_w
-            # wgmma reads its A registers asynchronously: they are deps of the wait, so nothing reuses them
-            # before it.  The wait ends the step: an A operand carried into the next iteration was seen
-            # moved to new registers at the loop back-edge while its MMA still read the old ones (wrong sums).
-            acc, acc_up, gate_w, up_w = warpgroup_mma_wait(0, deps=(acc, acc_up, gate_w, up_w))
+            # The stage's MMAs in order (gate, up per chunk), at most IN_FLIGHT of them left running while the
+            # next one decodes.  wgmma reads its A registers asynchronously: an operand is a dep of the wait
+            # that retires its MMA, so nothing reuses its registers before.  The stage ends with all retired:
+            # an operand carried into the next iteration was seen moved to new registers at the loop back-edge
+            # while its MMA still read the old ones (wrong sums).
+            older = gl.zeros([BLOCK_N, 128], DTYPE, DOT_L)  # the A operands of the MMAs still running
+            newer = older
+            for c in gl.static_range(CHUNKS):
+                b = a_smem.index(s * CHUNKS + c).permute((1, 0))
+                for h in gl.static_range(HALVES):
+                    w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
+                    sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
+                    a = _decode_tile(w.index(c), sc.index(c), BLOCK_N, DTYPE, NW, DOT_L)
+                    if h == 0:
+                        acc = warpgroup_mma(a, b, acc, is_async=True)
+                    else:
+                        acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
+                    if c * HALVES + h >= IN_FLIGHT:  # retire the oldest MMA still running
+                        warpgroup_mma_wait(IN_FLIGHT, deps=(older,))
+                    if IN_FLIGHT == 1:
+                        older = a
+                    else:
+                        older = newer
+                        newer = a
+            acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
             mbarrier.arrive(empty.index(s))
             it += 1
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
@@ -173,17 +193,17 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
                         tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
-                        LOADER_REGS: gl.constexpr):
+                        LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     if PDL:  # the MMA warps wait here; the loader warp starts only when they enter warp_specialize below
         _after_previous_kernel()
-    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, 128],
+    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    # one buffer per stage and matrix (GATED: gate, up) of BLOCK_N rows: UNITS TMA boxes each
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, UNITS * 32, 128], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, UNITS * 4, 128], s_desc.layout)
+    # one TMA box per stage and matrix (GATED: gate, up): CHUNKS K chunks of BLOCK_N rows
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -192,22 +212,27 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     gl.warp_specialize([
         (_consumer, (w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
                      tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp, GATED, BLOCK_N,
-                     BLOCK_M, GROUP_M, STAGES, DTYPE, NW)),
+                     BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS)),
         (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                    num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
-                   BLOCK_M, GROUP_M, STAGES)),
+                   BLOCK_M, GROUP_M, STAGES, CHUNKS)),
     ], [1], [LOADER_REGS])
 
 
-def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA views of FragmentLayout weights, one box per 64-row unit and 128-wide K chunk: [blocks x 32, 128]
-    value bytes (4 KiB boxes) and [blocks x 4, 128] scale bytes (512).  Rows of 128 bytes: with 32-byte rows
-    the same boxes streamed at 2.9 TB/s, with 128-byte rows at 3.6 (H200, loads alone).  The 128-byte swizzle
-    keeps the MMA warps' 16-byte reads (thread t: bytes 32 t .. 32 t + 31) free of bank conflicts."""
-    w_rows = w_packed.reshape(-1, 128)
-    s_rows = w_scale.reshape(-1, 128)
-    w_desc = TensorDescriptor(w_rows, list(w_rows.shape), list(w_rows.stride()), [32, 128], _W_SMEM)
-    s_desc = TensorDescriptor(s_rows, list(s_rows.shape), list(s_rows.stride()), [4, 128], _S_SMEM)
+def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int,
+                 chunks: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA views of FragmentLayout weights, whose (unit u, K chunk c) block sits at u * chunks_k + c: dims
+    [chunk, unit, row, byte] (innermost last), so one box holds ``units`` consecutive 64-row units by
+    ``chunks`` K chunks, chunk-major: value rows of 128 bytes (a 4 KiB block per unit and chunk) and scale
+    rows (512 bytes).  Rows of 128 bytes: with 32-byte rows the same boxes streamed at 2.9 TB/s, with
+    128-byte rows at 3.6 (H200, loads alone).  The 128-byte swizzle keeps the MMA warps' 16-byte reads
+    (thread t: bytes 32 t .. 32 t + 31) free of bank conflicts."""
+    chunks_k = kp // 128
+    n_units = w_packed.numel() // (chunks_k * 4096)
+    shape, box = [chunks_k, n_units], [chunks, units]
+    w_desc = TensorDescriptor(w_packed.reshape(-1), shape + [32, 128], [4096, chunks_k * 4096, 128, 1], box + [32, 128],
+                              _W_BOX)  # fmt: skip
+    s_desc = TensorDescriptor(w_scale.reshape(-1), shape + [4, 128], [512, chunks_k * 512, 128, 1], box + [4, 128], _S_BOX)
     return w_desc, s_desc
 
 
@@ -233,10 +258,10 @@ def launch_gemm_ws(
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
     whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route()."""
-    w_desc, s_desc = _descriptors(w_packed, w_scale)
+    w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
-        LOADER_REGS=LOADER_REGISTERS, launch_pdl=pdl, **gemm.launch_options(),
+        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip
