@@ -3,13 +3,13 @@ warps decode FP4 from shared memory into their wgmma A registers.
 
 Same contract and sums as moe_sm90._moe_gemm_kernel's whole-K path (its decode PTX, tile order and SiLU are
 shared).  There every thread computes its own cp.async addresses and waits for its own copies (170 of the
-decode loop's 426 SASS instructions per K step at block_n 64); here one loader warp issues a TMA per 4 KiB
-value box and per 512-byte scale box, and cp.async for the (gathered) token rows, and runs ahead across
-tile boundaries.  What made it faster on the H200 was the loads' rate: boxes of 128-byte rows stream at
-3.6 TB/s where the same boxes with 32-byte rows reached 2.9 (design 002).  A stage may hold several K
-chunks (GemmConfig.chunks_per_stage): one TMA box per matrix covers all of them, and the MMA warps keep
-MMAs in flight while decoding the stage's next matrix (loads alone then stream at 4.0 TB/s; the decode,
-not the loads, is what limits it).
+decode loop's 426 SASS instructions per K step at block_n 64); here one loader warp issues, per stage and
+matrix, one TMA box of values and one of scales (4 KiB and 512 bytes per 64-row unit and K chunk), and
+cp.async for the (gathered) token rows, and runs ahead across tile boundaries.  What made it faster on the
+H200 was the loads' rate: boxes of 128-byte rows stream at 3.6 TB/s where 32-byte rows reached 2.9, and one
+box per matrix for all of a tile's units at 3.9-4.1 (design 002).  A stage may hold several K chunks
+(GemmConfig.chunks_per_stage), and the MMA warps keep MMAs running while they decode the stage's next
+matrix: the decode, not the loads, is what limits it now.
 """
 from __future__ import annotations
 

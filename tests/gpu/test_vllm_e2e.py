@@ -72,21 +72,23 @@ RUNNER = textwrap.dedent(
 )
 
 
-_RUNS: dict[tuple[str, str | None, int], list[dict]] = {}  # one engine start per (model, method, TP) per session
+_RUNS: dict[tuple, list[dict]] = {}  # one engine start per (model, method, TP, extra env) per session
 
 
-def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str) -> list[dict]:
-    key = (str(model), quantization, tp)
+def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str,
+             env_extra: dict[str, str] | None = None) -> list[dict]:
+    key = (str(model), quantization, tp, tuple(sorted((env_extra or {}).items())))
     if key not in _RUNS:
-        _RUNS[key] = _start_llm(tmp_path, model, quantization, tp=tp, tag=tag)
+        _RUNS[key] = _start_llm(tmp_path, model, quantization, tp=tp, tag=tag, env_extra=env_extra or {})
     return _RUNS[key]
 
 
-def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int, tag: str) -> list[dict]:
+def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int, tag: str,
+               env_extra: dict[str, str]) -> list[dict]:
     out = tmp_path / f"{tag}.json"
     args = {"model": str(model), "quantization": quantization, "tp": tp, "mem": 0.3, "prompts": PROMPTS,
             "max_tokens": MAX_TOKENS, "out": str(out)}
-    env = dict(os.environ)
+    env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
     run_until_written([sys.executable, "-c", RUNNER, json.dumps(args)], env, out, tag=tag,
                       timeout_s=ENGINE_TIMEOUT_S, exit_grace_s=EXIT_GRACE_S)
@@ -179,6 +181,34 @@ def test_bf16_checkpoint_quantized_on_load(tmp_path, checkpoints, family):
     online = _run_llm(tmp_path, ckpt["bf16"], "nvfp4_grouped", tag=f"{family}-online")
     offline = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{family}-offline")
     assert [o["tokens"] for o in online] == [o["tokens"] for o in offline]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_warp_specialized_gemms_in_vllm(tmp_path, checkpoints, family):
+    """The Gluon warp-specialized GEMMs (moe_sm90_ws) inside vLLM, under torch.compile and CUDA graphs: a
+    tuned-config directory that selects them for the tiny model's shape at every token count (the shipped
+    configs hold no entry for it, so the other tests run the Triton kernel), and a fresh Triton cache that
+    must then hold their compiled kernel; greedy tokens match the dequantized-BF16 reference as there."""
+    from helpers_checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN
+
+    from moe_nvfp4.configs import CONFIG_VERSION, KERNEL_NAME, MoEKernelConfig
+
+    ws = {"block_n": 64, "num_stages": 2, "programs_per_sm": 2, "max_registers": 128, "warp_specialized": True}
+    config = {"block_m": 16, "gemm1": ws, "gemm2": ws}
+    assert MoEKernelConfig.from_dict(config).is_valid(128, 128)
+    entry = dict(experts=EXPERTS, hidden=HIDDEN, intermediate=EXPERT_INTERMEDIATE, dtype="bfloat16",
+                 max_tokens=1 << 20, config=config)  # fmt: skip
+    device = torch.cuda.get_device_name().replace(" ", "_")
+    path = tmp_path / "configs" / KERNEL_NAME / f"{device}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"meta": {"kernel": KERNEL_NAME, "version": CONFIG_VERSION}, "entries": [entry]}))
+    cache = tmp_path / "triton-cache"
+    env = {"MOE_NVFP4_CONFIG_DIR": str(tmp_path / "configs"), "TRITON_CACHE_DIR": str(cache)}
+    ckpt = checkpoints[family]
+    ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
+    ours = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{family}-ws", env_extra=env)
+    assert any(p.name.startswith("_moe_gemm_ws_kernel") for p in cache.rglob("*")), "the Gluon GEMM never compiled"
+    _compare(ours, ref, f"{family} warp-specialized")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
