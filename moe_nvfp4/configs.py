@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .layouts import FragmentLayout
+
 __all__ = [
     "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config",
     "configs_up_to", "config_device_name",
@@ -90,7 +92,9 @@ class GemmConfig:
     def ws_shared_bytes(self, gated: bool, block_m: int) -> int:
         """Shared memory of the warp-specialized kernel's ring: per stage and chunk, the token rows (16-bit)
         and each matrix's (GATED: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit."""
-        per_chunk = block_m * CHUNK_K * 2 + (2 if gated else 1) * (self.block_n // 64) * (4096 + 512)
+        fragments = FragmentLayout()
+        unit_bytes = fragments.block_bytes + fragments.scale_block_bytes
+        per_chunk = block_m * CHUNK_K * 2 + (2 if gated else 1) * (self.block_n // fragments.unit_rows) * unit_bytes
         return self.num_stages * self.chunks_per_stage * per_chunk
 
     def launch_options(self) -> dict:

@@ -143,6 +143,16 @@ class FragmentLayout:
     def padded_n(self, n: int) -> int:
         return -(-n // self.unit_rows) * self.unit_rows
 
+    @property
+    def block_bytes(self) -> int:
+        """Value bytes of one unit and chunk (two FP4 values a byte): 4096."""
+        return self.unit_rows * self.chunk_k // 2
+
+    @property
+    def scale_block_bytes(self) -> int:
+        """Scale bytes of one unit and chunk (one per 16 values): 512."""
+        return self.unit_rows * self.chunk_k // 16
+
     def pack(self, packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One matrix: standard packing [N, K/2] + linear e4m3 scales [N, K/16] ->
         (values uint8 [NP, KP/2], scales uint8 [NP, KP/16]) in this layout."""

@@ -29,6 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import GemmConfig, MoEKernelConfig
 from ..dispatch import sm_count
+from ..layouts import FragmentLayout
 
 @triton.jit
 def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -121,6 +122,10 @@ def _route_kernel(
         tl.store(tile_expert_ptr + t, tl.full([BLOCK_P], -1, tl.int32), mask=t < max_tiles)
         tl.store(tile_row_ptr + t, tl.zeros([BLOCK_P], tl.int32), mask=t < max_tiles)
 
+
+# Bytes of one 64-row unit and 128-wide K chunk in layouts.FragmentLayout: values, then (separately) scales
+BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().block_bytes)
+SCALE_BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().scale_block_bytes)
 
 # FP4 -> 16-bit decode of one 32-bit word of layouts.FragmentLayout (eight values, bits FRAGMENT_WORD_BITS)
 # plus its two block scales (bytes 0 and 1 of $5: rows R and R + 8).  Four masked shifts/multiplies put each
@@ -225,8 +230,8 @@ def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl
 def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
                USE_ASM: tl.constexpr):
     """acc += W[tile rows, chunk] @ A^T for one 128-wide K chunk (FragmentLayout addresses)."""
-    p = tl.load(w_slots[:, None] + chunk * 4096 + tl.arange(0, 32)[None, :], mask=slot_ok[:, None], other=0)
-    s = tl.load(s_pairs[:, None] + chunk * 512 + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0)
+    p = tl.load(w_slots[:, None] + chunk * BLOCK_BYTES + tl.arange(0, 32)[None, :], mask=slot_ok[:, None], other=0)
+    s = tl.load(s_pairs[:, None] + chunk * SCALE_BLOCK_BYTES + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0)
     # four threads (q) share each row pair's scales
     s = tl.reshape(tl.broadcast_to(tl.reshape(s, [BLOCK_N // 16, 8, 1, 16]), [BLOCK_N // 16, 8, 4, 16]), [2 * BLOCK_N, 16])
     return tl.dot(_decode_fragments(p, s, BLOCK_N, DTYPE, USE_ASM), a, acc)
@@ -419,8 +424,8 @@ def _moe_gemm_kernel(
     num_n_tiles = tl.cdiv(n_out, BLOCK_N)
     chunks = kp // BLOCK_K
     n_units = tl.cdiv(n_out, 64)  # 64-row units of FragmentLayout (gate and up padded apart)
-    unit_bytes = chunks * 4096
-    unit_scale_bytes = chunks * 512
+    unit_bytes = chunks * BLOCK_BYTES
+    unit_scale_bytes = chunks * SCALE_BLOCK_BYTES
     chunks_per_split = chunks // SPLIT_K
     UNITS: tl.constexpr = BLOCK_N // 64
     slot = tl.arange(0, 2 * BLOCK_N)

@@ -22,7 +22,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..configs import GemmConfig
-from .moe_sm90 import BF16_EPILOGUE_FIX, FP16_EPILOGUE_FIX, _decode_words, _grouped_tile, _silu_times
+from ..layouts import FragmentLayout
+from .moe_sm90 import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words, _grouped_tile,
+                       _silu_times)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -87,7 +89,7 @@ def _loader(a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile
                 async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
                                                        mask=row_ok[:, None] & k_ok[None, :])
             async_copy.mbarrier_arrive(bar, increment_count=False)
-            mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (4096 + 512))
+            mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES))
             for h in gl.static_range(HALVES):
                 # GATED: the tile's up units start n_units units after its gate units
                 unit = unit0 + h * n_units
@@ -227,13 +229,16 @@ def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: 
     rows (512 bytes).  Rows of 128 bytes: with 32-byte rows the same boxes streamed at 2.9 TB/s, with
     128-byte rows at 3.6 (H200, loads alone).  The 128-byte swizzle keeps the MMA warps' 16-byte reads
     (thread t: bytes 32 t .. 32 t + 31) free of bank conflicts."""
-    chunks_k = kp // 128
-    n_units = w_packed.numel() // (chunks_k * 4096)
-    shape, box = [chunks_k, n_units], [chunks, units]
-    w_desc = TensorDescriptor(w_packed.reshape(-1), shape + [32, 128], [4096, chunks_k * 4096, 128, 1], box + [32, 128],
-                              _W_BOX)  # fmt: skip
-    s_desc = TensorDescriptor(w_scale.reshape(-1), shape + [4, 128], [512, chunks_k * 512, 128, 1], box + [4, 128], _S_BOX)
-    return w_desc, s_desc
+    fragments = FragmentLayout()  # host ints (BLOCK_BYTES and SCALE_BLOCK_BYTES are the kernels' constexprs)
+    chunks_k = kp // fragments.chunk_k
+    n_units = w_packed.numel() // (chunks_k * fragments.block_bytes)
+
+    def view(t: torch.Tensor, block: int, layout: gl.NVMMASharedLayout) -> TensorDescriptor:
+        rows = block // 128
+        return TensorDescriptor(t.reshape(-1), [chunks_k, n_units, rows, 128], [block, chunks_k * block, 128, 1],
+                                [chunks, units, rows, 128], layout)
+
+    return view(w_packed, fragments.block_bytes, _W_BOX), view(w_scale, fragments.scale_block_bytes, _S_BOX)
 
 
 def launch_gemm_ws(
