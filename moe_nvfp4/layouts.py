@@ -64,7 +64,7 @@ def unswizzle_scales_128x4(swizzled: torch.Tensor, rows: int, scale_cols: int) -
 # Bit positions, inside one 32-bit word, of the four code bits (m, e0, e1, sign) of each of the word's eight
 # values.  Values 0-1, 2-3, 4-5, 6-7 decode to one bf16x2 register each: value 2j into bits (6, 7, 8, 15) and
 # value 2j+1 into (22, 23, 24, 31), i.e. exponent LSBs and first mantissa bit, so a code c becomes the bf16
-# of c * 2^-126.  The positions make each register cheap to extract (sm90 kernel, _DECODE_ASM):
+# of c * 2^-126.  The positions make each register cheap to extract (sm90 kernel, _DECODE_WORD):
 #   values 0-1: w & P;  2-3: (w << 3) & P;  4-5: ((w & 0x40074007) * 66) & P;
 #   6-7: (((w >> 3) & 0x05C005C0) * 33) & P  with P = 0x81C081C0 (the multiplies add disjoint shifted copies).
 FRAGMENT_WORD_BITS: tuple[tuple[int, int, int, int], ...] = (

@@ -127,30 +127,39 @@ def _route_kernel(
 BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().block_bytes)
 SCALE_BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().scale_block_bytes)
 
-# FP4 -> 16-bit decode of one 32-bit word of layouts.FragmentLayout (eight values, bits FRAGMENT_WORD_BITS)
-# plus its two block scales (bytes 0 and 1 of $5: rows R and R + 8).  Four masked shifts/multiplies put each
-# value pair into the exponent LSBs / first mantissa bit of a bf16x2 register (code * 2^-126), one packed
-# multiply applies the scale.  fp16 moves the three magnitude bits up by three (code * 2^-14).
-_DECODE_ASM = """{{
-.reg .b32 s, x, t, lo, hi;
-.reg .b16 s0, s1;
-prmt.b32 x, $5, 0, 0x4140;
+# FP4 -> 16-bit decode of two 32-bit words of layouts.FragmentLayout (eight values each, bits
+# FRAGMENT_WORD_BITS) and their block scales: bytes 2 w and 2 w + 1 of $10 are word w's (rows R and R + 8),
+# the four scale bytes of a word pair as loaded, so no instruction builds a per-word scale operand ($11
+# repeats $10: inline asm takes as many scale bytes as value bytes).  Per word, four masked
+# shifts/multiplies put each value pair into the exponent LSBs / first mantissa bit of a bf16x2 register
+# (code * 2^-126), one packed multiply applies the scale.  fp16 moves the three magnitude bits up by three
+# (code * 2^-14).  Outputs: $0..$3 rows R (word 0, then 1), $4..$7 rows R + 8.
+_DECODE_WORD = """
+prmt.b32 x, $10, 0, {select};
 mad.lo.u32 s, x, {scale_mul}, {scale_add};
 mov.b32 {{s0, s1}}, s;
 mov.b32 lo, {{s0, s0}};
 mov.b32 hi, {{s1, s1}};
-and.b32 x, $4, 0x81C081C0;{fix}
-mul.rn.{ty}x2 $0, x, lo;
-shl.b32 x, $4, 3; and.b32 x, x, 0x81C081C0;{fix}
-mul.rn.{ty}x2 $1, x, lo;
-and.b32 x, $4, 0x40074007; mul.lo.u32 x, x, 66; and.b32 x, x, 0x81C081C0;{fix}
-mul.rn.{ty}x2 $2, x, hi;
-shr.b32 x, $4, 3; and.b32 x, x, 0x05C005C0; mul.lo.u32 x, x, 33; and.b32 x, x, 0x81C081C0;{fix}
-mul.rn.{ty}x2 $3, x, hi;
-}}"""
+and.b32 x, ${word}, 0x81C081C0;{fix}
+mul.rn.{ty}x2 ${lo0}, x, lo;
+shl.b32 x, ${word}, 3; and.b32 x, x, 0x81C081C0;{fix}
+mul.rn.{ty}x2 ${lo1}, x, lo;
+and.b32 x, ${word}, 0x40074007; mul.lo.u32 x, x, 66; and.b32 x, x, 0x81C081C0;{fix}
+mul.rn.{ty}x2 ${hi0}, x, hi;
+shr.b32 x, ${word}, 3; and.b32 x, x, 0x05C005C0; mul.lo.u32 x, x, 33; and.b32 x, x, 0x81C081C0;{fix}
+mul.rn.{ty}x2 ${hi1}, x, hi;"""
 _FP16_FIX = "\nshl.b32 t, x, 3; and.b32 t, t, 0x0E000E00; and.b32 x, x, 0x80008000; or.b32 x, x, t;"
-DECODE_BF16: tl.constexpr = tl.constexpr(_DECODE_ASM.format(scale_mul=16, scale_add="0x70007000", fix="", ty="bf16"))
-DECODE_FP16: tl.constexpr = tl.constexpr(_DECODE_ASM.format(scale_mul=128, scale_add="0x14001400", fix=_FP16_FIX, ty="f16"))
+
+
+def _decode_asm(scale_mul: int, scale_add: str, fix: str, ty: str) -> str:
+    words = (_DECODE_WORD.format(select=select, word=8 + w, lo0=2 * w, lo1=2 * w + 1, hi0=4 + 2 * w, hi1=5 + 2 * w,
+                                 scale_mul=scale_mul, scale_add=scale_add, fix=fix, ty=ty)
+             for w, select in enumerate(("0x4140", "0x4342")))  # fmt: skip
+    return "{\n.reg .b32 s, x, t, lo, hi;\n.reg .b16 s0, s1;" + "".join(words) + "\n}"
+
+
+DECODE_BF16: tl.constexpr = tl.constexpr(_decode_asm(16, "0x70007000", "", "bf16"))
+DECODE_FP16: tl.constexpr = tl.constexpr(_decode_asm(128, "0x14001400", _FP16_FIX, "f16"))
 # The decoded scale is block_scale * 2^107 (bf16) or block_scale (fp16), the decoded code value * 2^-126 or
 # value * 2^-14: every product is exact, and the epilogue multiplies by EPILOGUE_FIX.
 BF16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**19)
@@ -180,7 +189,7 @@ def _scales_portable(s, DTYPE: tl.constexpr):
 
 @triton.jit
 def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
-    """The same bit manipulation as _DECODE_ASM in plain Triton (the interpreter has no inline PTX)."""
+    """The same bit manipulation as _DECODE_WORD in plain Triton (the interpreter has no inline PTX)."""
     b02, b13 = tl.split(tl.reshape(p, [SLOTS, 8, 2, 2]).to(tl.uint32))
     b0, b2 = tl.split(b02)
     b1, b3 = tl.split(b13)
@@ -197,15 +206,17 @@ def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _decode_words(p, s4, DTYPE: tl.constexpr):
-    """_DECODE_ASM on packed bytes: p four FP4 bytes (one word) per call, s4 the word's two scale bytes twice;
-    returns the lo / hi rows' values.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels."""
+def _decode_words(p, s8, DTYPE: tl.constexpr):
+    """The decode PTX on packed bytes: p eight FP4 bytes (two words) per call, s8 their four scale bytes
+    (word 0 rows R, R + 8, word 1 the same) twice; returns the lo / hi rows' values.  Shared by the Triton and
+    the Gluon (moe_sm90_ws) kernels."""
+    constraints: tl.constexpr = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r"
     if DTYPE == tl.bfloat16:
-        lo, hi = tl.inline_asm_elementwise(DECODE_BF16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(DECODE_BF16, constraints, [p, s8], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=8)
     else:
-        lo, hi = tl.inline_asm_elementwise(DECODE_FP16, "=r,=r,=r,=r,r,r", [p, s4], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(DECODE_FP16, constraints, [p, s8], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=8)
     return lo, hi
 
 
@@ -215,7 +226,7 @@ def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl
     code * block_scale / EPILOGUE_FIX exactly.  p: uint8 [2 ROWS, 32]; s: uint8 [2 ROWS, 16] (per slot)."""
     SLOTS: tl.constexpr = 2 * ROWS
     if USE_ASM:
-        lo, hi = _decode_words(p, tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 8, 1, 2]), [SLOTS, 8, 2, 2]), [SLOTS, 32]),
+        lo, hi = _decode_words(p, tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 4, 1, 4]), [SLOTS, 4, 2, 4]), [SLOTS, 32]),
                                DTYPE)
     else:
         lo, hi = _decode_portable(p, s, SLOTS, DTYPE)

@@ -108,10 +108,10 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
     S_L: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
     FRAG: gl.constexpr = [BLOCK_N // 16, 8, 4, 8, 2, 2]  # [warp row block, r, q, g, kh, kp] of lo / hi
     p = w_smem.reshape([PAIRS, 4, 32]).load(P_L)
-    # each thread's 16 scale bytes, then as the decode wants them: (s_R, s_R+8) twice per 32-bit word
-    s4 = s_smem.reshape([PAIRS, 1, 16]).load(S_L).broadcast_to([PAIRS, 4, 16]).reshape([PAIRS, 4, 8, 1, 2])
-    s4 = gl.convert_layout(s4.broadcast_to([PAIRS, 4, 8, 2, 2]).reshape([PAIRS, 4, 32]), P_L, assert_trivial=True)
-    lo, hi = _decode_words(p, s4, DTYPE)
+    # each thread's 16 scale bytes, then as the decode wants them: a word pair's four, twice
+    s8 = s_smem.reshape([PAIRS, 1, 16]).load(S_L).broadcast_to([PAIRS, 4, 16]).reshape([PAIRS, 4, 4, 1, 4])
+    s8 = gl.convert_layout(s8.broadcast_to([PAIRS, 4, 4, 2, 4]).reshape([PAIRS, 4, 32]), P_L, assert_trivial=True)
+    lo, hi = _decode_words(p, s8, DTYPE)
     # the same relabelling as moe_sm90._decode_fragments: these registers already are the A operand
     w = gl.join(gl.reshape(lo, FRAG), gl.reshape(hi, FRAG))
     w = gl.reshape(gl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [BLOCK_N, 128])
