@@ -107,7 +107,8 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1):
-    """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors."""
+    """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
+    1024); returns the compiled kernel's asm (ptx, cubin, ...)."""
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
@@ -131,7 +132,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
                          attrs)
     options = dict(num_warps=warps, launch_pdl=True, **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
 @pytest.mark.parametrize(
@@ -149,7 +150,7 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     the next decodes, each retired by a wait_group naming its operand; the stage ends with wait_group 0
     before it is freed, so no A register is reused while an MMA still reads it, across the loop back-edge
     above all."""
-    ptx = _compile_ws(gated, block_n, warps, maxnreg, chunks)
+    ptx = _compile_ws(gated, block_n, warps, maxnreg, chunks)["ptx"]
     assert ptx.index("griddepcontrol.wait") < ptx.index("barrier.sync")
     halves = 2 if gated else 1
     assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 33;", ptx)
@@ -169,3 +170,27 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     last_wait = ptx.rindex("wgmma.wait_group.sync.aligned 0;")
     release = ptx.index("mbarrier.arrive.shared::cta.b64", last_wait)  # the stage freed for the loader
     assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait
+
+
+def test_decode_instruction_budget() -> None:
+    """The MMA warps' decode, counted in the SASS of a warp-specialized GEMM1 (128-row tile of 4 warps, two K
+    chunks a stage, gate and up: 64 words of eight values per thread a stage): 4 packed multiplies per word
+    (the block scale), and one byte permute per word (the word's pair of scale bytes, selected by the asm
+    from the register of four as loaded; building a per-word scale operand first cost a second, 17
+    instructions per word instead of 16)."""
+    import collections
+    import os
+    import subprocess
+    import tempfile
+
+    cubin = _compile_ws(True, 128, 4, 128, 2)["cubin"]
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass))
+    words = 2 * 2 * 128 * 128 // 8 // 128  # matrices x chunks x values / (8 per word) / threads
+    assert ops["HGMMA"] == 2 * 2 * 2 * 8  # per matrix and chunk: two 64-row halves x eight k16 steps
+    assert ops["HMUL2"] == 4 * words
+    assert words <= ops["PRMT"] <= words + 16  # the rest: a few outside the decode
