@@ -28,7 +28,7 @@ __all__ = [
 CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves)
 KERNEL_NAME = "fused_moe_sm90"
 CONFIG_DIR = Path(os.environ.get("MOE_NVFP4_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
-CHUNK_K = 128  # the kernel's K step, fixed by the weight layout (layouts.FragmentLayout)
+CHUNK_K = FragmentLayout().chunk_k  # the kernel's K step (128), fixed by the weight layout
 # GEMM2's split-K A tiles must leave room for the weight stages in sm_90's 227 KiB: configs past this bound
 # failed to launch on an H200 (Triton OutOfResources; e.g. block_m 32, split 4, 3 stages needs 273 KiB).
 SPLIT_A_SMEM_LIMIT = 160 * 1024
@@ -193,8 +193,10 @@ def config_device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def config_path(device_name: str) -> Path:
-    return CONFIG_DIR / KERNEL_NAME / (device_name.replace(" ", "_") + ".json")
+def config_path(device_name: str, config_dir: Path | None = None) -> Path:
+    """Where a device's tuned configs live under ``config_dir`` (default CONFIG_DIR, read at the call:
+    MOE_NVFP4_CONFIG_DIR or the shipped configs/)."""
+    return (CONFIG_DIR if config_dir is None else config_dir) / KERNEL_NAME / (device_name.replace(" ", "_") + ".json")
 
 
 def _entries_for(experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str) -> list[dict]:

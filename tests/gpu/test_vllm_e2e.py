@@ -191,15 +191,14 @@ def test_warp_specialized_gemms_in_vllm(tmp_path, checkpoints, family):
     must then hold their compiled kernel; greedy tokens match the dequantized-BF16 reference as there."""
     from helpers_checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN
 
-    from moe_nvfp4.configs import CONFIG_VERSION, KERNEL_NAME, MoEKernelConfig
+    from moe_nvfp4.configs import CONFIG_VERSION, KERNEL_NAME, MoEKernelConfig, config_path
 
     ws = {"block_n": 64, "num_stages": 2, "programs_per_sm": 2, "max_registers": 128, "warp_specialized": True}
     config = {"block_m": 16, "gemm1": ws, "gemm2": ws}
     assert MoEKernelConfig.from_dict(config).is_valid(128, 128)
     entry = dict(experts=EXPERTS, hidden=HIDDEN, intermediate=EXPERT_INTERMEDIATE, dtype="bfloat16",
                  max_tokens=1 << 20, config=config)  # fmt: skip
-    device = torch.cuda.get_device_name().replace(" ", "_")
-    path = tmp_path / "configs" / KERNEL_NAME / f"{device}.json"
+    path = config_path(torch.cuda.get_device_name(), tmp_path / "configs")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"meta": {"kernel": KERNEL_NAME, "version": CONFIG_VERSION}, "entries": [entry]}))
     cache = tmp_path / "triton-cache"
