@@ -9,6 +9,7 @@
     python benchmarks/tune_moe.py --update --climb --sweep --jobs 14 --max-candidates 200 --log sweep.jsonl
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-ws --jobs 14 --max-candidates 48
+    python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-groups --jobs 14 --max-candidates 60
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
@@ -16,7 +17,8 @@ the default heuristic, alone; the on/off switches are tried first).  --sweep tim
 tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
-(moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap.  Each candidate is
+(moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap; --sweep-groups each
+GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring.  Each candidate is
 checked against the torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph,
 median); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
@@ -63,7 +65,9 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
                     max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4))  # fmt: skip
-DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True))
+# k_groups only for the climb (from a --sweep-groups config): the grid would rarely meet its register caps
+DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True),
+                           k_groups=(1, 2, 3, 4))  # fmt: skip
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
 SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 # --sweep-ws: the warp-specialized kernel's register cap -> the programs per SM it leaves room for (a 4-warp
@@ -71,6 +75,10 @@ SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 WS_RESIDENCY = ((None, 1), (128, 2), (80, 3))
 # --sweep-ws: its rings, (K chunks per stage, stages): deeper rings of one chunk, or fewer stages of more
 WS_RINGS = ((1, 4), (1, 6), (2, 2), (2, 4), (4, 2))
+# --sweep-groups: K groups of 4 MMA warps sharing a tile, each with the register cap that fits one program of
+# them and the loader's warp group on an SM; rings whose stages are a multiple of the groups
+WS_K_GROUPS = ((2, 168), (3, 128), (4, 96))
+GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (1, 3), (2, 3), (4, 2))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
@@ -92,7 +100,7 @@ def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """The grid: both GEMMs share every parameter but the K split; plus the default heuristic."""
     moe, choices = search_space(tokens, experts, top_k)
-    shared = {f: v for f, v in choices.items() if f != "split_k"}
+    shared = {f: v for f, v in choices.items() if f not in ("split_k", "k_groups")}
     splits = choices.get("split_k", (1,))
     out = {default_config(tokens, experts, top_k, hidden, inter)}
     for moe_values, values, split1, split2 in itertools.product(
@@ -117,7 +125,7 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
         for f, values in choices.items():
             k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
             if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles; the Triton kernel one chunk
-                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1)
+                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1, k_groups=1)
             out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
@@ -177,6 +185,24 @@ def ws_sweep(
         new = dataclasses.replace(g, block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks,
                                   max_registers=regs, programs_per_sm=pps, split_k=1, stream_k=False,
                                   warp_specialized=True)  # fmt: skip
+        c = dataclasses.replace(cfg, **{gemm: new})
+        if _valid(c, hidden, inter):
+            out.append(c)
+    return out
+
+
+def group_sweep(
+    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
+) -> list[MoEKernelConfig]:
+    """``cfg`` with one GEMM warp-specialized as K groups (GemmConfig.k_groups) of 64- or 128-row tiles, in
+    every valid (groups with their register cap) x ring; one program per SM, the other GEMM and the token tile
+    kept."""
+    g = getattr(cfg, gemm)
+    out = []
+    for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS, GROUP_RINGS):
+        new = dataclasses.replace(g, block_n=block_n, num_warps=4, num_stages=stages, chunks_per_stage=chunks,
+                                  max_registers=regs, programs_per_sm=1, split_k=1, stream_k=False,
+                                  warp_specialized=True, k_groups=groups)  # fmt: skip
         c = dataclasses.replace(cfg, **{gemm: new})
         if _valid(c, hidden, inter):
             out.append(c)
@@ -281,6 +307,8 @@ def main() -> int:
                    help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
     p.add_argument("--sweep-ws", action="store_true",
                    help="time each GEMM warp-specialized in every tile shape x stages x residency before climbing")
+    p.add_argument("--sweep-groups", action="store_true",
+                   help="time each GEMM warp-specialized with 2-4 K groups per tile, every ring, before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     args = p.parse_args()
@@ -342,6 +370,9 @@ def main() -> int:
                                         shapes=args.sweep) for g in ("gemm1", "gemm2")] if args.sweep or args.sweep_k else []  # fmt: skip
             if args.sweep_ws:
                 sweeps += [functools.partial(ws_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
+                           for g in ("gemm1", "gemm2")]  # fmt: skip
+            if args.sweep_groups:
+                sweeps += [functools.partial(group_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
                            for g in ("gemm1", "gemm2")]  # fmt: skip
             first = default_config(t, e, k, h, i)
             if args.probe:

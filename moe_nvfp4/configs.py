@@ -34,6 +34,7 @@ CHUNK_K = FragmentLayout().chunk_k  # the kernel's K step (128), fixed by the we
 SPLIT_A_SMEM_LIMIT = 160 * 1024
 # sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
 WS_SMEM_LIMIT = 227 * 1024 - 1024
+SM_REGISTERS = 65536  # sm_90's registers per SM (and per block)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,14 @@ class GemmConfig:
     warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
     three: the loader's warp group counts too).  chunks_per_stage (warp-specialized only): K chunks of 128 per
     stage of its ring, fetched as one TMA box per matrix; the MMA warps keep MMAs running while they decode
-    the stage's next matrix (one at 128 rows per warp group, two at 64) and retire them all at its end."""
+    the stage's next matrix (one at 128 rows per warp group, two at 64) and retire them all at its end.
+
+    k_groups (warp-specialized only): MMA warp groups of num_warps warps that share each tile, dealt its K steps
+    in turn; the first adds the others' sums from shared memory (in group order) and runs the epilogue.  More
+    warps decode one tile where tiles are fewer than the SMs' program slots (Qwen3 GEMM1 at T=1: 96 tiles), and
+    a program's loader warp group serves several MMA groups.  max_registers must let one program (k_groups x
+    num_warps MMA warps and the loader's warp group) fit an SM's 65536 registers, and num_stages be a multiple
+    of k_groups (each stage then always serves the same group)."""
 
     block_n: int = 64
     group_m: int = 8
@@ -66,6 +74,7 @@ class GemmConfig:
     stream_k: bool = False
     warp_specialized: bool = False
     chunks_per_stage: int = 1
+    k_groups: int = 1
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -79,6 +88,7 @@ class GemmConfig:
             and not (self.stream_k and self.split_k > 1)
             and (not self.warp_specialized or self._warp_specialized_ok())
             and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
+            and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
@@ -89,13 +99,21 @@ class GemmConfig:
         return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
                 and self.block_n >= 16 * self.num_warps and self.num_stages >= 2)
 
+    def _k_groups_fit(self) -> bool:
+        mma_warps = self.num_warps * self.k_groups
+        return (self.k_groups in (2, 3, 4) and self.num_stages % self.k_groups == 0
+                and self.max_registers is not None and 32 * self.max_registers * (mma_warps + 4) <= SM_REGISTERS)
+
     def ws_shared_bytes(self, gated: bool, block_m: int) -> int:
-        """Shared memory of the warp-specialized kernel's ring: per stage and chunk, the token rows (16-bit)
-        and each matrix's (GATED: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit."""
+        """Shared memory of the warp-specialized kernel: its ring (per stage and chunk, the token rows (16-bit)
+        and each matrix's (GATED: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit), and
+        the float32 sums MMA groups 1.. hand to group 0 (a gate and an up tile each when GATED)."""
         fragments = FragmentLayout()
+        halves = 2 if gated else 1
         unit_bytes = fragments.block_bytes + fragments.scale_block_bytes
-        per_chunk = block_m * CHUNK_K * 2 + (2 if gated else 1) * (self.block_n // fragments.unit_rows) * unit_bytes
-        return self.num_stages * self.chunks_per_stage * per_chunk
+        per_chunk = block_m * CHUNK_K * 2 + halves * (self.block_n // fragments.unit_rows) * unit_bytes
+        sums = (self.k_groups - 1) * halves * self.block_n * block_m * 4
+        return self.num_stages * self.chunks_per_stage * per_chunk + sums
 
     def launch_options(self) -> dict:
         """Triton launch keywords: warps, and the register cap when there is one."""

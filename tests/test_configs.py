@@ -184,3 +184,24 @@ def test_warp_specialized_rings_take_whole_chunks_and_fit_shared_memory() -> Non
     cfg = MoEKernelConfig(16, ring, ring)
     assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.chunks_per_stage == 1
+
+
+def test_k_groups_fit_one_program_on_an_sm() -> None:
+    """k_groups: MMA warp groups sharing each tile of the warp-specialized kernel.  One program (the groups'
+    warps and the loader's warp group at the register cap) must fit sm_90's 65536 registers, or the launch
+    fails; stages are a multiple of the groups (each stage always serves one group); the groups' float32
+    sums take shared memory beside the ring."""
+    groups = GemmConfig(64, num_stages=6, max_registers=128, warp_specialized=True, k_groups=3)
+    assert groups.is_valid(1024)
+    assert not dataclasses.replace(groups, max_registers=None).is_valid(1024)  # Triton's default: 255 x 16 warps
+    assert not dataclasses.replace(groups, max_registers=136).is_valid(1024)  # 32 x 136 x 16 > 65536
+    assert not dataclasses.replace(groups, num_stages=4).is_valid(1024)
+    assert not dataclasses.replace(groups, warp_specialized=False).is_valid(1024)
+    assert not dataclasses.replace(groups, k_groups=5, num_stages=5, max_registers=64).is_valid(1024)
+    assert not dataclasses.replace(groups, num_warps=8, block_n=128).is_valid(1024)  # 28 warps x 128 registers
+    assert dataclasses.replace(groups, k_groups=2, max_registers=168, num_stages=4).is_valid(1024)
+    assert dataclasses.replace(groups, k_groups=4, max_registers=96, num_stages=4).is_valid(1024)
+    # the ring (6 x (16 x 128 x 2 + 2 x 4608) bytes) and two groups' gate and up sums (2 x 2 x 64 x 16 x 4)
+    assert groups.ws_shared_bytes(True, 16) == 6 * (16 * 128 * 2 + 2 * 4608) + 2 * 2 * 64 * 16 * 4
+    assert groups.ws_shared_bytes(False, 16) == 6 * (16 * 128 * 2 + 4608) + 2 * 64 * 16 * 4
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.k_groups == 1

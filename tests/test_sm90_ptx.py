@@ -106,9 +106,11 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
     assert "atom.global" not in _ptx("gemm1", True)  # whole tiles: no counting
 
 
-def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1):
+def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
+                stages: int = 4):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
-    1024); returns the compiled kernel's asm (ptx, cubin, ...)."""
+    1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
+    from moe_nvfp4.configs import GemmConfig
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
@@ -123,16 +125,19 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
                      topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
-    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=16, GROUP_M=8, STAGES=4, DTYPE=W.gl.bfloat16,
-                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks)  # fmt: skip
+    gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
+                      chunks_per_stage=chunks, k_groups=k_groups)  # fmt: skip
+    assert gemm.is_valid(1024)
+    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=16, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
+                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
+                      MMA_REGS=W._mma_registers(gemm))  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
     aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
                          attrs)
-    options = dict(num_warps=warps, launch_pdl=True, **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
 
 
 @pytest.mark.parametrize(
@@ -170,6 +175,44 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     last_wait = ptx.rindex("wgmma.wait_group.sync.aligned 0;")
     release = ptx.index("mbarrier.arrive.shared::cta.b64", last_wait)  # the stage freed for the loader
     assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait
+
+
+@pytest.mark.parametrize(
+    "gated,block_n,maxnreg,chunks,k_groups,stages",
+    [(True, 64, 128, 2, 3, 3), (False, 128, 168, 1, 2, 4), (True, 64, 96, 1, 4, 4)],
+)
+def test_k_groups_share_a_tile(gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int, stages: int) -> None:
+    """GemmConfig.k_groups: the program is k_groups MMA warp groups plus the loader's, every group running the
+    same wgmma protocol as one alone (checked above) on its own K steps, the worker groups raised to the
+    registers the loader leaves (setmaxnreg), and each worker group handing its sums to group 0 through
+    shared memory under a full/free pair of one-arrival barriers: its stores, a barrier over its own warps,
+    then the arrival."""
+    from moe_nvfp4.configs import GemmConfig
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    ptx = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages)["ptx"]
+    gemm = GemmConfig(block_n, num_stages=stages, max_registers=maxnreg, warp_specialized=True, chunks_per_stage=chunks,
+                      k_groups=k_groups)  # fmt: skip
+    assert f".reqntid {32 * (4 * k_groups + 4)}" in ptx and f".maxnreg {maxnreg}" in ptx
+    assert 32 * maxnreg * (4 * k_groups + 4) <= 65536  # one program fits an SM
+    mma_regs = W._mma_registers(gemm)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{mma_regs};", ptx)
+    assert maxnreg < mma_regs <= 256
+    halves = 2 if gated else 1
+    mmas = halves * chunks
+    assert ptx.count("wgmma.commit_group") == mmas * k_groups
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
+    assert waits.count("0") == k_groups
+    # stages' empty barriers and the groups' full/free pairs count one arrival; the stages' ready ones 33
+    assert len(re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64 \[[^]]+\], 1;", ptx)) == stages + 2 * (k_groups - 1)
+    f32_stores = [m.start() for m in re.finditer(r"st\.shared(?:\.v\d)?\.f32|st\.shared(?:\.v\d)?\.b32", ptx)]
+    arrivals = [m.start() for m in re.finditer(r"mbarrier\.arrive\.shared::cta\.b64", ptx)]
+    handed = 0
+    for a in arrivals:
+        before = [st for st in f32_stores if st < a]
+        if before and ptx.rfind("bar.sync", 0, a) > before[-1] > ptx.rfind("mbarrier.arrive", 0, a):
+            handed += 1  # stores, then the group's barrier, then this arrival
+    assert handed >= k_groups - 1
 
 
 def test_decode_instruction_budget() -> None:

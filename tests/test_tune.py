@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
-    SWEEP_SHAPES, WS_RESIDENCY, WS_RINGS, MODELS, candidates, gemm_sweep, merge_entries, neighbors, search, spread,
-    ws_sweep,
+    GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, candidates, gemm_sweep, group_sweep,
+    merge_entries, neighbors, search, spread, ws_sweep,
 )
 
 from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
@@ -49,9 +49,9 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
         def gemm(g: GemmConfig) -> list:
             k_mode = "ws" if g.warp_specialized else "stream" if g.stream_k else g.split_k
             return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode,
-                    g.chunks_per_stage]
+                    g.chunks_per_stage, g.k_groups]
 
-        assert len(dataclasses.fields(GemmConfig)) == 10, "a new GemmConfig field: add it above"
+        assert len(dataclasses.fields(GemmConfig)) == 11, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
@@ -194,3 +194,27 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
     ring = dataclasses.replace(first, gemm1=GemmConfig(warp_specialized=True, chunks_per_stage=4, num_stages=2))
     turned_off = [c for c in neighbors(ring, 1, e, k, h, i) if not c.gemm1.warp_specialized]
     assert turned_off and all(c.gemm1.chunks_per_stage == 1 for c in turned_off)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
+    """--sweep-groups: one GEMM warp-specialized with 2-4 K groups of 4 MMA warps, one program per SM at each
+    group count's register cap, in every ring whose stages are a multiple of the groups and that fits in
+    shared memory with the groups' sums; the other GEMM and the token tile kept."""
+    e, k, h, i = MODELS[model]
+    first = default_config(1, e, k, h, i)
+    for gemm in ("gemm1", "gemm2"):
+        swept = group_sweep(first, gemm, 1, e, k, h, i)
+        kp = -(-(h if gemm == "gemm1" else i) // 128) * 128
+        expected = {(bn, groups, ring) for bn in (64, 128) for groups, _ in WS_K_GROUPS for ring in GROUP_RINGS
+                    if ring[1] % groups == 0 and (kp // 128) % ring[0] == 0
+                    and GemmConfig(bn, num_stages=ring[1], chunks_per_stage=ring[0], k_groups=groups).ws_shared_bytes(
+                        gemm == "gemm1", first.block_m) <= WS_SMEM_LIMIT}  # fmt: skip
+        got = [(getattr(c, gemm).block_n, getattr(c, gemm).k_groups,
+                (getattr(c, gemm).chunks_per_stage, getattr(c, gemm).num_stages)) for c in swept]  # fmt: skip
+        assert len(got) == len(set(got)) and set(got) == expected and {g for _, g, _ in got} == {2, 3, 4}
+        regs = dict(WS_K_GROUPS)
+        assert all(getattr(c, gemm).max_registers == regs[getattr(c, gemm).k_groups] for c in swept)
+        assert all(getattr(c, gemm).programs_per_sm == 1 and getattr(c, gemm).warp_specialized for c in swept)
+        other = "gemm2" if gemm == "gemm1" else "gemm1"
+        assert all(getattr(c, other) == getattr(first, other) and c.block_m == first.block_m for c in swept)

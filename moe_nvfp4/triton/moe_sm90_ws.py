@@ -9,7 +9,9 @@ cp.async for the (gathered) token rows, and runs ahead across tile boundaries.  
 H200 was the loads' rate: boxes of 128-byte rows stream at 3.6 TB/s where 32-byte rows reached 2.9, and one
 box per matrix for all of a tile's units at 3.9-4.1 (design 002).  A stage may hold several K chunks
 (GemmConfig.chunks_per_stage), and the MMA warps keep MMAs running while they decode the stage's next
-matrix: the decode, not the loads, is what limits it now.
+matrix: the decode, not the loads, is what limits it now.  Several MMA warp groups may share each tile
+(GemmConfig.k_groups), taking its K steps in turn: more warps decode a tile where there are fewer tiles than
+program slots, and one loader warp group serves them all.
 """
 from __future__ import annotations
 
@@ -119,30 +121,37 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 
 
 @gluon.jit
-def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
-              tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp,
+def _consumer(w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
+              sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp,
               GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr):
+              STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr,
+              GROUP: gl.constexpr, K_GROUPS: gl.constexpr):
+    """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
+    the other groups' sums (from shared memory, in group order: deterministic) and runs the epilogue."""
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
     # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
     # operands are live)
     IN_FLIGHT: gl.constexpr = 2 if BLOCK_N == 16 * NW else 1
-    # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
-    FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
     DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    it = 0
+    steps = kp // (128 * CHUNKS)
+    tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                               GROUP_M)  # fmt: skip
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
         acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
-        for step in range(kp // (128 * CHUNKS)):
+        # the program's K steps in the loader's order are dealt to the groups in turn (step it to group
+        # it % K_GROUPS); with STAGES a multiple of K_GROUPS each stage then always serves one group, which waits
+        # for its uses in order, so a stage's barrier is never more than one phase ahead of its waiter
+        base = tiles_done * steps
+        for step in range((GROUP + K_GROUPS - base % K_GROUPS) % K_GROUPS, steps, K_GROUPS):
+            it = base + step
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
@@ -172,22 +181,47 @@ def _consumer(w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out,
                         newer = a
             acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
             mbarrier.arrive(empty.index(s))
-            it += 1
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
-        row_ok = rows < row_end
-        offs_n = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))
-        store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
-        if GATED:
-            gate = acc * (gl.load(gs_ptr + expert * 2) * FIX)
-            up = acc_up * (gl.load(gs_ptr + expert * 2 + 1) * FIX)
-            y = _silu_times(gate, up)
-            gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
+        phase = tiles_done & 1
+        tiles_done += 1
+        if GROUP > 0:  # hand this group's sums to group 0
+            mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
+            sums_smem.index(HALVES * (GROUP - 1)).store(acc)
+            if GATED:
+                sums_smem.index(HALVES * (GROUP - 1) + 1).store(acc_up)
+            mbarrier.arrive(sums_full.index(GROUP - 1))
         else:
-            pair_id = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
-            weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-            y = acc * (gl.load(gs_ptr + expert) * FIX * weight)[None, :]
-            gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
-                     y.to(out_ptr.dtype.element_ty), mask=store_mask)
+            for g in gl.static_range(K_GROUPS - 1):
+                mbarrier.wait(sums_full.index(g), phase)
+                acc += sums_smem.index(HALVES * g).load(MMA_L)
+                if GATED:
+                    acc_up += sums_smem.index(HALVES * g + 1).load(MMA_L)
+                mbarrier.arrive(sums_free.index(g))
+            _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
+                      topk_weights_ptr, n_out, GATED, BLOCK_N, BLOCK_M, DTYPE, MMA_L)
+
+
+@gluon.jit
+def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
+              topk_weights_ptr, n_out, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+              DTYPE: gl.constexpr, MMA_L: gl.constexpr):
+    """A tile's whole-K sums out: GEMM1 SiLU(gate) * up in DTYPE; GEMM2 times the pairs' top-k weights."""
+    # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
+    FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
+    row_ok = rows < row_end
+    offs_n = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))
+    store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
+    if GATED:
+        gate = acc * (gl.load(gs_ptr + expert * 2) * FIX)
+        up = acc_up * (gl.load(gs_ptr + expert * 2 + 1) * FIX)
+        y = _silu_times(gate, up)
+        gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
+    else:
+        pair_id = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+        y = acc * (gl.load(gs_ptr + expert) * FIX * weight)[None, :]
+        gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
+                 y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @gluon.jit
@@ -195,7 +229,8 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
                         tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
-                        LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr):
+                        LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
+                        MMA_REGS: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -211,14 +246,80 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=33)  # the TMA's expect-arrive + one cp.async arrive per loader lane
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_consumer, (w_smem, s_smem, a_smem, ready, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
-                     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp, GATED, BLOCK_N,
-                     BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS)),
-        (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                   num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
-                   BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-    ], [1], [LOADER_REGS])
+    # K groups 1.. hand their sums of a tile to group 0 through one buffer each (gate and up when GATED)
+    sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    sums_full = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
+    sums_free = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
+    for g in gl.static_range(K_GROUPS - 1):
+        mbarrier.init(sums_full.index(g), count=1)
+        mbarrier.init(sums_free.index(g), count=1)
+    # partitions: MMA group 0 in the launch's warps, groups 1.. and the loader in worker warps (a partition's
+    # constexprs must be spelled out in its call: in a shared tuple they would become run-time values)
+    if K_GROUPS == 1:
+        gl.warp_specialize([
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         0, 1)),
+            (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                       num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
+                       BLOCK_M, GROUP_M, STAGES, CHUNKS)),
+        ], [1], [LOADER_REGS])
+    elif K_GROUPS == 2:
+        gl.warp_specialize([
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         0, 2)),
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         1, 2)),
+            (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                       num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
+                       BLOCK_M, GROUP_M, STAGES, CHUNKS)),
+        ], [NW, 1], [MMA_REGS, LOADER_REGS])
+    elif K_GROUPS == 3:
+        gl.warp_specialize([
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         0, 3)),
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         1, 3)),
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         2, 3)),
+            (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                       num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
+                       BLOCK_M, GROUP_M, STAGES, CHUNKS)),
+        ], [NW, NW, 1], [MMA_REGS, MMA_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         0, 4)),
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         1, 4)),
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         2, 4)),
+            (_consumer, (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr,
+                         stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                         topk_weights_ptr, n_out, kp, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS,
+                         3, 4)),
+            (_loader, (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                       num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp, TOP_K, GATED, BLOCK_N,
+                       BLOCK_M, GROUP_M, STAGES, CHUNKS)),
+        ], [NW, NW, NW, 1], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
 def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int,
@@ -239,6 +340,16 @@ def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: 
                                 [chunks, units, rows, 128], layout)
 
     return view(w_packed, fragments.block_bytes, _W_BOX), view(w_scale, fragments.scale_block_bytes, _S_BOX)
+
+
+def _mma_registers(gemm: GemmConfig) -> int:
+    """Registers per thread of MMA groups 1.. (setmaxnreg): the program's (its cap times its warps, the loader's
+    warp group included) less the loader's, shared equally; Triton gives group 0 what the others leave."""
+    if gemm.k_groups == 1:
+        return 0  # no such groups
+    mma_warps = gemm.num_warps * gemm.k_groups
+    per_warp = (gemm.max_registers * (mma_warps + 4) - 4 * LOADER_REGISTERS) // mma_warps
+    return min(256, per_warp // 8 * 8)
 
 
 def launch_gemm_ws(
@@ -268,5 +379,6 @@ def launch_gemm_ws(
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
-        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, launch_pdl=pdl, **gemm.launch_options(),
+        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
+        MMA_REGS=_mma_registers(gemm), launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

@@ -219,18 +219,25 @@ def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
     _graph_replays_with_new_routing(Case("graph stream-K", 8, 2, 1024, 512, 5), cfg, gen)
 
 
-WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM, chunks per stage), which GEMMs)
-    (Case("one token, both GEMMs, one program per SM", 8, 2, 2048, 448, 1), 16, (64, 4, 4, None, 1, 1), 3),
-    (Case("ragged, half the experts empty, 3 per SM", 16, 4, 512, 384, 33, "half_empty"), 16, (64, 4, 6, 80, 3, 1), 3),
-    (Case("every token to one expert, 2 per SM", 8, 2, 256, 512, 40, "one_expert"), 32, (128, 4, 4, 128, 2, 1), 3),
-    (Case("two MMA warp groups, GEMM1 only", 8, 2, 1024, 512, 19), 32, (128, 8, 4, None, 1, 1), 1),
-    (Case("GEMM2 only, padded K, top-8", 64, 8, 640, 208, 9), 16, (64, 4, 4, 128, 2, 1), 2),
-    (Case("prefill-sized tiles", 8, 2, 1024, 1024, 600), 64, (128, 4, 3, 128, 2, 1), 3),
+WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM, chunks per stage, K groups),
+    #            which GEMMs)
+    (Case("one token, both GEMMs, one program per SM", 8, 2, 2048, 448, 1), 16, (64, 4, 4, None, 1, 1, 1), 3),
+    (Case("ragged, half the experts empty, 3 per SM", 16, 4, 512, 384, 33, "half_empty"), 16, (64, 4, 6, 80, 3, 1, 1), 3),
+    (Case("every token to one expert, 2 per SM", 8, 2, 256, 512, 40, "one_expert"), 32, (128, 4, 4, 128, 2, 1, 1), 3),
+    (Case("two MMA warp groups, GEMM1 only", 8, 2, 1024, 512, 19), 32, (128, 8, 4, None, 1, 1, 1), 1),
+    (Case("GEMM2 only, padded K, top-8", 64, 8, 640, 208, 9), 16, (64, 4, 4, 128, 2, 1, 1), 2),
+    (Case("prefill-sized tiles", 8, 2, 1024, 1024, 600), 64, (128, 4, 3, 128, 2, 1, 1), 3),
     # several K chunks per stage: one MMA left running at 128 rows per warp group, two at 64
     (Case("2 chunks a stage, 128 rows, padded K, ragged", 16, 4, 1024, 448, 37, "half_empty"), 16,
-     (128, 4, 2, 128, 2, 2), 3),
-    (Case("4 chunks a stage, 64 rows, 2 per SM", 8, 2, 1024, 512, 5), 16, (64, 4, 2, 128, 2, 4), 3),
-    (Case("2 chunks a stage, two MMA warp groups", 8, 2, 512, 256, 70), 32, (128, 8, 2, None, 1, 2), 3),
+     (128, 4, 2, 128, 2, 2, 1), 3),
+    (Case("4 chunks a stage, 64 rows, 2 per SM", 8, 2, 1024, 512, 5), 16, (64, 4, 2, 128, 2, 4, 1), 3),
+    (Case("2 chunks a stage, two MMA warp groups", 8, 2, 512, 256, 70), 32, (128, 8, 2, None, 1, 2, 1), 3),
+    # K groups sharing each tile: 16 and 6 steps over 3 groups; 9 and 5 steps over 4 (the groups' turns shift
+    # from tile to tile) with several tiles per program; 2 groups of 2-chunk stages, GEMM2's K padded
+    (Case("3 K groups, one token", 8, 2, 2048, 768, 1), 16, (64, 4, 3, 128, 1, 1, 3), 3),
+    (Case("4 K groups, odd step counts, several tiles per program", 8, 2, 1152, 640, 300), 64,
+     (64, 4, 4, 96, 1, 1, 4), 3),
+    (Case("2 K groups, 2 chunks a stage, ragged", 16, 4, 1024, 448, 37, "half_empty"), 16, (128, 4, 4, 168, 1, 2, 2), 3),
 ]
 
 
@@ -240,14 +247,15 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     """The warp-specialized Gluon GEMMs (moe_sm90_ws): a TMA loader warp, MMA warps decoding from shared memory.
     Against the float64 reference with outputs and scratch poisoned, the full FP4 code range, ragged and
     empty experts, stages reused many times over (K up to 2048 = 16 steps through a ring of 3-6), and the
-    same output as the Triton kernel with the same tiles to within rounding; stages of 1, 2 and 4 K chunks."""
+    same output as the Triton kernel with the same tiles to within rounding; stages of 1, 2 and 4 K chunks;
+    tiles shared by 2-4 MMA warp groups, whose sums add in a fixed order (a second run is bit-identical)."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
     tw, ti = _routing(case, gen, "cuda")
-    block_n, warps, stages, regs, pps, chunks = shape
+    block_n, warps, stages, regs, pps, chunks, groups = shape
     ws = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
-                    warp_specialized=True, chunks_per_stage=chunks)  # fmt: skip
+                    warp_specialized=True, chunks_per_stage=chunks, k_groups=groups)  # fmt: skip
     plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
     cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
@@ -258,15 +266,21 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     fused_moe_sm90(x, *args, cfg, out=out)
     assert not out.isnan().any(), "unwritten output"
     assert _rel(out, ref) < REL_TOL[dtype]
+    assert torch.equal(out, fused_moe_sm90(x, *args, cfg))
     triton_only = MoEKernelConfig(block_m, plain, plain)
     assert _rel(out, fused_moe_sm90(x, *args, triton_only)) < REL_TOL[dtype] / 4
 
 
-def test_warp_specialized_in_a_cuda_graph(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("k_groups", [1, 3])
+def test_warp_specialized_in_a_cuda_graph(k_groups: int, gen: torch.Generator) -> None:
     """Both warp-specialized GEMMs captured once (their TMA descriptors baked into the graph), replayed with
-    new x and routing: the tile map is read on the device every replay."""
-    ws = GemmConfig(64, num_stages=4, max_registers=128, programs_per_sm=2, warp_specialized=True)
-    ring = GemmConfig(128, num_stages=2, max_registers=128, programs_per_sm=2, warp_specialized=True, chunks_per_stage=2)
+    new x and routing: the tile map is read on the device every replay.  With 3 K groups per tile, too."""
+    # one group: two programs per SM; three: one program of three MMA groups, stages a multiple of three
+    pps, stages = (2, (4, 2)) if k_groups == 1 else (1, (6, 3))
+    ws = GemmConfig(64, num_stages=stages[0], max_registers=128, programs_per_sm=pps, warp_specialized=True,
+                    k_groups=k_groups)  # fmt: skip
+    ring = GemmConfig(128, num_stages=stages[1], max_registers=128, programs_per_sm=pps, warp_specialized=True,
+                      chunks_per_stage=2, k_groups=k_groups)  # fmt: skip
     _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, 7), MoEKernelConfig(16, ws, ring), gen)
 
 
