@@ -4,6 +4,8 @@ first global memory access, or it could read routing data or activations that ar
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import triton
@@ -237,3 +239,21 @@ def test_decode_instruction_budget() -> None:
     assert ops["HGMMA"] == 2 * 2 * 2 * 8  # per matrix and chunk: two 64-row halves x eight k16 steps
     assert ops["HMUL2"] == 4 * words
     assert words <= ops["PRMT"] <= words + 16  # the rest: a few outside the decode
+
+
+@pytest.mark.parametrize("ablation", ["full", "no_decode", "no_mma", "loads_only", "no_fence"])
+def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path) -> None:
+    """benchmarks/ablate_ws.py's kernels (the GPU times in design 002 come from them) still apply to the
+    current source and compile for sm_90, each without exactly the work it names: the decode PTX's packed
+    multiplies, the wgmma, the proxy fence."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import ablate_ws
+
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    monkeypatch.setattr(W, "_moe_gemm_ws_kernel", ablate_ws.load_ablation(ablation, tmp_path)._moe_gemm_ws_kernel)
+    ptx = _compile_ws(True, 128, 4, 128, 2)["ptx"]
+    assert ("mul.rn.bf16x2" in ptx) == (ablation not in ("no_decode", "loads_only"))
+    assert ("wgmma.mma_async" in ptx) == (ablation not in ("no_mma", "loads_only"))
+    assert ("fence.proxy.async.shared::cta" in ptx) == (ablation != "no_fence")
+    assert "ld.shared.v4" in ptx  # every one still reads the stage's bytes
