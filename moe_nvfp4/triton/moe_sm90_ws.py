@@ -85,18 +85,20 @@ def _loader(a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            for c in gl.static_range(CHUNKS):
-                chunk = step * CHUNKS + c
-                k_ok = (chunk * 128 + kk) < k
-                async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
-                                                       mask=row_ok[:, None] & k_ok[None, :])
-            async_copy.mbarrier_arrive(bar, increment_count=False)
+            # the weights first: their boxes need only the tile's expert, the token rows also its pair ids (one
+            # more dependent load at a tile's start)
             mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES))
             for h in gl.static_range(HALVES):
                 # GATED: the tile's up units start n_units units after its gate units
                 unit = unit0 + h * n_units
                 tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h))
                 tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h))
+            for c in gl.static_range(CHUNKS):
+                chunk = step * CHUNKS + c
+                k_ok = (chunk * 128 + kk) < k
+                async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
+                                                       mask=row_ok[:, None] & k_ok[None, :])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
             it += 1
 
 
