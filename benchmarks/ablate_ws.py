@@ -15,7 +15,8 @@ its own and runs the shipped config of each case with it.  Its outputs are wrong
 * ``no_fence``: without the proxy fence after each stage's wait (correct here only by timing luck).
 
 Per case: the forward by CUDA-graph replay (median of three ``do_bench_cudagraph``) and each kernel's
-device time with programmatic dependent launch off (torch profiler, 20 forwards), in launch order.
+device time with programmatic dependent launch off (torch profiler, 20 forwards), in launch order.  One copy
+of the weights, not rotated as in bench_moe.py: a small layer's (Qwen3 at T=1: 21 MB) may be read from L2.
 """
 from __future__ import annotations
 
