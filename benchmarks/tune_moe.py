@@ -35,7 +35,7 @@ import multiprocessing
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -174,21 +174,28 @@ def gemm_sweep(
     return out
 
 
+def _warp_specialized(
+    cfg: MoEKernelConfig, gemm: str, settings: Iterable[dict], hidden: int, inter: int
+) -> list[MoEKernelConfig]:
+    """``cfg`` with one GEMM warp-specialized (whole tiles: no K split, no stream-K) in each of ``settings``
+    (GemmConfig fields), the valid ones in order; the other GEMM and the token tile kept."""
+    g = getattr(cfg, gemm)
+    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, split_k=1, stream_k=False, warp_specialized=True,
+                                                                  **fields)})
+           for fields in settings]  # fmt: skip
+    return [c for c in out if _valid(c, hidden, inter)]
+
+
 def ws_sweep(
     cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
     """``cfg`` with one GEMM warp-specialized in every valid tile shape x ring (chunks per stage, stages) x
     residency (register cap with the programs per SM it fits); the other GEMM and the token tile kept."""
-    g = getattr(cfg, gemm)
-    out = []
-    for (block_n, warps), (chunks, stages), (regs, pps) in itertools.product(SWEEP_SHAPES, WS_RINGS, WS_RESIDENCY):
-        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks,
-                                  max_registers=regs, programs_per_sm=pps, split_k=1, stream_k=False,
-                                  warp_specialized=True)  # fmt: skip
-        c = dataclasses.replace(cfg, **{gemm: new})
-        if _valid(c, hidden, inter):
-            out.append(c)
-    return out
+    settings = (dict(block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
+                     programs_per_sm=pps)
+                for (block_n, warps), (chunks, stages), (regs, pps) in itertools.product(SWEEP_SHAPES, WS_RINGS,
+                                                                                          WS_RESIDENCY))  # fmt: skip
+    return _warp_specialized(cfg, gemm, settings, hidden, inter)
 
 
 def group_sweep(
@@ -197,16 +204,11 @@ def group_sweep(
     """``cfg`` with one GEMM warp-specialized as K groups (GemmConfig.k_groups) of 64- or 128-row tiles, in
     every valid (groups with their register cap) x ring; one program per SM, the other GEMM and the token tile
     kept."""
-    g = getattr(cfg, gemm)
-    out = []
-    for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS, GROUP_RINGS):
-        new = dataclasses.replace(g, block_n=block_n, num_warps=4, num_stages=stages, chunks_per_stage=chunks,
-                                  max_registers=regs, programs_per_sm=1, split_k=1, stream_k=False,
-                                  warp_specialized=True, k_groups=groups)  # fmt: skip
-        c = dataclasses.replace(cfg, **{gemm: new})
-        if _valid(c, hidden, inter):
-            out.append(c)
-    return out
+    settings = (dict(block_n=block_n, num_warps=4, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
+                     programs_per_sm=1, k_groups=groups)
+                for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS,
+                                                                                    GROUP_RINGS))  # fmt: skip
+    return _warp_specialized(cfg, gemm, settings, hidden, inter)
 
 
 def search(
