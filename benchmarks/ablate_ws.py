@@ -103,7 +103,7 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
     x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
     cfg = select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
-    shipped, dependent_launch = moe_sm90_ws._moe_gemm_ws_kernel, moe_sm90._dependent_launch
+    shipped = moe_sm90_ws._moe_gemm_ws_kernel
     rows, ref = [], None
     try:
         for name, kernel in kernels.items():
@@ -116,15 +116,14 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
             ref = out if ref is None else ref
             rel_err = ((out - ref).norm() / ref.norm()).item()
             forward_us = sorted(1e3 * do_bench_cudagraph(forward, rep=50) for _ in range(3))[1]
-            moe_sm90._dependent_launch = lambda device: dict(PDL=False)  # each kernel's time its own
-            for _ in range(3):
-                forward()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
+            with moe_sm90.plain_launches():  # each kernel's time its own
+                for _ in range(3):
                     forward()
                 torch.cuda.synchronize()
-            moe_sm90._dependent_launch = dependent_launch
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        forward()
+                    torch.cuda.synchronize()
             launches = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
             per_forward = len(launches) // 20
             kernel_us = [[launches[j].name, sum(launches[j + per_forward * r].device_time for r in range(20)) / 20]
@@ -133,7 +132,7 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
                              kernel_us=kernel_us, config=cfg.to_dict()))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        moe_sm90_ws._moe_gemm_ws_kernel, moe_sm90._dependent_launch = shipped, dependent_launch
+        moe_sm90_ws._moe_gemm_ws_kernel = shipped
     return rows
 
 

@@ -245,7 +245,7 @@ def warmup_fused_moe(
 ) -> list[int]:
     """Compile every kernel variant ``fused_moe`` can launch for 1..max_tokens tokens, now, not mid-serving.
 
-    The kernels are compiled per tuned config (one per token-count range) and per routing-block size;
+    The kernels are compiled per tuned config (one per token-count range) and per routing variant;
     this runs one forward on zeros at the fewest tokens of each.  Later calls with any T <= max_tokens,
     same weights shape, dtype, top_k and expert-map presence, compile nothing.  Returns the token counts
     run (empty on CPU, where nothing is compiled).
@@ -255,11 +255,11 @@ def warmup_fused_moe(
     device = weights.w13_packed.device
     if backend_for(device) == "torch" or max_tokens < 1:
         return []
-    from .triton.moe_sm90 import ROUTE_BLOCK_SMALL
+    from .triton.moe_sm90 import routing_variants_from
 
     e, h, i = weights.num_experts, weights.hidden, weights.intermediate
     first = configs_up_to(max_tokens, e, top_k, h, i, dtype, config_device_name(device))
-    counts = sorted(set(first.values()) | {min(max_tokens, ROUTE_BLOCK_SMALL // top_k + 1)})
+    counts = sorted(set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)})
     n_global = e if expert_map is None else expert_map.numel()
     for t in counts:
         x = torch.zeros(t, h, dtype=dtype, device=device)

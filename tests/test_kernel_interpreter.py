@@ -2,7 +2,8 @@
 
 fp16 activations only: the interpreter's bf16 tl.dot is wrong (seen with triton 3.6 and 3.9).  The inline-PTX
 decode cannot run here, so these exercise the plain-Triton decode path with the same bit manipulation;
-the GPU tier covers the PTX path.  Bound: ||out - ref|| / ||ref|| < 2e-3 against the float64 reference
+the GPU tier covers the PTX path.  The routing kernels (one program, or a program per chunk of pairs) are
+compared with routing.plan_routing exactly.  Bound: ||out - ref|| / ||ref|| < 2e-3 against the float64 reference
 (fp16 rounding of x, of the SiLU*up intermediate and of the output).
 """
 from __future__ import annotations
@@ -86,7 +87,7 @@ WARMUP_SCRIPT = textwrap.dedent(
     q13 = m.quantize_nvfp4(torch.randn(4, 256, 128, generator=g), segments=2)
     q2 = m.quantize_nvfp4(torch.randn(4, 128, 128, generator=g))
     w = m.prepare_moe_weights(q13, q2)
-    print(m.warmup_fused_moe(w, 2, torch.float16, 140))
+    print(m.warmup_fused_moe(w, 2, torch.float16, 600))
     """
 )
 
@@ -100,10 +101,56 @@ def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, i
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL
 
 
+ROUTE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, moe_nvfp4 as m
+    from moe_nvfp4.triton.moe_sm90 import ROUTE_ONE_PROGRAM, route, route_chunks
+    e, k, t, block_m, seed, use_map, skew = map(int, sys.argv[1:])
+    g = torch.Generator().manual_seed(seed)
+    n_global = e + 3 if use_map else e
+    # skew: most pairs on expert 0 (one long run over many chunks), the rest spread
+    ids = torch.randint(0, n_global, (t, k), generator=g, dtype=torch.int32)
+    if skew:
+        ids = torch.where(torch.rand(t, k, generator=g) < 0.8, torch.zeros_like(ids), ids)
+    emap = None
+    if use_map:  # three global experts live on another rank
+        emap = torch.tensor([-1] + list(range(e)) + [-1, -1], dtype=torch.int32)
+    plan = m.plan_routing(ids, e, block_m, expert_map=emap)
+    sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, _ = route(ids, e, block_m, emap)
+    for a, b in ((counts, plan.expert_counts), (offsets, plan.expert_offsets), (tile_expert, plan.tile_expert),
+                 (tile_row, plan.tile_row_start), (num_tiles, plan.num_tiles)):
+        assert torch.equal(a, b), (a, b)
+    for x in range(e):  # inside an expert's run the order may differ (atomics); the pairs may not
+        lo, hi = int(offsets[x]), int(offsets[x + 1])
+        assert torch.equal(sorted_pairs[lo:hi].sort().values, plan.sorted_pairs[lo:hi].sort().values), x
+    print(route_chunks(t * k, e)[1] if t * k > ROUTE_ONE_PROGRAM else 1)  # routing programs
+    """
+)
+
+
+@pytest.mark.parametrize("e,k,t,block_m,use_map,skew,chunks", [
+    pytest.param(8, 2, 64, 16, 0, 0, 1, id="128 pairs: one program"),
+    pytest.param(8, 2, 65, 16, 0, 0, 1, id="130 pairs: one program, one step of 1024"),
+    pytest.param(8, 2, 513, 16, 0, 0, 5, id="1026 pairs: counted, 5 chunks"),
+    pytest.param(5, 3, 700, 32, 1, 0, 9, id="2100 pairs, odd E, expert map: 9 chunks"),
+    pytest.param(3, 4, 400, 64, 0, 1, 7, id="1600 pairs on mostly one expert: its run over 7 chunks"),
+    pytest.param(300, 2, 4500, 16, 0, 0, 18, id="E=300: 32 chunks at most, so 9000 pairs in 18 of 512"),
+])  # fmt: skip
+def test_route_matches_plan(e: int, k: int, t: int, block_m: int, use_map: int, skew: int, chunks: int,
+                            seed: int) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = [str(v) for v in (e, k, t, block_m, seed % 2**31, use_map, skew)]
+    proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) == chunks
+
+
 def test_warmup_runs_one_forward_per_kernel_variant() -> None:
-    """Default configs for E=4, top-2: block_m 16 up to T=33, 32 up to 65, 64 beyond; the routing kernel
-    switches to 1024-pair blocks past 128 pairs (T=65).  Each first T runs once, through the Triton path."""
+    """Default configs for E=4, top-2: block_m 16 up to T=33, 32 up to 65, 64 up to 193, 128 beyond; the
+    routing program takes 1024-pair steps past 128 pairs (T=65), counted chunks past 1024 (T=513).  Each first T runs once,
+    through the Triton path."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
     proc = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[1, 34, 65, 66]"
+    assert proc.stdout.strip().splitlines()[-1] == "[1, 34, 65, 66, 194, 513]"

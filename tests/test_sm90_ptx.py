@@ -27,11 +27,18 @@ GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=
                         EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False,
                         HAS_MAP=False, BLOCK_P=128, E_POW2=128)
 
+ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
+                       counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
+                       tile_row_ptr="*i32", num_tiles_ptr="*i32", arrivals_ptr="*i32", num_pairs="i32", chunk="i32",
+                       num_chunks="i32", num_experts="i32", max_tiles="i32", num_arrivals="i32")
+# COUNTED goes first (the kernel's argument order)
+ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128)
+
 KERNELS = {
-    "route": (K._route_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", sorted_pairs_ptr="*i32", counts_ptr="*i32",
-              offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
-              arrivals_ptr="*i32", num_pairs="i32", num_experts="i32", max_tiles="i32", num_arrivals="i32"),
-              dict(HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128), 8),
+    "route": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=False), 8),
+    "route counted": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=True, BLOCK_P=256), 8),
+    "count": (K._count_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", num_pairs="i32",
+              chunk="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=False), 4),
     "gemm1 stream-K": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=True), 4),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",

@@ -285,7 +285,9 @@ def test_warp_specialized_in_a_cuda_graph(k_groups: int, gen: torch.Generator) -
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
-    for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32)):
+    # one program (up to 1024 pairs), counted chunks of one step (1332, 8000 pairs), of several (40000, 32768)
+    for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32),
+                                            (8, 2, 20000, 128), (256, 8, 4096, 64), (16, 4, 200, 32)):
         ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device="cuda", dtype=torch.int32)
         sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, _ = route(ids, experts, block_m, None)
         plan = m.plan_routing(ids, experts, block_m)
