@@ -609,6 +609,7 @@ ROUTE_BLOCK_SMALL = 128  # up to this many pairs one routing program takes them 
 ROUTE_ONE_PROGRAM = 1024  # up to this many, one program in steps of this many; past it, counted chunks
 ROUTE_BLOCK = 256  # pairs a routing program takes per step in the counted path, in chunks of such steps
 ROUTE_HIST_ELEMENTS = 16384  # the chunk-by-expert counts _route_kernel loads at once (registers of 8 warps)
+ROUTE_MAX_CHUNKS = 128  # programs of the counted path at most (about the SM count: each scatters its own chunk)
 
 
 def compiled_variants() -> int:
@@ -646,12 +647,13 @@ def routing_variants_from(top_k: int) -> list[int]:
 
 
 def _route_max_chunks(e_pow2: int) -> int:
-    return max(1, min(128, ROUTE_HIST_ELEMENTS // e_pow2))
+    """Chunks of the counted routing path at most, for E rounded up to a power of two: the table fits."""
+    return max(1, min(ROUTE_MAX_CHUNKS, ROUTE_HIST_ELEMENTS // e_pow2))
 
 
 def route_chunks(num_pairs: int, num_experts: int) -> tuple[int, int]:
     """(pairs per chunk, chunks) of the counted routing path: whole ROUTE_BLOCK steps per chunk, at most
-    min(128, ROUTE_HIST_ELEMENTS // E_pow2) chunks.  Depends on T and E only, never on the routing."""
+    _route_max_chunks chunks.  Depends on T and E only, never on the routing."""
     steps = -(-num_pairs // ROUTE_BLOCK)
     chunk = -(-steps // _route_max_chunks(triton.next_power_of_2(num_experts))) * ROUTE_BLOCK
     return chunk, -(-num_pairs // chunk)
