@@ -10,7 +10,6 @@
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-ws --jobs 14 --max-candidates 48
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-groups --jobs 14 --max-candidates 60
-    python benchmarks/tune_moe.py --tokens 256,1024,4096 --update --climb --sweep-shared --jobs 14 --max-candidates 40
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
@@ -19,9 +18,7 @@ tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (t
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
 (moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap; --sweep-groups each
-GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring; --sweep-shared
-each GEMM as shared decode (GemmConfig.shared_decode: weights decoded once per stage into shared memory for one
-or two MMA warp groups) x tile shape x token groups x ring, GEMM1 at every token tile.  Each candidate is
+GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring.  Each candidate is
 checked against the torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph,
 median); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
@@ -82,8 +79,6 @@ WS_RINGS = ((1, 4), (1, 6), (2, 2), (2, 4), (4, 2))
 # them and the loader's warp group on an SM; rings whose stages are a multiple of the groups
 WS_K_GROUPS = ((2, 168), (3, 128), (4, 96))
 GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (1, 3), (2, 3), (4, 2))
-# --sweep-shared: shared decode's rings (K chunks per stage, stages); its decoded tiles leave room for two to four
-SHARED_RINGS = ((1, 2), (1, 3), (1, 4), (2, 2))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
@@ -216,22 +211,6 @@ def group_sweep(
     return _warp_specialized(cfg, gemm, settings, hidden, inter)
 
 
-def shared_sweep(
-    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
-) -> list[MoEKernelConfig]:
-    """``cfg`` with one GEMM as shared decode (GemmConfig.shared_decode) of 64- or 128-row tiles, one or two token
-    groups, in every valid ring; GEMM1's sweep at every token tile of the search space too (a token group's
-    share of the tile is what its wgmma's N is), the other GEMM kept."""
-    moe, _ = search_space(tokens, experts, top_k)
-    out = []
-    for block_m in moe["block_m"] if gemm == "gemm1" else (cfg.block_m,):
-        settings = (dict(block_n=block_n, num_warps=4, num_stages=stages, chunks_per_stage=chunks, max_registers=None,
-                         programs_per_sm=1, k_groups=1, shared_decode=True, token_groups=groups)
-                    for block_n, groups, (chunks, stages) in itertools.product((64, 128), (1, 2), SHARED_RINGS))
-        out += _warp_specialized(dataclasses.replace(cfg, block_m=block_m), gemm, settings, hidden, inter)
-    return out
-
-
 def search(
     measure: Callable[[MoEKernelConfig], float | None],
     start: list[MoEKernelConfig],
@@ -330,8 +309,6 @@ def main() -> int:
                    help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
     p.add_argument("--sweep-ws", action="store_true",
                    help="time each GEMM warp-specialized in every tile shape x stages x residency before climbing")
-    p.add_argument("--sweep-shared", action="store_true",
-                   help="sweep each GEMM as shared decode (tile shape x token groups x ring; GEMM1 x token tile)")
     p.add_argument("--sweep-groups", action="store_true",
                    help="time each GEMM warp-specialized with 2-4 K groups per tile, every ring, before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
@@ -395,9 +372,6 @@ def main() -> int:
                                         shapes=args.sweep) for g in ("gemm1", "gemm2")] if args.sweep or args.sweep_k else []  # fmt: skip
             if args.sweep_ws:
                 sweeps += [functools.partial(ws_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                           for g in ("gemm1", "gemm2")]  # fmt: skip
-            if args.sweep_shared:
-                sweeps += [functools.partial(shared_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
                            for g in ("gemm1", "gemm2")]  # fmt: skip
             if args.sweep_groups:
                 sweeps += [functools.partial(group_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)

@@ -35,11 +35,6 @@ SPLIT_A_SMEM_LIMIT = 160 * 1024
 # sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
 WS_SMEM_LIMIT = 227 * 1024 - 1024
 SM_REGISTERS = 65536  # sm_90's registers per SM (and per block)
-LOADER_REGISTERS = 56  # the warp-specialized kernels' loader: pointers and indices (at 40, ptxas spills them)
-# shared decode: an MMA group's registers beyond its accumulators (descriptors, rows, the epilogue's pointers),
-# and the fewest the decode warps may be left (the register-A decode of one stage needs ~90)
-TOKEN_GROUP_SPARE_REGISTERS = 64
-DECODE_MIN_REGISTERS = 96
 
 
 @dataclass(frozen=True)
@@ -67,15 +62,7 @@ class GemmConfig:
     warps decode one tile where tiles are fewer than the SMs' program slots (Qwen3 GEMM1 at T=1: 96 tiles), and
     a program's loader warp group serves several MMA groups.  max_registers must let one program (k_groups x
     num_warps MMA warps and the loader's warp group) fit an SM's 65536 registers, and num_stages be a multiple
-    of k_groups (each stage then always serves the same group).
-
-    shared_decode (warp-specialized only; prefill): the launch's num_warps warps decode each stage's weights once
-    into 16-bit tiles in shared memory, and token_groups MMA warp groups (1 or 2, each with block_m /
-    token_groups of the tile's tokens) run wgmma with both operands from shared memory.  The register-A kernel
-    decodes a weight tile again for every block_m tokens and in the MMA warps themselves; here a 128- or
-    256-token tile pays one decode, and the decode overlaps the MMAs.  num_warps 8 (128-row tiles) decodes with two
-    warps per scheduler.  One program per SM (shared memory);
-    registers are set per partition (token_group_registers, decode_registers), so max_registers stays None."""
+    of k_groups (each stage then always serves the same group)."""
 
     block_n: int = 64
     group_m: int = 8
@@ -88,8 +75,6 @@ class GemmConfig:
     warp_specialized: bool = False
     chunks_per_stage: int = 1
     k_groups: int = 1
-    shared_decode: bool = False
-    token_groups: int = 1
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -104,9 +89,6 @@ class GemmConfig:
             and (not self.warp_specialized or self._warp_specialized_ok())
             and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
-            and (not self.shared_decode or (self.warp_specialized and self.k_groups == 1 and self.programs_per_sm == 1
-                                            and self.max_registers is None))
-            and self.token_groups in ((1, 2) if self.shared_decode else (1,))
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
@@ -130,22 +112,8 @@ class GemmConfig:
         halves = 2 if gated else 1
         unit_bytes = fragments.block_bytes + fragments.scale_block_bytes
         per_chunk = block_m * CHUNK_K * 2 + halves * (self.block_n // fragments.unit_rows) * unit_bytes
-        if self.shared_decode:  # each matrix's decoded 16-bit tile
-            per_chunk += halves * self.block_n * CHUNK_K * 2
         sums = (self.k_groups - 1) * halves * self.block_n * block_m * 4
         return self.num_stages * self.chunks_per_stage * per_chunk + sums
-
-    def token_group_registers(self, gated: bool, block_m: int) -> int:
-        """Shared decode: registers per thread of each MMA group, its float32 accumulators (gate and up when
-        gated) and TOKEN_GROUP_SPARE_REGISTERS, in setmaxnreg's steps of 8."""
-        accumulators = (2 if gated else 1) * self.block_n * (block_m // self.token_groups) // 128
-        return min(256, -(-(accumulators + TOKEN_GROUP_SPARE_REGISTERS) // 8) * 8)
-
-    def decode_registers(self, gated: bool, block_m: int) -> int:
-        """Shared decode: what an SM's registers leave each decode thread once the MMA groups and the loader's
-        warp group have theirs (Triton gives the launch's warps the remainder)."""
-        taken = 4 * self.token_groups * self.token_group_registers(gated, block_m) + 4 * LOADER_REGISTERS
-        return min(256, (SM_REGISTERS // 32 - taken) // self.num_warps // 8 * 8)
 
     def launch_options(self) -> dict:
         """Triton launch keywords: warps, and the register cap when there is one."""
@@ -179,10 +147,6 @@ class MoEKernelConfig:
             and not (self.route_in_gemm and (self.gemm1.warp_specialized or self.gemm2.warp_specialized))
             and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
             and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
-                    for g, gated in ((self.gemm1, True), (self.gemm2, False)))
-            and all(not g.shared_decode or (self.block_m // g.token_groups >= 16
-                                            and g.token_group_registers(gated, self.block_m) <= 240
-                                            and g.decode_registers(gated, self.block_m) >= DECODE_MIN_REGISTERS)
                     for g, gated in ((self.gemm1, True), (self.gemm2, False)))
         )
 

@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..configs import LOADER_REGISTERS, GemmConfig
+from ..configs import GemmConfig
 from ..layouts import FragmentLayout
 from .moe_sm90 import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words, _grouped_tile,
                        _silu_times)
@@ -34,8 +34,7 @@ _W_BOX = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4
 _S_BOX = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
 _W_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 _S_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-# 16-bit [rows, 128] tiles wgmma reads from shared memory: token rows, and decoded weights (shared decode)
-_ROW_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+LOADER_REGISTERS = 56  # the loader warp: pointers and indices (at 40, ptxas spills them)
 
 
 @gluon.jit
@@ -63,7 +62,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
      a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
@@ -240,7 +239,8 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     HALVES: gl.constexpr = 2 if GATED else 1
     if PDL:  # the MMA warps wait here; the loader warp starts only when they enter warp_specialize below
         _after_previous_kernel()
-    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128], _ROW_TILE)
+    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # one TMA box per stage and matrix (GATED: gate, up): CHUNKS K chunks of BLOCK_N rows
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], s_desc.layout)
@@ -289,129 +289,6 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4)),
             (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
         ], [NW, NW, NW, 1], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
-
-
-@gluon.jit
-def _decoder(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr,
-             NW: gl.constexpr, CHUNKS: gl.constexpr):
-    """Shared decode: each stage's weights decoded once, into 16-bit tiles in shared memory that every token
-    group's wgmma reads (its A operand).  The decode warps walk the loader's stages, tile after tile."""
-    (w_smem, s_smem, dec_smem, ready, decoded, num_tiles_ptr, n_out, kp) = shared
-    UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
-    # the layout the register-A kernel feeds wgmma; its registers already are rows R, R+8 by K pairs
-    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 128, 16])
-    DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
-    tiles = gl.cdiv(gl.load(num_tiles_ptr) * gl.cdiv(n_out, BLOCK_N) - gl.program_id(0), gl.num_programs(0))
-    steps = kp // (128 * CHUNKS)
-    for it in range(tiles * steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        for c in gl.static_range(CHUNKS):
-            for h in gl.static_range(HALVES):
-                w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
-                sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
-                a = _decode_tile(w.index(c), sc.index(c), BLOCK_N, DTYPE, NW, DOT_L)
-                dec_smem.index((s * CHUNKS + c) * HALVES + h).store(a)
-        fence_async_shared()  # the tiles were written by the generic proxy; wgmma reads them by the async one
-        mbarrier.arrive(decoded.index(s))
-
-
-@gluon.jit
-def _token_group(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, DTYPE: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-                 TOKEN_GROUPS: gl.constexpr):
-    """Shared decode: one MMA warp group owning token rows [GROUP x TOK, (GROUP + 1) x TOK) of each tile, both
-    wgmma operands from shared memory.  A group whose rows are all past the expert's end skips its MMAs and
-    its epilogue (it still frees each stage)."""
-    (dec_smem, a_smem, decoded, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr,
-     tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
-    TOK: gl.constexpr = BLOCK_M // TOKEN_GROUPS
-    HALVES: gl.constexpr = 2 if GATED else 1
-    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOK, 16])
-    pid = gl.program_id(0)
-    num_m_tiles = gl.load(num_tiles_ptr)
-    num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    steps = kp // (128 * CHUNKS)
-    it = 0
-    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                              GROUP_M)  # fmt: skip
-        first = row0 + GROUP * TOK
-        busy = first < row_end
-        acc = gl.zeros([BLOCK_N, TOK], gl.float32, MMA_L)
-        acc_up = gl.zeros([BLOCK_N, TOK], gl.float32, MMA_L)
-        # a stage's MMAs run while the next stage's are issued: after issuing stage it, the wait retires
-        # stage it - 1's, which is then freed (its operands are all in shared memory)
-        for step in range(steps):
-            s = it % STAGES
-            mbarrier.wait(decoded.index(s), (it // STAGES) & 1)
-            if busy:
-                fence_async_shared()  # cp.async (generic proxy) wrote the token rows; wgmma reads them async
-                for c in gl.static_range(CHUNKS):
-                    b = a_smem.index(s * CHUNKS + c).slice(GROUP * TOK, TOK).permute((1, 0))
-                    for h in gl.static_range(HALVES):
-                        a = dec_smem.index((s * CHUNKS + c) * HALVES + h)
-                        if h == 0:
-                            acc = warpgroup_mma(a, b, acc, is_async=True)
-                        else:
-                            acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
-                acc, acc_up = warpgroup_mma_wait(CHUNKS * HALVES, deps=(acc, acc_up))
-            if step > 0:
-                mbarrier.arrive(empty.index((it - 1) % STAGES))
-            it += 1
-        acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
-        mbarrier.arrive(empty.index((it - 1) % STAGES))
-        if busy:
-            _epilogue(acc, acc_up, n_tile, expert, first, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-                      topk_weights_ptr, n_out, GATED, BLOCK_N, TOK, DTYPE, MMA_L)
-
-
-@gluon.jit
-def _moe_gemm_sd_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
-                        TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
-                        LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, TOKEN_GROUPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr):
-    """Shared decode (GemmConfig.shared_decode): the loader as in _moe_gemm_ws_kernel (a warp group: it gathers
-    up to 256 token rows a stage), the launch's warps decode each stage once into shared memory, and TOKEN_GROUPS MMA warp groups share it, each with its part of the tile's tokens."""
-    NW: gl.constexpr = gl.num_warps()
-    UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
-    # a warp group gathers the token rows: one warp would hold BLOCK_M / 2 row pointers a lane
-    LOADER_WARPS: gl.constexpr = 4
-    if PDL:
-        _after_previous_kernel()
-    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128], _ROW_TILE)
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], s_desc.layout)
-    dec_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS * HALVES, BLOCK_N, 128], _ROW_TILE)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    decoded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1 + 32 * LOADER_WARPS)  # the TMA's expect + a cp.async arrive a lane
-        mbarrier.init(decoded.index(i), count=1)
-        mbarrier.init(empty.index(i), count=TOKEN_GROUPS)
-    decoder = (w_smem, s_smem, dec_smem, ready, decoded, num_tiles_ptr, n_out, kp)
-    mma = (dec_smem, a_smem, decoded, empty, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
-           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp)
-    loader = (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-              num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
-    if TOKEN_GROUPS == 1:
-        gl.warp_specialize([
-            (_decoder, (decoder, GATED, BLOCK_N, STAGES, DTYPE, NW, CHUNKS)),
-            (_token_group, (mma, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, CHUNKS, 0, 1)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-        ], [4, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_decoder, (decoder, GATED, BLOCK_N, STAGES, DTYPE, NW, CHUNKS)),
-            (_token_group, (mma, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, CHUNKS, 0, 2)),
-            (_token_group, (mma, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, CHUNKS, 1, 2)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-        ], [4, 4, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
 def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int,
@@ -467,15 +344,10 @@ def launch_gemm_ws(
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
     whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route()."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
-    if gemm.shared_decode:  # no register cap (GemmConfig.is_valid): the partitions' registers are set here
-        kernel = _moe_gemm_sd_kernel
-        groups = dict(TOKEN_GROUPS=gemm.token_groups, MMA_REGS=gemm.token_group_registers(gated, block_m))
-    else:
-        kernel = _moe_gemm_ws_kernel
-        groups = dict(K_GROUPS=gemm.k_groups, MMA_REGS=_mma_registers(gemm))
-    kernel[(programs,)](
+    _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
-        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, **groups, launch_pdl=pdl, **gemm.launch_options(),
+        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
+        MMA_REGS=_mma_registers(gemm), launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

@@ -249,21 +249,14 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     empty experts, stages reused many times over (K up to 2048 = 16 steps through a ring of 3-6), and the
     same output as the Triton kernel with the same tiles to within rounding; stages of 1, 2 and 4 K chunks;
     tiles shared by 2-4 MMA warp groups, whose sums add in a fixed order (a second run is bit-identical)."""
-    block_n, warps, stages, regs, pps, chunks, groups = shape
-    ws = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
-                    warp_specialized=True, chunks_per_stage=chunks, k_groups=groups)  # fmt: skip
-    _check_gluon_gemms(case, block_m, ws, which, dtype, gen)
-
-
-def _check_gluon_gemms(case: Case, block_m: int, ws: GemmConfig, which: int, dtype: torch.dtype, gen) -> None:
-    """``ws`` as GEMM1 (which & 1) and / or GEMM2 (which & 2), the other the Triton kernel: against the float64
-    reference with output and scratch poisoned, bit-identical on a second run, and within a quarter of the
-    tolerance of the Triton kernel alone with the same tiles."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
     tw, ti = _routing(case, gen, "cuda")
-    plain = GemmConfig(ws.block_n, num_warps=ws.num_warps, num_stages=3)
+    block_n, warps, stages, regs, pps, chunks, groups = shape
+    ws = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
+                    warp_specialized=True, chunks_per_stage=chunks, k_groups=groups)  # fmt: skip
+    plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
     cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
@@ -278,30 +271,6 @@ def _check_gluon_gemms(case: Case, block_m: int, ws: GemmConfig, which: int, dty
     assert _rel(out, fused_moe_sm90(x, *args, triton_only)) < REL_TOL[dtype] / 4
 
 
-# shared decode: (case, block_m, (block_n, stages, chunks per stage, token groups), which GEMMs: 1, 2 or both)
-SD_CASES = [
-    (Case("prefill-sized tiles, two token groups", 8, 2, 1024, 1024, 600), 128, (64, 3, 1, 2), 1),
-    (Case("GEMM2, 128 rows, two token groups", 8, 2, 1024, 1024, 600), 128, (128, 3, 1, 2), 2),
-    (Case("one token: the second group idles", 8, 2, 2048, 768, 1), 128, (64, 3, 1, 2), 3),
-    (Case("ragged, half the experts empty", 16, 4, 1024, 448, 37, "half_empty"), 128, (64, 3, 1, 2), 3),
-    (Case("one token group of 128, padded K, top-8", 64, 8, 640, 208, 97), 128, (64, 3, 1, 1), 3),
-    (Case("every token to one expert, 64-token tiles", 8, 2, 512, 512, 300, "one_expert"), 64, (128, 2, 1, 2), 3),
-    (Case("2 chunks a stage, 64-token tiles", 8, 2, 1024, 512, 200), 64, (64, 2, 2, 1), 2),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case,block_m,shape,which", SD_CASES, ids=lambda v: getattr(v, "why", None))
-def test_shared_decode_matches_reference(case, block_m, shape, which, dtype, gen) -> None:
-    """GemmConfig.shared_decode: the weights decoded once per stage into shared memory for one or two MMA warp
-    groups, each with its part of the tile's tokens; a group whose rows are all past its expert's end skips
-    its MMAs and its epilogue.  Many tiles per program (several ring laps), 16 K steps."""
-    block_n, stages, chunks, groups = shape
-    sd = GemmConfig(block_n, num_stages=stages, warp_specialized=True, chunks_per_stage=chunks, shared_decode=True,
-                    token_groups=groups)  # fmt: skip
-    _check_gluon_gemms(case, block_m, sd, which, dtype, gen)
-
-
 @pytest.mark.parametrize("k_groups", [1, 3])
 def test_warp_specialized_in_a_cuda_graph(k_groups: int, gen: torch.Generator) -> None:
     """Both warp-specialized GEMMs captured once (their TMA descriptors baked into the graph), replayed with
@@ -313,15 +282,6 @@ def test_warp_specialized_in_a_cuda_graph(k_groups: int, gen: torch.Generator) -
     ring = GemmConfig(128, num_stages=stages[1], max_registers=128, programs_per_sm=pps, warp_specialized=True,
                       chunks_per_stage=2, k_groups=k_groups)  # fmt: skip
     _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, 7), MoEKernelConfig(16, ws, ring), gen)
-
-
-def test_shared_decode_in_a_cuda_graph(gen: torch.Generator) -> None:
-    """Both GEMMs with shared decode (two token groups of 64) captured once and replayed with new x and
-    routing: which groups idle changes from replay to replay."""
-    gemm1 = GemmConfig(64, num_stages=3, warp_specialized=True, shared_decode=True, token_groups=2)
-    gemm2 = GemmConfig(128, num_stages=3, warp_specialized=True, shared_decode=True, token_groups=2)
-    _graph_replays_with_new_routing(Case("graph shared decode", 8, 2, 1024, 512, 300), MoEKernelConfig(128, gemm1, gemm2),
-                                    gen)
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
