@@ -342,10 +342,11 @@ def test_warmup_leaves_nothing_to_compile(gen: torch.Generator) -> None:
     case = Case("warm", 24, 3, 256, 128, 0)  # no tuned entry: default configs, block_m 16/32/64 up to 700
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
-    assert m.warmup_fused_moe(w, 3, torch.bfloat16, 700) == [1, 43, 136, 264]
+    # routing: one program of 128 pairs to T=42, of 1024 to T=341, counted chunks past (routing_variants_from)
+    assert m.warmup_fused_moe(w, 3, torch.bfloat16, 700) == [1, 43, 136, 264, 342]
     before = compiled_variants()
     assert before > 0
-    for t in (1, 2, 5, 16, 42, 43, 45, 100, 135, 136, 257, 263, 264, 511, 699, 700):
+    for t in (1, 2, 5, 16, 42, 43, 45, 100, 135, 136, 257, 263, 264, 341, 342, 511, 699, 700):
         x = torch.randn(t, case.hidden, generator=gen, device="cuda").bfloat16()
         tw, ti = m.topk_softmax(torch.randn(t, case.experts, generator=gen, device="cuda"), case.top_k)
         out = m.fused_moe(x, w, tw, ti)
