@@ -123,7 +123,9 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class MoEKernelConfig:
-    """block_m (token rows per tile) is shared: both GEMMs read the same tile map.  partials_in_x_dtype:
+    """block_m (token rows per tile) is shared: both GEMMs read the same tile map.  A tile of 8 tokens (wgmma's
+    narrowest N, for experts with a few tokens each) needs both GEMMs warp-specialized: Triton lowers an
+    8-wide tl.dot to mma.sync, which made the Triton kernel slower, not faster (design 002).  partials_in_x_dtype:
     GEMM2 writes its rows per (token, k) in x's dtype instead of float32, halving what the combine moves
     (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does.  route_in_gemm: at most
     128 (token, k) pairs (the routing kernel's small block), both GEMMs plan the routing from topk_ids in
@@ -138,7 +140,8 @@ class MoEKernelConfig:
 
     def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
         return (
-            self.block_m in (16, 32, 64, 128, 256)
+            (self.block_m in (16, 32, 64, 128, 256)
+             or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT

@@ -165,6 +165,16 @@ def test_warp_specialized_takes_whole_tiles_and_the_routing_kernels_map() -> Non
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.warp_specialized is False
 
 
+def test_eight_token_tiles_need_both_gemms_warp_specialized() -> None:
+    """block_m 8: the Gluon kernel runs it as wgmma m64n8k16; the Triton kernel would lower the 8-wide dot to
+    mma.sync, so a config whose GEMMs are not both warp-specialized is refused."""
+    ws = GemmConfig(warp_specialized=True)
+    assert MoEKernelConfig(8, ws, ws).is_valid(512, 256)
+    assert not MoEKernelConfig(8, ws, GemmConfig()).is_valid(512, 256)
+    assert not MoEKernelConfig(8, GemmConfig(), ws).is_valid(512, 256)
+    assert not MoEKernelConfig(4, ws, ws).is_valid(512, 256)
+
+
 def test_warp_specialized_rings_take_whole_chunks_and_fit_shared_memory() -> None:
     """chunks_per_stage: the warp-specialized kernel's stages of several K chunks.  K must split into whole
     stages; the Triton kernel takes one chunk per stage, so other GEMMs keep 1; and the ring (token rows plus

@@ -116,7 +116,7 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4):
+                stages: int = 4, block_m: int = 16):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -137,7 +137,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups)  # fmt: skip
     assert gemm.is_valid(1024)
-    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=16, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
+    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
                       MMA_REGS=W._mma_registers(gemm))  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
@@ -147,6 +147,19 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
                          attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
+
+
+def _sass(cubin: bytes) -> str:
+    """The cubin's SASS, by the nvdisasm Triton ships."""
+    import os
+    import subprocess
+    import tempfile
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 @pytest.mark.parametrize(
@@ -184,6 +197,17 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     last_wait = ptx.rindex("wgmma.wait_group.sync.aligned 0;")
     release = ptx.index("mbarrier.arrive.shared::cta.b64", last_wait)  # the stage freed for the loader
     assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait
+
+
+@pytest.mark.parametrize("gated,block_n,chunks,k_groups", [(True, 64, 4, 1), (False, 128, 1, 1), (True, 64, 2, 2)])
+def test_eight_token_tiles_are_wgmma_n8(gated: bool, block_n: int, chunks: int, k_groups: int) -> None:
+    """block_m 8 in the Gluon kernel: every MMA a wgmma m64n8k16 with A in registers (not mma.sync, which is
+    what Triton's tl.dot makes of an 8-wide tile), and no spills at the shipped decode residencies."""
+    asm = _compile_ws(gated, block_n, 4, 168 if k_groups > 1 else 128, chunks, k_groups, 2 * k_groups, block_m=8)
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16 \{[^}]+\}, \{", asm["ptx"])
+    assert wgmma and set(wgmma) == {"m64n8k16"}
+    assert "mma.sync" not in asm["ptx"]
+    assert ".local" not in asm["ptx"] and not re.search(r"\bSTL", _sass(asm["cubin"]))
 
 
 @pytest.mark.parametrize(
@@ -231,16 +255,8 @@ def test_decode_instruction_budget() -> None:
     from the register of four as loaded; building a per-word scale operand first cost a second, 17
     instructions per word instead of 16)."""
     import collections
-    import os
-    import subprocess
-    import tempfile
 
-    cubin = _compile_ws(True, 128, 4, 128, 2)["cubin"]
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    sass = _sass(_compile_ws(True, 128, 4, 128, 2)["cubin"])
     ops = collections.Counter(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass))
     words = 2 * 2 * 128 * 128 // 8 // 128  # matrices x chunks x values / (8 per word) / threads
     assert ops["HGMMA"] == 2 * 2 * 2 * 8  # per matrix and chunk: two 64-row halves x eight k16 steps

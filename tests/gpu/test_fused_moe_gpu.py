@@ -238,6 +238,10 @@ WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs 
     (Case("4 K groups, odd step counts, several tiles per program", 8, 2, 1152, 640, 300), 64,
      (64, 4, 4, 96, 1, 1, 4), 3),
     (Case("2 K groups, 2 chunks a stage, ragged", 16, 4, 1024, 448, 37, "half_empty"), 16, (128, 4, 4, 168, 1, 2, 2), 3),
+    # 8-token tiles (wgmma N=8): experts past 8 tokens take several tiles; one token; K groups
+    (Case("8-token tiles, 4 chunks a stage, 2 per SM", 8, 2, 1024, 512, 33), 8, (64, 4, 2, 128, 2, 4, 1), 3),
+    (Case("8-token tiles, ragged, padded K, top-8", 64, 8, 640, 208, 41, "half_empty"), 8, (128, 4, 4, 128, 2, 1, 1), 3),
+    (Case("8-token tiles, one token, 2 K groups", 128, 8, 2048, 768, 1), 8, (64, 4, 4, 168, 1, 2, 2), 3),
 ]
 
 
@@ -248,7 +252,8 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     Against the float64 reference with outputs and scratch poisoned, the full FP4 code range, ragged and
     empty experts, stages reused many times over (K up to 2048 = 16 steps through a ring of 3-6), and the
     same output as the Triton kernel with the same tiles to within rounding; stages of 1, 2 and 4 K chunks;
-    tiles shared by 2-4 MMA warp groups, whose sums add in a fixed order (a second run is bit-identical)."""
+    tiles shared by 2-4 MMA warp groups, whose sums add in a fixed order (a second run is bit-identical);
+    8-token tiles (the Triton kernel checked against runs them with 16)."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
@@ -267,21 +272,22 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     assert not out.isnan().any(), "unwritten output"
     assert _rel(out, ref) < REL_TOL[dtype]
     assert torch.equal(out, fused_moe_sm90(x, *args, cfg))
-    triton_only = MoEKernelConfig(block_m, plain, plain)
+    triton_only = MoEKernelConfig(max(block_m, 16), plain, plain)  # 8-token tiles are Gluon-only
     assert _rel(out, fused_moe_sm90(x, *args, triton_only)) < REL_TOL[dtype] / 4
 
 
-@pytest.mark.parametrize("k_groups", [1, 3])
-def test_warp_specialized_in_a_cuda_graph(k_groups: int, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("k_groups,block_m", [(1, 16), (3, 16), (1, 8)])
+def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, gen: torch.Generator) -> None:
     """Both warp-specialized GEMMs captured once (their TMA descriptors baked into the graph), replayed with
-    new x and routing: the tile map is read on the device every replay.  With 3 K groups per tile, too."""
+    new x and routing: the tile map is read on the device every replay.  With 3 K groups per tile, and with
+    8-token tiles, too."""
     # one group: two programs per SM; three: one program of three MMA groups, stages a multiple of three
     pps, stages = (2, (4, 2)) if k_groups == 1 else (1, (6, 3))
     ws = GemmConfig(64, num_stages=stages[0], max_registers=128, programs_per_sm=pps, warp_specialized=True,
                     k_groups=k_groups)  # fmt: skip
     ring = GemmConfig(128, num_stages=stages[1], max_registers=128, programs_per_sm=pps, warp_specialized=True,
                       chunks_per_stage=2, k_groups=k_groups)  # fmt: skip
-    _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, 7), MoEKernelConfig(16, ws, ring), gen)
+    _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, 7), MoEKernelConfig(block_m, ws, ring), gen)
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
