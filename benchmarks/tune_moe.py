@@ -10,6 +10,8 @@
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-ws --jobs 14 --max-candidates 48
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-groups --jobs 14 --max-candidates 60
+    python benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 64 --update --climb --sweep-ws --sweep-gemms gemm2 \
+        --jobs 14 --max-candidates 60
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
@@ -17,7 +19,7 @@ the default heuristic, alone; the on/off switches are tried first).  --sweep tim
 tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
-(moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap; --sweep-groups each
+(moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x token tile; --sweep-groups each
 GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring.  Each candidate is
 checked against the torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph,
 median); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
@@ -190,12 +192,16 @@ def ws_sweep(
     cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
     """``cfg`` with one GEMM warp-specialized in every valid tile shape x ring (chunks per stage, stages) x
-    residency (register cap with the programs per SM it fits); the other GEMM and the token tile kept."""
-    settings = (dict(block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
-                     programs_per_sm=pps)
-                for (block_n, warps), (chunks, stages), (regs, pps) in itertools.product(SWEEP_SHAPES, WS_RINGS,
-                                                                                          WS_RESIDENCY))  # fmt: skip
-    return _warp_specialized(cfg, gemm, settings, hidden, inter)
+    residency (register cap with the programs per SM it fits), at each token tile of the search space (8-token
+    tiles need both GEMMs warp-specialized, so turning one GEMM Gluon can open them); the other GEMM kept."""
+    moe, _ = search_space(tokens, experts, top_k)
+    out = []
+    for (block_n, warps), (chunks, stages), (regs, pps) in itertools.product(SWEEP_SHAPES, WS_RINGS, WS_RESIDENCY):
+        setting = dict(block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
+                       programs_per_sm=pps)  # fmt: skip
+        for block_m in dict.fromkeys((cfg.block_m, *moe["block_m"])):
+            out += _warp_specialized(dataclasses.replace(cfg, block_m=block_m), gemm, [setting], hidden, inter)
+    return out
 
 
 def group_sweep(
@@ -309,6 +315,8 @@ def main() -> int:
                    help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
     p.add_argument("--sweep-ws", action="store_true",
                    help="time each GEMM warp-specialized in every tile shape x stages x residency before climbing")
+    p.add_argument("--sweep-gemms", default="gemm1,gemm2", choices=("gemm1,gemm2", "gemm1", "gemm2"),
+                   help="the GEMMs the --sweep* options sweep (in this order)")
     p.add_argument("--sweep-groups", action="store_true",
                    help="time each GEMM warp-specialized with 2-4 K groups per tile, every ring, before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
@@ -368,14 +376,15 @@ def main() -> int:
                 if pool is not None and len(batch) > 1:
                     pool.map(_compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1)
 
+            swept = args.sweep_gemms.split(",")
             sweeps = [functools.partial(gemm_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i,
-                                        shapes=args.sweep) for g in ("gemm1", "gemm2")] if args.sweep or args.sweep_k else []  # fmt: skip
+                                        shapes=args.sweep) for g in swept] if args.sweep or args.sweep_k else []  # fmt: skip
             if args.sweep_ws:
                 sweeps += [functools.partial(ws_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                           for g in ("gemm1", "gemm2")]  # fmt: skip
+                           for g in swept]  # fmt: skip
             if args.sweep_groups:
                 sweeps += [functools.partial(group_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                           for g in ("gemm1", "gemm2")]  # fmt: skip
+                           for g in swept]  # fmt: skip
             first = default_config(t, e, k, h, i)
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)

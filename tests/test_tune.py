@@ -169,8 +169,8 @@ def test_k_sweep_varies_only_how_one_gemm_divides_its_work() -> None:
 
 def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency() -> None:
     """--sweep-ws: one GEMM as the warp-specialized kernel (whole K, so no split or stream-K) in every tile
-    shape x ring (chunks per stage, stages) x (register cap, programs per SM) whose ring fits in shared memory;
-    the other GEMM and the token tile kept.  Neighbours can turn it on from a split config (dropping the
+    shape x ring (chunks per stage, stages) x (register cap, programs per SM) whose ring fits in shared memory,
+    at the config's token tile and the search space's; the other GEMM kept.  Neighbours can turn it on from a split config (dropping the
     split) and off from a multi-chunk ring (the Triton kernel takes one chunk per stage)."""
     e, k, h, i = MODELS["mixtral-8x7b"]
     first = dataclasses.replace(default_config(1, e, k, h, i), gemm1=GemmConfig(split_k=2))
@@ -185,10 +185,16 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
         # at block_m 16 every ring fits (the largest, 128-row tiles in 4 stages of 2 chunks, takes 176 KiB)
         every = len(SWEEP_SHAPES) * len(WS_RINGS)
         assert len(fits) == every if block_m == 16 else 0 < len(fits) < every
-        assert len(swept) == len(set(swept)) == len(fits) * len(WS_RESIDENCY)
-        assert {(c.gemm1.chunks_per_stage, c.gemm1.num_stages) for c in swept} == set(WS_RINGS)
+        at_tile = [c for c in swept if c.block_m == block_m]
+        assert len(swept) == len(set(swept)) and len(at_tile) == len(fits) * len(WS_RESIDENCY)
+        assert {(c.gemm1.chunks_per_stage, c.gemm1.num_stages) for c in at_tile} == set(WS_RINGS)
         assert all(c.gemm1.warp_specialized and c.gemm1.split_k == 1 and not c.gemm1.stream_k for c in swept)
-        assert all(c.gemm2 == first.gemm2 and c.block_m == block_m for c in swept)
+        assert all(c.gemm2 == first.gemm2 for c in swept)
+        # and the search space's token tiles at T=1, 8 and 16: 8 needs GEMM2 warp-specialized too, not so here
+        assert {c.block_m for c in swept} == {block_m, 16}
+    gluon2 = dataclasses.replace(first, gemm1=GemmConfig(), gemm2=GemmConfig(128, max_registers=128, programs_per_sm=2,
+                                                                               warp_specialized=True))  # fmt: skip
+    assert {c.block_m for c in ws_sweep(gluon2, "gemm1", 1, e, k, h, i)} == {8, 16}
     turned_on = [c for c in neighbors(first, 1, e, k, h, i) if c.gemm1.warp_specialized]
     assert turned_on and all(c.gemm1.split_k == 1 for c in turned_on)
     ring = dataclasses.replace(first, gemm1=GemmConfig(warp_specialized=True, chunks_per_stage=4, num_stages=2))
