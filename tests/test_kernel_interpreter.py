@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm, stream, pps = map(int, sys.argv[1:])
+    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm, stream, pps, block_m = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -38,8 +38,13 @@ SCRIPT = textwrap.dedent(
     emap = None
     if use_map:  # two global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32)
-    cfg = MoEKernelConfig(16, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps),
-                          GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps),
+    # 8-token tiles are valid only for the Gluon GEMMs; on CPU tensors those run the Triton kernel with the same
+    # tiles, as they do on a GPU for rows that are not 16-byte aligned
+    ws = block_m == 8
+    cfg = MoEKernelConfig(block_m, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps,
+                                              warp_specialized=ws),
+                          GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps,
+                                     warp_specialized=ws),
                           partials_in_x_dtype=bool(low), route_in_gemm=bool(in_gemm))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
@@ -48,8 +53,8 @@ SCRIPT = textwrap.dedent(
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, compute_dtype=torch.float64)
     assert not out.isnan().any(), "unwritten output"
     rel = ((out.double() - ref).norm() / ref.norm()).item() if t else 0.0
-    plan = m.plan_routing(ti, e, 16, expert_map=emap)
-    got = route(ti, e, 16, emap)
+    plan = m.plan_routing(ti, e, block_m, expert_map=emap)
+    got = route(ti, e, block_m, emap)
     for a, b in zip(got[1:], (plan.expert_counts, plan.expert_offsets, plan.tile_expert, plan.tile_row_start,
                               plan.num_tiles)):
         assert torch.equal(a, b), (a, b)
@@ -80,6 +85,7 @@ CASES = [  # (experts, top_k, hidden, inter, tokens, GEMM1 split_k, GEMM2 split_
     pytest.param(6, 3, 512, 256, 7, 2, 1, 0, 0, 0, 2, 3, id="stream-K GEMM2 after a split-K GEMM1"),
 ]
 
+
 WARMUP_SCRIPT = textwrap.dedent(
     """
     import torch, moe_nvfp4 as m
@@ -94,9 +100,23 @@ WARMUP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,in_gemm,stream,pps", CASES)
 def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, in_gemm, stream, pps, seed: int) -> None:
+    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm, stream, pps, 16])
+
+
+@pytest.mark.parametrize("e,k,h,i,t,use_map", [
+    pytest.param(6, 2, 256, 128, 13, 0, id="8-token tiles: experts of 1-8+ tokens, several tiles each"),
+    pytest.param(5, 3, 144, 80, 9, 1, id="8-token tiles, expert map, K padded"),
+])
+def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) -> None:
+    """block_m 8 (a Gluon-only config) where the Triton kernel runs it: tl.dot 8 wide."""
+    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8])
+
+
+def _run_case(args: list[int]) -> None:
+    """SCRIPT under the interpreter with ``args`` (its argv); checks it against the reference bound."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    args = [str(v) for v in (e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm, stream, pps)]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL
 

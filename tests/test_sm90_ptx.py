@@ -47,9 +47,9 @@ KERNELS = {
 }  # fmt: skip
 
 
-def _compile(name: str, pdl: bool, **options):
+def _compile(name: str, pdl: bool, block_m: int | None = None, **options):
     kernel, signature, constexprs, warps = KERNELS[name]
-    constexprs = dict(constexprs, PDL=pdl)
+    constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)))
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options))
@@ -208,6 +208,13 @@ def test_eight_token_tiles_are_wgmma_n8(gated: bool, block_n: int, chunks: int, 
     assert wgmma and set(wgmma) == {"m64n8k16"}
     assert "mma.sync" not in asm["ptx"]
     assert ".local" not in asm["ptx"] and not re.search(r"\bSTL", _sass(asm["cubin"]))
+
+
+def test_triton_gemm_compiles_eight_token_tiles() -> None:
+    """An 8-token config (Gluon-only) runs the Triton GEMM where rows are not 16-byte aligned: it must compile
+    for sm_90 at BLOCK_M 8, its dot as mma.sync m16n8k16 (the interpreter tests check its sums)."""
+    ptx = _compile("gemm1", pdl=True, block_m=8).asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and "wgmma" not in ptx
 
 
 @pytest.mark.parametrize(
