@@ -92,6 +92,7 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
     from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
+    from profile_moe import kernel_times
     from tune_moe import MODELS, make_layer
 
     e, k, h, i = MODELS[model]
@@ -116,18 +117,7 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
             ref = out if ref is None else ref
             rel_err = ((out - ref).norm() / ref.norm()).item()
             forward_us = sorted(1e3 * do_bench_cudagraph(forward, rep=50) for _ in range(3))[1]
-            with moe_sm90.plain_launches():  # each kernel's time its own
-                for _ in range(3):
-                    forward()
-                torch.cuda.synchronize()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(20):
-                        forward()
-                    torch.cuda.synchronize()
-            launches = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-            per_forward = len(launches) // 20
-            kernel_us = [[launches[j].name, sum(launches[j + per_forward * r].device_time for r in range(20)) / 20]
-                         for j in range(per_forward)]  # fmt: skip
+            kernel_us = [list(launch) for launch in kernel_times(forward)]  # each kernel's time its own (PDL off)
             rows.append(dict(model=model, tokens=tokens, ablation=name, rel_err=rel_err, forward_us=forward_us,
                              kernel_us=kernel_us, config=cfg.to_dict()))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)

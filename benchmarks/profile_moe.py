@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +26,23 @@ from moe_nvfp4.configs import MoEKernelConfig, select_config  # noqa: E402
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, plain_launches  # noqa: E402
 
 
+def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[str, float]]:
+    """Each kernel launch of one ``forward``, in launch order, with its mean device time in us over ``iters``
+    forwards (after three unprofiled ones), every kernel launched without programmatic dependent launch."""
+    with plain_launches():
+        for _ in range(3):
+            forward()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                forward()
+            torch.cuda.synchronize()
+    launches = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    per_forward = len(launches) // iters
+    return [(launches[j].name, sum(launches[j + per_forward * r].device_time for r in range(iters)) / iters)
+            for j in range(per_forward)]  # fmt: skip
+
+
 def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int = 20) -> dict[str, float]:
     e, k, h, i = MODELS[model]
     q13, q2 = make_layer(e, h, i, "cuda")
@@ -33,18 +51,9 @@ def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int 
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
     cfg = config or select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
-    with plain_launches():
-        for _ in range(3):
-            fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
-            torch.cuda.synchronize()
     per_kernel: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.device_time_total > 0:
-            per_kernel[evt.key[:60]] += evt.device_time_total / iters
+    for name, us in kernel_times(lambda: fused_moe_sm90(x, *args, tw, ti, None, i, cfg), iters):
+        per_kernel[name[:60]] += us
     return dict(per_kernel)
 
 

@@ -10,7 +10,7 @@
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-ws --jobs 14 --max-candidates 48
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-groups --jobs 14 --max-candidates 60
-    python benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 64 --update --climb --sweep-ws --sweep-gemms gemm2 \
+    python benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 64 --update --climb --sweep-ws --sweep-gemms gemm2 \\
         --jobs 14 --max-candidates 60
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
@@ -314,7 +314,8 @@ def main() -> int:
     p.add_argument("--sweep-k", action="store_true",
                    help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
     p.add_argument("--sweep-ws", action="store_true",
-                   help="time each GEMM warp-specialized in every tile shape x stages x residency before climbing")
+                   help="time each GEMM warp-specialized in every tile shape x stages x residency x token tile "
+                        "before climbing")
     p.add_argument("--sweep-gemms", default="gemm1,gemm2", choices=("gemm1,gemm2", "gemm1", "gemm2"),
                    help="the GEMMs the --sweep* options sweep (in this order)")
     p.add_argument("--sweep-groups", action="store_true",
@@ -376,15 +377,11 @@ def main() -> int:
                 if pool is not None and len(batch) > 1:
                     pool.map(_compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1)
 
-            swept = args.sweep_gemms.split(",")
-            sweeps = [functools.partial(gemm_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i,
-                                        shapes=args.sweep) for g in swept] if args.sweep or args.sweep_k else []  # fmt: skip
-            if args.sweep_ws:
-                sweeps += [functools.partial(ws_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                           for g in swept]  # fmt: skip
-            if args.sweep_groups:
-                sweeps += [functools.partial(group_sweep, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                           for g in swept]  # fmt: skip
+            # each sweep asked for, in this order, over the GEMMs asked for
+            kinds = [functools.partial(gemm_sweep, shapes=args.sweep)] if args.sweep or args.sweep_k else []
+            kinds += [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups
+            sweeps = [functools.partial(kind, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
+                      for kind in kinds for g in args.sweep_gemms.split(",")]  # fmt: skip
             first = default_config(t, e, k, h, i)
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)

@@ -170,8 +170,9 @@ def test_k_sweep_varies_only_how_one_gemm_divides_its_work() -> None:
 def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency() -> None:
     """--sweep-ws: one GEMM as the warp-specialized kernel (whole K, so no split or stream-K) in every tile
     shape x ring (chunks per stage, stages) x (register cap, programs per SM) whose ring fits in shared memory,
-    at the config's token tile and the search space's; the other GEMM kept.  Neighbours can turn it on from a split config (dropping the
-    split) and off from a multi-chunk ring (the Triton kernel takes one chunk per stage)."""
+    at the config's token tile and the search space's; the other GEMM kept.  Neighbours can turn it on from a
+    split config (dropping the split) and off from a multi-chunk ring (the Triton kernel takes one chunk per
+    stage)."""
     e, k, h, i = MODELS["mixtral-8x7b"]
     first = dataclasses.replace(default_config(1, e, k, h, i), gemm1=GemmConfig(split_k=2))
     for gemm, block_m in (("gemm1", 16), ("gemm1", 64), ("gemm2", 16)):
