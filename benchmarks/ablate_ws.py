@@ -39,22 +39,22 @@ _DECODE = ("    lo, hi = _decode_words(p, s8, DTYPE)\n",
            "    lo = p.to(gl.int16).to(DTYPE, bitcast=True)\n    hi = lo\n")  # fmt: skip
 # the wgmma replaced by an xor of each operand register into a sink the tile then stores where it equals a value
 # it cannot hold (ptxas would delete a decode whose result nobody reads)
-_MMA = ("""                    if h == 0:
-                        acc = warpgroup_mma(a, b, acc, is_async=True)
-                    else:
-                        acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
-""", """                    bits = a.to(gl.int16, bitcast=True)
-                    sink = gl.inline_asm_elementwise("xor.b32 $0, $1, $2;", "=r,r,r", [sink, bits], dtype=gl.int16,
-                                                     is_pure=True, pack=2)
+_MMA = ("""                if h == 0:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                else:
+                    acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
+""", """                bits = a.to(gl.int16, bitcast=True)
+                sink = gl.inline_asm_elementwise("xor.b32 $0, $1, $2;", "=r,r,r", [sink, bits], dtype=gl.int16,
+                                                 is_pure=True, pack=2)
 """)  # fmt: skip
-_SINK = [("        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)\n",
-          "        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)\n"
-          "        sink = gl.zeros([BLOCK_N, 128], gl.int16, DOT_L)\n"),
-         ("        phase = tiles_done & 1\n",
-          "        folded = gl.max(gl.max(sink.to(gl.int32), axis=1), axis=0)\n"
-          "        gl.store(out_ptr, folded.to(out_ptr.dtype.element_ty), mask=folded == 1 << 20)\n"
-          "        phase = tiles_done & 1\n")]  # fmt: skip
-_FENCE = ("            fence_async_shared()  # the token rows", "            # fence_async_shared()  # the token rows")
+_SINK = [("    acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)\n",
+          "    acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)\n"
+          "    sink = gl.zeros([BLOCK_N, 128], gl.int16, DOT_L)\n"),
+         ("    if GROUP > 0:  # hand this group's sums to group 0\n",
+          "    folded = gl.max(gl.max(sink.to(gl.int32), axis=1), axis=0)\n"
+          "    gl.store(out_ptr, folded.to(out_ptr.dtype.element_ty), mask=folded == 1 << 20)\n"
+          "    if GROUP > 0:  # hand this group's sums to group 0\n")]  # fmt: skip
+_FENCE = ("        fence_async_shared()  # the token rows", "        # fence_async_shared()  # the token rows")
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "full": [],
     "no_decode": [_DECODE],

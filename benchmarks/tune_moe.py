@@ -12,6 +12,7 @@
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-groups --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 64 --update --climb --sweep-ws --sweep-gemms gemm2 \\
         --jobs 14 --max-candidates 60
+    python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-loader --jobs 14 --max-candidates 24
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
 climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
@@ -20,7 +21,8 @@ tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (t
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
 (moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x token tile; --sweep-groups each
-GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring.  Each candidate is
+GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring; --sweep-loader each
+warp-specialized GEMM in every narrow_tiles x loader_warps.  Each candidate is
 checked against the torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph,
 median); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
@@ -66,8 +68,11 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
-                    max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4))  # fmt: skip
-# k_groups only for the climb (from a --sweep-groups config): the grid would rarely meet its register caps
+                    max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4),
+                    narrow_tiles=(0, 1, 2), loader_warps=(1, 2, 4))  # fmt: skip
+# k_groups only for the climb (from a --sweep-groups config): the grid would rarely meet its register caps;
+# narrow_tiles and loader_warps too (from a warp-specialized config: the grid's are mostly the Triton kernel's)
+CLIMB_ONLY = ("k_groups", "narrow_tiles", "loader_warps")
 DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True),
                            k_groups=(1, 2, 3, 4))  # fmt: skip
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
@@ -102,7 +107,7 @@ def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """The grid: both GEMMs share every parameter but the K split; plus the default heuristic."""
     moe, choices = search_space(tokens, experts, top_k)
-    shared = {f: v for f, v in choices.items() if f not in ("split_k", "k_groups")}
+    shared = {f: v for f, v in choices.items() if f not in ("split_k", *CLIMB_ONLY)}
     splits = choices.get("split_k", (1,))
     out = {default_config(tokens, experts, top_k, hidden, inter)}
     for moe_values, values, split1, split2 in itertools.product(
@@ -127,7 +132,7 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
         for f, values in choices.items():
             k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
             if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles; the Triton kernel one chunk
-                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1, k_groups=1)
+                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1, k_groups=1, narrow_tiles=0, loader_warps=4)
             out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
@@ -215,6 +220,19 @@ def group_sweep(
                 for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS,
                                                                                     GROUP_RINGS))  # fmt: skip
     return _warp_specialized(cfg, gemm, settings, hidden, inter)
+
+
+def loader_sweep(
+    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
+) -> list[MoEKernelConfig]:
+    """``cfg``'s GEMM, where warp-specialized, in every valid narrow_tiles x loader_warps (its other parameters,
+    the other GEMM and the token tile kept): each pair changes what a tile's rows cost, not the tile shape."""
+    g = getattr(cfg, gemm)
+    if not g.warp_specialized:
+        return []
+    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, narrow_tiles=narrow, loader_warps=warps)})
+           for narrow, warps in itertools.product(GEMM_CHOICES["narrow_tiles"], GEMM_CHOICES["loader_warps"])]  # fmt: skip
+    return [c for c in out if _valid(c, hidden, inter)]
 
 
 def search(
@@ -320,6 +338,8 @@ def main() -> int:
                    help="the GEMMs the --sweep* options sweep (in this order)")
     p.add_argument("--sweep-groups", action="store_true",
                    help="time each GEMM warp-specialized with 2-4 K groups per tile, every ring, before climbing")
+    p.add_argument("--sweep-loader", action="store_true",
+                   help="time each warp-specialized GEMM in every narrow_tiles x loader_warps before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     args = p.parse_args()
@@ -379,7 +399,7 @@ def main() -> int:
 
             # each sweep asked for, in this order, over the GEMMs asked for
             kinds = [functools.partial(gemm_sweep, shapes=args.sweep)] if args.sweep or args.sweep_k else []
-            kinds += [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups
+            kinds += [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups + [loader_sweep] * args.sweep_loader
             sweeps = [functools.partial(kind, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
                       for kind in kinds for g in args.sweep_gemms.split(",")]  # fmt: skip
             first = default_config(t, e, k, h, i)

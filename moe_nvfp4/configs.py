@@ -51,7 +51,7 @@ class GemmConfig:
     by programs is summed by the last of them to finish, in a fixed order (deterministic).  Excludes
     split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait for a second wave.
 
-    warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp and 4 or 8 MMA
+    warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp group and 4 or 8 MMA
     warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
     three: the loader's warp group counts too).  chunks_per_stage (warp-specialized only): K chunks of 128 per
     stage of its ring, fetched as one TMA box per matrix; the MMA warps keep MMAs running while they decode
@@ -62,7 +62,17 @@ class GemmConfig:
     warps decode one tile where tiles are fewer than the SMs' program slots (Qwen3 GEMM1 at T=1: 96 tiles), and
     a program's loader warp group serves several MMA groups.  max_registers must let one program (k_groups x
     num_warps MMA warps and the loader's warp group) fit an SM's 65536 registers, and num_stages be a multiple
-    of k_groups (each stage then always serves the same group)."""
+    of k_groups (each stage then always serves the same group).
+
+    narrow_tiles (warp-specialized only; 0, 1 or 2): a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs
+    that narrow, down to 8 tokens (the weights are the MMA's 64-row side, the tokens its N).  A tile then fits
+    the largest expert, so no expert's weights stream twice, while the many smaller ones pay for MMAs of their
+    own width only (Mixtral T=1, GEMM1 at block_m 16: 43.8 -> 41.1 us on the H200).
+
+    loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
+    cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:
+    one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage cost
+    Mixtral's long-K GEMM2 9 us of 78 (H200)."""
 
     block_n: int = 64
     group_m: int = 8
@@ -75,6 +85,8 @@ class GemmConfig:
     warp_specialized: bool = False
     chunks_per_stage: int = 1
     k_groups: int = 1
+    narrow_tiles: int = 0
+    loader_warps: int = 4
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -89,6 +101,8 @@ class GemmConfig:
             and (not self.warp_specialized or self._warp_specialized_ok())
             and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
+            and self.narrow_tiles in ((0, 1, 2) if self.warp_specialized else (0,))
+            and self.loader_warps in ((1, 2, 4) if self.warp_specialized else (4,))
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
@@ -142,6 +156,7 @@ class MoEKernelConfig:
         return (
             (self.block_m in (16, 32, 64, 128, 256)
              or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
+            and all(self.block_m >> g.narrow_tiles >= 8 for g in (self.gemm1, self.gemm2))  # wgmma's narrowest N
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT

@@ -215,3 +215,33 @@ def test_k_groups_fit_one_program_on_an_sm() -> None:
     assert groups.ws_shared_bytes(True, 16) == 6 * (16 * 128 * 2 + 2 * 4608) + 2 * 2 * 64 * 16 * 4
     assert groups.ws_shared_bytes(False, 16) == 6 * (16 * 128 * 2 + 4608) + 2 * 64 * 16 * 4
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.k_groups == 1
+
+
+def test_narrow_tiles_stay_wgmma_widths() -> None:
+    """narrow_tiles: the warp-specialized kernel runs a tile whose rows fit in block_m / 2 (or / 4) with MMAs
+    that narrow.  The narrowest width must still be a wgmma N (8 tokens or more), and only the Gluon kernel
+    has the narrow paths."""
+    ws = GemmConfig(128, num_warps=8, num_stages=4, warp_specialized=True)
+    for narrow, block_ms in ((1, (16, 32, 64)), (2, (32, 64, 128))):
+        g = dataclasses.replace(ws, narrow_tiles=narrow)
+        assert g.is_valid(1024)
+        assert all(MoEKernelConfig(bm, g, ws).is_valid(1024, 1024) for bm in block_ms)
+        assert all(MoEKernelConfig(bm, ws, g).is_valid(1024, 1024) for bm in block_ms)
+        assert not MoEKernelConfig(block_ms[0] // 2, g, g).is_valid(1024, 1024)  # an MMA of 4 tokens
+    assert not dataclasses.replace(ws, narrow_tiles=3).is_valid(1024)
+    assert not GemmConfig(narrow_tiles=1).is_valid(1024)
+    cfg = MoEKernelConfig(32, dataclasses.replace(ws, narrow_tiles=2), ws)
+    assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.narrow_tiles == 0
+
+
+def test_loader_warps_only_for_the_warp_specialized_kernel() -> None:
+    """loader_warps: the Gluon kernel's warps issuing the token rows (1, 2 or 4 of its loader warp group); the
+    Triton kernel has no loader, so other GEMMs keep the default; files without the field load as 4."""
+    ws = GemmConfig(128, num_warps=8, num_stages=4, warp_specialized=True)
+    assert all(dataclasses.replace(ws, loader_warps=n).is_valid(1024) for n in (1, 2, 4))
+    assert not dataclasses.replace(ws, loader_warps=3).is_valid(1024)
+    assert not GemmConfig(loader_warps=1).is_valid(1024)
+    cfg = MoEKernelConfig(8, dataclasses.replace(ws, loader_warps=1), ws)
+    assert cfg.is_valid(1024, 1024) and MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.loader_warps == 4

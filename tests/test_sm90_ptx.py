@@ -116,7 +116,7 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16):
+                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -135,11 +135,11 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
                      offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
                      topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
-                      chunks_per_stage=chunks, k_groups=k_groups)  # fmt: skip
-    assert gemm.is_valid(1024)
+                      chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
+    assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
-                      MMA_REGS=W._mma_registers(gemm))  # fmt: skip
+                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
     aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]
@@ -169,8 +169,8 @@ def _sass(cubin: bytes) -> str:
 )  # fmt: skip
 def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int) -> None:
     """What the Gluon kernel's correctness rests on, in its sm_90 PTX: the MMA warps wait for the previous
-    kernel before the loader warp starts (griddepcontrol.wait, then the barrier that releases the worker);
-    the loader's stage barrier counts 32 cp.async arrivals (.noinc) plus one expect-tx for one TMA box of
+    kernel before the loader warps start (griddepcontrol.wait, then the barrier that releases the workers);
+    the loader's stage barrier counts 128 cp.async arrivals (.noinc) plus one expect-tx for one TMA box of
     values and one of scales per matrix, covering every unit and chunk of the stage; the MMA warps fence the
     async proxy after each wait (cp.async writes, wgmma reads) and issue wgmma with register A operands.
     Of the stage's MMAs (gate and up per chunk) at most one (128 rows per warp group) or two (64) run while
@@ -180,7 +180,7 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     ptx = _compile_ws(gated, block_n, warps, maxnreg, chunks)["ptx"]
     assert ptx.index("griddepcontrol.wait") < ptx.index("barrier.sync")
     halves = 2 if gated else 1
-    assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 33;", ptx)
+    assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 129;", ptx)  # a warp group's threads + 1
     assert "cp.async.mbarrier.arrive.noinc" in ptx
     box_bytes = halves * (block_n // 64) * chunks * (4096 + 512)
     assert re.search(rf"expect_tx\.shared\.b64 _, \[%r\d+\], {box_bytes};", ptx)
@@ -208,6 +208,40 @@ def test_eight_token_tiles_are_wgmma_n8(gated: bool, block_n: int, chunks: int, 
     assert wgmma and set(wgmma) == {"m64n8k16"}
     assert "mma.sync" not in asm["ptx"]
     assert ".local" not in asm["ptx"] and not re.search(r"\bSTL", _sass(asm["cubin"]))
+
+
+@pytest.mark.parametrize(
+    "gated,block_n,warps,maxnreg,chunks,k_groups,block_m,narrow,widths",
+    [(True, 128, 8, 128, 2, 1, 32, 2, (8, 16, 32)), (False, 128, 4, None, 1, 1, 32, 1, (16, 32)),
+     (True, 64, 4, 168, 2, 2, 16, 1, (8, 16)), (True, 128, 8, 128, 2, 1, 32, 0, (32,))],
+)  # fmt: skip
+def test_narrow_tiles_run_narrower_wgmma(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int,
+                                         k_groups: int, block_m: int, narrow: int, widths: tuple[int, ...]) -> None:
+    """GemmConfig.narrow_tiles: the kernel holds one copy of the tile's K loop per MMA width (block_m, and
+    block_m / 2, / 4 down to 8 tokens), each the full stage protocol (every MMA of a stage retired before the
+    stage is freed), and chooses one per tile at run time; no width spills."""
+    asm = _compile_ws(gated, block_n, warps, maxnreg, chunks, k_groups, 2 * k_groups if k_groups > 1 else 4,
+                      block_m=block_m, narrow=narrow)  # fmt: skip
+    ptx = asm["ptx"]
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]+\}, \{", ptx)
+    assert sorted({int(n) for n in wgmma}) == list(widths)
+    per_width = (2 if gated else 1) * chunks * (block_n // (16 * warps)) * k_groups  # wgmma per K step and width
+    assert len(wgmma) == per_width * len(widths) * 8  # eight k16 steps per 128-wide chunk
+    assert re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx).count("0") == len(widths) * k_groups
+    assert ".local" not in ptx and not re.search(r"\bSTL", _sass(asm["cubin"]))
+
+
+@pytest.mark.parametrize("loader_warps,block_m", [(1, 8), (2, 16), (4, 32), (4, 64)])
+def test_loader_warps_issue_the_token_rows(loader_warps: int, block_m: int) -> None:
+    """GemmConfig.loader_warps: that many warps of the loader's warp group issue the token rows' cp.async, each
+    thread's arrival counted by the stage barrier (plus the TMA's expect-arrive, by one thread), the idle warps
+    lowered to the fewest registers; no spills where each is shipped (one warp spilled from block_m 16 on)."""
+    asm = _compile_ws(True, 128, 8, 128, 2, block_m=block_m, loader_warps=loader_warps)
+    ptx = asm["ptx"]
+    assert re.search(rf"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], {32 * loader_warps + 1};", ptx)
+    assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1
+    assert len(re.findall(r"@%p\d+ mbarrier\.arrive\.expect_tx", ptx)) == 1  # predicated: one thread
+    assert ".local" not in ptx and not re.search(r"\bSTL", _sass(asm["cubin"]))
 
 
 def test_triton_gemm_compiles_eight_token_tiles() -> None:
@@ -243,7 +277,7 @@ def test_k_groups_share_a_tile(gated: bool, block_n: int, maxnreg: int, chunks: 
     assert ptx.count("wgmma.commit_group") == mmas * k_groups
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
     assert waits.count("0") == k_groups
-    # stages' empty barriers and the groups' full/free pairs count one arrival; the stages' ready ones 33
+    # stages' empty barriers and the groups' full/free pairs count one arrival; the stages' ready ones 129
     assert len(re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64 \[[^]]+\], 1;", ptx)) == stages + 2 * (k_groups - 1)
     f32_stores = [m.start() for m in re.finditer(r"st\.shared(?:\.v\d)?\.f32|st\.shared(?:\.v\d)?\.b32", ptx)]
     arrivals = [m.start() for m in re.finditer(r"mbarrier\.arrive\.shared::cta\.b64", ptx)]

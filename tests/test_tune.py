@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
     GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, candidates, gemm_sweep, group_sweep,
-    merge_entries, neighbors, search, spread, ws_sweep,
+    loader_sweep, merge_entries, neighbors, search, spread, ws_sweep,
 )
 
 from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
@@ -49,9 +49,9 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
         def gemm(g: GemmConfig) -> list:
             k_mode = "ws" if g.warp_specialized else "stream" if g.stream_k else g.split_k
             return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode,
-                    g.chunks_per_stage, g.k_groups]
+                    g.chunks_per_stage, g.k_groups, g.narrow_tiles, g.loader_warps]
 
-        assert len(dataclasses.fields(GemmConfig)) == 11, "a new GemmConfig field: add it above"
+        assert len(dataclasses.fields(GemmConfig)) == 13, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
@@ -59,6 +59,14 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
         assert sum(a != b for a, b in zip(values(c), values(first))) == 1
     # GEMM1 and GEMM2 move independently
     assert any(c.gemm1 == first.gemm1 and c.gemm2 != first.gemm2 for c in near)
+    # from a warp-specialized GEMM with tiles of 16 tokens or more, narrower MMAs are one step away; so are
+    # loaders of other widths
+    ws = dataclasses.replace(first, block_m=max(first.block_m, 16),
+                             gemm1=GemmConfig(128, num_warps=8, num_stages=4, warp_specialized=True))  # fmt: skip
+    assert ws.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
+    ws_near = neighbors(ws, tokens, e, k, h, i)
+    assert {c.gemm1.narrow_tiles for c in ws_near} >= {1, 2} - ({2} if ws.block_m < 32 else set())
+    assert {c.gemm1.loader_warps for c in ws_near} == {1, 2, 4}
     if tokens == 1:  # from a K split, stream-K is one step away
         split = dataclasses.replace(first, gemm2=dataclasses.replace(first.gemm2, split_k=2))
         assert dataclasses.replace(split.gemm2, split_k=1, stream_k=True) in [c.gemm2 for c in neighbors(split, tokens, e, k, h, i)]
@@ -225,3 +233,19 @@ def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
         assert all(getattr(c, gemm).programs_per_sm == 1 and getattr(c, gemm).warp_specialized for c in swept)
         other = "gemm2" if gemm == "gemm1" else "gemm1"
         assert all(getattr(c, other) == getattr(first, other) and c.block_m == first.block_m for c in swept)
+
+
+def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
+    """--sweep-loader: a warp-specialized GEMM in every narrow_tiles x loader_warps its token tile allows (no
+    MMA under 8 tokens), nothing else changed; a Triton GEMM is not swept."""
+    e, k, h, i = MODELS["mixtral-8x7b"]
+    ws = GemmConfig(128, num_warps=8, num_stages=4, max_registers=128, warp_specialized=True, chunks_per_stage=2)
+    for block_m, narrows in ((32, {0, 1, 2}), (16, {0, 1}), (8, {0})):
+        cfg = MoEKernelConfig(block_m, ws, GemmConfig(128) if block_m > 8 else ws)
+        swept = loader_sweep(cfg, "gemm1", 64, e, k, h, i)
+        got = {(c.gemm1.narrow_tiles, c.gemm1.loader_warps) for c in swept}
+        assert len(got) == len(swept) and got == {(n, w) for n in narrows for w in (1, 2, 4)}
+        assert all(dataclasses.replace(c.gemm1, narrow_tiles=0, loader_warps=4) == ws for c in swept)
+        assert all(c.gemm2 == cfg.gemm2 and c.block_m == block_m for c in swept)
+        if block_m > 8:
+            assert loader_sweep(cfg, "gemm2", 64, e, k, h, i) == []

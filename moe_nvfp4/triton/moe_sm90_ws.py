@@ -1,11 +1,11 @@
-"""Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp feeds a ring of shared-memory stages, the MMA
+"""Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp group feeds a ring of shared-memory stages, the MMA
 warps decode FP4 from shared memory into their wgmma A registers.
 
 Same contract and sums as moe_sm90._moe_gemm_kernel's whole-K path (its decode PTX, tile order and SiLU are
 shared).  There every thread computes its own cp.async addresses and waits for its own copies (170 of the
-decode loop's 426 SASS instructions per K step at block_n 64); here one loader warp issues, per stage and
-matrix, one TMA box of values and one of scales (4 KiB and 512 bytes per 64-row unit and K chunk), and
-cp.async for the (gathered) token rows, and runs ahead across tile boundaries.  What made it faster on the
+decode loop's 426 SASS instructions per K step at block_n 64); here one loader thread issues, per stage and
+matrix, one TMA box of values and one of scales (4 KiB and 512 bytes per 64-row unit and K chunk), and its
+warp group cp.async for the (gathered) token rows, running ahead across tile boundaries.  What made it faster on the
 H200 was the loads' rate: boxes of 128-byte rows stream at 3.6 TB/s where 32-byte rows reached 2.9, and one
 box per matrix for all of a tile's units at 3.9-4.1 (design 002).  A stage may hold several K chunks
 (GemmConfig.chunks_per_stage), and the MMA warps keep MMAs running while they decode the stage's next
@@ -34,7 +34,9 @@ _W_BOX = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4
 _S_BOX = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
 _W_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 _S_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-LOADER_REGISTERS = 56  # the loader warp: pointers and indices (at 40, ptxas spills them)
+# registers of the loader's warp group (setmaxnreg sets them per warp group; its idle warps hold as many):
+# pointers and indices, GemmConfig.loader_warps of its warps issuing the token rows' cp.async
+LOADER_REGISTERS = 56
 
 
 @gluon.jit
@@ -57,12 +59,12 @@ def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_p
 
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr):
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, LOADER_WARPS: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
      a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
@@ -125,20 +127,15 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr):
+              K_GROUPS: gl.constexpr, NARROW: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in group order: deterministic) and runs the epilogue.  ``shared``:
-    the run-time arguments every group takes (a tuple, so the kernel names them once for all groups)."""
+    the run-time arguments every group takes (a tuple, so the kernel names them once for all groups).  A tile
+    whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: wgmma's
+    time grows with its token width N, and an expert's rows seldom fill the tile (every group of the tile
+    picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
      sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
-    UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
-    # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
-    # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
-    # operands are live)
-    IN_FLIGHT: gl.constexpr = 2 if BLOCK_N == 16 * NW else 1
-    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16])
-    DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
@@ -147,60 +144,94 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                               GROUP_M)  # fmt: skip
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
-        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_L)
-        # the program's K steps in the loader's order are dealt to the groups in turn (step it to group
-        # it % K_GROUPS); with STAGES a multiple of K_GROUPS each stage then always serves one group, which waits
-        # for its uses in order, so a stage's barrier is never more than one phase ahead of its waiter
-        base = tiles_done * steps
-        for step in range((GROUP + K_GROUPS - base % K_GROUPS) % K_GROUPS, steps, K_GROUPS):
-            it = base + step
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
-            # The stage's MMAs in order (gate, up per chunk), at most IN_FLIGHT of them left running while the
-            # next one decodes.  wgmma reads its A registers asynchronously: an operand is a dep of the wait
-            # that retires its MMA, so nothing reuses its registers before.  The stage ends with all retired:
-            # an operand carried into the next iteration was seen moved to new registers at the loop back-edge
-            # while its MMA still read the old ones (wrong sums).
-            older = gl.zeros([BLOCK_N, 128], DTYPE, DOT_L)  # the A operands of the MMAs still running
-            newer = older
-            for c in gl.static_range(CHUNKS):
-                b = a_smem.index(s * CHUNKS + c).permute((1, 0))
-                for h in gl.static_range(HALVES):
-                    w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
-                    sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
-                    a = _decode_tile(w.index(c), sc.index(c), BLOCK_N, DTYPE, NW, DOT_L)
-                    if h == 0:
-                        acc = warpgroup_mma(a, b, acc, is_async=True)
-                    else:
-                        acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
-                    if c * HALVES + h >= IN_FLIGHT:  # retire the oldest MMA still running
-                        warpgroup_mma_wait(IN_FLIGHT, deps=(older,))
-                    if IN_FLIGHT == 1:
-                        older = a
-                    else:
-                        older = newer
-                        newer = a
-            acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
-            mbarrier.arrive(empty.index(s))
-        phase = tiles_done & 1
-        tiles_done += 1
-        if GROUP > 0:  # hand this group's sums to group 0
-            mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
-            sums_smem.index(HALVES * (GROUP - 1)).store(acc)
-            if GATED:
-                sums_smem.index(HALVES * (GROUP - 1) + 1).store(acc_up)
-            mbarrier.arrive(sums_full.index(GROUP - 1))
+        tile = (n_tile, expert, row0, row_end, tiles_done * steps, tiles_done & 1, steps)
+        if NARROW == 2:
+            if row_end - row0 <= BLOCK_M // 4:
+                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+            elif row_end - row0 <= BLOCK_M // 2:
+                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+            else:
+                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+        elif NARROW == 1:
+            if row_end - row0 <= BLOCK_M // 2:
+                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+            else:
+                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
         else:
-            for g in gl.static_range(K_GROUPS - 1):
-                mbarrier.wait(sums_full.index(g), phase)
-                acc += sums_smem.index(HALVES * g).load(MMA_L)
-                if GATED:
-                    acc_up += sums_smem.index(HALVES * g + 1).load(MMA_L)
-                mbarrier.arrive(sums_free.index(g))
-            _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-                      topk_weights_ptr, n_out, GATED, BLOCK_N, BLOCK_M, DTYPE, MMA_L)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+        tiles_done += 1
+
+
+@gluon.jit
+def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
+               DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
+               K_GROUPS: gl.constexpr):
+    """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
+    rows), then its sums handed to group 0 or, in group 0, the epilogue."""
+    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
+     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
+    n_tile, expert, row0, row_end, base, phase, steps = tile
+    UNITS: gl.constexpr = BLOCK_N // 64
+    HALVES: gl.constexpr = 2 if GATED else 1
+    # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
+    # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
+    # operands are live)
+    IN_FLIGHT: gl.constexpr = 2 if BLOCK_N == 16 * NW else 1
+    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, WIDTH, 16])
+    DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
+    SUMS_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
+    acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
+    # the program's K steps in the loader's order are dealt to the groups in turn (step it to group
+    # it % K_GROUPS); with STAGES a multiple of K_GROUPS each stage then always serves one group, which waits
+    # for its uses in order, so a stage's barrier is never more than one phase ahead of its waiter
+    for step in range((GROUP + K_GROUPS - base % K_GROUPS) % K_GROUPS, steps, K_GROUPS):
+        it = base + step
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
+        # The stage's MMAs in order (gate, up per chunk), at most IN_FLIGHT of them left running while the
+        # next one decodes.  wgmma reads its A registers asynchronously: an operand is a dep of the wait
+        # that retires its MMA, so nothing reuses its registers before.  The stage ends with all retired:
+        # an operand carried into the next iteration was seen moved to new registers at the loop back-edge
+        # while its MMA still read the old ones (wrong sums).
+        older = gl.zeros([BLOCK_N, 128], DTYPE, DOT_L)  # the A operands of the MMAs still running
+        newer = older
+        for c in gl.static_range(CHUNKS):
+            b = a_smem.index(s * CHUNKS + c).slice(0, WIDTH).permute((1, 0))
+            for h in gl.static_range(HALVES):
+                w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
+                sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
+                a = _decode_tile(w.index(c), sc.index(c), BLOCK_N, DTYPE, NW, DOT_L)
+                if h == 0:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                else:
+                    acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
+                if c * HALVES + h >= IN_FLIGHT:  # retire the oldest MMA still running
+                    warpgroup_mma_wait(IN_FLIGHT, deps=(older,))
+                if IN_FLIGHT == 1:
+                    older = a
+                else:
+                    older = newer
+                    newer = a
+        acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
+        mbarrier.arrive(empty.index(s))
+    # a group's sums buffer is [BLOCK_N, BLOCK_M] float32; a narrow tile's sums use its first BLOCK_N x WIDTH
+    if GROUP > 0:  # hand this group's sums to group 0
+        mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
+        sums_smem.index(HALVES * (GROUP - 1))._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).store(acc)
+        if GATED:
+            sums_smem.index(HALVES * (GROUP - 1) + 1)._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).store(acc_up)
+        mbarrier.arrive(sums_full.index(GROUP - 1))
+    else:
+        for g in gl.static_range(K_GROUPS - 1):
+            mbarrier.wait(sums_full.index(g), phase)
+            acc += sums_smem.index(HALVES * g)._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).load(MMA_L)
+            if GATED:
+                acc_up += sums_smem.index(HALVES * g + 1)._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).load(MMA_L)
+            mbarrier.arrive(sums_free.index(g))
+        _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
+                  topk_weights_ptr, n_out, GATED, BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
@@ -233,11 +264,11 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr):
+                        MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    if PDL:  # the MMA warps wait here; the loader warp starts only when they enter warp_specialize below
+    if PDL:  # the MMA warps wait here; the loader warps start only when they enter warp_specialize below
         _after_previous_kernel()
     a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
@@ -247,7 +278,8 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=33)  # the TMA's expect-arrive + one cp.async arrive per loader lane
+        # the TMA's expect-arrive + one cp.async arrive per loader thread
+        mbarrier.init(ready.index(i), count=32 * LOADER_WARPS + 1)
         mbarrier.init(empty.index(i), count=1)
     # K groups 1.. hand their sums of a tile to group 0 through one buffer each (gate and up when GATED)
     sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
@@ -265,30 +297,30 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
               num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-        ], [1], [LOADER_REGS])
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-        ], [NW, 1], [MMA_REGS, LOADER_REGS])
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+        ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-        ], [NW, NW, 1], [MMA_REGS, MMA_REGS, LOADER_REGS])
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+        ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS)),
-        ], [NW, NW, NW, 1], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+        ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
 def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int,
@@ -349,5 +381,6 @@ def launch_gemm_ws(
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
-        MMA_REGS=_mma_registers(gemm), launch_pdl=pdl, **gemm.launch_options(),
+        MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles,
+        LOADER_WARPS=gemm.loader_warps, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

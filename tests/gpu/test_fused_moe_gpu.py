@@ -219,8 +219,8 @@ def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
     _graph_replays_with_new_routing(Case("graph stream-K", 8, 2, 1024, 512, 5), cfg, gen)
 
 
-WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM, chunks per stage, K groups),
-    #            which GEMMs)
+WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM, chunks per stage, K groups
+    #            [, other GemmConfig fields]), which GEMMs)
     (Case("one token, both GEMMs, one program per SM", 8, 2, 2048, 448, 1), 16, (64, 4, 4, None, 1, 1, 1), 3),
     (Case("ragged, half the experts empty, 3 per SM", 16, 4, 512, 384, 33, "half_empty"), 16, (64, 4, 6, 80, 3, 1, 1), 3),
     (Case("every token to one expert, 2 per SM", 8, 2, 256, 512, 40, "one_expert"), 32, (128, 4, 4, 128, 2, 1, 1), 3),
@@ -240,27 +240,37 @@ WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs 
     (Case("2 K groups, 2 chunks a stage, ragged", 16, 4, 1024, 448, 37, "half_empty"), 16, (128, 4, 4, 168, 1, 2, 2), 3),
     # 8-token tiles (wgmma N=8): experts past 8 tokens take several tiles; one token; K groups
     (Case("8-token tiles, 4 chunks a stage, 2 per SM", 8, 2, 1024, 512, 33), 8, (64, 4, 2, 128, 2, 4, 1), 3),
-    (Case("8-token tiles, ragged, padded K, top-8", 64, 8, 640, 208, 41, "half_empty"), 8, (128, 4, 4, 128, 2, 1, 1), 3),
+    (Case("8-token tiles, ragged, padded K, top-8, one loader warp", 64, 8, 640, 208, 41, "half_empty"), 8,
+     (128, 4, 4, 128, 2, 1, 1, dict(loader_warps=1)), 3),
     (Case("8-token tiles, one token, 2 K groups", 128, 8, 2048, 768, 1), 8, (64, 4, 4, 168, 1, 2, 2), 3),
+    # narrow tiles (GemmConfig.narrow_tiles): experts of 0 to ~60 rows, so tiles of each MMA width (8, 16, 32)
+    # and experts of several tiles whose last is narrow; with 2 K groups the groups must pick the same width
+    (Case("narrow tiles 8/16/32, 2 MMA warp groups", 16, 4, 1024, 512, 40), 32,
+     (128, 8, 4, 128, 1, 2, 1, dict(narrow_tiles=2)), 3),
+    (Case("narrow tiles, several an expert, top-8, two loader warps", 32, 8, 640, 208, 70, "half_empty"), 32,
+     (64, 4, 4, 128, 2, 1, 1, dict(narrow_tiles=1, loader_warps=2)), 3),
+    (Case("narrow 8 of 16, 2 K groups, one loader warp", 64, 8, 1024, 448, 50), 16,
+     (128, 4, 4, 168, 1, 2, 2, dict(narrow_tiles=1, loader_warps=1)), 3),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case,block_m,shape,which", WS_CASES, ids=lambda v: getattr(v, "why", None))
 def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, gen) -> None:
-    """The warp-specialized Gluon GEMMs (moe_sm90_ws): a TMA loader warp, MMA warps decoding from shared memory.
+    """The warp-specialized Gluon GEMMs (moe_sm90_ws): a TMA loader warp group, MMA warps decoding from shared memory.
     Against the float64 reference with outputs and scratch poisoned, the full FP4 code range, ragged and
     empty experts, stages reused many times over (K up to 2048 = 16 steps through a ring of 3-6), and the
     same output as the Triton kernel with the same tiles to within rounding; stages of 1, 2 and 4 K chunks;
     tiles shared by 2-4 MMA warp groups, whose sums add in a fixed order (a second run is bit-identical);
-    8-token tiles (the Triton kernel checked against runs them with 16)."""
+    8-token tiles (the Triton kernel checked against runs them with 16); tiles whose MMAs run 8 or 16 tokens
+    wide where the expert's rows fit; loaders of 1, 2 and 4 warps."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
     tw, ti = _routing(case, gen, "cuda")
-    block_n, warps, stages, regs, pps, chunks, groups = shape
+    block_n, warps, stages, regs, pps, chunks, groups, *other = shape
     ws = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
-                    warp_specialized=True, chunks_per_stage=chunks, k_groups=groups)  # fmt: skip
+                    warp_specialized=True, chunks_per_stage=chunks, k_groups=groups, **(other[0] if other else {}))
     plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
     cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
@@ -276,18 +286,19 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     assert _rel(out, fused_moe_sm90(x, *args, triton_only)) < REL_TOL[dtype] / 4
 
 
-@pytest.mark.parametrize("k_groups,block_m", [(1, 16), (3, 16), (1, 8)])
-def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("k_groups,block_m,narrow", [(1, 16, 0), (3, 16, 0), (1, 8, 0), (1, 32, 2)])
+def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, narrow: int, gen: torch.Generator) -> None:
     """Both warp-specialized GEMMs captured once (their TMA descriptors baked into the graph), replayed with
-    new x and routing: the tile map is read on the device every replay.  With 3 K groups per tile, and with
-    8-token tiles, too."""
+    new x and routing: the tile map is read on the device every replay.  With 3 K groups per tile, with
+    8-token tiles, and with narrow tiles (each replay's routing picks other widths), too."""
     # one group: two programs per SM; three: one program of three MMA groups, stages a multiple of three
     pps, stages = (2, (4, 2)) if k_groups == 1 else (1, (6, 3))
     ws = GemmConfig(64, num_stages=stages[0], max_registers=128, programs_per_sm=pps, warp_specialized=True,
-                    k_groups=k_groups)  # fmt: skip
+                    k_groups=k_groups, narrow_tiles=narrow)  # fmt: skip
     ring = GemmConfig(128, num_stages=stages[1], max_registers=128, programs_per_sm=pps, warp_specialized=True,
-                      chunks_per_stage=2, k_groups=k_groups)  # fmt: skip
-    _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, 7), MoEKernelConfig(block_m, ws, ring), gen)
+                      chunks_per_stage=2, k_groups=k_groups, narrow_tiles=narrow)  # fmt: skip
+    tokens = 60 if narrow else 7  # narrow: experts of ~15 rows, spread over all three widths
+    _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, tokens), MoEKernelConfig(block_m, ws, ring), gen)
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
