@@ -85,7 +85,7 @@ WS_RINGS = ((1, 4), (1, 6), (2, 2), (2, 4), (4, 2))
 # --sweep-groups: K groups of 4 MMA warps sharing a tile, each with the register cap that fits one program of
 # them and the loader's warp group on an SM; rings whose stages are a multiple of the groups
 WS_K_GROUPS = ((2, 168), (3, 128), (4, 96))
-GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (1, 3), (2, 3), (4, 2))
+GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (1, 3), (2, 3), (4, 2), (4, 4))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
