@@ -131,9 +131,9 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in group order: deterministic) and runs the epilogue.  ``shared``:
     the run-time arguments every group takes (a tuple, so the kernel names them once for all groups).  A tile
-    whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: wgmma's
-    time grows with its token width N, and an expert's rows seldom fill the tile (every group of the tile
-    picks the same width from the same rows)."""
+    whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile
+    holds the largest expert, and the smaller ones pay for their own width only (every group of the tile picks
+    the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
      sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
     pid = gl.program_id(0)
@@ -145,18 +145,12 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                               GROUP_M)  # fmt: skip
         tile = (n_tile, expert, row0, row_end, tiles_done * steps, tiles_done & 1, steps)
-        if NARROW == 2:
-            if row_end - row0 <= BLOCK_M // 4:
-                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
-            elif row_end - row0 <= BLOCK_M // 2:
-                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
-            else:
-                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
-        elif NARROW == 1:
-            if row_end - row0 <= BLOCK_M // 2:
-                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
-            else:
-                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+        rows = row_end - row0
+        # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
+        if NARROW >= 2 and rows <= BLOCK_M // 4:
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
+        elif NARROW >= 1 and rows <= BLOCK_M // 2:
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
         else:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
         tiles_done += 1
@@ -179,7 +173,9 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     IN_FLIGHT: gl.constexpr = 2 if BLOCK_N == 16 * NW else 1
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, WIDTH, 16])
     DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
-    SUMS_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # the groups' sums buffers viewed as [BLOCK_N, WIDTH] each: producer and consumer of a tile share the view
+    sums = sums_smem._reinterpret(gl.float32, [sums_smem.shape[0], BLOCK_N, WIDTH],
+                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     # the program's K steps in the loader's order are dealt to the groups in turn (step it to group
@@ -216,19 +212,18 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                     newer = a
         acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
         mbarrier.arrive(empty.index(s))
-    # a group's sums buffer is [BLOCK_N, BLOCK_M] float32; a narrow tile's sums use its first BLOCK_N x WIDTH
     if GROUP > 0:  # hand this group's sums to group 0
         mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
-        sums_smem.index(HALVES * (GROUP - 1))._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).store(acc)
+        sums.index(HALVES * (GROUP - 1)).store(acc)
         if GATED:
-            sums_smem.index(HALVES * (GROUP - 1) + 1)._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).store(acc_up)
+            sums.index(HALVES * (GROUP - 1) + 1).store(acc_up)
         mbarrier.arrive(sums_full.index(GROUP - 1))
     else:
         for g in gl.static_range(K_GROUPS - 1):
             mbarrier.wait(sums_full.index(g), phase)
-            acc += sums_smem.index(HALVES * g)._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).load(MMA_L)
+            acc += sums.index(HALVES * g).load(MMA_L)
             if GATED:
-                acc_up += sums_smem.index(HALVES * g + 1)._reinterpret(gl.float32, [BLOCK_N, WIDTH], SUMS_L).load(MMA_L)
+                acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
                   topk_weights_ptr, n_out, GATED, BLOCK_N, WIDTH, DTYPE, MMA_L)
