@@ -48,8 +48,11 @@ class GemmConfig:
 
     stream_k: instead of dealing whole tiles out in turn (at decode, 224 tiles on 132 SMs leave some SMs
     with one tile and some with two), every program takes an equal run of the tiles' K steps; a tile shared
-    by programs is summed by the last of them to finish, in a fixed order (deterministic).  Excludes
-    split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait for a second wave.
+    by programs is summed by the last of them to finish, in a fixed order.  Where a tile's K splits depends
+    on its place in the run of all tiles, and the routing's atomics may put a row in another tile of its
+    expert from one run to the next, so outputs may differ in their last bits between runs (no shipped config
+    uses it).  Excludes split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait
+    for a second wave.
 
     warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp group and 4 or 8 MMA
     warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
@@ -57,12 +60,14 @@ class GemmConfig:
     stage of its ring, fetched as one TMA box per matrix; the MMA warps keep MMAs running while they decode
     the stage's next matrix (one at 128 rows per warp group, two at 64) and retire them all at its end.
 
-    k_groups (warp-specialized only): MMA warp groups of num_warps warps that share each tile, dealt its K steps
-    in turn; the first adds the others' sums from shared memory (in group order) and runs the epilogue.  More
-    warps decode one tile where tiles are fewer than the SMs' program slots (Qwen3 GEMM1 at T=1: 96 tiles), and
-    a program's loader warp group serves several MMA groups.  max_registers must let one program (k_groups x
-    num_warps MMA warps and the loader's warp group) fit an SM's 65536 registers, and num_stages be a multiple
-    of k_groups (each stage then always serves the same group).
+    k_groups (warp-specialized only): MMA warp groups of num_warps warps that share each tile, group g taking
+    its K steps g, g + k_groups, ... (each tile's steps padded to a multiple of k_groups); the first adds the
+    others' sums from shared memory in group order, which is step order wherever the tile runs, so a row's
+    bits do not depend on which tile it lands in.  More warps decode one tile where tiles are fewer than the
+    SMs' program slots (Qwen3 GEMM1 at T=1: 96 tiles), and a program's loader warp group serves several MMA
+    groups.  max_registers must let one program (k_groups x num_warps MMA warps and the loader's warp group)
+    fit an SM's 65536 registers, and num_stages be a multiple of k_groups (each stage then always serves the
+    same group).
 
     narrow_tiles (warp-specialized only; 0, 1 or 2): a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs
     that narrow, down to 8 tokens (the weights are the MMA's 64-row side, the tokens its N).  A tile then fits

@@ -59,7 +59,8 @@ def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_p
 
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, LOADER_WARPS: gl.constexpr):
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
+            LOADER_WARPS: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
      a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
@@ -70,6 +71,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
+    steps = kp // (128 * CHUNKS)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
@@ -83,18 +85,25 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
         a_ptrs = a_ptr + a_rows.to(gl.int64)[:, None] * stride_a + kk[None, :]
         unit0 = expert * matrices + n_tile * UNITS
-        for step in range(kp // (128 * CHUNKS)):
+        # a tile's steps padded to a multiple of K_GROUPS (see _tile_sums): a padding step loads nothing (its
+        # token rows' copies are all masked off) and only passes its stage on
+        for step in range(gl.cdiv(steps, K_GROUPS) * K_GROUPS):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
+            real = step < steps
             # the weights first: their boxes need only the tile's expert, the token rows also its pair ids (one
             # more dependent load at a tile's start)
-            mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES))
+            mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES), pred=real)
+            if K_GROUPS > 1:
+                mbarrier.arrive(bar, pred=step >= steps)  # the expect's arrival
             for h in gl.static_range(HALVES):
                 # GATED: the tile's up units start n_units units after its gate units
                 unit = unit0 + h * n_units
-                tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h))
-                tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h))
+                tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h),
+                                                pred=real)
+                tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h),
+                                                pred=real)
             for c in gl.static_range(CHUNKS):
                 chunk = step * CHUNKS + c
                 k_ok = (chunk * 128 + kk) < k
@@ -129,22 +138,23 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
               K_GROUPS: gl.constexpr, NARROW: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
-    the other groups' sums (from shared memory, in group order: deterministic) and runs the epilogue.  ``shared``:
-    the run-time arguments every group takes (a tuple, so the kernel names them once for all groups).  A tile
-    whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile
-    holds the largest expert, and the smaller ones pay for their own width only (every group of the tile picks
-    the same width from the same rows)."""
+    the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
+    epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
+    all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
+    that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
+    group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
      sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     steps = kp // (128 * CHUNKS)
+    slots = gl.cdiv(steps, K_GROUPS) * K_GROUPS  # a tile's steps padded as the loader pads them
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                               GROUP_M)  # fmt: skip
-        tile = (n_tile, expert, row0, row_end, tiles_done * steps, tiles_done & 1, steps)
+        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and rows <= BLOCK_M // 4:
@@ -178,10 +188,13 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
-    # the program's K steps in the loader's order are dealt to the groups in turn (step it to group
-    # it % K_GROUPS); with STAGES a multiple of K_GROUPS each stage then always serves one group, which waits
-    # for its uses in order, so a stage's barrier is never more than one phase ahead of its waiter
-    for step in range((GROUP + K_GROUPS - base % K_GROUPS) % K_GROUPS, steps, K_GROUPS):
+    # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
+    # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
+    # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
+    # differently from run to run) never changes its bits.  With STAGES a multiple of K_GROUPS each stage
+    # then always serves one group, which waits for its uses in order, so a stage's barrier is never more than
+    # one phase ahead of its waiter.
+    for step in range(GROUP, steps, K_GROUPS):
         it = base + step
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -212,6 +225,11 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                     newer = a
         acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
         mbarrier.arrive(empty.index(s))
+    last = gl.cdiv(steps, K_GROUPS) * K_GROUPS - K_GROUPS + GROUP  # this group's last slot of the tile
+    if K_GROUPS > 1 and last >= steps:  # a padding slot: no step, only its stage to pass back
+        it = base + last
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(it % STAGES))
     if GROUP > 0:  # hand this group's sums to group 0
         mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
         sums.index(HALVES * (GROUP - 1)).store(acc)
@@ -293,20 +311,20 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     if K_GROUPS == 1:
         gl.warp_specialize([
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -314,7 +332,7 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, LOADER_WARPS)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 

@@ -232,8 +232,8 @@ WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs 
      (128, 4, 2, 128, 2, 2, 1), 3),
     (Case("4 chunks a stage, 64 rows, 2 per SM", 8, 2, 1024, 512, 5), 16, (64, 4, 2, 128, 2, 4, 1), 3),
     (Case("2 chunks a stage, two MMA warp groups", 8, 2, 512, 256, 70), 32, (128, 8, 2, None, 1, 2, 1), 3),
-    # K groups sharing each tile: 16 and 6 steps over 3 groups; 9 and 5 steps over 4 (the groups' turns shift
-    # from tile to tile) with several tiles per program; 2 groups of 2-chunk stages, GEMM2's K padded
+    # K groups sharing each tile: 16 and 6 steps over 3 groups; 9 and 5 steps over 4 (each tile padded to 12
+    # and 8 steps) with several tiles per program; 2 groups of 2-chunk stages, GEMM2's K padded
     (Case("3 K groups, one token", 8, 2, 2048, 768, 1), 16, (64, 4, 3, 128, 1, 1, 3), 3),
     (Case("4 K groups, odd step counts, several tiles per program", 8, 2, 1152, 640, 300), 64,
      (64, 4, 4, 96, 1, 1, 4), 3),
@@ -284,6 +284,33 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     assert torch.equal(out, fused_moe_sm90(x, *args, cfg))
     triton_only = MoEKernelConfig(max(block_m, 16), plain, plain)  # 8-token tiles are Gluon-only
     assert _rel(out, fused_moe_sm90(x, *args, triton_only)) < REL_TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("k_groups,stages", [(4, 4), (3, 3), (2, 4)])
+def test_k_groups_give_a_token_the_same_bits_wherever_its_tile_runs(k_groups: int, stages: int,
+                                                                    gen: torch.Generator) -> None:
+    """Tiles shared by K_GROUPS MMA warp groups: a token's output bits do not depend on which tile its rows land
+    in, or on that tile's place in its program's run (the routing's atomics and the token order move rows
+    between an expert's tiles).  9 and 5 K steps over 2-4 groups (padded to a multiple of the groups, but
+    for GEMM1 over 3), experts of several 64-row tiles, several tiles per program: tokens permuted, outputs
+    permuted bit for bit."""
+    case = Case("permuted", 8, 2, 1152, 640, 1000)  # experts of ~4 tiles, 2-3 tiles per program
+    q13, q2 = _layer(case, gen, "cuda")
+    w = m.prepare_moe_weights(q13, q2)
+    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
+    tw, ti = _routing(case, gen, "cuda")
+    ws = GemmConfig(64, num_warps=4, num_stages=stages, max_registers=96, warp_specialized=True, k_groups=k_groups)
+    cfg = MoEKernelConfig(64, ws, ws)
+    assert cfg.is_valid(1152, 640)
+
+    def forward(order: torch.Tensor) -> torch.Tensor:
+        return fused_moe_sm90(x[order], w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale,
+                              w.w2_global, tw[order], ti[order], None, case.inter, cfg)  # fmt: skip
+
+    out = forward(torch.arange(case.tokens, device="cuda"))
+    for _ in range(3):
+        perm = torch.randperm(case.tokens, generator=gen, device="cuda")
+        assert torch.equal(forward(perm), out[perm])
 
 
 @pytest.mark.parametrize("k_groups,block_m,narrow", [(1, 16, 0), (3, 16, 0), (1, 8, 0), (1, 32, 2)])
