@@ -4,6 +4,9 @@ The runner writes its results whole (write, then rename) once generation is done
 fails to shut down (vLLM 0.26.0 at TP=2 without NVLink multicast can hang in a symmetric-memory destructor)
 gets ``exit_grace_s`` and is killed with a warning: the results are what the tests check.  The engine runs
 in its own session, and its whole process group is killed on every way out, so no worker keeps the GPUs.
+
+``MOE_NVFP4_ENGINE_LOGS=<dir>`` also writes each engine's stderr to ``<dir>/<tag>.log`` line by line, so it
+survives a run that is killed from outside (a device call's time limit) before pytest reports anything.
 """
 from __future__ import annotations
 
@@ -26,7 +29,19 @@ def run_until_written(
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     stderr: list[str] = []  # read by a thread so a chatty engine cannot block on a full pipe
-    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+    log_dir = os.environ.get("MOE_NVFP4_ENGINE_LOGS")
+
+    def read() -> None:
+        if not log_dir:
+            stderr.extend(proc.stderr)
+            return
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(log_dir) / f"{tag}.log", "w", buffering=1) as log:  # line-buffered: kept if we are killed
+            for line in proc.stderr:
+                stderr.append(line)
+                log.write(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s
     try:

@@ -59,3 +59,14 @@ def test_hang_without_results_times_out(tmp_path: Path) -> None:
         run_until_written(_python("import time; time.sleep(600)"), dict(os.environ), out, tag="stuck", timeout_s=2,
                           exit_grace_s=5)  # fmt: skip
     assert time.monotonic() - start < 20
+
+
+def test_engine_log_written_line_by_line(tmp_path: Path, monkeypatch) -> None:
+    """MOE_NVFP4_ENGINE_LOGS: the engine's stderr also lands in <dir>/<tag>.log (an engine that never finishes)."""
+    logs, out = tmp_path / "logs", tmp_path / "r.json"
+    monkeypatch.setenv("MOE_NVFP4_ENGINE_LOGS", str(logs))
+    code = "import sys, time; sys.stderr.write('loading\\n'); sys.stderr.flush(); time.sleep(600)"
+    with pytest.raises(pytest.fail.Exception, match="loading"):
+        run_until_written(_python(code), dict(os.environ), out, tag="slow", timeout_s=3, exit_grace_s=5)
+    assert (logs / "slow.log").read_text() == "loading\n"
+
