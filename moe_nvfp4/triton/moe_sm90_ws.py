@@ -58,6 +58,14 @@ def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_p
 
 
 @gluon.jit
+def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
+    """A tile's K steps and its step slots: the steps padded to a multiple of K_GROUPS, so group g takes steps
+    g, g + K_GROUPS, ... of every tile (see _tile_sums).  Loader and MMA warps must count the same slots."""
+    steps = kp // (128 * CHUNKS)
+    return steps, gl.cdiv(steps, K_GROUPS) * K_GROUPS
+
+
+@gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
             LOADER_WARPS: gl.constexpr):
@@ -71,7 +79,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
-    steps = kp // (128 * CHUNKS)
+    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
@@ -85,9 +93,9 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
         a_ptrs = a_ptr + a_rows.to(gl.int64)[:, None] * stride_a + kk[None, :]
         unit0 = expert * matrices + n_tile * UNITS
-        # a tile's steps padded to a multiple of K_GROUPS (see _tile_sums): a padding step loads nothing (its
-        # token rows' copies are all masked off) and only passes its stage on
-        for step in range(gl.cdiv(steps, K_GROUPS) * K_GROUPS):
+        # a padding slot (step >= steps) loads nothing (its token rows' copies are all masked off) and only
+        # passes its stage on
+        for step in range(slots):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
@@ -148,13 +156,12 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    steps = kp // (128 * CHUNKS)
-    slots = gl.cdiv(steps, K_GROUPS) * K_GROUPS  # a tile's steps padded as the loader pads them
+    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                               GROUP_M)  # fmt: skip
-        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps)
+        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and rows <= BLOCK_M // 4:
@@ -174,7 +181,7 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     rows), then its sums handed to group 0 or, in group 0, the epilogue."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
      sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
-    n_tile, expert, row0, row_end, base, phase, steps = tile
+    n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
@@ -225,7 +232,7 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                     newer = a
         acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
         mbarrier.arrive(empty.index(s))
-    last = gl.cdiv(steps, K_GROUPS) * K_GROUPS - K_GROUPS + GROUP  # this group's last slot of the tile
+    last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
     if K_GROUPS > 1 and last >= steps:  # a padding slot: no step, only its stage to pass back
         it = base + last
         mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
