@@ -168,9 +168,7 @@ def _sass(cubin: bytes) -> str:
      (True, 128, 4, 128, 2), (False, 64, 4, None, 4)],
 )  # fmt: skip
 def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int) -> None:
-    """What the Gluon kernel's correctness rests on, in its sm_90 PTX: the MMA warps wait for the previous
-    kernel before the loader warps start (griddepcontrol.wait, then the barrier that releases the workers);
-    the loader's stage barrier counts 128 cp.async arrivals (.noinc) plus one expect-tx for one TMA box of
+    """What the Gluon kernel's correctness rests on, in its sm_90 PTX: the loader's stage barrier counts 128 cp.async arrivals (.noinc) plus one expect-tx for one TMA box of
     values and one of scales per matrix, covering every unit and chunk of the stage; the MMA warps fence the
     async proxy after each wait (cp.async writes, wgmma reads) and issue wgmma with register A operands.
     Of the stage's MMAs (gate and up per chunk) at most one (128 rows per warp group) or two (64) run while
@@ -178,13 +176,13 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     before it is freed, so no A register is reused while an MMA still reads it, across the loop back-edge
     above all."""
     ptx = _compile_ws(gated, block_n, warps, maxnreg, chunks)["ptx"]
-    assert ptx.index("griddepcontrol.wait") < ptx.index("barrier.sync")
     halves = 2 if gated else 1
     assert re.search(r"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], 129;", ptx)  # a warp group's threads + 1
     assert "cp.async.mbarrier.arrive.noinc" in ptx
     box_bytes = halves * (block_n // 64) * chunks * (4096 + 512)
     assert re.search(rf"expect_tx\.shared\.b64 _, \[%r\d+\], {box_bytes};", ptx)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.4d", ptx)) == 2 * halves  # values + scales per matrix
+    # values + scales per matrix (GEMM2: again for its first tile's stages, before the wait for GEMM1)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.4d", ptx)) == 2 * halves * (1 if gated else 2)
     assert "fence.proxy.async.shared::cta" in ptx
     wgmma = re.findall(r"wgmma\.mma_async[^\n]*\{", ptx)
     assert wgmma and all(".bf16.bf16" in w for w in wgmma)
@@ -197,6 +195,38 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     last_wait = ptx.rindex("wgmma.wait_group.sync.aligned 0;")
     release = ptx.index("mbarrier.arrive.shared::cta.b64", last_wait)  # the stage freed for the loader
     assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait
+
+
+@pytest.mark.parametrize("gated,k_groups,maxnreg,stages", [(True, 1, 128, 4), (False, 1, 128, 4), (False, 3, 128, 3),
+                                                          (True, 2, 168, 4)])
+def test_warp_specialized_partitions_wait_for_the_previous_kernel(gated: bool, k_groups: int, maxnreg: int,
+                                                                  stages: int) -> None:
+    """Programmatic dependent launch in the Gluon GEMM: every partition (each MMA warp group, the loader) waits
+    for the previous kernel itself, and lets the next one launch only after its wait, so a running kernel knows
+    the kernel two back has ended.  What a partition reads before its wait must not come from the previous
+    kernel: GEMM1 (after the routing kernel) reads nothing; GEMM2's loader (after GEMM1) reads the routing
+    kernel's tile map and issues its first tile's weight boxes (one per matrix and stage: the values and the
+    scales), never the token rows GEMM1 writes.  The epilogue's stores come after the waits."""
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    ptx = _compile_ws(gated, 64, 4, maxnreg, 1, k_groups, stages)["ptx"]
+    waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+    triggers = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
+    assert len(waits) == len(triggers) == k_groups + 1  # the MMA groups and the loader
+    assert all(w < t < (waits + [len(ptx)])[i + 1] for i, (w, t) in enumerate(zip(waits, triggers)))
+    # each partition's code is one run of the PTX, entered through a setmaxnreg (the loader's to its registers)
+    entries = [m.start() for m in re.finditer(r"setmaxnreg\.\w+\.sync\.aligned\.u32", ptx)]
+    loader_wait = max(w for w in waits if w < ptx.index("cp.async.cg"))  # the partition that copies token rows
+    for w in waits:
+        before = ptx[max([e for e in entries if e < w], default=0) : w]
+        if w != loader_wait:
+            assert not GLOBAL_ACCESS.search(before) and "cp.async.bulk" not in before
+            continue
+        assert re.match(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{W.LOADER_REGISTERS};", before)
+        assert "cp.async.cg" not in before and "st.global" not in before  # GEMM1's rows, outputs: after the wait
+        assert len(re.findall(r"cp\.async\.bulk\.tensor", before)) == (0 if gated else 2)
+        assert ("ld.global" in before) == (not gated)  # GEMM2's loader: the tile map
+    assert min(m.start() for m in re.finditer(r"cp\.async\.cg", ptx)) > loader_wait
 
 
 @pytest.mark.parametrize("gated,block_n,chunks,k_groups", [(True, 64, 4, 1), (False, 128, 1, 1), (True, 64, 2, 2)])

@@ -40,12 +40,27 @@ LOADER_REGISTERS = 56
 
 
 @gluon.jit
-def _after_previous_kernel():
-    """moe_sm90._after_previous_kernel in Gluon: wait for the previous kernel's writes, then let the next
-    kernel launch (programmatic dependent launch)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
+def _after_previous_kernel(PDL: gl.constexpr):
+    """moe_sm90._after_previous_kernel in Gluon, run by every partition before it reads what the previous
+    kernel writes: wait for its writes, then let the next kernel launch (programmatic dependent launch).  Each
+    thread waits before it lets the next kernel launch, so a kernel that is running knows the kernel two back
+    has ended: GEMM2's loader reads the routing kernel's tile map before its own wait."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, pred, HALVES: gl.constexpr,
+                   UNITS: gl.constexpr, CHUNKS: gl.constexpr):
+    """A stage's weight boxes (GATED: gate and up, the up units n_units after the gate units), counted on its
+    barrier by one expect-arrive."""
+    mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES), pred=pred)
+    for h in gl.static_range(HALVES):
+        unit = unit0 + h * n_units
+        tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h), pred=pred)
+        tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h), pred=pred)
 
 
 @gluon.jit
@@ -68,18 +83,31 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr):
+            LOADER_WARPS: gl.constexpr, PDL: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
      a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
-    num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
+    early = steps * 0  # stages of the first tile whose weights were issued before the previous kernel ended
+    if not GATED:
+        # GEMM2 reads only its token rows from GEMM1: its first tile's weights stream in while GEMM1 still runs
+        # (the tile map is the routing kernel's, which ended before GEMM1 let this kernel launch)
+        num_m_tiles = gl.load(num_tiles_ptr)
+        if pid < num_m_tiles * num_n_tiles:
+            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
+                                                  offsets_ptr, GROUP_M)  # fmt: skip
+            early = gl.minimum(steps, STAGES)
+            for step in range(early):  # the ring's first uses: every stage is free
+                _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
+                               expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
+    _after_previous_kernel(PDL)
+    num_m_tiles = gl.load(num_tiles_ptr)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
@@ -100,18 +128,12 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             real = step < steps
+            if K_GROUPS > 1:
+                mbarrier.arrive(bar, pred=step >= steps)  # in place of the weights' expect-arrive
             # the weights first: their boxes need only the tile's expert, the token rows also its pair ids (one
             # more dependent load at a tile's start)
-            mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES), pred=real)
-            if K_GROUPS > 1:
-                mbarrier.arrive(bar, pred=step >= steps)  # the expect's arrival
-            for h in gl.static_range(HALVES):
-                # GATED: the tile's up units start n_units units after its gate units
-                unit = unit0 + h * n_units
-                tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h),
-                                                pred=real)
-                tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h),
-                                                pred=real)
+            _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, real & (it >= early), HALVES,
+                           UNITS, CHUNKS)  # fmt: skip
             for c in gl.static_range(CHUNKS):
                 chunk = step * CHUNKS + c
                 k_ok = (chunk * 128 + kk) < k
@@ -144,7 +166,7 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr, NARROW: gl.constexpr):
+              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
@@ -153,6 +175,7 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
      sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
+    _after_previous_kernel(PDL)
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
@@ -288,8 +311,6 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    if PDL:  # the MMA warps wait here; the loader warps start only when they enter warp_specialize below
-        _after_previous_kernel()
     a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # one TMA box per stage and matrix (GATED: gate, up): CHUNKS K chunks of BLOCK_N rows
@@ -315,31 +336,33 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
               sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp)
     loader = (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
               num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
+    # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
+    # issued its first tile's weights
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
@@ -401,6 +424,6 @@ def launch_gemm_ws(
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
-        MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles,
-        LOADER_WARPS=gemm.loader_warps, launch_pdl=pdl, **gemm.launch_options(),
+        MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
+        launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

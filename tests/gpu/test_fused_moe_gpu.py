@@ -316,8 +316,9 @@ def test_k_groups_give_a_token_the_same_bits_wherever_its_tile_runs(k_groups: in
 @pytest.mark.parametrize("k_groups,block_m,narrow", [(1, 16, 0), (3, 16, 0), (1, 8, 0), (1, 32, 2)])
 def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, narrow: int, gen: torch.Generator) -> None:
     """Both warp-specialized GEMMs captured once (their TMA descriptors baked into the graph), replayed with
-    new x and routing: the tile map is read on the device every replay.  With 3 K groups per tile, with
-    8-token tiles, and with narrow tiles (each replay's routing picks other widths), too."""
+    new x and routing: the tile map is read on the device every replay (GEMM2's loader reads it and loads its
+    first tile's weights before GEMM1 has ended).  With 3 K groups per tile, with 8-token tiles, and with narrow
+    tiles (each replay's routing picks other widths), too."""
     # one group: two programs per SM; three: one program of three MMA groups, stages a multiple of three
     pps, stages = (2, (4, 2)) if k_groups == 1 else (1, (6, 3))
     ws = GemmConfig(64, num_stages=stages[0], max_registers=128, programs_per_sm=pps, warp_specialized=True,

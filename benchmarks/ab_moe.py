@@ -1,0 +1,132 @@
+"""Our forward under several variants in one process, timed interleaved (the machines drift by several
+percent within the hour, so only same-run comparisons decide a kernel change).
+
+    python benchmarks/ab_moe.py --cases qwen3-30b-a3b:1,mixtral-8x7b:16 --variants shipped,partials_in_x_dtype
+    git show HEAD~1:moe_nvfp4/triton/moe_sm90_ws.py > /tmp/old.py
+    python benchmarks/ab_moe.py --variants ws=/tmp/old.py,shipped
+
+A variant is ``shipped`` (the tuned config), ``ws=PATH`` (the tuned config launched through another version of
+the warp-specialized module, the file at PATH), or a boolean MoEKernelConfig field flipped on the tuned config
+(``partials_in_x_dtype``, ...).  Per case:
+every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
+weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
+variant's median over rounds and its range.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from ablate_ws import _IMPORTS  # noqa: E402  (the kernel module's relative imports, made absolute)
+
+
+def load_ws_module(path: Path, directory: Path, name: str):
+    """A copy of moe_sm90_ws (another version of it) as a module of its own; Gluon reads kernels from files."""
+    src = path.read_text()
+    for old, new in _IMPORTS:
+        src = src.replace(old, new)
+    copy = directory / f"{name}.py"
+    copy.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
+    import torch
+
+    from harness import rotation_copies, time_graph
+    from moe_nvfp4 import prepare_moe_weights, topk_softmax
+    from moe_nvfp4.configs import select_config
+    from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
+    from tune_moe import MODELS, make_layer
+
+    e, k, h, i = MODELS[model]
+    cfg = select_config(tokens, e, k, h, i, torch.bfloat16, torch.cuda.get_device_name())
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
+    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
+    w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
+    weights = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
+    touched = len(torch.unique(ti)) * sum(t[0].numel() * t.element_size() for t in weights)
+    copies = [weights] + [tuple(t.clone() for t in weights)
+                          for _ in range(rotation_copies(touched, torch.cuda.get_device_properties(0).L2_cache_size) - 1)]
+    shipped_launch = moe_sm90_ws.launch_gemm_ws
+
+    def configured(variant: str):
+        if variant == "shipped" or variant in modules:
+            return cfg
+        return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
+
+    def forwards(variant: str) -> list:
+        c = configured(variant)
+        return [lambda ws=ws: moe_sm90.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
+
+    def launching(variant: str):  # what fused_moe_sm90 imports as moe_sm90_ws.launch_gemm_ws
+        return modules[variant].launch_gemm_ws if variant in modules else shipped_launch
+
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    errors: dict[str, float] = {}
+    try:
+        ref = None
+        for v in variants:
+            moe_sm90_ws.launch_gemm_ws = launching(v)
+            out = forwards(v)[0]().float()
+            ref = out if ref is None else ref
+            errors[v] = ((out - ref).norm() / ref.norm()).item()
+        for _ in range(rounds):
+            for v in variants:
+                moe_sm90_ws.launch_gemm_ws = launching(v)
+                times[v].append(time_graph(forwards(v)).median_us)
+    finally:
+        moe_sm90_ws.launch_gemm_ws = shipped_launch
+    rows = []
+    for v in variants:
+        rows.append(dict(model=model, tokens=tokens, variant=v, median_us=statistics.median(times[v]),
+                         min_us=min(times[v]), max_us=max(times[v]), rel_diff=errors[v], copies=len(copies),
+                         config=configured(v).to_dict()))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="mixtral-8x7b:1,mixtral-8x7b:16,mixtral-8x7b:64,qwen3-30b-a3b:1,"
+                                      "qwen3-30b-a3b:16,qwen3-30b-a3b:64", help="model:tokens, comma separated")  # fmt: skip
+    p.add_argument("--variants", default="shipped", help="shipped, ws=PATH or a MoEKernelConfig field, comma separated")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {v: load_ws_module(Path(v[3:]), Path(tmp), f"moe_sm90_ws_{i}")
+                   for i, v in enumerate(variants) if v.startswith("ws=")}  # fmt: skip
+        rows = []
+        for case in args.cases.split(","):
+            model, tokens = case.split(":")
+            rows += run_case(model, int(tokens), variants, modules, args.rounds)
+    print(f"\n{'case':<22}" + "".join(f"{v[-25:]:>26}" for v in variants))
+    for case in args.cases.split(","):
+        model, tokens = case.split(":")
+        cells = [r for r in rows if r["model"] == model and r["tokens"] == int(tokens)]
+        print(f"{case:<22}" + "".join(f"{r['median_us']:>9.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})".rjust(26)
+                                      for r in cells))  # fmt: skip
+    if args.out:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
