@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import statistics
 import sys
@@ -26,20 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ablate_ws import _IMPORTS  # noqa: E402  (the kernel module's relative imports, made absolute)
+from ablate_ws import _IMPORTS, module_from_source  # noqa: E402
 
 
 def load_ws_module(path: Path, directory: Path, name: str):
-    """A copy of moe_sm90_ws (another version of it) as a module of its own; Gluon reads kernels from files."""
+    """Another version of moe_sm90_ws (the file at ``path``) as a module of its own, its relative imports made
+    absolute."""
     src = path.read_text()
     for old, new in _IMPORTS:
         src = src.replace(old, new)
-    copy = directory / f"{name}.py"
-    copy.write_text(src)
-    spec = importlib.util.spec_from_file_location(name, copy)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_source(src, directory, name)
 
 
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:

@@ -75,14 +75,19 @@ def ablated_source(name: str) -> str:
     return src
 
 
-def load_ablation(name: str, directory: Path):
-    """The ablated source as a module (Gluon reads a kernel's source from its file, so it is written out)."""
-    path = directory / f"moe_sm90_ws_{name}.py"
-    path.write_text(ablated_source(name))
-    spec = importlib.util.spec_from_file_location(f"moe_sm90_ws_{name}", path)
+def module_from_source(src: str, directory: Path, name: str):
+    """``src`` as module ``name`` (Gluon reads a kernel's source from its file, so it is written out first)."""
+    path = directory / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_ablation(name: str, directory: Path):
+    """The ablated source as a module."""
+    return module_from_source(ablated_source(name), directory, f"moe_sm90_ws_{name}")
 
 
 def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]:

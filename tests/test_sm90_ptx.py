@@ -351,3 +351,18 @@ def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path)
     assert ("wgmma.mma_async" in ptx) == (ablation not in ("no_mma", "loads_only"))
     assert ("fence.proxy.async.shared::cta" in ptx) == (ablation != "no_fence")
     assert "ld.shared.v4" in ptx  # every one still reads the stage's bytes
+
+
+def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path) -> None:
+    """benchmarks/ab_moe.py's ``ws=PATH`` variant (the A/B timings in design 002): a copy of moe_sm90_ws loads as a
+    module of its own, beside the package's, and its kernel compiles for sm_90 as the package's does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import ab_moe
+
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    copy = ab_moe.load_ws_module(Path(W.__file__), tmp_path, "moe_sm90_ws_copy")
+    assert copy is not W and copy._moe_gemm_ws_kernel is not W._moe_gemm_ws_kernel
+    assert copy.launch_gemm_ws.__module__ == "moe_sm90_ws_copy"
+    monkeypatch.setattr(W, "_moe_gemm_ws_kernel", copy._moe_gemm_ws_kernel)
+    assert "wgmma.mma_async" in _compile_ws(False, 64, 4, 128)["ptx"]
