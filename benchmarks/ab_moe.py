@@ -19,6 +19,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,8 +104,6 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")
     args = p.parse_args()
     variants = args.variants.split(",")
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         modules = {v: load_ws_module(Path(v[3:]), Path(tmp), f"moe_sm90_ws_{i}")
                    for i, v in enumerate(variants) if v.startswith("ws=")}  # fmt: skip
