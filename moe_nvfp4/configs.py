@@ -149,17 +149,13 @@ class MoEKernelConfig:
     (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does.  route_in_gemm: at most
     128 (token, k) pairs (the routing kernel's small block), both GEMMs plan the routing from topk_ids in
     registers and the routing launch is skipped; more pairs use the routing kernel either way.  It excludes
-    stream-K GEMMs, whose arrival counters the routing kernel zeroes.  combine_in_gemm2: GEMM2's epilogue sums
-    each token's rows (the last of its pairs to finish an n tile adds them, in pair order: the combine kernel's
-    bits) and the combine launch is skipped; it needs whole-K GEMM2 tiles (no K split, no stream-K) and the
-    routing kernel (which zeroes its counters), and is skipped where an expert map leaves pairs to other ranks."""
+    stream-K GEMMs, whose arrival counters the routing kernel zeroes."""
 
     block_m: int = 16
     gemm1: GemmConfig = field(default_factory=GemmConfig)
     gemm2: GemmConfig = field(default_factory=GemmConfig)
     partials_in_x_dtype: bool = False
     route_in_gemm: bool = False
-    combine_in_gemm2: bool = False
 
     def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
         return (
@@ -170,7 +166,6 @@ class MoEKernelConfig:
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
             and not (self.route_in_gemm and (self.gemm1.stream_k or self.gemm2.stream_k))
-            and not (self.combine_in_gemm2 and (self.route_in_gemm or self.gemm2.split_k > 1 or self.gemm2.stream_k))
             # the warp-specialized kernel reads the routing kernel's tile map and whole GEMM1 rows
             and not (self.route_in_gemm and (self.gemm1.warp_specialized or self.gemm2.warp_specialized))
             and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)

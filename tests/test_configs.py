@@ -147,21 +147,6 @@ def test_stream_k_excludes_k_splits_and_routing_in_the_gemms() -> None:
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files
 
 
-def test_combine_in_gemm2_needs_whole_gemm2_tiles_and_the_routing_kernel() -> None:
-    """GEMM2 sums a token's rows where its last pair finishes a whole-K tile, on counters the routing kernel
-    zeroes: no GEMM2 K split or stream-K, no routing inside the GEMMs; either GEMM2 kernel."""
-    fused = MoEKernelConfig(16, GemmConfig(), GemmConfig(), combine_in_gemm2=True)
-    assert fused.is_valid(512, 256) and MoEKernelConfig.from_dict(fused.to_dict()) == fused
-    ws = GemmConfig(warp_specialized=True)
-    assert dataclasses.replace(fused, gemm1=ws, gemm2=ws).is_valid(512, 256)
-    assert dataclasses.replace(fused, gemm1=GemmConfig(split_k=2)).is_valid(512, 256)
-    assert dataclasses.replace(fused, gemm1=GemmConfig(stream_k=True)).is_valid(512, 256)
-    assert not dataclasses.replace(fused, gemm2=GemmConfig(split_k=2)).is_valid(512, 256)
-    assert not dataclasses.replace(fused, gemm2=GemmConfig(stream_k=True)).is_valid(512, 256)
-    assert not dataclasses.replace(fused, route_in_gemm=True).is_valid(512, 256)
-    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).combine_in_gemm2 is False  # older files
-
-
 def test_warp_specialized_takes_whole_tiles_and_the_routing_kernels_map() -> None:
     """The warp-specialized kernel reads whole K per tile, the routing kernel's tile map, and GEMM1's rows in
     x's dtype; its MMA warp groups are 64 rows each."""

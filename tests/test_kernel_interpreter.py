@@ -22,10 +22,10 @@ REL_TOL = 2e-3
 # Each case runs in a subprocess so TRITON_INTERPRET is set before triton is imported.
 SCRIPT = textwrap.dedent(
     """
-    import dataclasses, sys, torch, moe_nvfp4 as m
+    import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm, stream, pps, block_m, combine = map(int, sys.argv[1:])
+    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm, stream, pps, block_m = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -45,17 +45,13 @@ SCRIPT = textwrap.dedent(
                                               warp_specialized=ws),
                           GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps,
                                      warp_specialized=ws),
-                          partials_in_x_dtype=bool(low), route_in_gemm=bool(in_gemm), combine_in_gemm2=bool(combine))
+                          partials_in_x_dtype=bool(low), route_in_gemm=bool(in_gemm))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
     fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, emap,
                    i, cfg, out=out)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, compute_dtype=torch.float64)
     assert not out.isnan().any(), "unwritten output"
-    if combine:  # GEMM2's last arrivals sum a token's rows in the combine kernel's order: the same bits
-        unfused = fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw,
-                                 ti, emap, i, dataclasses.replace(cfg, combine_in_gemm2=False))
-        assert torch.equal(out, unfused), (out - unfused).abs().max()
     rel = ((out.double() - ref).norm() / ref.norm()).item() if t else 0.0
     plan = m.plan_routing(ti, e, block_m, expert_map=emap)
     got = route(ti, e, block_m, emap)
@@ -104,7 +100,7 @@ WARMUP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,in_gemm,stream,pps", CASES)
 def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, in_gemm, stream, pps, seed: int) -> None:
-    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm, stream, pps, 16, 0])
+    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm, stream, pps, 16])
 
 
 @pytest.mark.parametrize("e,k,h,i,t,use_map", [
@@ -113,22 +109,7 @@ def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, i
 ])
 def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) -> None:
     """block_m 8 (a Gluon-only config) where the Triton kernel runs it: tl.dot 8 wide."""
-    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8, 0])
-
-
-@pytest.mark.parametrize("e,k,h,i,t,split1,use_map,low,stream,pps,block_m", [
-    pytest.param(4, 2, 256, 128, 5, 1, 0, 0, 0, 1, 16, id="combine in GEMM2: 4 n tiles, 2 programs"),
-    pytest.param(7, 3, 192, 64, 9, 1, 0, 1, 0, 2, 16, id="combine in GEMM2: rows in x's dtype, odd E and n tiles"),
-    pytest.param(6, 4, 128, 128, 40, 1, 0, 0, 1, 3, 16, id="combine in GEMM2: 160 pairs, after stream-K GEMM1's counters"),
-    pytest.param(5, 2, 512, 80, 3, 4, 0, 0, 0, 1, 16, id="combine in GEMM2 after a split-K GEMM1"),
-    pytest.param(6, 2, 128, 128, 11, 1, 1, 0, 0, 1, 16, id="combine in GEMM2 asked for with an expert map: combine kernel"),
-    pytest.param(5, 3, 256, 80, 1, 1, 0, 0, 0, 1, 8, id="combine in GEMM2: one token, 8-token tiles"),
-    pytest.param(5, 2, 128, 128, 0, 1, 0, 0, 0, 1, 16, id="combine in GEMM2: no tokens"),
-])
-def test_combine_in_gemm2_matches_reference(e, k, h, i, t, split1, use_map, low, stream, pps, block_m, seed: int) -> None:
-    """MoEKernelConfig.combine_in_gemm2: each GEMM2 tile counts its rows in per (token, n tile), and the last of a
-    token's pairs sums them; the output is poisoned first and must equal the combine kernel's bit for bit."""
-    _run_case([e, k, h, i, t, split1, 1, seed % 2**31, use_map, low, 0, stream, pps, block_m, 1])
+    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8])
 
 
 def _run_case(args: list[int]) -> None:

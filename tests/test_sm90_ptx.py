@@ -18,13 +18,13 @@ from moe_nvfp4.triton import moe_sm90 as K
 GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
 
 GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32",
-                      out_ptr="*bf16", stride_out="i32", stride_split="i32", combined_ptr="*bf16",
-                      sorted_pairs_ptr="*i32", offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32",
-                      num_tiles_ptr="*i32", topk_weights_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32",
-                      workspace_ptr="*fp32", arrivals_ptr="*i32", num_pairs="i32", n_out="i32", k="i32", kp="i32")
-# STREAM_K and COMBINE go right after SPLIT_K (the kernel's argument order)
-GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, COMBINE=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128,
-                        GROUP_M=8, EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False,
+                      out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32", offsets_ptr="*i32",
+                      tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32", topk_weights_ptr="*fp32",
+                      ids_ptr="*i32", expert_map_ptr="*i32", workspace_ptr="*fp32", arrivals_ptr="*i32",
+                      num_pairs="i32", n_out="i32", k="i32", kp="i32")
+# STREAM_K goes right after SPLIT_K (the kernel's argument order)
+GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
+                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False,
                         HAS_MAP=False, BLOCK_P=128, E_POW2=128)
 
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
@@ -41,8 +41,6 @@ KERNELS = {
               chunk="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=False), 4),
     "gemm1 stream-K": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=True), 4),
-    "gemm2 combine": (K._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"),
-                      dict(GEMM1_CONSTEXPRS, GATED=False, COMBINE=True, BLOCK_N=128, BLOCK_M=64), 8),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
                 hidden="i32", stride_split="i32"),
                 dict(TOP_K=2, SPLIT_K=1, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
@@ -117,32 +115,8 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
     assert "atom.global" not in _ptx("gemm1", True)  # whole tiles: no counting
 
 
-@pytest.mark.parametrize("build", ["triton", "warp-specialized", "warp-specialized, 8 warps, narrow"])
-def test_combine_in_gemm2_publishes_rows_before_counting_in(build: str) -> None:
-    """GEMM2 with the combine fused: a token's rows must be in memory before its pair counts in, and the last pair
-    must read the other pairs' rows from L2 after its count: every thread's stores, a barrier over the threads
-    that stored (the MMA warps only, in the warp-specialized kernel), release/acquire atomics at GPU scope, then
-    L1-bypassing loads; and no counting without it."""
-    if build == "triton":
-        ptx = _ptx("gemm2 combine", True)
-        barrier = "bar.sync \t0;"
-    else:
-        wide = build.endswith("narrow")
-        ptx = _compile_ws(False, 128, 8 if wide else 4, 128, chunks=2, narrow=2 if wide else 0, block_m=32 if wide else 16,
-                          combine=True)["ptx"]  # fmt: skip
-        barrier = f"bar.sync \t0, {256 if wide else 128};"  # the MMA warps' named barrier, not the loader's
-        assert "atom.global" not in _compile_ws(False, 128, 4, 128, chunks=2)["ptx"]
-    atomics = [a.start() for a in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
-    assert atomics and len(re.findall(r"atom\.global", ptx)) == len(atomics)
-    for first in (atomics[0], *(a for a, b in zip(atomics[1:], atomics) if ptx.find("st.global", b, a) > 0)):
-        before = ptx[:first]
-        assert before.rfind(barrier) > before.rfind("st.global") > 0, "rows stored, then the barrier, then the count"
-        assert ptx.find("ld.global.cg", first) > 0
-    assert "ld.global.cg" not in ptx[: atomics[0]]
-
-
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, combine: bool = False):
+                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -159,14 +133,13 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
-                     topk_weights_ptr="*fp32", combined_ptr="*bf16", arrivals_ptr="*i32", n_out="i32", k="i32",
-                     kp="i32")  # fmt: skip
+                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
-                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps, COMBINE=combine)  # fmt: skip
+                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
     aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]

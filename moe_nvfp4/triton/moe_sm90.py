@@ -7,9 +7,7 @@ Launches per forward (each grid sized from the SM count or T, never from routing
      (split over K at decode sizes: fp32 gate and up partials, the SiLU left to GEMM2's A load).
   3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
      (token, k) pair (and per K split) into a float32 buffer (or one in x's dtype, per config).
-  4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.  With
-     ``MoEKernelConfig.combine_in_gemm2`` GEMM2 does it instead (``_combine_last_arrival``): the last of a
-     token's pairs to finish an n tile sums its rows in the same order, and this launch is skipped.
+  4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
 Either GEMM may run stream-K (equal runs of K steps per program; shared tiles summed in a fixed order by
 the last program to finish them, counted with atomics on per-program counters the routing kernel zeroes).
 
@@ -145,12 +143,11 @@ def _route_kernel(
         offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP, BLOCK_P)
         pos = tl.atomic_add(cursor_ptr + c * E_POW2 + e, 1, mask=valid)
         tl.store(sorted_pairs_ptr + pos, offs, mask=valid)
-    # The arrival counters (stream-K GEMMs', _stream_k_fixup; GEMM2's combine, _combine_last_arrival) start
-    # every forward at zero, each program zeroing its share
-    for a0 in range(c * BLOCK_P, num_arrivals, num_chunks * BLOCK_P):
-        a = a0 + tl.arange(0, BLOCK_P)
-        tl.store(arrivals_ptr + a, tl.zeros([BLOCK_P], tl.int32), mask=a < num_arrivals)
     if c == 0:
+        # The stream-K GEMMs' arrival counters start every forward at zero (see _stream_k_fixup).
+        for a0 in range(0, num_arrivals, BLOCK_P):
+            a = a0 + tl.arange(0, BLOCK_P)
+            tl.store(arrivals_ptr + a, tl.zeros([BLOCK_P], tl.int32), mask=a < num_arrivals)
         tl.store(counts_ptr + experts, counts, mask=expert_ok)
         tl.store(offsets_ptr + experts, starts, mask=expert_ok)
         tl.store(offsets_ptr + experts + 1, starts + counts, mask=experts == num_experts - 1)
@@ -411,30 +408,6 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
     return acc, acc_up, finish
 
 
-@triton.jit
-def _combine_last_arrival(partial_ptr, stride_partial, out_ptr, arrivals_ptr, pair_id, row_ok, offs_n, n_tile,
-                          num_n_tiles, n_out, TOP_K: tl.constexpr):
-    """GEMM2's epilogue with the combine fused (MoEKernelConfig.combine_in_gemm2), after the tile's rows
-    partial[pair, offs_n] are stored: each row counts its pair in on (token, n_tile) under a release/acquire
-    atomic, and the pair that arrives last sums the token's TOP_K rows of this n tile in pair order, as
-    _combine_kernel does (the same bits), into out[token, offs_n].  No program waits for another; who
-    arrives last decides only who adds, not the order.  The routing kernel zeroes the counters each forward.
-    Shared by the Triton and the warp-specialized GEMM2 (tensors in either's layout: 1-d ones indexed by the
-    tile's rows, offs_n by its n)."""
-    tl.debug_barrier()  # every thread's rows are stored before their release below
-    token = pair_id // TOP_K
-    # (the count as a tensor of the rows' layout: Gluon broadcasts no scalar into a layout)
-    arrived = tl.atomic_add(arrivals_ptr + token * num_n_tiles + n_tile, row_ok.to(tl.int32), mask=row_ok,
-                            sem="acq_rel", scope="gpu")
-    finish = (row_ok & (arrived == TOP_K - 1))[None, :] & (offs_n < n_out)[:, None]
-    rows = partial_ptr + (token * TOP_K).to(tl.int64)[None, :] * stride_partial + offs_n[:, None]
-    acc = 0.0 + tl.load(rows, mask=finish, other=0.0, cache_modifier=".cg").to(tl.float32)  # L2: other SMs wrote them
-    for j in tl.static_range(1, TOP_K):
-        acc += tl.load(rows + j * stride_partial, mask=finish, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(out_ptr + token.to(tl.int64)[None, :] * n_out + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=finish)
-
-
 # num_pairs changes with T, and the routing tensors come from the caller at any alignment: not specialized on,
 # so neither a new T nor a new topk_ids allocation compiles a new variant.
 @triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
@@ -448,7 +421,6 @@ def _moe_gemm_kernel(
     out_ptr,
     stride_out,
     stride_split,
-    combined_ptr,
     sorted_pairs_ptr,
     offsets_ptr,
     tile_expert_ptr,
@@ -467,7 +439,6 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     STREAM_K: tl.constexpr,
-    COMBINE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -492,8 +463,7 @@ def _moe_gemm_kernel(
     the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order, or with
     SPLIT_K > 1 the fp32 partials gs_g * gate and gs_u * up to out[split, row, n] and [.., n_out + n].
     Otherwise (GEMM2): A rows are the sorted rows (A_SPLITS > 1: GEMM1's partials, see _load_a); the
-    epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype), and with
-    COMBINE (one split, whole tiles) the last of a token's pairs sums them into combined[token, n].
+    epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype).
     """
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -599,9 +569,6 @@ def _moe_gemm_kernel(
                 y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
                 out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
                 tl.store(out_ptrs, y, mask=store_mask)
-                if COMBINE:
-                    _combine_last_arrival(out_ptr, stride_out, combined_ptr, arrivals_ptr, pair_id, row_ok, offs_n,
-                                          n_tile, num_n_tiles, n_out, TOP_K)  # fmt: skip
 
 
 @triton.jit
@@ -772,7 +739,7 @@ def fused_moe_sm90(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels (three when
-    the config routes inside the GEMMs and there are at most ROUTE_BLOCK_SMALL pairs, or combines in GEMM2)."""
+    the config routes inside the GEMMs and there are at most ROUTE_BLOCK_SMALL pairs)."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]
@@ -788,18 +755,12 @@ def fused_moe_sm90(
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     g1, g2 = config.gemm1, config.gemm2
     programs1, programs2 = sms * g1.programs_per_sm, sms * g2.programs_per_sm
-    # GEMM2 combines where every pair of a token is local (an expert map leaves some pairs to other ranks:
-    # _combine_kernel skips those), counting a token's pairs per n tile of GEMM2 on counters routing zeroes
-    combine_in_gemm2 = config.combine_in_gemm2 and expert_map is None and not in_kernel
     if in_kernel:  # the GEMMs plan from topk_ids themselves; the tile-map arguments go unread
         tile_map = (ids,) * 5
         arrivals = ids
     else:
-        # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after; GEMM2's
-        # combine (never with stream-K) counts per token and n tile there instead
+        # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
         n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k
-        if combine_in_gemm2:
-            n_arrivals += t * triton.cdiv(hidden, g2.block_n)
         *tile_map, arrivals = route(topk_ids, num_experts, config.block_m, expert_map, n_arrivals)
         del tile_map[1]  # the per-expert counts (the GEMMs read the offsets)
     # constexprs both GEMMs share
@@ -822,14 +783,13 @@ def fused_moe_sm90(
     pdl = shared["PDL"]
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map,
-                       topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1, pdl, None,
-                       arrivals)  # fmt: skip
+                       topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1, pdl)
     else:
         _moe_gemm_kernel[(programs1,)](
-            x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0), out,
+            x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
             *tile_map, topk_weights, ids, emap, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
             arrivals, num_pairs, intermediate, hidden, k1p,
-            GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, COMBINE=False, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
+            GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
             EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
         )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
@@ -837,16 +797,15 @@ def fused_moe_sm90(
     if ws2:
         launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
                        topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2, config.block_m,
-                       programs2, pdl, out if combine_in_gemm2 else None, arrivals[programs1 * g1.stream_k :])  # fmt: skip
+                       programs2, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](
             act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
-            partial.stride(0), out, *tile_map, topk_weights.reshape(-1), ids, emap,
+            partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap,
             _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
             num_pairs, hidden, intermediate, k2p,
-            GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, COMBINE=combine_in_gemm2, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
+            GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
             EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
         )  # fmt: skip
-    if not combine_in_gemm2:
-        combine(partial, topk_ids, expert_map, out)
+    combine(partial, topk_ids, expert_map, out)
     return out

@@ -25,8 +25,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..configs import GemmConfig
 from ..layouts import FragmentLayout
-from .moe_sm90 import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _combine_last_arrival,
-                       _decode_words, _grouped_tile, _silu_times)
+from .moe_sm90 import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words, _grouped_tile,
+                       _silu_times)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -166,18 +166,15 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PDL: gl.constexpr, TOP_K: gl.constexpr,
-              COMBINE: gl.constexpr):
+              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
     all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
     that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
-    group of the tile picks the same width from the same rows).  COMBINE: GEMM2's epilogue also sums a token's
-    rows once its last pair is in (moe_sm90._combine_last_arrival)."""
+    group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, combined_ptr, arrivals_ptr,
-     n_out, kp) = shared
+     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
@@ -191,25 +188,22 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and rows <= BLOCK_M // 4:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, TOP_K,
-                       COMBINE)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, TOP_K,
-                       COMBINE)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
         else:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, TOP_K, COMBINE)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS)
         tiles_done += 1
 
 
 @gluon.jit
 def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
                DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, TOP_K: gl.constexpr, COMBINE: gl.constexpr):
+               K_GROUPS: gl.constexpr):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, combined_ptr, arrivals_ptr,
-     n_out, kp) = shared
+     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -280,17 +274,14 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-                  topk_weights_ptr, combined_ptr, arrivals_ptr, n_out, GATED, BLOCK_N, WIDTH, DTYPE, MMA_L, TOP_K,
-                  COMBINE)  # fmt: skip
+                  topk_weights_ptr, n_out, GATED, BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
 def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-              topk_weights_ptr, combined_ptr, arrivals_ptr, n_out, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_M: gl.constexpr, DTYPE: gl.constexpr, MMA_L: gl.constexpr, TOP_K: gl.constexpr,
-              COMBINE: gl.constexpr):
-    """A tile's whole-K sums out: GEMM1 SiLU(gate) * up in DTYPE; GEMM2 times the pairs' top-k weights (COMBINE:
-    then summed into combined_ptr by the token's last pair)."""
+              topk_weights_ptr, n_out, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+              DTYPE: gl.constexpr, MMA_L: gl.constexpr):
+    """A tile's whole-K sums out: GEMM1 SiLU(gate) * up in DTYPE; GEMM2 times the pairs' top-k weights."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
@@ -308,20 +299,15 @@ def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, strid
         y = acc * (gl.load(gs_ptr + expert) * FIX * weight)[None, :]
         gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
                  y.to(out_ptr.dtype.element_ty), mask=store_mask)
-        if COMBINE:
-            _combine_last_arrival(out_ptr, stride_out, combined_ptr, arrivals_ptr, pair_id, row_ok, offs_n, n_tile,
-                                  gl.cdiv(n_out, BLOCK_N), n_out, TOP_K)  # fmt: skip
 
 
 @gluon.jit
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, combined_ptr, arrivals_ptr,
-                        n_out, k, kp,
+                        tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        COMBINE: gl.constexpr):
+                        MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -347,46 +333,35 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     # partitions: MMA group 0 in the launch's warps, groups 1.. and the loader in worker warps.  Constexprs are
     # spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, combined_ptr,
-              arrivals_ptr, n_out, kp)
+              sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp)
     loader = (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
               num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PDL, TOP_K,
-                       COMBINE)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PDL)),
             (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PDL, TOP_K,
-                       COMBINE)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PDL, TOP_K,
-                       COMBINE)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PDL)),
             (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PDL, TOP_K,
-                       COMBINE)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PDL, TOP_K,
-                       COMBINE)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PDL, TOP_K,
-                       COMBINE)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PDL)),
             (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PDL, TOP_K,
-                       COMBINE)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PDL, TOP_K,
-                       COMBINE)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PDL, TOP_K,
-                       COMBINE)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PDL, TOP_K,
-                       COMBINE)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PDL)),
             (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
@@ -440,20 +415,15 @@ def launch_gemm_ws(
     block_m: int,
     programs: int,
     pdl: bool,
-    combined: torch.Tensor | None,
-    arrivals: torch.Tensor,
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
-    whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route().  GEMM2
-    with ``combined`` [T, n_out] also sums each token's rows into it, counting pairs in ``arrivals`` (T x n
-    tiles counters the routing kernel zeroed)."""
+    whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route()."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
-        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights,
-        out if combined is None else combined, arrivals, n_out, k, kp,
+        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        COMBINE=combined is not None, launch_pdl=pdl, **gemm.launch_options(),
+        launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

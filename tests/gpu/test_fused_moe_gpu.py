@@ -6,7 +6,6 @@ to the activation dtype (bf16: 8 significant bits, fp16: 11).
 """
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from dataclasses import dataclass
 
@@ -328,82 +327,6 @@ def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, narrow: i
                       chunks_per_stage=2, k_groups=k_groups, narrow_tiles=narrow)  # fmt: skip
     tokens = 60 if narrow else 7  # narrow: experts of ~15 rows, spread over all three widths
     _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, tokens), MoEKernelConfig(block_m, ws, ring), gen)
-
-
-COMBINE_CASES = [  # (case, block_m, GEMM2: warp-specialized shape as in WS_CASES or None for the Triton kernel,
-    #                  GEMM2's rows in x's dtype)
-    (Case("Qwen3-like decode: one token, top-8 of 128", 128, 8, 2048, 768, 1), 8, (128, 4, 2, 128, 2, 2, 1), False),
-    (Case("Qwen3-like, 16 tokens, rows in x's dtype", 128, 8, 2048, 768, 16), 8, (64, 4, 4, 128, 3, 2, 1), True),
-    (Case("Mixtral-like decode, 3 K groups", 8, 2, 4096, 1792, 1), 16, (64, 4, 3, 128, 1, 1, 3), False),
-    (Case("narrow tiles 8/16/32, ragged", 16, 4, 1024, 512, 40, "half_empty"), 32,
-     (128, 8, 4, 128, 1, 2, 1, dict(narrow_tiles=2)), False),
-    (Case("every token to one expert, Triton GEMM2", 8, 2, 256, 512, 40, "one_expert"), 32, None, False),
-    (Case("ragged, top-4, 10 n tiles, Triton GEMM2", 16, 4, 640, 384, 33, "half_empty"), 16, None, False),
-    (Case("prefill-sized, Triton GEMM2, rows in x's dtype", 8, 2, 1024, 1024, 600), 64, None, True),
-]
-
-
-def _combine_configs(block_m: int, gemm2: tuple | None, low: bool) -> tuple[MoEKernelConfig, MoEKernelConfig]:
-    """(the combine kernel's config, the same with combine_in_gemm2) for a COMBINE_CASES row."""
-    if gemm2 is None:
-        g2 = GemmConfig(128 if block_m >= 64 else 64, num_warps=8 if block_m >= 64 else 4, num_stages=3)
-    else:
-        block_n, warps, stages, regs, pps, chunks, groups, *other = gemm2
-        g2 = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
-                        warp_specialized=True, chunks_per_stage=chunks, k_groups=groups, **(other[0] if other else {}))
-    g1 = GemmConfig(64, num_warps=4, num_stages=4, max_registers=128, programs_per_sm=2, warp_specialized=block_m == 8)
-    plain = MoEKernelConfig(block_m, g1, g2, partials_in_x_dtype=low)
-    return plain, dataclasses.replace(plain, combine_in_gemm2=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case,block_m,gemm2,low", COMBINE_CASES, ids=lambda v: getattr(v, "why", None))
-def test_combine_in_gemm2_matches_the_combine_kernel(case, block_m, gemm2, low, dtype, gen) -> None:
-    """MoEKernelConfig.combine_in_gemm2: the last of a token's pairs to finish an n tile of GEMM2 sums the token's
-    rows there.  Poisoned output and scratch, against the float64 reference, bit for bit equal to the combine
-    kernel's output, and again over repeated runs (which pair arrives last varies; the order of the sum must
-    not), with the counters the routing kernel zeroes reused every forward."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
-    plain, fused = _combine_configs(block_m, gemm2, low)
-    assert fused.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    expected = fused_moe_sm90(x, *args, plain)
-    for _ in range(3):
-        torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-        out = torch.full_like(x, float("nan"))
-        fused_moe_sm90(x, *args, fused, out=out)
-        assert not out.isnan().any(), "unwritten output"
-        assert _rel(out, ref) < REL_TOL[dtype]
-        assert torch.equal(out, expected)
-
-
-@pytest.mark.parametrize("row", [COMBINE_CASES[1], COMBINE_CASES[5]], ids=["warp-specialized", "triton"])
-def test_combine_in_gemm2_in_a_cuda_graph(row: tuple, gen: torch.Generator) -> None:
-    """The counters are zeroed by the routing kernel inside the graph: replays with new x and routing."""
-    case, block_m, gemm2, low = row
-    _graph_replays_with_new_routing(case, _combine_configs(block_m, gemm2, low)[1], gen)
-
-
-def test_combine_in_gemm2_with_an_expert_map(gen: torch.Generator) -> None:
-    """With an expert map some pairs belong to other ranks and never arrive: the combine kernel runs instead."""
-    case = Case("ep combine", 3, 2, 256, 256, 31)
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    expert_map = torch.full((8,), -1, dtype=torch.int32, device="cuda")
-    expert_map[torch.tensor([1, 4, 6])] = torch.arange(3, dtype=torch.int32, device="cuda")
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
-    tw, ti = m.topk_softmax(torch.randn(case.tokens, 8, generator=gen, device="cuda"), 2)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, expert_map, 256)
-    plain, fused = _combine_configs(16, (64, 4, 4, 128, 2, 1, 1), False)
-    out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *args, fused, out=out)
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=expert_map, compute_dtype=torch.float64)
-    assert _rel(out, ref) < REL_TOL[torch.bfloat16]
-    assert torch.equal(out, fused_moe_sm90(x, *args, plain))
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
