@@ -81,6 +81,9 @@ class RoutingPlan:
     expert_offsets: [E + 1] start of each expert's run in ``sorted_pairs``.
     tile_expert:    [max_tiles] local expert of each tile of ``block_m`` rows, -1 past ``num_tiles``.
     tile_row_start: [max_tiles] index into ``sorted_pairs`` where the tile's rows begin.
+    tile_row_end:   [max_tiles] where they end (the tile's last row + 1: block_m rows on, or its expert's end),
+                    0 past ``num_tiles``.  A kernel starting a tile reads its expert and rows side by side,
+                    with no load that waits for another (the expert's end would wait for the expert).
     num_tiles:      [1] tiles in use.
     """
 
@@ -89,6 +92,7 @@ class RoutingPlan:
     expert_offsets: torch.Tensor
     tile_expert: torch.Tensor
     tile_row_start: torch.Tensor
+    tile_row_end: torch.Tensor
     num_tiles: torch.Tensor
     block_m: int
     top_k: int
@@ -131,6 +135,7 @@ def plan_routing(
     first_tile = tile_end[expert] - tiles_per_expert[expert]
     in_use = tile < tile_end[-1]
     row_start = offsets[expert] + (tile - first_tile) * block_m
+    row_end = torch.minimum(row_start + block_m, offsets[expert + 1])
     i32 = torch.int32
     return RoutingPlan(
         sorted_pairs=sorted_pairs.to(i32),
@@ -138,6 +143,7 @@ def plan_routing(
         expert_offsets=offsets.to(i32),
         tile_expert=torch.where(in_use, expert, -1).to(i32),
         tile_row_start=torch.where(in_use, row_start, 0).to(i32),
+        tile_row_end=torch.where(in_use, row_end, 0).to(i32),
         num_tiles=tile_end[-1:].to(i32),
         block_m=block_m,
         top_k=top_k,

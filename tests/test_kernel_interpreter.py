@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent(
     plan = m.plan_routing(ti, e, block_m, expert_map=emap)
     got = route(ti, e, block_m, emap)
     for a, b in zip(got[1:], (plan.expert_counts, plan.expert_offsets, plan.tile_expert, plan.tile_row_start,
-                              plan.num_tiles)):
+                              plan.tile_row_end, plan.num_tiles)):
         assert torch.equal(a, b), (a, b)
     print(rel)
     """
@@ -136,9 +136,9 @@ ROUTE_SCRIPT = textwrap.dedent(
     if use_map:  # three global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1, -1], dtype=torch.int32)
     plan = m.plan_routing(ids, e, block_m, expert_map=emap)
-    sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, _ = route(ids, e, block_m, emap)
+    sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles, _ = route(ids, e, block_m, emap)
     for a, b in ((counts, plan.expert_counts), (offsets, plan.expert_offsets), (tile_expert, plan.tile_expert),
-                 (tile_row, plan.tile_row_start), (num_tiles, plan.num_tiles)):
+                 (tile_row, plan.tile_row_start), (tile_row_end, plan.tile_row_end), (num_tiles, plan.num_tiles)):
         assert torch.equal(a, b), (a, b)
     for x in range(e):  # inside an expert's run the order may differ (atomics); the pairs may not
         lo, hi = int(offsets[x]), int(offsets[x + 1])

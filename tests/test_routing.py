@@ -144,7 +144,8 @@ def check_plan(plan: RoutingPlan, topk_ids: torch.Tensor, num_experts: int, bloc
     """Every documented invariant, checked with Python lists."""
     t, k = topk_ids.shape
     p = t * k
-    for name in ("sorted_pairs", "expert_counts", "expert_offsets", "tile_expert", "tile_row_start", "num_tiles"):
+    for name in ("sorted_pairs", "expert_counts", "expert_offsets", "tile_expert", "tile_row_start", "tile_row_end",
+                 "num_tiles"):
         assert getattr(plan, name).dtype == torch.int32, name
     assert (plan.block_m, plan.top_k) == (block_m, k)
     flat = topk_ids.reshape(-1).tolist()
@@ -167,19 +168,23 @@ def check_plan(plan: RoutingPlan, topk_ids: torch.Tensor, num_experts: int, bloc
     assert all(local[i] < 0 for i in sorted_pairs[valid:])  # other ranks' pairs last
 
     n_max = max_tiles(p, num_experts, block_m)
-    assert plan.tile_expert.shape == (n_max,) and plan.tile_row_start.shape == (n_max,)
+    assert plan.tile_expert.shape == plan.tile_row_start.shape == plan.tile_row_end.shape == (n_max,)
     assert plan.num_tiles.shape == (1,)
     num_tiles = plan.num_tiles.item()
     assert num_tiles == sum(-(-c // block_m) for c in counts) <= n_max
     tile_expert = plan.tile_expert.tolist()
     tile_start = plan.tile_row_start.tolist()
+    tile_end = plan.tile_row_end.tolist()
     assert all(e == -1 for e in tile_expert[num_tiles:])
+    assert all(s == 0 for s in tile_start[num_tiles:]) and all(r == 0 for r in tile_end[num_tiles:])
     used = tile_expert[:num_tiles]
     assert used == sorted(used) and all(0 <= e < num_experts for e in used)
     for e in range(num_experts):
         starts = [s for te, s in zip(used, tile_start) if te == e]
         assert starts == list(range(offsets[e], offsets[e + 1], block_m))  # block_m rows each, last partial
-        rows = [r for s in starts for r in range(s, min(s + block_m, offsets[e + 1]))]
+        ends = [r for te, r in zip(used, tile_end) if te == e]
+        assert ends == [min(s + block_m, offsets[e + 1]) for s in starts]
+        rows = [r for s, end in zip(starts, ends) for r in range(s, end)]
         assert rows == list(range(offsets[e], offsets[e + 1]))  # covers the expert's rows exactly
 
 
@@ -249,7 +254,8 @@ def test_tile_arrays_do_not_depend_on_routing(gen):
     packed = torch.zeros(t, k, dtype=torch.int32)
     packed[:, 1] = 1
     plans = [plan_routing(ids, e, bm) for ids in (spread, packed)]
-    for name in ("sorted_pairs", "expert_counts", "expert_offsets", "tile_expert", "tile_row_start", "num_tiles"):
+    for name in ("sorted_pairs", "expert_counts", "expert_offsets", "tile_expert", "tile_row_start", "tile_row_end",
+                 "num_tiles"):
         assert getattr(plans[0], name).shape == getattr(plans[1], name).shape, name
     assert plans[0].tile_expert.shape == (max_tiles(t * k, e, bm),)
 

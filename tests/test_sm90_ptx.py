@@ -18,10 +18,10 @@ from moe_nvfp4.triton import moe_sm90 as K
 GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
 
 GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32",
-                      out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32", offsets_ptr="*i32",
-                      tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32", topk_weights_ptr="*fp32",
-                      ids_ptr="*i32", expert_map_ptr="*i32", workspace_ptr="*fp32", arrivals_ptr="*i32",
-                      num_pairs="i32", n_out="i32", k="i32", kp="i32")
+                      out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32",
+                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
+                      topk_weights_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", workspace_ptr="*fp32",
+                      arrivals_ptr="*i32", num_pairs="i32", n_out="i32", k="i32", kp="i32")
 # STREAM_K goes right after SPLIT_K (the kernel's argument order)
 GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
                         EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False,
@@ -29,8 +29,9 @@ GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=
 
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
                        counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
-                       tile_row_ptr="*i32", num_tiles_ptr="*i32", arrivals_ptr="*i32", num_pairs="i32", chunk="i32",
-                       num_chunks="i32", num_experts="i32", max_tiles="i32", num_arrivals="i32")
+                       tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32", arrivals_ptr="*i32",
+                       num_pairs="i32", chunk="i32", num_chunks="i32", num_experts="i32", max_tiles="i32",
+                       num_arrivals="i32")
 # COUNTED goes first (the kernel's argument order)
 ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128)
 
@@ -132,7 +133,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in views]
     signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
-                     offsets_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32", num_tiles_ptr="*i32",
+                     tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
                      topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip

@@ -249,7 +249,7 @@ def fused_moe_w4a4_sm100(
     if t == 0:
         return out
     experts = weights.w13_interleaved.shape[0]
-    sorted_pairs, counts, offsets, tile_expert, tile_row, _, _ = route(topk_ids, experts, TILE_M, expert_map)
+    sorted_pairs, counts, offsets, tile_expert, tile_row, *_ = route(topk_ids, experts, TILE_M, expert_map)
     rows = padded_rows(sorted_pairs, counts, offsets, tile_expert, tile_row, topk_weights)
     num_ctas = num_ctas_for(x.device)
 

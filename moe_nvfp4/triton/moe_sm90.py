@@ -101,6 +101,7 @@ def _route_kernel(
     cursor_ptr,
     tile_expert_ptr,
     tile_row_ptr,
+    tile_row_end_ptr,
     num_tiles_ptr,
     arrivals_ptr,
     num_pairs,
@@ -158,10 +159,13 @@ def _route_kernel(
             owned = expert_ok & (j < tiles)
             tl.store(tile_expert_ptr + first_tile + j, experts, mask=owned)
             tl.store(tile_row_ptr + first_tile + j, starts + j * BLOCK_M, mask=owned)
+            tile_end = tl.minimum(starts + (j + 1) * BLOCK_M, starts + counts)
+            tl.store(tile_row_end_ptr + first_tile + j, tile_end, mask=owned)
         for t0 in range(tl.sum(tiles, 0), max_tiles, BLOCK_P):
             t = t0 + tl.arange(0, BLOCK_P)
             tl.store(tile_expert_ptr + t, tl.full([BLOCK_P], -1, tl.int32), mask=t < max_tiles)
             tl.store(tile_row_ptr + t, tl.zeros([BLOCK_P], tl.int32), mask=t < max_tiles)
+            tl.store(tile_row_end_ptr + t, tl.zeros([BLOCK_P], tl.int32), mask=t < max_tiles)
 
 
 # Bytes of one 64-row unit and 128-wide K chunk in layouts.FragmentLayout: values, then (separately) scales
@@ -422,9 +426,9 @@ def _moe_gemm_kernel(
     stride_out,
     stride_split,
     sorted_pairs_ptr,
-    offsets_ptr,
     tile_expert_ptr,
     tile_row_ptr,
+    tile_row_end_ptr,
     num_tiles_ptr,
     topk_weights_ptr,
     ids_ptr,
@@ -515,7 +519,7 @@ def _moe_gemm_kernel(
         else:
             expert = tl.load(tile_expert_ptr + m_tile)
             row0 = tl.load(tile_row_ptr + m_tile)
-            row_end = tl.load(offsets_ptr + expert + 1)
+            row_end = tl.load(tile_row_end_ptr + m_tile)
             rows = row0 + tl.arange(0, BLOCK_M)
             row_ok = rows < row_end
             pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
@@ -662,10 +666,10 @@ def route_chunks(num_pairs: int, num_experts: int) -> tuple[int, int]:
 def route(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None, arrivals: int = 0
 ) -> tuple[torch.Tensor, ...]:
-    """Launch the routing kernel(s); returns (sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles,
-    arrivals): the last, ``arrivals`` zeroed counters for stream-K GEMMs.  Up to ROUTE_ONE_PROGRAM pairs one
-    program does it all (one launch); past that _count_kernel counts chunks of pairs and _route_kernel
-    scatters them, a program per chunk.  H200, route() alone by graph replay, one program -> chunks: 4.2 ->
+    """Launch the routing kernel(s); returns (sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end,
+    num_tiles, arrivals) as in routing.RoutingPlan; the last, ``arrivals`` zeroed counters for stream-K GEMMs.
+    Up to ROUTE_ONE_PROGRAM pairs one program does it all (one launch); past that _count_kernel counts chunks
+    of pairs and _route_kernel scatters them, a program per chunk.  H200, route() alone by graph replay, one program -> chunks: 4.2 ->
     5.2 us at 1024 pairs and E=128, 7.8 -> 5.5 at 2048, 112 -> 7.1 at 32768 (its atomics serialized)."""
     from ..routing import max_tiles
 
@@ -675,14 +679,15 @@ def route(
     chunk, num_chunks = route_chunks(num_pairs, num_experts) if counted else (num_pairs, 1)
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
     hist_size = num_chunks * e_pow2 if counted else 0
-    sizes = (num_pairs, num_experts, num_experts + 1, num_chunks * e_pow2, n_tiles, n_tiles, 1, arrivals, hist_size)
+    sizes = (num_pairs, num_experts, num_experts + 1, num_chunks * e_pow2, n_tiles, n_tiles, n_tiles, 1, arrivals,
+             hist_size)
     # One allocation; each part starts on a 16-byte boundary, the alignment Triton specializes pointers
     # on, so the kernels see the same pointer properties for every T (no recompilation).
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + -(-size // 4) * 4)
     ints = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
-    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles, counters, hist = (
+    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end, num_tiles, counters, hist = (
         ints[start : start + size] for start, size in zip(starts, sizes)
     )
     ids = topk_ids.reshape(-1)
@@ -693,12 +698,12 @@ def route(
         _count_kernel[(num_chunks,)](ids, emap, hist, num_pairs, chunk, HAS_MAP=expert_map is not None,
                                      BLOCK_P=block_p, E_POW2=e_pow2, num_warps=4, **launch)  # fmt: skip
     _route_kernel[(num_chunks,)](
-        ids, emap, hist if counted else ints, sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, num_tiles,
-        counters, num_pairs, chunk, num_chunks, num_experts, n_tiles, arrivals,
+        ids, emap, hist if counted else ints, sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end,
+        num_tiles, counters, num_pairs, chunk, num_chunks, num_experts, n_tiles, arrivals,
         COUNTED=counted, MAX_CHUNKS=_route_max_chunks(e_pow2), HAS_MAP=expert_map is not None,
         BLOCK_M=block_m, BLOCK_P=block_p, E_POW2=e_pow2, num_warps=8, **launch,
     )  # fmt: skip
-    return sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, counters
+    return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles, counters
 
 
 def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -761,8 +766,8 @@ def fused_moe_sm90(
     else:
         # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
         n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k
-        *tile_map, arrivals = route(topk_ids, num_experts, config.block_m, expert_map, n_arrivals)
-        del tile_map[1]  # the per-expert counts (the GEMMs read the offsets)
+        sorted_pairs, _, _, *tiles, arrivals = route(topk_ids, num_experts, config.block_m, expert_map, n_arrivals)
+        tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
     # constexprs both GEMMs share
     shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
                   ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,

@@ -64,12 +64,12 @@ def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units,
 
 
 @gluon.jit
-def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M: gl.constexpr):
-    """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and the end of the expert's
-    rows.  Loader and MMA warps walk the same tiles."""
+def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, GROUP_M: gl.constexpr):
+    """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and end of rows, three loads side
+    by side.  Loader and MMA warps walk the same tiles."""
     m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
-    expert = gl.load(tile_expert_ptr + m_tile)
-    return n_tile, expert, gl.load(tile_row_ptr + m_tile), gl.load(offsets_ptr + expert + 1)
+    return (n_tile, gl.load(tile_expert_ptr + m_tile), gl.load(tile_row_ptr + m_tile),
+            gl.load(tile_row_end_ptr + m_tile))
 
 
 @gluon.jit
@@ -84,7 +84,7 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
             LOADER_WARPS: gl.constexpr, PDL: gl.constexpr):
-    (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+    (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr,
      a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -101,7 +101,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         num_m_tiles = gl.load(num_tiles_ptr)
         if pid < num_m_tiles * num_n_tiles:
             n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
-                                                  offsets_ptr, GROUP_M)  # fmt: skip
+                                                  tile_row_end_ptr, GROUP_M)  # fmt: skip
             early = gl.minimum(steps, STAGES)
             for step in range(early):  # the ring's first uses: every stage is free
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
@@ -110,8 +110,8 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     num_m_tiles = gl.load(num_tiles_ptr)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                              GROUP_M)  # fmt: skip
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
+                                              tile_row_end_ptr, GROUP_M)  # fmt: skip
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
         if GATED:
@@ -174,7 +174,8 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
     group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
+     sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
+     kp) = shared
     _after_previous_kernel(PDL)
     pid = gl.program_id(0)
     num_m_tiles = gl.load(num_tiles_ptr)
@@ -182,8 +183,8 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                              GROUP_M)  # fmt: skip
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
+                                              tile_row_end_ptr, GROUP_M)  # fmt: skip
         tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
@@ -203,7 +204,8 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-     sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp) = shared
+     sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
+     kp) = shared
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -218,6 +220,8 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
+    if GROUP == 0:  # GEMM2's epilogue loads, issued now so they return during the K steps
+        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED, WIDTH, MMA_L)
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -273,37 +277,50 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
             if GATED:
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
-        _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-                  topk_weights_ptr, n_out, GATED, BLOCK_N, WIDTH, DTYPE, MMA_L)
+        _epilogue(acc, acc_up, n_tile, row0, row_end, operands, gs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out,
+                  GATED, BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
-def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-              topk_weights_ptr, n_out, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-              DTYPE: gl.constexpr, MMA_L: gl.constexpr):
-    """A tile's whole-K sums out: GEMM1 SiLU(gate) * up in DTYPE; GEMM2 times the pairs' top-k weights."""
+def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: gl.constexpr, WIDTH: gl.constexpr,
+                       MMA_L: gl.constexpr):
+    """What GEMM2's epilogue reads before its top-k weights, its global scale and pair ids (the output rows),
+    loaded as a tile starts so they return while its K steps run: at decode those take about as long as a few
+    dependent loads.  GEMM1's global scales are one load with nothing waiting on it; held through the K loop,
+    they made an 8-warp narrow build spill, so its epilogue loads them (here: the expert, twice)."""
+    if GATED:
+        return expert, expert
+    else:
+        rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
+        return gl.load(gs_ptr + expert), gl.load(sorted_pairs_ptr + rows, mask=rows < row_end, other=0)
+
+
+@gluon.jit
+def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, gs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out,
+              GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, DTYPE: gl.constexpr, MMA_L: gl.constexpr):
+    """A tile's whole-K sums out (``operands`` from _epilogue_operands): GEMM1 SiLU(gate) * up in DTYPE; GEMM2
+    times the pairs' top-k weights."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
+    rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
     row_ok = rows < row_end
     offs_n = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
     if GATED:
-        gate = acc * (gl.load(gs_ptr + expert * 2) * FIX)
-        up = acc_up * (gl.load(gs_ptr + expert * 2 + 1) * FIX)
-        y = _silu_times(gate, up)
+        expert, _ = operands
+        y = _silu_times(acc * (gl.load(gs_ptr + expert * 2) * FIX), acc_up * (gl.load(gs_ptr + expert * 2 + 1) * FIX))
         gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
     else:
-        pair_id = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        scale, pair_id = operands
         weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-        y = acc * (gl.load(gs_ptr + expert) * FIX * weight)[None, :]
+        y = acc * (scale * FIX * weight)[None, :]
         gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
                  y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @gluon.jit
-def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
+def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
+                        tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
@@ -333,8 +350,9 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     # partitions: MMA group 0 in the launch's warps, groups 1.. and the loader in worker warps.  Constexprs are
     # spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, topk_weights_ptr, n_out, kp)
-    loader = (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+              sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
+              kp)
+    loader = (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr,
               num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
@@ -417,7 +435,7 @@ def launch_gemm_ws(
     pdl: bool,
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
-    whole-K path: tile_map is (sorted_pairs, offsets, tile_expert, tile_row, num_tiles) from route()."""
+    whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route()."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,

@@ -334,12 +334,14 @@ def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
     for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32),
                                             (8, 2, 20000, 128), (256, 8, 4096, 64), (16, 4, 200, 32)):
         ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device="cuda", dtype=torch.int32)
-        sorted_pairs, counts, offsets, tile_expert, tile_row, num_tiles, _ = route(ids, experts, block_m, None)
+        sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles, _ = route(ids, experts, block_m,
+                                                                                                 None)
         plan = m.plan_routing(ids, experts, block_m)
         assert torch.equal(counts, plan.expert_counts)
         assert torch.equal(offsets, plan.expert_offsets)
         assert torch.equal(tile_expert, plan.tile_expert)
         assert torch.equal(tile_row, plan.tile_row_start)
+        assert torch.equal(tile_row_end, plan.tile_row_end)
         assert torch.equal(num_tiles, plan.num_tiles)
         # within an expert's run the order may differ (atomics); the sets must not
         for e in range(experts):
