@@ -4,10 +4,13 @@ percent within the hour, so only same-run comparisons decide a kernel change).
     python benchmarks/ab_moe.py --cases qwen3-30b-a3b:1,mixtral-8x7b:16 --variants shipped,partials_in_x_dtype
     git show HEAD~1:moe_nvfp4/triton/moe_sm90_ws.py > /tmp/old.py
     python benchmarks/ab_moe.py --variants ws=/tmp/old.py,shipped
+    mkdir /tmp/old && git archive HEAD~1 moe_nvfp4 | tar -x -C /tmp/old
+    python benchmarks/ab_moe.py --variants pkg=/tmp/old,shipped
 
 A variant is ``shipped`` (the tuned config), ``ws=PATH`` (the tuned config launched through another version of
-the warp-specialized module, the file at PATH), or a boolean MoEKernelConfig field flipped on the tuned config
-(``partials_in_x_dtype``, ...).  Per case:
+the warp-specialized module, the file at PATH), ``pkg=DIR`` (the tuned config run by another version of the
+whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), or a boolean MoEKernelConfig
+field flipped on the tuned config (``partials_in_x_dtype``, ...).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.
@@ -38,6 +41,17 @@ def load_ws_module(path: Path, directory: Path, name: str):
     return module_from_source(src, directory, name)
 
 
+def load_package(directory: Path, scratch: Path, name: str):
+    """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 module
+    (its relative imports resolve inside the copy)."""
+    import importlib
+    import shutil
+
+    shutil.copytree(directory / "moe_nvfp4", scratch / name)
+    sys.path.insert(0, str(scratch))
+    return importlib.import_module(f"{name}.triton.moe_sm90")
+
+
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
     import torch
 
@@ -66,10 +80,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
 
     def forwards(variant: str) -> list:
         c = configured(variant)
-        return [lambda ws=ws: moe_sm90.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
+        host = modules[variant] if variant.startswith("pkg=") else moe_sm90
+        return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
 
     def launching(variant: str):  # what fused_moe_sm90 imports as moe_sm90_ws.launch_gemm_ws
-        return modules[variant].launch_gemm_ws if variant in modules else shipped_launch
+        return modules[variant].launch_gemm_ws if variant.startswith("ws=") else shipped_launch
 
     times: dict[str, list[float]] = {v: [] for v in variants}
     errors: dict[str, float] = {}
@@ -107,6 +122,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         modules = {v: load_ws_module(Path(v[3:]), Path(tmp), f"moe_sm90_ws_{i}")
                    for i, v in enumerate(variants) if v.startswith("ws=")}  # fmt: skip
+        modules.update({v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
+                        for i, v in enumerate(variants) if v.startswith("pkg=")})  # fmt: skip
         rows = []
         for case in args.cases.split(","):
             model, tokens = case.split(":")

@@ -367,3 +367,23 @@ def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path)
     assert copy.launch_gemm_ws.__module__ == "moe_sm90_ws_copy"
     monkeypatch.setattr(W, "_moe_gemm_ws_kernel", copy._moe_gemm_ws_kernel)
     assert "wgmma.mma_async" in _compile_ws(False, 64, 4, 128)["ptx"]
+
+
+def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
+    """benchmarks/ab_moe.py's ``pkg=DIR`` variant: a copy of the package (as ``git archive REV moe_nvfp4`` writes
+    it) imports under a name of its own, its sm_90 host and Gluon module its own, not the installed package's."""
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import ab_moe
+
+    from moe_nvfp4.triton import moe_sm90
+
+    archive = tmp_path / "rev"
+    shutil.copytree(Path(moe_sm90.__file__).resolve().parent.parent, archive / "moe_nvfp4")
+    host = ab_moe.load_package(archive, tmp_path / "scratch", "moe_nvfp4_rev")
+    assert host.__name__ == "moe_nvfp4_rev.triton.moe_sm90" and host.fused_moe_sm90 is not moe_sm90.fused_moe_sm90
+    assert Path(host.__file__).is_relative_to(tmp_path / "scratch")
+    from moe_nvfp4_rev.triton import moe_sm90_ws as copied_ws  # what the copy's host launches
+
+    assert copied_ws.launch_gemm_ws.__module__ == "moe_nvfp4_rev.triton.moe_sm90_ws"
