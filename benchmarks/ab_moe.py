@@ -7,10 +7,14 @@ percent within the hour, so only same-run comparisons decide a kernel change).
     mkdir /tmp/old && git archive HEAD~1 moe_nvfp4 | tar -x -C /tmp/old
     python benchmarks/ab_moe.py --variants pkg=/tmp/old,shipped
 
+    cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
+        python benchmarks/ab_moe.py --variants configs=/tmp/before,shipped
+
 A variant is ``shipped`` (the tuned config), ``ws=PATH`` (the tuned config launched through another version of
 the warp-specialized module, the file at PATH), ``pkg=DIR`` (the tuned config run by another version of the
-whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), or a boolean MoEKernelConfig
-field flipped on the tuned config (``partials_in_x_dtype``, ...).  Per case:
+whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), ``configs=DIR`` (the config a
+configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
+tuned config (``partials_in_x_dtype``, ...).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.
@@ -52,6 +56,21 @@ def load_package(directory: Path, scratch: Path, name: str):
     return importlib.import_module(f"{name}.triton.moe_sm90")
 
 
+def tuned_config(directory: Path, select):
+    """``select()`` (configs.select_config for a case) reading the tuned files under ``directory`` instead of the
+    package's configs directory."""
+    from moe_nvfp4 import configs
+
+    shipped = configs.CONFIG_DIR
+    configs.CONFIG_DIR = directory
+    configs._tuned_entries.cache_clear()
+    try:
+        return select()
+    finally:
+        configs.CONFIG_DIR = shipped
+        configs._tuned_entries.cache_clear()
+
+
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
     import torch
 
@@ -62,7 +81,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     from tune_moe import MODELS, make_layer
 
     e, k, h, i = MODELS[model]
-    cfg = select_config(tokens, e, k, h, i, torch.bfloat16, torch.cuda.get_device_name())
+    device_name = torch.cuda.get_device_name()
+    cfg = select_config(tokens, e, k, h, i, torch.bfloat16, device_name)
+    tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, e, k, h, i, torch.bfloat16,
+                                                                                 device_name))
+                for v in variants if v.startswith("configs=")}  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
@@ -74,6 +97,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     shipped_launch = moe_sm90_ws.launch_gemm_ws
 
     def configured(variant: str):
+        if variant in tuned_in:
+            return tuned_in[variant]
         if variant == "shipped" or variant in modules:
             return cfg
         return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})

@@ -3,6 +3,7 @@ programmatic dependent launch each kernel must wait for the previous kernel (gri
 first global memory access, or it could read routing data or activations that are not written yet."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -387,3 +388,33 @@ def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
     from moe_nvfp4_rev.triton import moe_sm90_ws as copied_ws  # what the copy's host launches
 
     assert copied_ws.launch_gemm_ws.__module__ == "moe_nvfp4_rev.triton.moe_sm90_ws"
+
+
+def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
+    """benchmarks/ab_moe.py's ``configs=DIR`` variant: select_config reads DIR's tuned files for it (a copy of
+    configs/ taken before a tuner run), and the package's own files again after."""
+    import json
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import ab_moe
+
+    from moe_nvfp4 import configs
+
+    shipped_file = configs.config_path("NVIDIA H200")
+    data = json.loads(shipped_file.read_text())
+    for entry in data["entries"]:
+        entry["config"]["gemm1"]["group_m"] = 4  # a value no shipped entry uses
+    copy = configs.config_path("NVIDIA H200", tmp_path)
+    copy.parent.mkdir(parents=True)
+    copy.write_text(json.dumps(data))
+
+    def select() -> configs.MoEKernelConfig:
+        return configs.select_config(1, 8, 2, 4096, 14336, torch.bfloat16, "NVIDIA H200")
+
+    shipped = select()
+    assert shipped.gemm1.group_m != 4
+    assert ab_moe.tuned_config(tmp_path, select) == dataclasses.replace(shipped, gemm1=dataclasses.replace(
+        shipped.gemm1, group_m=4))  # fmt: skip
+    assert select() == shipped  # the package's directory again
