@@ -181,8 +181,9 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     num_m_tiles = gl.load(num_tiles_ptr)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
-    # GEMM1's global scales held through the K loops made the 8-warp narrow-2 build spill (three K loops there)
-    EARLY_SCALES: gl.constexpr = NARROW < 2
+    # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
+    # global scales made the 8-warp one spill
+    EARLY: gl.constexpr = NARROW < 2 or not GATED
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
@@ -191,20 +192,23 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and rows <= BLOCK_M // 4:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY_SCALES)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
+                       EARLY)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY_SCALES)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
+                       EARLY)
         else:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY_SCALES)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY)
         tiles_done += 1
 
 
 @gluon.jit
 def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
                DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, EARLY_SCALES: gl.constexpr):
+               K_GROUPS: gl.constexpr, EARLY: gl.constexpr):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
-    rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY_SCALES: see _epilogue_operands)."""
+    rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
+    starts, so they return while the K steps run)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
      sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
      kp) = shared
@@ -222,9 +226,8 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
-    if GROUP == 0:  # the epilogue's loads, issued now so they return during the K steps
-        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED, EARLY_SCALES, WIDTH,
-                                      MMA_L)
+    if GROUP == 0 and EARLY:
+        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED, WIDTH, MMA_L)
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -280,30 +283,28 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
             if GATED:
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
-        _epilogue(acc, acc_up, n_tile, row0, row_end, operands, gs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out,
-                  GATED, EARLY_SCALES, BLOCK_N, WIDTH, DTYPE, MMA_L)
+        if not EARLY:
+            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED, WIDTH, MMA_L)
+        _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
+                  BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
-def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: gl.constexpr, EARLY: gl.constexpr,
-                       WIDTH: gl.constexpr, MMA_L: gl.constexpr):
-    """What a tile's epilogue loads but GEMM2's top-k weights (which wait on its pair ids), loaded as the tile starts
-    so they return while its K steps run, which at decode take about as long as a few loads one after another:
-    GEMM1's gate and up global scales, GEMM2's global scale and pair ids (its output rows).  Without EARLY, GEMM1
-    leaves its scales to the epilogue (here: the expert, for it)."""
-    if not GATED:
-        rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
-        return gl.load(gs_ptr + expert), gl.load(sorted_pairs_ptr + rows, mask=rows < row_end, other=0)
-    elif EARLY:
+def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: gl.constexpr, WIDTH: gl.constexpr,
+                       MMA_L: gl.constexpr):
+    """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids): GEMM1's gate and up
+    global scales, GEMM2's global scale and pair ids (its output rows).  At decode a tile's K steps take about as
+    long as a few loads one after another, so these are loaded as the tile starts (_tile_sums' EARLY)."""
+    if GATED:
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
     else:
-        return expert, expert
+        rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
+        return gl.load(gs_ptr + expert), gl.load(sorted_pairs_ptr + rows, mask=rows < row_end, other=0)
 
 
 @gluon.jit
-def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, gs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out,
-              GATED: gl.constexpr, EARLY: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, DTYPE: gl.constexpr,
-              MMA_L: gl.constexpr):
+def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
+              GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, DTYPE: gl.constexpr, MMA_L: gl.constexpr):
     """A tile's whole-K sums out (``operands`` from _epilogue_operands): GEMM1 SiLU(gate) * up in DTYPE; GEMM2
     times the pairs' top-k weights."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
@@ -313,11 +314,7 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, gs_ptr, out_ptr, str
     offs_n = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
     if GATED:
-        if EARLY:
-            gate_scale, up_scale = operands
-        else:
-            expert, _ = operands
-            gate_scale, up_scale = gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
+        gate_scale, up_scale = operands
         y = _silu_times(acc * (gate_scale * FIX), acc_up * (up_scale * FIX))
         gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
     else:
