@@ -20,18 +20,24 @@ EXPERT_INTERMEDIATE = 64
 EXPERTS = 4
 LAYERS = 2
 VOCAB = 256
+KV_HEADS = 2
+# At least a warp's width per KV head: vLLM 0.26.0's reshape_and_cache_flash launches kv_heads_per_rank *
+# head_dim threads per token, and its strided-heads path steps through heads by (threads // 32), so a rank
+# with fewer than 32 threads loops forever.  Head dim 16 did that at TP=2 (one KV head of 16 per rank).
+HEAD_DIM = 32
 
 
 def tiny_config(family: Family):
-    """The transformers config of the tiny model (hidden 64, 4 experts of intermediate 64, 2 layers, vocab 256)."""
+    """The transformers config of the tiny model (hidden 64, 4 experts of intermediate 64, 2 layers, vocab 256,
+    4 attention heads and 2 KV heads of dim 32)."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=HIDDEN,
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HIDDEN // 4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
         vocab_size=VOCAB,
         num_experts_per_tok=2,
         max_position_embeddings=512,
@@ -44,6 +50,12 @@ def tiny_config(family: Family):
             intermediate_size=2 * EXPERT_INTERMEDIATE, moe_intermediate_size=EXPERT_INTERMEDIATE, num_experts=EXPERTS, **common
         )
     raise ValueError(f"family must be 'mixtral' or 'qwen3_moe', got {family!r}")
+
+
+def kv_cache_threads_per_rank(config, tp: int) -> int:
+    """Threads vLLM's reshape_and_cache_flash gives each token on one of ``tp`` ranks (KV heads are split, or
+    replicated once there are more ranks than heads); under 32 it never finishes (see ``HEAD_DIM``)."""
+    return max(1, config.num_key_value_heads // tp) * config.head_dim
 
 
 def make_tiny_checkpoint(
