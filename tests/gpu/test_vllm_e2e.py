@@ -90,6 +90,9 @@ def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int
             "max_tokens": MAX_TOKENS, "out": str(out)}
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
+    # Greedy decoding never samples; FlashInfer's top-k/top-p sampler would only be JIT-built (nvcc, a minute or
+    # more on a fresh machine, each TP rank waiting on the build) for the engine's warm-up.
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     run_until_written([sys.executable, "-c", RUNNER, json.dumps(args)], env, out, tag=tag,
                       timeout_s=ENGINE_TIMEOUT_S, exit_grace_s=EXIT_GRACE_S)
     return json.loads(out.read_text())
