@@ -217,9 +217,6 @@ def test_warp_specialized_gemms_in_vllm(tmp_path, checkpoints, family):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_matches_tp1(tmp_path, checkpoints, family):
-    from helpers_checkpoints import kv_cache_threads_per_rank, tiny_config
-
-    assert kv_cache_threads_per_rank(tiny_config(family), 2) >= 32, "vLLM's KV-cache write would never finish"
     ckpt = checkpoints[family]
     tp1 = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=1, tag=f"{family}-tp1")
     tp2 = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=2, tag=f"{family}-tp2")
