@@ -49,7 +49,7 @@ from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk
 from moe_nvfp4.configs import (  # noqa: E402
     CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, default_config, load_config_file,
 )
-from moe_nvfp4.triton.moe_sm90 import ROUTE_BLOCK_SMALL, fused_moe_sm90  # noqa: E402
+from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -91,12 +91,13 @@ GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (1, 3), (2, 3), (
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
     """(choices of the MoE-level fields, per-GEMM choices) for a token count.  Decode (<= 16 rows per
     expert) also splits K or runs stream-K, as too few tiles (or a tile count just past a multiple of the SMs)
-    would leave SMs idle, and tries more programs per SM to hide the decode's latency; routing inside the GEMMs is offered where it applies (<= ROUTE_BLOCK_SMALL pairs)."""
+    would leave SMs idle, and tries more programs per SM to hide the decode's latency.  Pair tiles (no routing
+    kernel) are offered at one token, whose k pairs hit k distinct experts."""
     rows = max(1, tokens * top_k // experts)
     block_ms = (8, 16) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
     # the on/off switches first: a short climb (--climb) tries them before the tile sizes
     moe = dict(partials_in_x_dtype=(False, True),
-               route_in_gemm=(False, True) if tokens * top_k <= ROUTE_BLOCK_SMALL else (False,), block_m=block_ms)  # fmt: skip
+               pair_tiles=(False, True) if tokens == 1 else (False,), block_m=block_ms)  # fmt: skip
     return moe, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
 
 

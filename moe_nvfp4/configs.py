@@ -146,16 +146,18 @@ class MoEKernelConfig:
     narrowest N, for experts with a few tokens each) needs both GEMMs warp-specialized: Triton lowers an
     8-wide tl.dot to mma.sync, which made the Triton kernel slower, not faster (design 002).  partials_in_x_dtype:
     GEMM2 writes its rows per (token, k) in x's dtype instead of float32, halving what the combine moves
-    (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does.  route_in_gemm: at most
-    128 (token, k) pairs (the routing kernel's small block), both GEMMs plan the routing from topk_ids in
-    registers and the routing launch is skipped; more pairs use the routing kernel either way.  It excludes
-    stream-K GEMMs, whose arrival counters the routing kernel zeroes."""
+    (T * top_k * H values) for one more rounding per row, as vLLM's BF16 MoE does.  pair_tiles: every (token, k)
+    pair is a token tile of its own, its expert read from topk_ids, so no routing kernel runs (one launch and its
+    latency less).  A pair then streams its expert's weights alone: meant for one token, whose k pairs hit k
+    distinct experts, and wasteful where pairs share experts.  It needs both GEMMs warp-specialized (the Triton
+    kernel reads the routing kernel's map); with an expert map, or where the Gluon kernel cannot run (rows not
+    16-byte aligned), the forward routes as usual."""
 
     block_m: int = 16
     gemm1: GemmConfig = field(default_factory=GemmConfig)
     gemm2: GemmConfig = field(default_factory=GemmConfig)
     partials_in_x_dtype: bool = False
-    route_in_gemm: bool = False
+    pair_tiles: bool = False
 
     def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
         return (
@@ -165,9 +167,7 @@ class MoEKernelConfig:
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
-            and not (self.route_in_gemm and (self.gemm1.stream_k or self.gemm2.stream_k))
-            # the warp-specialized kernel reads the routing kernel's tile map and whole GEMM1 rows
-            and not (self.route_in_gemm and (self.gemm1.warp_specialized or self.gemm2.warp_specialized))
+            and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
             and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
             and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
                     for g, gated in ((self.gemm1, True), (self.gemm2, False)))

@@ -136,13 +136,11 @@ def test_register_cap_is_checked_and_reaches_the_launch() -> None:
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.max_registers is None
 
 
-def test_stream_k_excludes_k_splits_and_routing_in_the_gemms() -> None:
-    """Stream-K has its own K split; its arrival counters are zeroed by the routing kernel, which routing
-    inside the GEMMs skips."""
+def test_stream_k_excludes_k_splits() -> None:
+    """Stream-K has its own K split."""
     assert GemmConfig(stream_k=True).is_valid(1024) and not GemmConfig(stream_k=True, split_k=2).is_valid(1024)
     stream = MoEKernelConfig(16, GemmConfig(), GemmConfig(stream_k=True))
     assert stream.is_valid(512, 256)
-    assert not dataclasses.replace(stream, route_in_gemm=True).is_valid(512, 256)
     assert MoEKernelConfig.from_dict(stream.to_dict()) == stream
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files
 
@@ -159,7 +157,11 @@ def test_warp_specialized_takes_whole_tiles_and_the_routing_kernels_map() -> Non
     assert not dataclasses.replace(ws, num_stages=1).is_valid(1024)  # a ring needs two stages
     cfg = MoEKernelConfig(16, ws, ws)
     assert cfg.is_valid(512, 256) and MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
-    assert not dataclasses.replace(cfg, route_in_gemm=True).is_valid(512, 256)
+    paired = dataclasses.replace(cfg, pair_tiles=True)  # tiles of one pair each: both GEMMs must be Gluon
+    assert paired.is_valid(512, 256) and MoEKernelConfig.from_dict(paired.to_dict()) == paired
+    assert not MoEKernelConfig(16, ws, GemmConfig(), pair_tiles=True).is_valid(512, 256)
+    assert not MoEKernelConfig(16, GemmConfig(), ws, pair_tiles=True).is_valid(512, 256)
+    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).pair_tiles is False
     assert not MoEKernelConfig(16, GemmConfig(split_k=2), ws).is_valid(512, 256)  # GEMM2 would read fp32 partials
     assert MoEKernelConfig(16, ws, GemmConfig(split_k=2)).is_valid(512, 256)
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.warp_specialized is False

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, in_gemm, stream, pps, block_m = map(int, sys.argv[1:])
+    e, k, h, i, t, split1, split2, seed, use_map, low, pair, stream, pps, block_m = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -38,14 +38,14 @@ SCRIPT = textwrap.dedent(
     emap = None
     if use_map:  # two global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32)
-    # 8-token tiles are valid only for the Gluon GEMMs; on CPU tensors those run the Triton kernel with the same
-    # tiles, as they do on a GPU for rows that are not 16-byte aligned
-    ws = block_m == 8
+    # 8-token tiles and pair tiles are valid only for the Gluon GEMMs; on CPU tensors those run the Triton kernel
+    # with the same tiles (pair tiles: routed as usual), as they do on a GPU for rows that are not 16-byte aligned
+    ws = block_m == 8 or bool(pair)
     cfg = MoEKernelConfig(block_m, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps,
                                               warp_specialized=ws),
                           GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps,
                                      warp_specialized=ws),
-                          partials_in_x_dtype=bool(low), route_in_gemm=bool(in_gemm))
+                          partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
     fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, emap,
@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent(
 )
 
 CASES = [  # (experts, top_k, hidden, inter, tokens, GEMM1 split_k, GEMM2 split_k, use_map, partials in x's dtype,
-    #          routing inside the GEMMs, stream-K GEMMs (1: GEMM1, 2: GEMM2, 3: both), programs per "SM" (2 SMs))
+    #          pair tiles, stream-K GEMMs (1: GEMM1, 2: GEMM2, 3: both), programs per "SM" (2 SMs))
     pytest.param(4, 2, 256, 128, 5, 1, 1, 0, 0, 0, 0, 1, id="basic"),
     pytest.param(7, 3, 48, 32, 9, 1, 1, 0, 0, 0, 0, 1, id="odd-E, rows padded to 64, K padded to 128"),
     pytest.param(3, 2, 128, 256, 1, 1, 2, 0, 0, 0, 0, 1, id="one token, split-K GEMM2"),
@@ -74,9 +74,7 @@ CASES = [  # (experts, top_k, hidden, inter, tokens, GEMM1 split_k, GEMM2 split_
     pytest.param(6, 3, 256, 256, 7, 2, 2, 1, 0, 0, 0, 1, id="both GEMMs split, expert map"),
     pytest.param(3, 2, 144, 48, 4, 2, 1, 0, 0, 0, 0, 1, id="split-K GEMM1 over a padded K tail, rows padded"),
     pytest.param(6, 3, 256, 256, 9, 1, 2, 1, 1, 0, 0, 1, id="GEMM2 rows in x's dtype, split-K GEMM2, expert map"),
-    pytest.param(7, 3, 256, 256, 13, 2, 1, 1, 0, 1, 0, 1, id="routing inside the GEMMs: 39 pairs, expert map, GEMM1 split"),
-    pytest.param(5, 2, 128, 128, 70, 1, 1, 0, 0, 1, 0, 1, id="routing inside the GEMMs asked for, 140 pairs: routing kernel"),
-    pytest.param(4, 4, 128, 128, 32, 1, 1, 0, 0, 1, 0, 1, id="routing inside the GEMMs at exactly 128 pairs, 2 tiles each"),
+    pytest.param(7, 3, 256, 256, 1, 1, 1, 0, 0, 1, 0, 1, id="pair tiles asked for, one token: the Triton kernel routes"),
     # stream-K: 8 programs over one gated tile of 8 K steps (8 pieces, middle ones too), GEMM2's 16 whole tiles
     pytest.param(2, 1, 1024, 64, 1, 1, 1, 0, 0, 0, 3, 4, id="stream-K: one tile over 8 programs, GEMM2 whole tiles"),
     pytest.param(3, 2, 1024, 384, 5, 1, 1, 1, 0, 0, 3, 4, id="stream-K both GEMMs, runs across tile ends, expert map"),
@@ -98,9 +96,9 @@ WARMUP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,in_gemm,stream,pps", CASES)
-def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, in_gemm, stream, pps, seed: int) -> None:
-    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, in_gemm, stream, pps, 16])
+@pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,pair,stream,pps", CASES)
+def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, pair, stream, pps, seed: int) -> None:
+    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, pair, stream, pps, 16])
 
 
 @pytest.mark.parametrize("e,k,h,i,t,use_map", [

@@ -21,12 +21,11 @@ GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|at
 GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32",
                       out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32",
                       tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
-                      topk_weights_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", workspace_ptr="*fp32",
-                      arrivals_ptr="*i32", num_pairs="i32", n_out="i32", k="i32", kp="i32")
+                      topk_weights_ptr="*fp32", workspace_ptr="*fp32", arrivals_ptr="*i32", n_out="i32", k="i32",
+                      kp="i32")
 # STREAM_K goes right after SPLIT_K (the kernel's argument order)
 GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
-                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1, ROUTE_IN_KERNEL=False,
-                        HAS_MAP=False, BLOCK_P=128, E_POW2=128)
+                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1)
 
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
                        counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
@@ -118,7 +117,7 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4):
+                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -135,20 +134,31 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
-                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
+                     ids_ptr="*i32", num_pairs="i32", topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
-                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps)  # fmt: skip
+                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
+                      PAIR_TILES=pair_tiles)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
-    # what the JIT specializes at launch: 16-byte aligned pointers, strides and sizes divisible by 16
-    aligned = [i for i, (n, t) in enumerate(signature.items()) if t.startswith("*") or n.startswith(("stride", "n_", "k"))]
+    # what the JIT specializes at launch: 16-byte aligned pointers (topk_ids not: do_not_specialize_on_alignment),
+    # strides and sizes divisible by 16
+    aligned = [i for i, (n, t) in enumerate(signature.items())
+               if (t.startswith("*") and n != "ids_ptr") or n.startswith(("stride", "n_", "k"))]  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
                          attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
+
+
+# a PTX block that holds nothing but the wait for the previous kernel and the trigger for the next, then the
+# partition's end
+IDLE_EXIT = re.compile(r"^\$L__BB\d+_\d+:[^\n]*\n(?:(?:\s*//[^\n]*|\$L__tmp\d+:|\s*\.loc[^\n]*)\n)*"
+                       r"\s*griddepcontrol\.wait;[^\n]*\n(?:(?:\s*//[^\n]*|\s*\.loc[^\n]*)\n)*"
+                       r"\s*griddepcontrol\.launch_dependents;[^\n]*\n"
+                       r"(?=(?:(?:\s*//[^\n]*|\$L__\w+:[^\n]*|\s*\.loc[^\n]*)\n)*\s*barrier\.sync)", re.M)  # then ends
 
 
 def _sass(cubin: bytes) -> str:
@@ -199,19 +209,25 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait
 
 
-@pytest.mark.parametrize("gated,k_groups,maxnreg,stages", [(True, 1, 128, 4), (False, 1, 128, 4), (False, 3, 128, 3),
-                                                          (True, 2, 168, 4)])
+@pytest.mark.parametrize("gated,k_groups,maxnreg,stages,pairs", [
+    (True, 1, 128, 4, False), (False, 1, 128, 4, False), (False, 3, 128, 3, False), (True, 2, 168, 4, False),
+    (True, 2, 168, 4, True), (False, 1, 128, 4, True)])
 def test_warp_specialized_partitions_wait_for_the_previous_kernel(gated: bool, k_groups: int, maxnreg: int,
-                                                                  stages: int) -> None:
+                                                                  stages: int, pairs: bool) -> None:
     """Programmatic dependent launch in the Gluon GEMM: every partition (each MMA warp group, the loader) waits
     for the previous kernel itself, and lets the next one launch only after its wait, so a running kernel knows
     the kernel two back has ended.  What a partition reads before its wait must not come from the previous
     kernel: GEMM1 (after the routing kernel) reads nothing; GEMM2's loader (after GEMM1) reads the routing
-    kernel's tile map and issues its first tile's weight boxes (one per matrix and stage: the values and the
-    scales), never the token rows GEMM1 writes.  The epilogue's stores come after the waits."""
+    kernel's tile map (with pair tiles topk_ids, written before GEMM1) and issues its first tile's weight boxes
+    (one per matrix and stage: the values and the scales), never the token rows GEMM1 writes.  The epilogue's
+    stores come after the waits."""
     from moe_nvfp4.triton import moe_sm90_ws as W
 
-    ptx = _compile_ws(gated, 64, 4, maxnreg, 1, k_groups, stages)["ptx"]
+    ptx = _compile_ws(gated, 64, 4, maxnreg, 1, k_groups, stages, pair_tiles=pairs)["ptx"]
+    # With pair tiles the tile count is an argument, so ptxas knows a GEMM2 loader with no first tile has no tile
+    # at all: it gets a block of its own that only waits, lets the next kernel launch and ends (nothing to check)
+    ptx, idle = IDLE_EXIT.subn("", ptx)
+    assert idle == (pairs and not gated)
     waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
     triggers = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
     assert len(waits) == len(triggers) == k_groups + 1  # the MMA groups and the loader
@@ -274,6 +290,28 @@ def test_loader_warps_issue_the_token_rows(loader_warps: int, block_m: int) -> N
     assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1
     assert len(re.findall(r"@%p\d+ mbarrier\.arrive\.expect_tx", ptx)) == 1  # predicated: one thread
     assert ".local" not in ptx and not re.search(r"\bSTL", _sass(asm["cubin"]))
+
+
+@pytest.mark.parametrize("gated,block_n,maxnreg,chunks,k_groups,stages,block_m,narrow,loader_warps", [
+    (True, 64, 168, 2, 2, 4, 8, 0, 4), (False, 64, 128, 2, 1, 2, 8, 0, 2), (True, 128, 128, 2, 1, 2, 16, 1, 1),
+    (False, 64, 168, 4, 2, 4, 16, 0, 4)])  # fmt: skip
+def test_pair_tiles_read_topk_ids_not_the_tile_map(gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int,
+                                                   stages: int, block_m: int, narrow: int, loader_warps: int) -> None:
+    """MoEKernelConfig.pair_tiles: token tile m is pair m, its expert topk_ids[m], so the kernel reads none of the
+    routing kernel's buffers (its five tile-map parameters go unloaded) and no sorted pair ids; a tile of one row
+    runs the narrowest MMAs the config allows (8 tokens wide here); the shipped T=1 shapes (Qwen3: 8-token tiles,
+    2 K groups; Mixtral: 16-token tiles, narrow 1, one loader warp) spill nothing the routed builds do not."""
+    asm = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow,
+                      loader_warps=loader_warps, pair_tiles=True)  # fmt: skip
+    routed = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow,
+                         loader_warps=loader_warps)  # fmt: skip
+    params = re.compile(r"ld\.param\.\w+\s+%\w+, \[_moe_gemm_ws_kernel_param_(\d+)\]")
+    loaded, routed_loaded = set(params.findall(asm["ptx"])), set(params.findall(routed["ptx"]))
+    assert len(routed_loaded - loaded) == 5 and len(loaded - routed_loaded) == 2  # the tile map out; topk_ids, count in
+    widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", asm["ptx"])}
+    assert widths == {block_m >> narrow}  # a tile holds one row: only the narrowest K loop is built
+    # no spill the routed build lacks (Mixtral's narrow-1 GEMM1 spills one register a tile in both, outside the K loop)
+    assert len(re.findall(r"\bSTL", _sass(asm["cubin"]))) <= len(re.findall(r"\bSTL", _sass(routed["cubin"]))) <= 1
 
 
 def test_triton_gemm_compiles_eight_token_tiles() -> None:

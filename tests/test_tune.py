@@ -52,7 +52,7 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
                     g.chunks_per_stage, g.k_groups, g.narrow_tiles, g.loader_warps]
 
         assert len(dataclasses.fields(GemmConfig)) == 13, "a new GemmConfig field: add it above"
-        return [c.block_m, c.partials_in_x_dtype, c.route_in_gemm, *gemm(c.gemm1), *gemm(c.gemm2)]
+        return [c.block_m, c.partials_in_x_dtype, c.pair_tiles, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
         assert c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
@@ -116,13 +116,16 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
         (8, 1, 60.0), (8, 16, 280.0), (128, 1, 30.0)]  # fmt: skip
 
 
-@pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 16, True), ("qwen3-30b-a3b", 17, False),
-                                                  ("mixtral-8x7b", 64, True), ("mixtral-8x7b", 65, False)])
-def test_routing_in_the_gemms_is_offered_only_where_it_applies(model: str, tokens: int, offered: bool) -> None:
-    """At most 128 (token, k) pairs: Qwen3 (top-8) up to 16 tokens, Mixtral (top-2) up to 64."""
+@pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 1, True), ("qwen3-30b-a3b", 2, False),
+                                                  ("mixtral-8x7b", 1, True), ("mixtral-8x7b", 16, False)])
+def test_pair_tiles_are_offered_at_one_token_only(model: str, tokens: int, offered: bool) -> None:
+    """One token's k pairs hit k distinct experts; past one token, pairs sharing an expert would each stream its
+    weights.  Pair tiles need both GEMMs warp-specialized, so the climb offers them from such a config."""
     e, k, h, i = MODELS[model]
-    assert any(c.route_in_gemm for c in candidates(tokens, e, k, h, i)) == offered
-    assert any(c.route_in_gemm for c in neighbors(default_config(tokens, e, k, h, i), tokens, e, k, h, i)) == offered
+    assert any(c.pair_tiles for c in candidates(tokens, e, k, h, i)) == offered
+    ws = GemmConfig(64, warp_specialized=True, max_registers=128)
+    start = dataclasses.replace(default_config(tokens, e, k, h, i), gemm1=ws, gemm2=ws)
+    assert any(c.pair_tiles for c in neighbors(start, tokens, e, k, h, i)) == offered
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

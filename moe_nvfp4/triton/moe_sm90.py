@@ -47,8 +47,7 @@ def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr
 
 @triton.jit
 def _expert_runs(counts, BLOCK_M: tl.constexpr):
-    """Per-expert pair counts -> (first sorted row, token tiles, end of its tiles): the plan's layout, shared
-    by _route_kernel and the GEMMs' in-register routing."""
+    """Per-expert pair counts -> (first sorted row, token tiles, end of its tiles): the plan's layout."""
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     return tl.cumsum(counts, 0) - counts, tiles, tl.cumsum(tiles, 0)
 
@@ -327,36 +326,6 @@ def _load_a(a_base, stride_a_split, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
-def _plan_in_registers(ids_ptr, expert_map_ptr, num_pairs, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_P: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
-    """_route_kernel's plan for at most BLOCK_P pairs, kept in registers: per-expert counts, first rows,
-    tiles and tile ends, and each pair's row.  Rows inside an expert's run follow the pair order, so both
-    GEMMs derive the same rows."""
-    offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, 0, num_pairs, HAS_MAP, BLOCK_P)
-    e = tl.where(valid, e, 0)
-    counts = tl.histogram(e, E_POW2, mask=valid)
-    starts, tiles, tile_ends = _expert_runs(counts, BLOCK_M)
-    earlier_same = (e[:, None] == e[None, :]) & valid[None, :] & (offs[None, :] < offs[:, None])
-    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-    row_of_pair = tl.where(valid, tl.gather(starts, e, 0) + rank, -1)
-    return counts, starts, tiles, tile_ends, row_of_pair
-
-
-@triton.jit
-def _tile_in_registers(m_tile, counts, starts, tiles, tile_ends, row_of_pair, BLOCK_M: tl.constexpr,
-                       BLOCK_P: tl.constexpr, E_POW2: tl.constexpr):  # fmt: skip
-    """Token tile m_tile of the in-register plan: (expert, first row, end of the expert's rows, pair ids)."""
-    expert = tl.sum((tile_ends <= m_tile).to(tl.int32), 0)  # experts whose tiles all come earlier
-    mine = tl.arange(0, E_POW2) == expert
-    start = tl.sum(tl.where(mine, starts, 0), 0)
-    row0 = start + (m_tile - tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)) * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    pairs = tl.arange(0, BLOCK_P)
-    pair_id = tl.sum(tl.where(row_of_pair[None, :] == rows[:, None], pairs[None, :], 0), axis=1)
-    return expert, row0, start + tl.sum(tl.where(mine, counts, 0), 0), pair_id
-
-
-@triton.jit
 def _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     """Tile mn's (token tile, weight tile) in grouped order: GROUP_M token tiles share each weight tile while
     it is hot in L2.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels."""
@@ -414,7 +383,7 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
 
 # num_pairs changes with T, and the routing tensors come from the caller at any alignment: not specialized on,
 # so neither a new T nor a new topk_ids allocation compiles a new variant.
-@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     stride_a,
@@ -431,11 +400,8 @@ def _moe_gemm_kernel(
     tile_row_end_ptr,
     num_tiles_ptr,
     topk_weights_ptr,
-    ids_ptr,
-    expert_map_ptr,
     workspace_ptr,
     arrivals_ptr,
-    num_pairs,
     n_out,
     k,
     kp,
@@ -452,16 +418,11 @@ def _moe_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     A_SPLITS: tl.constexpr,
-    ROUTE_IN_KERNEL: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    E_POW2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
 
-    The tile map comes from _route_kernel's buffers, or with ROUTE_IN_KERNEL (at most BLOCK_P pairs) from
-    topk_ids directly: every program computes the plan in registers, and no routing launch is needed.
+    The tile map comes from _route_kernel's buffers.
 
     GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up);
     the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order, or with
@@ -471,12 +432,7 @@ def _moe_gemm_kernel(
     """
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
-    if ROUTE_IN_KERNEL:
-        counts, starts, tiles, tile_ends, row_of_pair = _plan_in_registers(
-            ids_ptr, expert_map_ptr, num_pairs, HAS_MAP, BLOCK_M, BLOCK_P, E_POW2)
-        num_m_tiles = tl.sum(tiles, 0)
-    else:
-        num_m_tiles = tl.load(num_tiles_ptr)
+    num_m_tiles = tl.load(num_tiles_ptr)
     num_n_tiles = tl.cdiv(n_out, BLOCK_N)
     chunks = kp // BLOCK_K
     n_units = tl.cdiv(n_out, 64)  # 64-row units of FragmentLayout (gate and up padded apart)
@@ -511,18 +467,12 @@ def _moe_gemm_kernel(
             k_end = k_first + chunks_per_split
         m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
 
-        if ROUTE_IN_KERNEL:
-            expert, row0, row_end, pair_id = _tile_in_registers(
-                m_tile, counts, starts, tiles, tile_ends, row_of_pair, BLOCK_M, BLOCK_P, E_POW2)
-            rows = row0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < row_end
-        else:
-            expert = tl.load(tile_expert_ptr + m_tile)
-            row0 = tl.load(tile_row_ptr + m_tile)
-            row_end = tl.load(tile_row_end_ptr + m_tile)
-            rows = row0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < row_end
-            pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        expert = tl.load(tile_expert_ptr + m_tile)
+        row0 = tl.load(tile_row_ptr + m_tile)
+        row_end = tl.load(tile_row_end_ptr + m_tile)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
         if GATED:
             a_rows = pair_id // TOP_K
         else:
@@ -747,8 +697,8 @@ def fused_moe_sm90(
     config: MoEKernelConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels (three when
-    the config routes inside the GEMMs and there are at most ROUTE_BLOCK_SMALL pairs)."""
+    """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels, three with
+    pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized and no expert map): no routing."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]
@@ -759,12 +709,17 @@ def fused_moe_sm90(
     use_asm = x.is_cuda  # the Triton interpreter runs on CPU tensors and has no inline PTX
     num_pairs = t * top_k
     ids = topk_ids.reshape(-1)
-    emap = ids if expert_map is None else expert_map
-    in_kernel = config.route_in_gemm and num_pairs <= ROUTE_BLOCK_SMALL
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     g1, g2 = config.gemm1, config.gemm2
     programs1, programs2 = sms * g1.programs_per_sm, sms * g2.programs_per_sm
-    if in_kernel:  # the GEMMs plan from topk_ids themselves; the tile-map arguments go unread
+    # The warp-specialized Gluon kernel is sm_90 code whose cp.async row copies are 16 bytes, compiled only
+    # where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors) and other
+    # rows run the Triton kernel with the same tiles, which computes the same sums.
+    ws_ok = x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
+    ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
+    # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids, and both GEMMs must number rows alike
+    pair_tiles = config.pair_tiles and ws1 and ws2 and expert_map is None
+    if pair_tiles:  # no routing launch; the tile-map arguments go unread
         tile_map = (ids,) * 5
         arrivals = ids
     else:
@@ -774,30 +729,25 @@ def fused_moe_sm90(
         tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
     # constexprs both GEMMs share
     shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
-                  ROUTE_IN_KERNEL=in_kernel, HAS_MAP=expert_map is not None, BLOCK_P=ROUTE_BLOCK_SMALL,
-                  E_POW2=triton.next_power_of_2(num_experts), **_dependent_launch(x.device))  # fmt: skip
+                  **_dependent_launch(x.device))
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
     if g1.split_k == 1:  # the gated activation, in x's dtype
         act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
     else:  # fp32 partial sums per K split, [gate | up] per row
         act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
-    # The warp-specialized Gluon kernel is sm_90 code whose cp.async row copies are 16 bytes, compiled only
-    # where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors) and other
-    # rows run the Triton kernel with the same tiles, which computes the same sums.
-    ws_ok = x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
-    ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
     if ws1 or ws2:
         from .moe_sm90_ws import launch_gemm_ws  # imports moe_sm90's decode and tile helpers
     pdl = shared["PDL"]
     if ws1:
-        launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map,
-                       topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1, pdl)
+        launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map, ids,
+                       pair_tiles, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1,
+                       pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs1,)](
             x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
-            *tile_map, topk_weights, ids, emap, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
-            arrivals, num_pairs, intermediate, hidden, k1p,
+            *tile_map, topk_weights, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
+            arrivals, intermediate, hidden, k1p,
             GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
             EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
         )  # fmt: skip
@@ -805,14 +755,14 @@ def fused_moe_sm90(
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
     if ws2:
         launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
-                       topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2, config.block_m,
-                       programs2, pdl)  # fmt: skip
+                       ids, pair_tiles, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2,
+                       config.block_m, programs2, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](
             act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
-            partial.stride(0), *tile_map, topk_weights.reshape(-1), ids, emap,
+            partial.stride(0), *tile_map, topk_weights.reshape(-1),
             _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
-            num_pairs, hidden, intermediate, k2p,
+            hidden, intermediate, k2p,
             GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
             EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
         )  # fmt: skip

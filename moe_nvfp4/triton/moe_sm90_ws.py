@@ -64,12 +64,35 @@ def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units,
 
 
 @gluon.jit
-def _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, GROUP_M: gl.constexpr):
+def _token_tiles(num_tiles_ptr, num_pairs, PAIR_TILES: gl.constexpr):
+    """How many token tiles: the routing kernel's count, or with PAIR_TILES one per (token, k) pair."""
+    if PAIR_TILES:
+        return num_pairs
+    else:
+        return gl.load(num_tiles_ptr)
+
+
+@gluon.jit
+def _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M: gl.constexpr, PAIR_TILES: gl.constexpr):
     """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and end of rows, three loads side
-    by side.  Loader and MMA warps walk the same tiles."""
+    by side.  With PAIR_TILES token tile m is pair m, one row (row m), its expert read from topk_ids.  Loader and
+    MMA warps walk the same tiles."""
+    sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs = tile_map
     m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
-    return (n_tile, gl.load(tile_expert_ptr + m_tile), gl.load(tile_row_ptr + m_tile),
-            gl.load(tile_row_end_ptr + m_tile))
+    if PAIR_TILES:
+        return n_tile, gl.load(ids_ptr + m_tile).to(gl.int32), m_tile, m_tile + 1
+    else:
+        return (n_tile, gl.load(tile_expert_ptr + m_tile), gl.load(tile_row_ptr + m_tile),
+                gl.load(tile_row_end_ptr + m_tile))
+
+
+@gluon.jit
+def _pair_ids(sorted_pairs_ptr, rows, row_ok, PAIR_TILES: gl.constexpr):
+    """The (token, k) pair of each sorted row: the routing kernel's, or with PAIR_TILES the row itself."""
+    if PAIR_TILES:
+        return gl.where(row_ok, rows, 0)
+    else:
+        return gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
 
 
 @gluon.jit
@@ -83,9 +106,9 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, PDL: gl.constexpr):
-    (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr,
-     a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
+            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+    (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
+    sorted_pairs_ptr, num_tiles_ptr, num_pairs = tile_map[0], tile_map[4], tile_map[6]
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
@@ -97,25 +120,24 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     early = steps * 0  # stages of the first tile whose weights were issued before the previous kernel ended
     if not GATED:
         # GEMM2 reads only its token rows from GEMM1: its first tile's weights stream in while GEMM1 still runs
-        # (the tile map is the routing kernel's, which ended before GEMM1 let this kernel launch)
-        num_m_tiles = gl.load(num_tiles_ptr)
+        # (the tile map is the routing kernel's, which ended before GEMM1 let this kernel launch; topk_ids, read
+        # with PAIR_TILES, come from a kernel before GEMM1 too)
+        num_m_tiles = _token_tiles(num_tiles_ptr, num_pairs, PAIR_TILES)
         if pid < num_m_tiles * num_n_tiles:
-            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
-                                                  tile_row_end_ptr, GROUP_M)  # fmt: skip
+            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
             early = gl.minimum(steps, STAGES)
             for step in range(early):  # the ring's first uses: every stage is free
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
                                expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
     _after_previous_kernel(PDL)
-    num_m_tiles = gl.load(num_tiles_ptr)
+    num_m_tiles = _token_tiles(num_tiles_ptr, num_pairs, PAIR_TILES)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
-                                              tile_row_end_ptr, GROUP_M)  # fmt: skip
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
         if GATED:
-            a_rows = gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0) // TOP_K
+            a_rows = _pair_ids(sorted_pairs_ptr, rows, row_ok, PAIR_TILES) // TOP_K
         else:
             a_rows = gl.where(row_ok, rows, row0)
         kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
@@ -166,19 +188,18 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PDL: gl.constexpr):
+              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
     all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
     that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
     group of the tile picks the same width from the same rows)."""
-    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-     sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
-     kp) = shared
+    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
+     topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
     pid = gl.program_id(0)
-    num_m_tiles = gl.load(num_tiles_ptr)
+    num_m_tiles = _token_tiles(tile_map[4], tile_map[6], PAIR_TILES)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
@@ -186,32 +207,34 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     EARLY: gl.constexpr = NARROW < 2 or not GATED
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_expert_ptr, tile_row_ptr,
-                                              tile_row_end_ptr, GROUP_M)  # fmt: skip
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
         tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
-        if NARROW >= 2 and rows <= BLOCK_M // 4:
+        if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
+                       EARLY, PAIR_TILES)
+        elif NARROW >= 2 and rows <= BLOCK_M // 4:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY)
+                       EARLY, PAIR_TILES)
         else:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY)
+            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
+                       PAIR_TILES)
         tiles_done += 1
 
 
 @gluon.jit
 def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
                DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, EARLY: gl.constexpr):
+               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
     starts, so they return while the K steps run)."""
-    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-     sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
-     kp) = shared
+    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
+     topk_weights_ptr, n_out, kp) = shared
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -227,7 +250,7 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     if GROUP == 0 and EARLY:
-        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED, WIDTH, MMA_L)
+        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map[0], GATED, WIDTH, MMA_L, PAIR_TILES)
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -284,14 +307,14 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         if not EARLY:
-            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED, WIDTH, MMA_L)
+            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map[0], GATED, WIDTH, MMA_L, PAIR_TILES)
         _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
                   BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
 def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: gl.constexpr, WIDTH: gl.constexpr,
-                       MMA_L: gl.constexpr):
+                       MMA_L: gl.constexpr, PAIR_TILES: gl.constexpr):
     """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids): GEMM1's gate and up
     global scales, GEMM2's global scale and pair ids (its output rows).  At decode a tile's K steps take about as
     long as a few loads one after another, so these are loaded as the tile starts (_tile_sums' EARLY)."""
@@ -299,7 +322,7 @@ def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: g
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
     else:
         rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
-        return gl.load(gs_ptr + expert), gl.load(sorted_pairs_ptr + rows, mask=rows < row_end, other=0)
+        return gl.load(gs_ptr + expert), _pair_ids(sorted_pairs_ptr, rows, rows < row_end, PAIR_TILES)
 
 
 @gluon.jit
@@ -325,13 +348,15 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
                  y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-                        tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out, k, kp,
+                        tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
+                        topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr):
+                        MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                        PAIR_TILES: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -356,38 +381,38 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
         mbarrier.init(sums_free.index(g), count=1)
     # partitions: MMA group 0 in the launch's warps, groups 1.. and the loader in worker warps.  Constexprs are
     # spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
+    # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat) and their count (the map goes unread)
+    tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, topk_weights_ptr, n_out,
-              kp)
-    loader = (a_ptr, stride_a, w_desc, s_desc, sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr,
-              num_tiles_ptr, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
+              tile_map, topk_weights_ptr, n_out, kp)
+    loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
@@ -430,6 +455,8 @@ def launch_gemm_ws(
     out: torch.Tensor,
     stride_out: int,
     tile_map: tuple[torch.Tensor, ...],
+    topk_ids: torch.Tensor,
+    pair_tiles: bool,
     topk_weights: torch.Tensor,
     n_out: int,
     k: int,
@@ -442,13 +469,16 @@ def launch_gemm_ws(
     pdl: bool,
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
-    whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route()."""
+    whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With
+    ``pair_tiles`` each (token, k) pair of ``topk_ids`` (flat, global expert ids) is a token tile of its own and
+    its row is the pair's: tile_map goes unread and no routing kernel needs to run."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
-        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_weights, n_out, k, kp,
+        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(), topk_weights,
+        n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        launch_pdl=pdl, **gemm.launch_options(),
+        PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

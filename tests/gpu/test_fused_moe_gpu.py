@@ -6,6 +6,7 @@ to the activation dtype (bf16: 8 significant bits, fp16: 11).
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 
@@ -142,15 +143,14 @@ def test_tensor_parallel_shards_sum_to_reference(tp: int, gen: torch.Generator) 
 def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: torch.Generator) -> None:
     """Every tile shape and K split computes the same function; outputs and scratch start poisoned with NaN.
     GEMM1 split over K leaves fp32 partials whose SiLU GEMM2 applies as it loads them; two configs keep
-    GEMM2's rows in x's dtype, two route inside the GEMMs (46 pairs)."""
+    GEMM2's rows in x's dtype."""
     q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, 512)
     cfgs = [MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, split_k=split1),
-                            GemmConfig(block_n, num_warps=warps, num_stages=stages, split_k=split2), low, in_gemm)
-            for block_m, block_n, warps, stages, low, in_gemm in
-            ((16, 64, 4, 3, False, True), (32, 128, 4, 2, True, False), (64, 128, 8, 4, False, True),
-             (128, 64, 8, 4, True, False))]
+                            GemmConfig(block_n, num_warps=warps, num_stages=stages, split_k=split2), low)
+            for block_m, block_n, warps, stages, low in
+            ((16, 64, 4, 3, False), (32, 128, 4, 2, True), (64, 128, 8, 4, False), (128, 64, 8, 4, True))]
     valid = [cfg for cfg in cfgs if cfg.is_valid(512, 512)]  # a GEMM1 K split rules out the large token tiles
     assert len(valid) >= 2 and (split1 > 1 or len(valid) == len(cfgs))
     for cfg in valid:
@@ -327,6 +327,60 @@ def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, narrow: i
                       chunks_per_stage=2, k_groups=k_groups, narrow_tiles=narrow)  # fmt: skip
     tokens = 60 if narrow else 7  # narrow: experts of ~15 rows, spread over all three widths
     _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, tokens), MoEKernelConfig(block_m, ws, ring), gen)
+
+
+PAIR_CASES = [  # (case, block_m, GEMM1 and GEMM2 fields: the shipped T=1 shapes, then pairs that share experts)
+    (Case("one token, Mixtral-like: 16-token tiles run 8 wide", 8, 2, 2048, 1024, 1), 16,
+     (dict(block_n=128, num_stages=2, chunks_per_stage=2, programs_per_sm=3, narrow_tiles=1, loader_warps=1),
+      dict(block_n=64, num_stages=4, chunks_per_stage=4, k_groups=2, max_registers=168))),
+    (Case("one token, Qwen3-like top-8, 2 K groups", 128, 8, 2048, 768, 1), 8,
+     (dict(block_n=64, num_stages=4, chunks_per_stage=2, k_groups=2, max_registers=168, programs_per_sm=2),
+      dict(block_n=64, num_stages=2, chunks_per_stage=2, programs_per_sm=2, loader_warps=2))),
+    (Case("9 tokens on 8 experts: pairs share experts, each its own tile", 8, 2, 512, 256, 9), 8,
+     (dict(block_n=64), dict(block_n=64))),
+    (Case("every token to one expert, padded K, top-3", 6, 3, 640, 208, 5, "one_expert"), 16,
+     (dict(block_n=128, narrow_tiles=1), dict(block_n=64, k_groups=2, max_registers=168))),
+]
+
+
+def _pair_tiles_config(block_m: int, fields: tuple[dict, dict]) -> MoEKernelConfig:
+    gemms = [GemmConfig(**{"max_registers": 128, **f, "warp_specialized": True}) for f in fields]
+    return MoEKernelConfig(block_m, *gemms, pair_tiles=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case,block_m,fields", PAIR_CASES, ids=lambda v: getattr(v, "why", None))
+def test_pair_tiles_match_reference_and_routed_tiles(case, block_m, fields, dtype, gen) -> None:
+    """MoEKernelConfig.pair_tiles: no routing kernel, every (token, k) pair a one-row tile whose expert the GEMMs
+    read from topk_ids.  Against the float64 reference with outputs and scratch poisoned (the full FP4 code
+    range), bit-identical over runs, and the same sums as the routed tiles of the same config to within
+    rounding; pairs that share an expert (each streams the weights again) are still right.  With an expert map
+    the forward routes as usual."""
+    q13, q2 = _layer(case, gen, "cuda")
+    w = m.prepare_moe_weights(q13, q2)
+    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
+    tw, ti = _routing(case, gen, "cuda")
+    cfg = _pair_tiles_config(block_m, fields)
+    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
+    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti)
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
+    out = torch.full_like(x, float("nan"))
+    fused_moe_sm90(x, *args, None, case.inter, cfg, out=out)
+    assert not out.isnan().any(), "unwritten output"
+    assert _rel(out, ref) < REL_TOL[dtype]
+    assert torch.equal(out, fused_moe_sm90(x, *args, None, case.inter, cfg))
+    routed = fused_moe_sm90(x, *args, None, case.inter, dataclasses.replace(cfg, pair_tiles=False))
+    assert _rel(out, routed) < REL_TOL[dtype] / 4
+    identity = torch.arange(case.experts, dtype=torch.int32, device="cuda")  # every expert on this rank
+    assert torch.equal(fused_moe_sm90(x, *args, identity, case.inter, cfg), routed)
+
+
+def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
+    """Pair tiles captured once and replayed with new x and routing: every replay reads the new topk_ids on the
+    device (GEMM2's loader before GEMM1 has ended)."""
+    cfg = _pair_tiles_config(8, PAIR_CASES[1][2])
+    _graph_replays_with_new_routing(Case("graph pair tiles", 64, 8, 2048, 768, 1), cfg, gen)
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
