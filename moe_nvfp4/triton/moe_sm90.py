@@ -381,8 +381,6 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
     return acc, acc_up, finish
 
 
-# num_pairs changes with T, and the routing tensors come from the caller at any alignment: not specialized on,
-# so neither a new T nor a new topk_ids allocation compiles a new variant.
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr,

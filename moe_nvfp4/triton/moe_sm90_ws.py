@@ -348,6 +348,8 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
                  y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
+# the pair count changes with T, and topk_ids come from the caller at any alignment: not specialized on, so
+# neither a new T nor a new topk_ids allocation compiles a new variant
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
                         tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
