@@ -56,6 +56,15 @@ def load_package(directory: Path, scratch: Path, name: str):
     return importlib.import_module(f"{name}.triton.moe_sm90")
 
 
+def package_config(host, cfg):
+    """``cfg`` as the config class of the package ``host`` (a load_package module) belongs to: a version from
+    before a field was added takes its default, one from after a field was removed ignores it (from_dict)."""
+    import importlib
+
+    configs = importlib.import_module(host.__name__.split(".")[0] + ".configs")
+    return configs.MoEKernelConfig.from_dict(cfg.to_dict())
+
+
 def tuned_config(directory: Path, select):
     """``select()`` (configs.select_config for a case) reading the tuned files under ``directory`` instead of the
     package's configs directory."""
@@ -106,6 +115,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     def forwards(variant: str) -> list:
         c = configured(variant)
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
+        c = package_config(host, c) if variant.startswith("pkg=") else c
         return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
 
     def launching(variant: str):  # what fused_moe_sm90 imports as moe_sm90_ws.launch_gemm_ws

@@ -410,7 +410,8 @@ def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path)
 
 def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
     """benchmarks/ab_moe.py's ``pkg=DIR`` variant: a copy of the package (as ``git archive REV moe_nvfp4`` writes
-    it) imports under a name of its own, its sm_90 host and Gluon module its own, not the installed package's."""
+    it) imports under a name of its own, its sm_90 host and Gluon module its own, not the installed package's; a
+    tuned config reaches it as its own config class (an older copy may lack fields the installed one has)."""
     import shutil
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -420,12 +421,22 @@ def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
 
     archive = tmp_path / "rev"
     shutil.copytree(Path(moe_sm90.__file__).resolve().parent.parent, archive / "moe_nvfp4")
+    older = archive / "moe_nvfp4" / "configs.py"  # a version from before pair tiles
+    older.write_text(older.read_text().replace("    pair_tiles: bool = False\n", ""))
     host = ab_moe.load_package(archive, tmp_path / "scratch", "moe_nvfp4_rev")
     assert host.__name__ == "moe_nvfp4_rev.triton.moe_sm90" and host.fused_moe_sm90 is not moe_sm90.fused_moe_sm90
     assert Path(host.__file__).is_relative_to(tmp_path / "scratch")
     from moe_nvfp4_rev.triton import moe_sm90_ws as copied_ws  # what the copy's host launches
 
     assert copied_ws.launch_gemm_ws.__module__ == "moe_nvfp4_rev.triton.moe_sm90_ws"
+    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4_rev import configs as copied_configs
+
+    ws = GemmConfig(64, warp_specialized=True)
+    cfg = MoEKernelConfig(8, ws, ws, pair_tiles=True)
+    theirs = ab_moe.package_config(host, cfg)
+    assert type(theirs) is copied_configs.MoEKernelConfig and not hasattr(theirs, "pair_tiles")
+    assert theirs.to_dict() == {f: v for f, v in cfg.to_dict().items() if f != "pair_tiles"}
 
 
 def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
