@@ -11,7 +11,8 @@ percent within the hour, so only same-run comparisons decide a kernel change).
         python benchmarks/ab_moe.py --variants configs=/tmp/before,shipped
 
 A variant is ``shipped`` (the tuned config), ``ws=PATH`` (the tuned config launched through another version of
-the warp-specialized module, the file at PATH), ``pkg=DIR`` (the tuned config run by another version of the
+the warp-specialized module, the file at PATH, whose launch_gemm_ws takes the installed host's arguments: for a
+version from before pair tiles (d67b485) use pkg=DIR), ``pkg=DIR`` (the tuned config run by another version of the
 whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...).  Per case:

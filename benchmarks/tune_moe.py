@@ -123,7 +123,7 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
 
 def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """Valid configs differing from ``cfg`` in one value: a MoE-level field (token tile, partials' dtype,
-    routing) or one parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or
+    pair tiles) or one parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or
     programs per SM).  A GEMM's K split and stream-K count as one value, its way of dividing K: turning
     stream-K on drops the split."""
     moe, choices = search_space(tokens, experts, top_k)

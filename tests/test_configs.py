@@ -145,9 +145,10 @@ def test_stream_k_excludes_k_splits() -> None:
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files
 
 
-def test_warp_specialized_takes_whole_tiles_and_the_routing_kernels_map() -> None:
-    """The warp-specialized kernel reads whole K per tile, the routing kernel's tile map, and GEMM1's rows in
-    x's dtype; its MMA warp groups are 64 rows each."""
+def test_warp_specialized_takes_whole_tiles_and_pair_tiles_need_it() -> None:
+    """The warp-specialized kernel reads whole K per tile and GEMM1's rows in x's dtype; its MMA warp groups are 64
+    rows each.  Pair tiles (no routing kernel) need both GEMMs warp-specialized: the Triton kernel reads the
+    routing kernel's tile map."""
     ws = GemmConfig(warp_specialized=True)
     assert ws.is_valid(1024)
     assert not dataclasses.replace(ws, split_k=2).is_valid(1024)

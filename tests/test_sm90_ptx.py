@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -312,6 +313,51 @@ def test_pair_tiles_read_topk_ids_not_the_tile_map(gated: bool, block_n: int, ma
     assert widths == {block_m >> narrow}  # a tile holds one row: only the narrowest K loop is built
     # no spill the routed build lacks (Mixtral's narrow-1 GEMM1 spills one register a tile in both, outside the K loop)
     assert len(re.findall(r"\bSTL", _sass(asm["cubin"]))) <= len(re.findall(r"\bSTL", _sass(routed["cubin"]))) <= 1
+
+
+def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
+    """The host's side of pair tiles (kernels stubbed, CPU tensors taken for rows the Gluon kernel can run): both
+    Gluon GEMMs get topk_ids and pair_tiles, and in place of the tile map one 16-byte aligned int32 stand-in, and
+    no routing kernel runs.  Any of an expert map, rows the Gluon kernel cannot run or the field off routes."""
+    import moe_nvfp4 as m
+    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    class Routed(Exception):
+        pass
+
+    def route(*args, **kwargs):
+        raise Routed
+
+    launches = []
+    monkeypatch.setattr(K, "route", route)
+    monkeypatch.setattr(K, "combine", lambda *args: None)
+    monkeypatch.setattr(W, "launch_gemm_ws", lambda *args: launches.append(args))
+    gluon_rows = True
+    monkeypatch.setattr(K, "_gluon_rows_ok", lambda x, intermediate: gluon_rows)
+    e, h, i, t, k = 8, 256, 128, 1, 2
+    w = m.prepare_moe_weights(m.quantize_nvfp4(torch.randn(e, 2 * i, h), segments=2), m.quantize_nvfp4(torch.randn(e, h, i)))
+    x = torch.randn(t, h).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(t, e), k)
+    ws = GemmConfig(64, warp_specialized=True)
+    cfg = MoEKernelConfig(8, ws, ws, pair_tiles=True)
+
+    def forward(config: MoEKernelConfig, expert_map: torch.Tensor | None = None) -> None:
+        K.fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti,
+                         expert_map, i, config)  # fmt: skip
+
+    forward(cfg)
+    assert len(launches) == 2
+    for args in launches:  # (a, stride_a, w, scales, global scales, out, stride_out, tile_map, topk_ids, pair_tiles, ..)
+        tile_map, ids, pairs = args[7:10]
+        assert pairs is True and torch.equal(ids, ti.reshape(-1))
+        assert len({id(p) for p in tile_map}) == 1 and tile_map[0].dtype == torch.int32
+        assert tile_map[0].data_ptr() % 16 == 0 and tile_map[0].data_ptr() != ids.data_ptr()
+    for config, expert_map, rows in ((cfg, torch.arange(e, dtype=torch.int32), True), (cfg, None, False),
+                                     (dataclasses.replace(cfg, pair_tiles=False), None, True)):
+        gluon_rows = rows
+        with pytest.raises(Routed):
+            forward(config, expert_map)
 
 
 def test_triton_gemm_compiles_eight_token_tiles() -> None:

@@ -3,6 +3,8 @@
 Launches per forward (each grid sized from the SM count or T, never from routing data):
   1. ``_route_kernel``   per-expert counts/offsets, pairs grouped by expert, the tile map: one program up
      to ROUTE_ONE_PROGRAM pairs; past that one per chunk of pairs, after ``_count_kernel`` counted them.
+     None with pair tiles (MoEKernelConfig.pair_tiles): the Gluon GEMMs (moe_sm90_ws) then take every
+     (token, k) pair as a one-row tile, its expert read from topk_ids.
   2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up
      (split over K at decode sizes: fp32 gate and up partials, the SiLU left to GEMM2's A load).
   3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
@@ -57,7 +59,8 @@ def _after_previous_kernel(PDL: tl.constexpr):
     """Programmatic dependent launch: wait until the previous kernel in the stream has finished and its
     writes are visible (every kernel here calls this before its first memory access), then let the next
     kernel launch now, so its CTAs become resident and start the moment this one ends instead of after a
-    launch gap.  Decode forwards are four short dependent kernels; the gaps are a visible share of them."""
+    launch gap.  Decode forwards are three or four short dependent kernels; the gaps are a visible share of
+    them."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -680,6 +683,13 @@ def _stream_k_workspace(gemm: GemmConfig, programs: int, block_m: int, matrices:
     return torch.empty(2 * programs, matrices * gemm.block_n * block_m, dtype=torch.float32, device=unused.device)
 
 
+def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
+    """Whether the warp-specialized Gluon GEMMs can run: sm_90 code whose cp.async row copies are 16 bytes,
+    compiled only where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors)
+    and other rows run the Triton kernel with the same tiles, which computes the same sums."""
+    return x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
+
+
 def fused_moe_sm90(
     x: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -710,16 +720,15 @@ def fused_moe_sm90(
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     g1, g2 = config.gemm1, config.gemm2
     programs1, programs2 = sms * g1.programs_per_sm, sms * g2.programs_per_sm
-    # The warp-specialized Gluon kernel is sm_90 code whose cp.async row copies are 16 bytes, compiled only
-    # where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors) and other
-    # rows run the Triton kernel with the same tiles, which computes the same sums.
-    ws_ok = x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
+    ws_ok = _gluon_rows_ok(x, intermediate)
     ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
     # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids, and both GEMMs must number rows alike
+    # (the Triton GEMMs, the only readers of ``arrivals``, then do not run)
     pair_tiles = config.pair_tiles and ws1 and ws2 and expert_map is None
-    if pair_tiles:  # no routing launch; the tile-map arguments go unread
-        tile_map = (ids,) * 5
-        arrivals = ids
+    if pair_tiles:
+        # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
+        # are), so which variant compiles never depends on topk_ids' alignment
+        tile_map = (torch.empty(4, dtype=torch.int32, device=x.device),) * 5
     else:
         # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
         n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k

@@ -44,7 +44,8 @@ def _after_previous_kernel(PDL: gl.constexpr):
     """moe_sm90._after_previous_kernel in Gluon, run by every partition before it reads what the previous
     kernel writes: wait for its writes, then let the next kernel launch (programmatic dependent launch).  Each
     thread waits before it lets the next kernel launch, so a kernel that is running knows the kernel two back
-    has ended: GEMM2's loader reads the routing kernel's tile map before its own wait."""
+    has ended: GEMM2's loader reads the routing kernel's tile map (with pair tiles, topk_ids, written before
+    GEMM1) before its own wait."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
