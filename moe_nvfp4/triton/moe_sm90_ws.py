@@ -65,12 +65,13 @@ def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units,
 
 
 @gluon.jit
-def _token_tiles(num_tiles_ptr, num_pairs, PAIR_TILES: gl.constexpr):
-    """How many token tiles: the routing kernel's count, or with PAIR_TILES one per (token, k) pair."""
+def _token_tiles(tile_map, PAIR_TILES: gl.constexpr):
+    """How many token tiles: the routing kernel's count, or with PAIR_TILES one per (token, k) pair (tile_map is
+    the kernel's (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles, topk_ids, num_pairs))."""
     if PAIR_TILES:
-        return num_pairs
+        return tile_map[6]
     else:
-        return gl.load(num_tiles_ptr)
+        return gl.load(tile_map[4])
 
 
 @gluon.jit
@@ -88,12 +89,12 @@ def _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M: gl.constexpr, PAIR_TI
 
 
 @gluon.jit
-def _pair_ids(sorted_pairs_ptr, rows, row_ok, PAIR_TILES: gl.constexpr):
+def _pair_ids(tile_map, rows, row_ok, PAIR_TILES: gl.constexpr):
     """The (token, k) pair of each sorted row: the routing kernel's, or with PAIR_TILES the row itself."""
     if PAIR_TILES:
         return gl.where(row_ok, rows, 0)
     else:
-        return gl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        return gl.load(tile_map[0] + rows, mask=row_ok, other=0)
 
 
 @gluon.jit
@@ -109,7 +110,6 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
             LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
-    sorted_pairs_ptr, num_tiles_ptr, num_pairs = tile_map[0], tile_map[4], tile_map[6]
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
@@ -123,7 +123,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         # GEMM2 reads only its token rows from GEMM1: its first tile's weights stream in while GEMM1 still runs
         # (the tile map is the routing kernel's, which ended before GEMM1 let this kernel launch; topk_ids, read
         # with PAIR_TILES, come from a kernel before GEMM1 too)
-        num_m_tiles = _token_tiles(num_tiles_ptr, num_pairs, PAIR_TILES)
+        num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
         if pid < num_m_tiles * num_n_tiles:
             n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
             early = gl.minimum(steps, STAGES)
@@ -131,14 +131,14 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
                                expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
     _after_previous_kernel(PDL)
-    num_m_tiles = _token_tiles(num_tiles_ptr, num_pairs, PAIR_TILES)
+    num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
         if GATED:
-            a_rows = _pair_ids(sorted_pairs_ptr, rows, row_ok, PAIR_TILES) // TOP_K
+            a_rows = _pair_ids(tile_map, rows, row_ok, PAIR_TILES) // TOP_K
         else:
             a_rows = gl.where(row_ok, rows, row0)
         kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
@@ -200,7 +200,7 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
      topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
     pid = gl.program_id(0)
-    num_m_tiles = _token_tiles(tile_map[4], tile_map[6], PAIR_TILES)
+    num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
@@ -251,7 +251,7 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     if GROUP == 0 and EARLY:
-        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map[0], GATED, WIDTH, MMA_L, PAIR_TILES)
+        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -308,13 +308,13 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         if not EARLY:
-            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map[0], GATED, WIDTH, MMA_L, PAIR_TILES)
+            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
         _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
                   BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
-def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: gl.constexpr, WIDTH: gl.constexpr,
+def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.constexpr, WIDTH: gl.constexpr,
                        MMA_L: gl.constexpr, PAIR_TILES: gl.constexpr):
     """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids): GEMM1's gate and up
     global scales, GEMM2's global scale and pair ids (its output rows).  At decode a tile's K steps take about as
@@ -323,7 +323,7 @@ def _epilogue_operands(expert, row0, row_end, gs_ptr, sorted_pairs_ptr, GATED: g
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
     else:
         rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
-        return gl.load(gs_ptr + expert), _pair_ids(sorted_pairs_ptr, rows, rows < row_end, PAIR_TILES)
+        return gl.load(gs_ptr + expert), _pair_ids(tile_map, rows, rows < row_end, PAIR_TILES)
 
 
 @gluon.jit
