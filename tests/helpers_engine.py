@@ -31,15 +31,21 @@ KERNEL_ROW = re.compile(r"^\*?\s*\d+\s+\S+\s+\d+\s+\d+\s+\w+\s")  # `info cuda k
 MAX_ATTACHED = 4  # processes asked for their kernels (engine core and TP workers)
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: state, ppid, pgrp, ...; None once the process is gone.  A killed
+    child not yet reaped shows state Z."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _group_pids(pgid: int) -> list[int]:
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # state ppid pgrp ...
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = process_stat(int(entry.name))
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
     return sorted(pids)
 
 

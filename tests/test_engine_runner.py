@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers_engine import run_until_written  # noqa: E402
+from helpers_engine import process_stat, run_until_written  # noqa: E402
 
 # What cuda-gdb 13 printed for a TP=2 worker stuck in vLLM's KV-cache write (H100, 2026-11-25), trimmed.
 STUCK_ROW = ("*      0      -   1 31314 Active 0x03f0000000000000000000000000000000 (8,1,1) (16,1,1) "
@@ -37,8 +37,8 @@ def fake_cuda_gdb(tmp_path: Path, monkeypatch) -> Path:
 
 def _alive(pid: int) -> bool:
     """Running (a killed child waiting to be reaped by init shows as a zombie, state Z)."""
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    fields = process_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _dies(pid: int, within_s: float = 10.0) -> bool:
