@@ -15,7 +15,7 @@ the warp-specialized module, the file at PATH, whose launch_gemm_ws takes the in
 version from before pair tiles (d67b485) use pkg=DIR), ``pkg=DIR`` (the tuned config run by another version of the
 whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
-tuned config (``partials_in_x_dtype``, ...), or ``fused_gemms[/field=value...]`` (see fused_variant).  Per case:
+tuned config (``partials_in_x_dtype``, ...).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.
@@ -81,27 +81,11 @@ def tuned_config(directory: Path, select):
         configs._tuned_entries.cache_clear()
 
 
-def fused_variant(cfg, variant: str, hidden_padded: int, intermediate_padded: int):
-    """``fused_gemms[/field=value...]``: the tuned config with pair tiles and both GEMMs in one launch, whose
-    parameters are gemm1's with the fields given (integers; ``max_registers=none``), e.g.
-    ``fused_gemms/k_groups=1/max_registers=128/programs_per_sm=2``."""
-    overrides = {}
-    for item in variant.split("/")[1:]:
-        name, value = item.split("=")
-        overrides[name] = None if value == "none" else int(value)
-    gemm = dataclasses.replace(cfg.gemm1, **overrides)
-    fused = dataclasses.replace(cfg, pair_tiles=True, fused_gemms=True, gemm1=gemm, gemm2=gemm)
-    if not fused.is_valid(hidden_padded, intermediate_padded):
-        raise SystemExit(f"{variant}: not a valid config: {fused}")
-    return fused
-
-
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
     import torch
 
     from harness import rotation_copies, time_graph
     from moe_nvfp4 import prepare_moe_weights, topk_softmax
-    from moe_nvfp4 import configs
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from tune_moe import MODELS, make_layer
@@ -127,9 +111,6 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
             return tuned_in[variant]
         if variant == "shipped" or variant in modules:
             return cfg
-        if variant.startswith("fused_gemms"):
-            return fused_variant(cfg, variant, configs.CHUNK_K * -(-h // configs.CHUNK_K),
-                                 configs.CHUNK_K * -(-i // configs.CHUNK_K))  # fmt: skip
         return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
 
     def forwards(variant: str) -> list:

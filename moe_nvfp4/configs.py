@@ -35,11 +35,6 @@ SPLIT_A_SMEM_LIMIT = 160 * 1024
 # sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
 WS_SMEM_LIMIT = 227 * 1024 - 1024
 SM_REGISTERS = 65536  # sm_90's registers per SM (and per block)
-SM_SHARED = 228 * 1024  # sm_90's shared memory per SM, of which each resident block takes 1 KiB for itself
-SM_THREADS = 2048
-# shared memory the warp-specialized kernel holds beyond ws_shared_bytes (barriers, Triton's scratch): 352 bytes
-# in the fused GEMMs at Qwen3 T=1's tiles (sm_90 compile, Triton 3.6); counted as 1 KiB
-WS_SHARED_SLACK = 1024
 
 
 @dataclass(frozen=True)
@@ -139,16 +134,6 @@ class GemmConfig:
         sums = (self.k_groups - 1) * halves * self.block_n * block_m * 4
         return self.num_stages * self.chunks_per_stage * per_chunk + sums
 
-    def ws_resident_programs(self, gated: bool, block_m: int) -> int:
-        """How many programs of the warp-specialized kernel an SM holds at once under the register cap: registers
-        (the cap for every thread, the loader's warp group included), shared memory and threads.  0 without a
-        cap (the compiler's count is known only once compiled)."""
-        if self.max_registers is None:
-            return 0
-        threads = 32 * (self.num_warps * self.k_groups + 4)
-        shared = self.ws_shared_bytes(gated, block_m) + WS_SHARED_SLACK + 1024
-        return min(SM_REGISTERS // (self.max_registers * threads), SM_SHARED // shared, SM_THREADS // threads)
-
     def launch_options(self) -> dict:
         """Triton launch keywords: warps, and the register cap when there is one."""
         cap = {} if self.max_registers is None else {"maxnreg": self.max_registers}
@@ -166,20 +151,13 @@ class MoEKernelConfig:
     latency less).  A pair then streams its expert's weights alone: meant for one token, whose k pairs hit k
     distinct experts, and wasteful where pairs share experts.  It needs both GEMMs warp-specialized (the Triton
     kernel reads the routing kernel's map); with an expert map, or where the Gluon kernel cannot run (rows not
-    16-byte aligned), the forward routes as usual.
-
-    fused_gemms (with pair_tiles): both GEMMs in one launch, each program running its GEMM1 tiles, then its GEMM2
-    tiles (which wait for their pair's GEMM1 row on a counter), so GEMM2's weights stream while GEMM1 ends, with
-    no kernel boundary between them.  One launch has one set of launch parameters: gemm2 must equal gemm1, whose
-    register cap must let programs_per_sm programs be resident at once (a cooperative launch; a waiting program
-    holds its SM)."""
+    16-byte aligned), the forward routes as usual."""
 
     block_m: int = 16
     gemm1: GemmConfig = field(default_factory=GemmConfig)
     gemm2: GemmConfig = field(default_factory=GemmConfig)
     partials_in_x_dtype: bool = False
     pair_tiles: bool = False
-    fused_gemms: bool = False
 
     def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
         return (
@@ -190,16 +168,10 @@ class MoEKernelConfig:
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
             and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            and (not self.fused_gemms or self._fused_ok())
             and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
             and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
                     for g, gated in ((self.gemm1, True), (self.gemm2, False)))
         )
-
-    def _fused_ok(self) -> bool:
-        g = self.gemm1
-        return (self.pair_tiles and self.gemm2 == g
-                and 1 <= g.programs_per_sm <= g.ws_resident_programs(True, self.block_m))
 
     def gemm2_split_a_bytes(self) -> int:
         """Shared memory GEMM2's pipeline takes for GEMM1's fp32 gate and up partials (0 unless GEMM1

@@ -44,12 +44,8 @@ KERNELS = {
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=False), 4),
     "gemm1 stream-K": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=True), 4),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
-                hidden="i32", stride_split="i32", counters_ptr="*i32"),
-                dict(TOP_K=2, SPLIT_K=1, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16, ZERO_COUNTERS=False), 4),
-    "combine zeroing counters": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32",
-                                 out_ptr="*bf16", hidden="i32", stride_split="i32", counters_ptr="*i32"),
-                                 dict(TOP_K=8, SPLIT_K=1, HAS_MAP=False, BLOCK_H=512, DTYPE=tl.bfloat16,
-                                      ZERO_COUNTERS=True), 4),
+                hidden="i32", stride_split="i32"),
+                dict(TOP_K=2, SPLIT_K=1, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
 }  # fmt: skip
 
 

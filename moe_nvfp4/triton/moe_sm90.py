@@ -534,18 +534,14 @@ def _combine_kernel(
     out_ptr,
     hidden,
     stride_split,
-    counters_ptr,
     TOP_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     DTYPE: tl.constexpr,
-    ZERO_COUNTERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[t] = sum over k, then K splits, of partial[split, t * TOP_K + k] (fixed order).  ZERO_COUNTERS: after
-    the fused GEMMs (moe_sm90_ws._moe_fused_gemms_ws_kernel), which have ended once this kernel's wait returns,
-    the token's pair counters go back to zero for the next launch."""
+    """out[t] = sum over k, then K splits, of partial[split, t * TOP_K + k] (fixed order)."""
     _after_previous_kernel(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -553,9 +549,6 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        if ZERO_COUNTERS:
-            if tl.program_id(1) == 0:
-                tl.store(counters_ptr + pair, 0)
         pair_mask = mask
         if HAS_MAP:  # pairs routed to another rank were never written
             local = tl.load(expert_map_ptr + tl.load(ids_ptr + pair) + tl.zeros([BLOCK_H], tl.int32))
@@ -665,11 +658,9 @@ def route(
     return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles, counters
 
 
-def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor,
-            counters: torch.Tensor | None = None) -> None:
+def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor) -> None:
     """out[t] = the fixed-order sum of partial[split, t * top_k + k] over k and splits (one launch); pairs
-    whose expert maps to -1 are skipped (their rows were never written).  ``counters``: the fused GEMMs' pair
-    counters, zeroed here for their next launch."""
+    whose expert maps to -1 are skipped (their rows were never written)."""
     t, hidden = out.shape
     ids = topk_ids.reshape(-1)
     # 512 columns a program (4 per thread): at decode, more programs for the few token rows.  H200, forward by graph
@@ -678,9 +669,8 @@ def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Ten
     block_h = min(512, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
         partial, ids, ids if expert_map is None else expert_map, out, hidden, partial.stride(0),
-        ids if counters is None else counters,
         TOP_K=topk_ids.shape[1], SPLIT_K=partial.shape[0], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
-        DTYPE=_TL_DTYPES[out.dtype], ZERO_COUNTERS=counters is not None, num_warps=4, **_dependent_launch(out.device),
+        DTYPE=_TL_DTYPES[out.dtype], num_warps=4, **_dependent_launch(out.device),
     )  # fmt: skip
 
 
@@ -691,21 +681,6 @@ def _stream_k_workspace(gemm: GemmConfig, programs: int, block_m: int, matrices:
     if not gemm.stream_k:
         return unused
     return torch.empty(2 * programs, matrices * gemm.block_n * block_m, dtype=torch.float32, device=unused.device)
-
-
-# pairs the fused GEMMs count on (one int32 counter each): past this many the forward launches the GEMMs apart
-FUSED_MAX_PAIRS = 1024
-_PAIR_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _pair_counters(device: torch.device) -> torch.Tensor:
-    """The fused GEMMs' pair counters: FUSED_MAX_PAIRS zeroed int32, allocated once per device and stream (a launch
-    leaves them zero again: combine zeroes them after it), so a forward allocates nothing for them and CUDA-graph
-    replays reuse them.  Per stream, so forwards on two streams never share them."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _PAIR_COUNTERS:
-        _PAIR_COUNTERS[key] = torch.zeros(FUSED_MAX_PAIRS, dtype=torch.int32, device=device)
-    return _PAIR_COUNTERS[key]
 
 
 def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
@@ -731,8 +706,7 @@ def fused_moe_sm90(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels, three with
-    pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized and no expert map): no routing, and two
-    with fused_gemms too (both GEMMs in one launch, up to FUSED_MAX_PAIRS pairs)."""
+    pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized and no expert map): no routing."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]
@@ -769,21 +743,9 @@ def fused_moe_sm90(
         act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
     else:  # fp32 partial sums per K split, [gate | up] per row
         act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
-    partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
-    partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
-    pdl = shared["PDL"]
-    counters = None
-    if pair_tiles and config.fused_gemms and num_pairs <= FUSED_MAX_PAIRS:
-        from .moe_sm90_ws import launch_fused_gemms_ws
-
-        counters = _pair_counters(x.device)
-        launch_fused_gemms_ws(x, (w13_packed, w13_scale, w13_global), act[0], (w2_packed, w2_scale, w2_global),
-                              partial[0], ids, topk_weights.reshape(-1), counters, intermediate, top_k, g1,
-                              config.block_m, sms * g1.programs_per_sm, pdl)  # fmt: skip
-        combine(partial, topk_ids, expert_map, out, counters)
-        return out
     if ws1 or ws2:
         from .moe_sm90_ws import launch_gemm_ws  # imports moe_sm90's decode and tile helpers
+    pdl = shared["PDL"]
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map, ids,
                        pair_tiles, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1,
@@ -796,6 +758,8 @@ def fused_moe_sm90(
             GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
             EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
         )  # fmt: skip
+    partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
+    partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
     if ws2:
         launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
                        ids, pair_tiles, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2,

@@ -54,16 +54,14 @@ def _after_previous_kernel(PDL: gl.constexpr):
 
 @gluon.jit
 def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, pred, HALVES: gl.constexpr,
-                   UNITS: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr):
+                   UNITS: gl.constexpr, CHUNKS: gl.constexpr):
     """A stage's weight boxes (GATED: gate and up, the up units n_units after the gate units), counted on its
-    barrier by one expect-arrive.  Stage s owns buffers s * SLOTS ..: SLOTS = 2 in the fused launch's GEMM2 too,
-    whose one matrix a stage must not put where GEMM1's up half of another stage may still be read."""
-    SLOTS: gl.constexpr = w_smem.shape[0] // STAGES
+    barrier by one expect-arrive."""
     mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES), pred=pred)
     for h in gl.static_range(HALVES):
         unit = unit0 + h * n_units
-        tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * SLOTS + h), pred=pred)
-        tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * SLOTS + h), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h), pred=pred)
+        tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h), pred=pred)
 
 
 @gluon.jit
@@ -108,52 +106,13 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 
 
 @gluon.jit
-def _load_acquire(ptr):
-    """One int32 read with acquire semantics at GPU scope: what the releasing program stored before its release
-    is visible to this thread's later reads (the cp.async of the rows it counted)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _wait_for_count(ptr, target):
-    """Spin until the counter at ptr reaches target (fused GEMMs: a pair's GEMM1 tiles that have stored)."""
-    done = _load_acquire(ptr)
-    while done < target:
-        done = _load_acquire(ptr)
-
-
-@gluon.jit
-def _claim_stage(empty, ready, it, step, steps, STAGES: gl.constexpr, K_GROUPS: gl.constexpr):
-    """Wait until ring use ``it``'s stage is free; a padding slot (step >= steps) arrives in place of the weights'
-    expect-arrive.  Returns the stage and its barrier."""
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    bar = ready.index(s)
-    if K_GROUPS > 1:
-        mbarrier.arrive(bar, pred=step >= steps)
-    return s, bar
-
-
-@gluon.jit
-def _stage_rows(a_smem, a_ptrs, row_ok, kk, k, bar, s, step, CHUNKS: gl.constexpr):
-    """A stage's token rows by cp.async (a padding slot's are all masked off), then this thread's arrival."""
-    for c in gl.static_range(CHUNKS):
-        chunk = step * CHUNKS + c
-        k_ok = (chunk * 128 + kk) < k
-        async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
-                                               mask=row_ok[:, None] & k_ok[None, :])
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
-@gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
             LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
-    """The loader partition of one GEMM's launch."""
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
+    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
@@ -170,33 +129,11 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
             early = gl.minimum(steps, STAGES)
             for step in range(early):  # the ring's first uses: every stage is free
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
-                               expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS, STAGES)  # fmt: skip
+                               expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
     _after_previous_kernel(PDL)
-    _load_tiles(args, 0, early, (tile_map[5], 0), TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS,
-                LOADER_WARPS, PAIR_TILES, False)
-
-
-@gluon.jit
-def _load_tiles(args, it, early, rows_ready, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr,
-                K_GROUPS: gl.constexpr, LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr,
-                WAIT_ROWS: gl.constexpr):
-    """This program's tiles of one GEMM into the ring from ring use ``it`` on; returns the next use.  ``early``:
-    how many of the first tile's stages already hold their weights.  WAIT_ROWS (GEMM2 of the fused launch, pair
-    tiles): a tile's token row is its pair's GEMM1 output, written by other programs of this launch, so the
-    loader issues the weights of the tile's first ring stages, then waits until the pair's counter in
-    ``rows_ready`` = (counters, target) reaches the target, then copies the rows."""
-    (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
-    UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
-    A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
-    num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    n_units = gl.cdiv(n_out, 64)
-    matrices = 2 * n_units if GATED else n_units
-    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
-    it += steps * 0  # a run-time value from here (callers may pass a literal), carried through the tile loop
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
-    for mn in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+    it = 0
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
@@ -207,27 +144,26 @@ def _load_tiles(args, it, early, rows_ready, TOP_K: gl.constexpr, GATED: gl.cons
         kk = gl.arange(0, 128, layout=gl.SliceLayout(0, A_L))
         a_ptrs = a_ptr + a_rows.to(gl.int64)[:, None] * stride_a + kk[None, :]
         unit0 = expert * matrices + n_tile * UNITS
-        ahead = steps * 0  # steps whose weights went out before the wait for the rows
-        if WAIT_ROWS:
-            ahead = gl.minimum(slots, STAGES)
-            for step in range(ahead):
-                s, bar = _claim_stage(empty, ready, it + step, step, steps, STAGES, K_GROUPS)
-                _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, step < steps, HALVES,
-                               UNITS, CHUNKS, STAGES)  # fmt: skip
-            counters, target = rows_ready
-            _wait_for_count(counters + row0, target)
-            for step in range(ahead):
-                s = (it + step) % STAGES
-                _stage_rows(a_smem, a_ptrs, row_ok, kk, k, ready.index(s), s, step, CHUNKS)
-        # a padding slot (step >= steps) loads nothing and only passes its stage on; the weights first: their boxes
-        # need only the tile's expert, the token rows also its pair ids (one more dependent load at a tile's start)
-        for step in range(ahead, slots):
-            s, bar = _claim_stage(empty, ready, it + step, step, steps, STAGES, K_GROUPS)
-            _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units,
-                           (step < steps) & (it + step >= early), HALVES, UNITS, CHUNKS, STAGES)  # fmt: skip
-            _stage_rows(a_smem, a_ptrs, row_ok, kk, k, bar, s, step, CHUNKS)
-        it += slots
-    return it
+        # a padding slot (step >= steps) loads nothing (its token rows' copies are all masked off) and only
+        # passes its stage on
+        for step in range(slots):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            real = step < steps
+            if K_GROUPS > 1:
+                mbarrier.arrive(bar, pred=step >= steps)  # in place of the weights' expect-arrive
+            # the weights first: their boxes need only the tile's expert, the token rows also its pair ids (one
+            # more dependent load at a tile's start)
+            _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, real & (it >= early), HALVES,
+                           UNITS, CHUNKS)  # fmt: skip
+            for c in gl.static_range(CHUNKS):
+                chunk = step * CHUNKS + c
+                k_ok = (chunk * 128 + kk) < k
+                async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
+                                                       mask=row_ok[:, None] & k_ok[None, :])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            it += 1
 
 
 @gluon.jit
@@ -254,73 +190,55 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
               K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
-    """One MMA warp group (GROUP of K_GROUPS) of one GEMM's launch: _consume_tiles from the ring's first use."""
-    _after_previous_kernel(PDL)
-    _consume_tiles(shared, 0, 0, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, NARROW,
-                   PAIR_TILES, False)
-
-
-@gluon.jit
-def _consume_tiles(shared, it, tiles_done, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr,
-                   CHUNKS: gl.constexpr, GROUP: gl.constexpr, K_GROUPS: gl.constexpr, NARROW: gl.constexpr,
-                   PAIR_TILES: gl.constexpr, SIGNAL: gl.constexpr):
-    """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each of this program's tiles
-    of one GEMM, from ring use ``it`` and the program's ``tiles_done``-th tile on; returns both after its tiles.
-    Group 0 adds the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs)
-    and runs the epilogue (SIGNAL: then counts the tile in for its pair, see _tile_sums).  ``shared``: the run-time
-    arguments every group takes (a tuple, so the kernel names them once for all groups).  A tile whose rows fit in
-    BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile holds the largest
-    expert, and the smaller ones pay for their own width only (every group of the tile picks the same width from
-    the same rows)."""
+    """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
+    the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
+    epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
+    all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
+    that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
+    group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, n_out, kp, counters) = shared
+     topk_weights_ptr, n_out, kp) = shared
+    _after_previous_kernel(PDL)
+    pid = gl.program_id(0)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
-    it += steps * 0  # run-time values from here (callers may pass literals), carried through the tile loop
-    tiles_done += steps * 0
     # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
     # global scales made the 8-warp one spill
     EARLY: gl.constexpr = NARROW < 2 or not GATED
-    for mn in range(gl.program_id(0), num_m_tiles * num_n_tiles, gl.num_programs(0)):
+    tiles_done = 0
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
-        tile = (n_tile, expert, row0, row_end, it, tiles_done & 1, steps, slots)
+        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, SIGNAL)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, SIGNAL)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, SIGNAL)
+                       EARLY, PAIR_TILES)
         else:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
-                       PAIR_TILES, SIGNAL)
-        it += slots
+                       PAIR_TILES)
         tiles_done += 1
-    return it, tiles_done
 
 
 @gluon.jit
 def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
                DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr, SIGNAL: gl.constexpr):
+               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
-    starts, so they return while the K steps run).  SIGNAL (GEMM1 of the fused launch, pair tiles): after the
-    epilogue's stores, the tile counts itself in on its pair's counter, which GEMM2's loaders wait on."""
+    starts, so they return while the K steps run)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, n_out, kp, counters) = shared
+     topk_weights_ptr, n_out, kp) = shared
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    # buffers a stage owns, and a K group's sums: 2 in the fused launch's GEMM2 too (see _stage_weights)
-    SLOTS: gl.constexpr = w_smem.shape[0] // STAGES
-    GROUP_SLOTS: gl.constexpr = sums_smem.shape[0] // max(K_GROUPS - 1, 1)
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
     # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
     # operands are live)
@@ -355,8 +273,8 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
         for c in gl.static_range(CHUNKS):
             b = a_smem.index(s * CHUNKS + c).slice(0, WIDTH).permute((1, 0))
             for h in gl.static_range(HALVES):
-                w = w_smem.index(s * SLOTS + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
-                sc = s_smem.index(s * SLOTS + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
+                w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
+                sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
                 a = _decode_tile(w.index(c), sc.index(c), BLOCK_N, DTYPE, NW, DOT_L)
                 if h == 0:
                     acc = warpgroup_mma(a, b, acc, is_async=True)
@@ -378,26 +296,21 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
         mbarrier.arrive(empty.index(it % STAGES))
     if GROUP > 0:  # hand this group's sums to group 0
         mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
-        sums.index(GROUP_SLOTS * (GROUP - 1)).store(acc)
+        sums.index(HALVES * (GROUP - 1)).store(acc)
         if GATED:
-            sums.index(GROUP_SLOTS * (GROUP - 1) + 1).store(acc_up)
+            sums.index(HALVES * (GROUP - 1) + 1).store(acc_up)
         mbarrier.arrive(sums_full.index(GROUP - 1))
     else:
         for g in gl.static_range(K_GROUPS - 1):
             mbarrier.wait(sums_full.index(g), phase)
-            acc += sums.index(GROUP_SLOTS * g).load(MMA_L)
+            acc += sums.index(HALVES * g).load(MMA_L)
             if GATED:
-                acc_up += sums.index(GROUP_SLOTS * g + 1).load(MMA_L)
+                acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         if not EARLY:
             operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
         _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
                   BLOCK_N, WIDTH, DTYPE, MMA_L)
-        if SIGNAL:
-            # every thread of the group has stored (a barrier of its warps), then one release at GPU scope makes
-            # all their stores visible to whoever acquires the count
-            gl.thread_barrier()
-            gl.atomic_add(counters + row0, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -436,32 +349,6 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
                  y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@gluon.jit
-def _ring(DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, HALVES: gl.constexpr,
-          UNITS: gl.constexpr, K_GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, LOADER_WARPS: gl.constexpr):
-    """Shared memory and barriers of a launch: the ring's stages (token rows, and per matrix, GATED: gate and up,
-    one TMA box of values and one of scales, laid out as _descriptors' boxes) and the buffers K groups 1.. hand
-    their sums to group 0 through."""
-    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], _W_BOX)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], _S_BOX)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # the TMA's expect-arrive + one cp.async arrive per loader thread
-        mbarrier.init(ready.index(i), count=32 * LOADER_WARPS + 1)
-        mbarrier.init(empty.index(i), count=1)
-    sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
-                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    sums_full = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
-    sums_free = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
-    for g in gl.static_range(K_GROUPS - 1):
-        mbarrier.init(sums_full.index(g), count=1)
-        mbarrier.init(sums_free.index(g), count=1)
-    return a_smem, w_smem, s_smem, ready, empty, sums_smem, sums_full, sums_free
-
-
 # the pair count changes with T, and topk_ids come from the caller at any alignment: not specialized on, so
 # neither a new T nor a new topk_ids allocation compiles a new variant
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
@@ -476,16 +363,31 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
+    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # one TMA box per stage and matrix (GATED: gate, up): CHUNKS K chunks of BLOCK_N rows
-    a_smem, w_smem, s_smem, ready, empty, sums_smem, sums_full, sums_free = _ring(
-        DTYPE, BLOCK_M, STAGES, CHUNKS, HALVES, UNITS, K_GROUPS, BLOCK_N, LOADER_WARPS)
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # the TMA's expect-arrive + one cp.async arrive per loader thread
+        mbarrier.init(ready.index(i), count=32 * LOADER_WARPS + 1)
+        mbarrier.init(empty.index(i), count=1)
+    # K groups 1.. hand their sums of a tile to group 0 through one buffer each (gate and up when GATED)
+    sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    sums_full = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
+    sums_free = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
+    for g in gl.static_range(K_GROUPS - 1):
+        mbarrier.init(sums_full.index(g), count=1)
+        mbarrier.init(sums_free.index(g), count=1)
     # partitions: MMA group 0 in the launch's warps, groups 1.. and the loader in worker warps.  Constexprs are
     # spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
     # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat) and their count (the map goes unread)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
-    # (the last field, the fused launch's pair counters, goes unread: SIGNAL is off)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              tile_map, topk_weights_ptr, n_out, kp, ids_ptr)
+              tile_map, topk_weights_ptr, n_out, kp)
     loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
@@ -514,90 +416,6 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL)),
             (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
-        ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
-
-
-@gluon.jit
-def _fused_consumer(first, second, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr,
-                    GROUP: gl.constexpr, K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PDL: gl.constexpr):
-    """An MMA warp group of the fused launch: its program's GEMM1 tiles (each counted in for its pair once
-    stored), then its GEMM2 tiles, on through the same ring."""
-    _after_previous_kernel(PDL)
-    it, tiles_done = _consume_tiles(first, 0, 0, True, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, GROUP,
-                                    K_GROUPS, NARROW, True, True)
-    _consume_tiles(second, it, tiles_done, False, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, GROUP,
-                   K_GROUPS, NARROW, True, False)
-
-
-@gluon.jit
-def _fused_loader(first, second, rows_ready, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, PDL: gl.constexpr):
-    """The fused launch's loader: GEMM1's tiles of its program, then GEMM2's, each of which waits for its pair's
-    GEMM1 rows (rows_ready) after issuing the weights of its first ring stages."""
-    _after_previous_kernel(PDL)
-    it = _load_tiles(first, 0, 0, rows_ready, TOP_K, True, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS,
-                     LOADER_WARPS, True, False)
-    _load_tiles(second, it, 0, rows_ready, TOP_K, False, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS,
-                LOADER_WARPS, True, True)
-
-
-# as _moe_gemm_ws_kernel: neither a new T nor a new topk_ids allocation compiles a new variant
-@gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
-def _moe_fused_gemms_ws_kernel(x_ptr, stride_x, w1_desc, s1_desc, gs1_ptr, act_ptr, stride_act, w2_desc, s2_desc,
-                               gs2_ptr, out_ptr, stride_out, ids_ptr, num_pairs, topk_weights_ptr, counters_ptr,
-                               stand_in_ptr, hidden, intermediate, k1p, k2p,
-                               TOP_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                               GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
-                               LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-                               MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr):
-    """Both GEMMs of a pair-tile forward in one launch (MoEKernelConfig.fused_gemms): each program runs its GEMM1
-    tiles, then its GEMM2 tiles, through one ring.  A GEMM2 tile reads its pair's GEMM1 row, which other programs
-    write: GEMM1 tiles count themselves in on a counter per pair (release), GEMM2's loader waits for the pair's
-    count (acquire) after issuing its first stages' weights, so GEMM2's weights stream while GEMM1 ends, with no
-    kernel boundary between the two.  Every program must be resident at once (a waiting program holds its SM
-    until programs that have not started count in): the host launches it cooperatively, which refuses a grid
-    that cannot be.  The counters start at zero and the combine kernel zeroes them again after this launch."""
-    NW: gl.constexpr = gl.num_warps()
-    a_smem, w_smem, s_smem, ready, empty, sums_smem, sums_full, sums_free = _ring(
-        DTYPE, BLOCK_M, STAGES, CHUNKS, 2, BLOCK_N // 64, K_GROUPS, BLOCK_N, LOADER_WARPS)
-    # pair tiles: topk_ids and their count in place of the routing kernel's map, which goes unread
-    tile_map = (stand_in_ptr, stand_in_ptr, stand_in_ptr, stand_in_ptr, stand_in_ptr, ids_ptr, num_pairs)
-    first = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs1_ptr, act_ptr, stride_act,
-             tile_map, topk_weights_ptr, intermediate, k1p, counters_ptr)
-    second = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs2_ptr, out_ptr, stride_out,
-              tile_map, topk_weights_ptr, hidden, k2p, counters_ptr)
-    load_first = (x_ptr, stride_x, w1_desc, s1_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, intermediate,
-                  hidden, k1p)
-    load_second = (act_ptr, stride_act, w2_desc, s2_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, hidden,
-                   intermediate, k2p)
-    rows_ready = (counters_ptr, gl.cdiv(intermediate, BLOCK_N))  # a pair's GEMM1 tiles
-    if K_GROUPS == 1:
-        gl.warp_specialize([
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PDL)),
-            (_fused_loader, (load_first, load_second, rows_ready, TOP_K, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, 1, LOADER_WARPS, PDL)),
-        ], [LOADER_WARPS], [LOADER_REGS])
-    elif K_GROUPS == 2:
-        gl.warp_specialize([
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PDL)),
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PDL)),
-            (_fused_loader, (load_first, load_second, rows_ready, TOP_K, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, 2, LOADER_WARPS, PDL)),
-        ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
-    elif K_GROUPS == 3:
-        gl.warp_specialize([
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PDL)),
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PDL)),
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PDL)),
-            (_fused_loader, (load_first, load_second, rows_ready, TOP_K, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, 3, LOADER_WARPS, PDL)),
-        ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PDL)),
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PDL)),
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PDL)),
-            (_fused_consumer, (first, second, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PDL)),
-            (_fused_loader, (load_first, load_second, rows_ready, TOP_K, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, 4, LOADER_WARPS, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
@@ -666,41 +484,4 @@ def launch_gemm_ws(
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
         PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
-    )  # fmt: skip
-
-
-def launch_fused_gemms_ws(
-    x: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    act: torch.Tensor,
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    partial: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    counters: torch.Tensor,
-    intermediate: int,
-    top_k: int,
-    gemm: GemmConfig,
-    block_m: int,
-    programs: int,
-    pdl: bool,
-) -> None:
-    """Both GEMMs of a pair-tile forward in one cooperative launch (_moe_fused_gemms_ws_kernel): w13 and w2 are
-    (FragmentLayout values, scales, global scales); act [pairs, intermediate] receives GEMM1's rows, partial
-    [pairs, hidden] GEMM2's; ``counters`` (int32, one per pair, zero) count each pair's GEMM1 tiles, and whoever
-    runs next (the combine kernel) must zero them again.  ``gemm`` sets both GEMMs' tiles and ring."""
-    hidden = x.shape[1]
-    k1p, k2p = w13[0].shape[-1] * 2, w2[0].shape[-1] * 2
-    w1_desc, s1_desc = _descriptors(w13[0], w13[1], k1p, gemm.block_n // 64, gemm.chunks_per_stage)
-    w2_desc, s2_desc = _descriptors(w2[0], w2[1], k2p, gemm.block_n // 64, gemm.chunks_per_stage)
-    stand_in = torch.empty(4, dtype=torch.int32, device=x.device)  # the unread tile map: 16-byte aligned
-    _moe_fused_gemms_ws_kernel[(programs,)](
-        x, x.stride(0), w1_desc, s1_desc, w13[2], act, act.stride(0), w2_desc, s2_desc, w2[2], partial,
-        partial.stride(0), topk_ids, topk_ids.numel(), topk_weights, counters, stand_in, hidden, intermediate, k1p,
-        k2p,
-        TOP_K=top_k, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m, STAGES=gemm.num_stages,
-        DTYPE=gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16, PDL=pdl, LOADER_REGS=LOADER_REGISTERS,
-        CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups, MMA_REGS=_mma_registers(gemm),
-        NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps, launch_pdl=pdl, launch_cooperative_grid=True,
-        **gemm.launch_options(),
     )  # fmt: skip

@@ -15,7 +15,6 @@ import torch
 
 import moe_nvfp4 as m
 from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-from moe_nvfp4.triton import moe_sm90
 from moe_nvfp4.triton.moe_sm90 import compiled_variants, fused_moe_sm90, route
 
 pytestmark = pytest.mark.gpu
@@ -382,85 +381,6 @@ def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
     device (GEMM2's loader before GEMM1 has ended)."""
     cfg = _pair_tiles_config(8, PAIR_CASES[1][2])
     _graph_replays_with_new_routing(Case("graph pair tiles", 64, 8, 2048, 768, 1), cfg, gen)
-
-
-FUSED_CASES = [  # (case, block_m, the one GemmConfig's fields)
-    (Case("one token, Qwen3-like top-8, two programs per SM", 128, 8, 2048, 768, 1), 8,
-     dict(block_n=64, num_stages=4, chunks_per_stage=2, programs_per_sm=2, loader_warps=4)),
-    (Case("one token, Qwen3-like, 2 K groups (padded GEMM2 steps)", 128, 8, 2048, 768, 1), 8,
-     dict(block_n=64, num_stages=4, chunks_per_stage=2, k_groups=2, max_registers=168)),
-    (Case("one token, Mixtral-like: 16-token tiles run 8 wide", 8, 2, 2048, 1024, 1), 16,
-     dict(block_n=128, num_stages=2, chunks_per_stage=2, programs_per_sm=2, narrow_tiles=1, loader_warps=1)),
-    (Case("9 tokens on 8 experts: programs run several tiles of each GEMM", 8, 2, 512, 256, 9), 8,
-     dict(block_n=64, programs_per_sm=2)),
-    (Case("64 tokens, top-8: dozens of tiles a program, GEMM2 waits behind them", 128, 8, 1024, 512, 64), 8,
-     dict(block_n=64, num_stages=4, chunks_per_stage=2, programs_per_sm=2)),
-    (Case("every token to one expert, padded K, top-3", 6, 3, 640, 208, 5, "one_expert"), 16,
-     dict(block_n=128, narrow_tiles=1, num_stages=2)),
-]
-
-
-def _fused_config(block_m: int, fields: dict) -> MoEKernelConfig:
-    gemm = GemmConfig(**{"max_registers": 128, **fields, "warp_specialized": True})
-    return MoEKernelConfig(block_m, gemm, gemm, pair_tiles=True, fused_gemms=True)
-
-
-def _counters_zero() -> bool:
-    return all(not c.any() for c in moe_sm90._PAIR_COUNTERS.values())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case,block_m,fields", FUSED_CASES, ids=lambda v: getattr(v, "why", None))
-def test_fused_gemms_match_reference_and_two_launches(case, block_m, fields, dtype, gen) -> None:
-    """MoEKernelConfig.fused_gemms: both GEMMs in one launch, GEMM2's tiles waiting on their pair's GEMM1 tiles.
-    Against the float64 reference with outputs and scratch poisoned (a GEMM2 tile that read its row before GEMM1
-    wrote it would read NaN), bit-identical over runs and to the same tiles in two launches (the same tile code),
-    the pair counters zero after every forward; an expert map, or more than FUSED_MAX_PAIRS pairs, launch apart."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
-    cfg = _fused_config(block_m, fields)
-    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti)
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-    out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *args, None, case.inter, cfg, out=out)
-    assert not out.isnan().any(), "unwritten output"
-    assert _rel(out, ref) < REL_TOL[dtype]
-    assert _counters_zero()
-    for _ in range(20):  # back to back: each launch must find its counters zero
-        assert torch.equal(out, fused_moe_sm90(x, *args, None, case.inter, cfg))
-    assert _counters_zero()
-    apart = fused_moe_sm90(x, *args, None, case.inter, dataclasses.replace(cfg, fused_gemms=False))
-    assert torch.equal(out, apart)
-    identity = torch.arange(case.experts, dtype=torch.int32, device="cuda")  # routes; same sums within rounding
-    assert _rel(fused_moe_sm90(x, *args, identity, case.inter, cfg), out) < REL_TOL[dtype] / 4
-
-
-def test_fused_gemms_past_the_counters_launch_apart(gen: torch.Generator, monkeypatch) -> None:
-    """More pairs than FUSED_MAX_PAIRS: the two-launch pair-tile forward, same bits."""
-    from moe_nvfp4.triton import moe_sm90_ws
-
-    case, block_m, fields = FUSED_CASES[4]
-    q13, q2, w, x, tw, ti = _problem(case, gen)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
-    cfg = _fused_config(block_m, fields)
-    fused = fused_moe_sm90(x, *args, cfg)
-    monkeypatch.setattr(moe_sm90, "FUSED_MAX_PAIRS", case.tokens * case.top_k - 1)
-    launches = []
-    monkeypatch.setattr(moe_sm90_ws, "launch_fused_gemms_ws", lambda *a, **k: launches.append(a))
-    assert torch.equal(fused_moe_sm90(x, *args, cfg), fused) and not launches
-
-
-def test_fused_gemms_in_a_cuda_graph(gen: torch.Generator) -> None:
-    """The fused GEMMs captured once and replayed with new x and routing: the counters, zeroed by the combine
-    kernel inside the graph, start every replay at zero."""
-    case, block_m, fields = FUSED_CASES[0]
-    _graph_replays_with_new_routing(Case("graph fused GEMMs", 64, 8, 2048, 768, 1), _fused_config(block_m, fields),
-                                    gen)
-    assert _counters_zero()
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
