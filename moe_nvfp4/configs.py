@@ -55,9 +55,7 @@ class GemmConfig:
     for a second wave.
 
     warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp group and 4 or 8 MMA
-    warps, whole K per tile, or for GEMM1 per K split (split_k > 1: fp32 gate and up partials per split, which
-    GEMM2's loader sums and gates as it fills its ring, so a decode GEMM1 with fewer tiles than SMs spreads over
-    more of them; GEMM2 itself never splits).  max_registers then sets residency (uncapped one program per SM, 128 two, 80
+    warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
     three: the loader's warp group counts too).  chunks_per_stage (warp-specialized only): K chunks of 128 per
     stage of its ring, fetched as one TMA box per matrix; the MMA warps keep MMAs running while they decode
     the stage's next matrix (one at 128 rows per warp group, two at 64) and retire them all at its end.
@@ -110,15 +108,14 @@ class GemmConfig:
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
             and self.narrow_tiles in ((0, 1, 2) if self.warp_specialized else (0,))
             and self.loader_warps in ((1, 2, 4) if self.warp_specialized else (4,))
-            and chunks % (self.chunks_per_stage * self.split_k) == 0
+            and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
         )
 
     def _warp_specialized_ok(self) -> bool:
-        # whole K per tile or per K split (GEMM1 only: see MoEKernelConfig), one or two MMA warp groups of at least
-        # 64 rows each, a ring of two or more stages
-        return (not self.stream_k and self.num_warps in (4, 8)
+        # whole K per tile, one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
+        return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
                 and self.block_n >= 16 * self.num_warps and self.num_stages >= 2)
 
     def _k_groups_fit(self) -> bool:
@@ -171,7 +168,7 @@ class MoEKernelConfig:
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
             and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            and not (self.gemm2.warp_specialized and self.gemm2.split_k > 1)
+            and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
             and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
                     for g, gated in ((self.gemm1, True), (self.gemm2, False)))
         )
@@ -179,7 +176,7 @@ class MoEKernelConfig:
     def gemm2_split_a_bytes(self) -> int:
         """Shared memory GEMM2's pipeline takes for GEMM1's fp32 gate and up partials (0 unless GEMM1
         splits K): one [128, block_m] tile per split, gate and up, per stage in flight."""
-        if self.gemm1.split_k == 1 or self.gemm2.warp_specialized:  # the Gluon loader gates them into its ring
+        if self.gemm1.split_k == 1:
             return 0
         return (self.gemm2.num_stages - 1) * self.block_m * CHUNK_K * 2 * 4 * self.gemm1.split_k
 

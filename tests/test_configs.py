@@ -145,15 +145,13 @@ def test_stream_k_excludes_k_splits() -> None:
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files
 
 
-def test_warp_specialized_splits_only_gemm1_and_pair_tiles_need_it() -> None:
-    """The warp-specialized kernel reads whole K per tile, or GEMM1 per K split (fp32 partials GEMM2's loader sums
-    and gates: GEMM2 itself never splits); its MMA warp groups are 64 rows each.  Pair tiles (no routing kernel)
-    need both GEMMs warp-specialized: the Triton kernel reads the routing kernel's tile map."""
+def test_warp_specialized_takes_whole_tiles_and_pair_tiles_need_it() -> None:
+    """The warp-specialized kernel reads whole K per tile and GEMM1's rows in x's dtype; its MMA warp groups are 64
+    rows each.  Pair tiles (no routing kernel) need both GEMMs warp-specialized: the Triton kernel reads the
+    routing kernel's tile map."""
     ws = GemmConfig(warp_specialized=True)
     assert ws.is_valid(1024)
-    assert dataclasses.replace(ws, split_k=2).is_valid(1024)
-    assert not dataclasses.replace(ws, split_k=2, chunks_per_stage=4).is_valid(768)  # 6 chunks: 3 a split
-    assert dataclasses.replace(ws, split_k=3, chunks_per_stage=2).is_valid(768)
+    assert not dataclasses.replace(ws, split_k=2).is_valid(1024)
     assert not dataclasses.replace(ws, stream_k=True).is_valid(1024)
     assert not dataclasses.replace(ws, num_warps=8).is_valid(1024)  # 64 rows over two warp groups
     assert dataclasses.replace(ws, block_n=128, num_warps=8).is_valid(1024)
@@ -165,11 +163,7 @@ def test_warp_specialized_splits_only_gemm1_and_pair_tiles_need_it() -> None:
     assert not MoEKernelConfig(16, ws, GemmConfig(), pair_tiles=True).is_valid(512, 256)
     assert not MoEKernelConfig(16, GemmConfig(), ws, pair_tiles=True).is_valid(512, 256)
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).pair_tiles is False
-    split = dataclasses.replace(ws, split_k=2)
-    assert MoEKernelConfig(8, split, ws, pair_tiles=True).is_valid(512, 256)  # GEMM2's loader gates the partials
-    assert MoEKernelConfig(16, GemmConfig(split_k=2), ws).is_valid(512, 256)
-    assert MoEKernelConfig(16, GemmConfig(split_k=2), ws).gemm2_split_a_bytes() == 0  # no fp32 tiles in its ring
-    assert not MoEKernelConfig(16, ws, split).is_valid(512, 256)
+    assert not MoEKernelConfig(16, GemmConfig(split_k=2), ws).is_valid(512, 256)  # GEMM2 would read fp32 partials
     assert MoEKernelConfig(16, ws, GemmConfig(split_k=2)).is_valid(512, 256)
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.warp_specialized is False
 

@@ -118,8 +118,7 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False,
-                split_k: int = 1, a_splits: int = 1):
+                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -133,21 +132,17 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     w = torch.zeros(8, 64, 4096, dtype=torch.uint8)  # any FragmentLayout-shaped bytes: only the views matter
     views = W._descriptors(w, w[:, :8], 1024, block_n // 64, chunks)
     descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in views]
-    signature = dict(a_ptr="*bf16" if a_splits == 1 else "*fp32", stride_a="i32", stride_a_split="i32",
-                     w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
-                     out_ptr="*bf16" if gated and split_k == 1 else "*fp32", stride_out="i32", stride_split="i32",
-                     sorted_pairs_ptr="*i32",
+    signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
+                     out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
                      ids_ptr="*i32", num_pairs="i32", topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
-                      chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps,
-                      split_k=split_k)  # fmt: skip
+                      chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
-                      PDL=True, LOADER_REGS=W.loader_registers(a_splits), CHUNKS=chunks, K_GROUPS=k_groups,
-                      MMA_REGS=W._mma_registers(gemm, W.loader_registers(a_splits)), NARROW=narrow,
-                      LOADER_WARPS=loader_warps,
-                      PAIR_TILES=pair_tiles, SPLIT_K=split_k, A_SPLITS=a_splits)  # fmt: skip
+                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
+                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
+                      PAIR_TILES=pair_tiles)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     # what the JIT specializes at launch: 16-byte aligned pointers (topk_ids not: do_not_specialize_on_alignment),
     # strides and sizes divisible by 16
@@ -337,7 +332,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     launches = []
     monkeypatch.setattr(K, "route", route)
     monkeypatch.setattr(K, "combine", lambda *args: None)
-    monkeypatch.setattr(W, "launch_gemm_ws", lambda *args, **kwargs: launches.append(args))
+    monkeypatch.setattr(W, "launch_gemm_ws", lambda *args: launches.append(args))
     gluon_rows = True
     monkeypatch.setattr(K, "_gluon_rows_ok", lambda x, intermediate: gluon_rows)
     e, h, i, t, k = 8, 256, 128, 1, 2
@@ -518,19 +513,3 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
     assert ab_moe.tuned_config(tmp_path, select) == dataclasses.replace(shipped, gemm1=dataclasses.replace(
         shipped.gemm1, group_m=4))  # fmt: skip
     assert select() == shipped  # the package's directory again
-
-
-def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
-    """benchmarks/ab_moe.py's ``gemm1:field=value/...`` variant (the split-K A/B in design 002): those fields of
-    one GEMM changed, the rest of the config kept; ``none`` for None."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import ab_moe
-
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-
-    cfg = MoEKernelConfig(8, GemmConfig(64, max_registers=168, k_groups=2, warp_specialized=True),
-                          GemmConfig(64, warp_specialized=True), pair_tiles=True)  # fmt: skip
-    split = ab_moe.gemm_variant(cfg, "gemm1:split_k=4/k_groups=1/max_registers=none")
-    assert split == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, split_k=4, k_groups=1,
-                                                                       max_registers=None))  # fmt: skip
-    assert ab_moe.gemm_variant(cfg, "gemm2:num_stages=2").gemm2.num_stages == 2

@@ -749,7 +749,7 @@ def fused_moe_sm90(
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map, ids,
                        pair_tiles, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1,
-                       pdl, stride_split=act.stride(0))  # fmt: skip
+                       pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs1,)](
             x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
@@ -763,8 +763,7 @@ def fused_moe_sm90(
     if ws2:
         launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
                        ids, pair_tiles, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2,
-                       config.block_m, programs2, pdl, a_splits=g1.split_k, stride_a_split=act.stride(0),
-                       dtype=x.dtype)  # fmt: skip
+                       config.block_m, programs2, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](
             act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),

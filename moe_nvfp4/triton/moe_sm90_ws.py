@@ -37,14 +37,6 @@ _S_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 # registers of the loader's warp group (setmaxnreg sets them per warp group; its idle warps hold as many):
 # pointers and indices, GemmConfig.loader_warps of its warps issuing the token rows' cp.async
 LOADER_REGISTERS = 56
-# ... and where it gates GEMM1's K-split partials into the ring (GEMM2, a_splits > 1): two fp32 tiles per split and
-# chunk in flight spilled 35 registers at 56 (sm_90 compile, 2 loader warps, 8-token tiles)
-GATING_LOADER_REGISTERS = 96
-
-
-def loader_registers(a_splits: int) -> int:
-    """Registers of the loader's warp group (setmaxnreg) for a GEMM whose token rows come from a_splits splits."""
-    return LOADER_REGISTERS if a_splits == 1 else GATING_LOADER_REGISTERS
 
 
 @gluon.jit
@@ -106,25 +98,18 @@ def _pair_ids(tile_map, rows, row_ok, PAIR_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr, SPLIT_K: gl.constexpr):
-    """A tile's K steps (of one K split) and its step slots: the steps padded to a multiple of K_GROUPS, so group
-    g takes steps g, g + K_GROUPS, ... of every tile (see _tile_sums).  Loader and MMA warps must count the same
-    slots."""
-    steps = kp // (128 * CHUNKS * SPLIT_K)
+def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
+    """A tile's K steps and its step slots: the steps padded to a multiple of K_GROUPS, so group g takes steps
+    g, g + K_GROUPS, ... of every tile (see _tile_sums).  Loader and MMA warps must count the same slots."""
+    steps = kp // (128 * CHUNKS)
     return steps, gl.cdiv(steps, K_GROUPS) * K_GROUPS
 
 
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, SPLIT_K: gl.constexpr, A_SPLITS: gl.constexpr,
-            DTYPE: gl.constexpr, PDL: gl.constexpr):
-    """Work item (tile, K split) in turn: each stage's weight boxes and token rows.  A_SPLITS > 1 (GEMM2 after a
-    GEMM1 split over K): the token rows are GEMM1's fp32 partial sums per split, [gate | up] per row, summed and
-    gated here (SiLU(gate) * up in DTYPE) and stored to the stage by the loader's threads, which then count in on
-    the stage's barrier at once."""
-    (a_ptr, stride_a, stride_a_split, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k,
-     kp) = args
+            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+    (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
@@ -132,7 +117,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
-    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS, SPLIT_K)
+    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     early = steps * 0  # stages of the first tile whose weights were issued before the previous kernel ended
     if not GATED:
         # GEMM2 reads only its token rows from GEMM1: its first tile's weights stream in while GEMM1 still runs
@@ -148,9 +133,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     _after_previous_kernel(PDL)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
-    for item in range(pid, num_m_tiles * num_n_tiles * SPLIT_K, gl.num_programs(0)):
-        mn = item // SPLIT_K
-        k0 = (item % SPLIT_K) * steps  # the split's first K step
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
@@ -172,39 +155,15 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
                 mbarrier.arrive(bar, pred=step >= steps)  # in place of the weights' expect-arrive
             # the weights first: their boxes need only the tile's expert, the token rows also its pair ids (one
             # more dependent load at a tile's start)
-            _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, k0 + step, unit0, n_units, real & (it >= early),
-                           HALVES, UNITS, CHUNKS)  # fmt: skip
+            _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, real & (it >= early), HALVES,
+                           UNITS, CHUNKS)  # fmt: skip
             for c in gl.static_range(CHUNKS):
-                chunk = (k0 + step) * CHUNKS + c
+                chunk = step * CHUNKS + c
                 k_ok = (chunk * 128 + kk) < k
-                mask = row_ok[:, None] & k_ok[None, :]
-                if A_SPLITS == 1:
-                    async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
-                                                           mask=mask)
-                else:
-                    a_smem.index(s * CHUNKS + c).store(
-                        _gated_partials(a_ptrs + chunk * 128, stride_a_split, k, mask, A_SPLITS, DTYPE))
-            if A_SPLITS == 1:
-                async_copy.mbarrier_arrive(bar, increment_count=False)
-            else:
-                # the wgmma reads the rows through the async proxy; every loader thread has stored and fenced
-                # (a barrier of the loader's warps) before one arrival counts them all
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(bar, count=32 * LOADER_WARPS)
+                async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
+                                                       mask=row_ok[:, None] & k_ok[None, :])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
             it += 1
-
-
-@gluon.jit
-def _gated_partials(ptrs, stride_split, k, mask, A_SPLITS: gl.constexpr, DTYPE: gl.constexpr):
-    """GEMM1's fp32 partial sums over its A_SPLITS K splits at ptrs (gate; up k columns on), summed in split order
-    and gated: SiLU(gate) * up in DTYPE, as moe_sm90._load_a does for the Triton kernel."""
-    gate = gl.load(ptrs, mask=mask, other=0.0)
-    up = gl.load(ptrs + k, mask=mask, other=0.0)
-    for split in gl.static_range(1, A_SPLITS):
-        gate += gl.load(ptrs + split * stride_split, mask=mask, other=0.0)
-        up += gl.load(ptrs + split * stride_split + k, mask=mask, other=0.0)
-    return _silu_times(gate, up).to(DTYPE)
 
 
 @gluon.jit
@@ -230,56 +189,54 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, SPLIT_K: gl.constexpr,
-              PDL: gl.constexpr):
-    """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each work item (a tile, or
-    with SPLIT_K > 1 one of its K splits, GEMM1 only: see _epilogue); group 0 adds
+              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+    """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
     all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
     that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
     group of the tile picks the same width from the same rows)."""
-    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, stride_split,
-     tile_map, topk_weights_ptr, n_out, kp) = shared
+    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
+     topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
     pid = gl.program_id(0)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
-    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS, SPLIT_K)
+    steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
     # global scales made the 8-warp one spill
     EARLY: gl.constexpr = NARROW < 2 or not GATED
     tiles_done = 0
-    for item in range(pid, num_m_tiles * num_n_tiles * SPLIT_K, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(item // SPLIT_K, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
-        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots, item % SPLIT_K)
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
+        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, SPLIT_K)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, SPLIT_K)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, SPLIT_K)
+                       EARLY, PAIR_TILES)
         else:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
-                       PAIR_TILES, SPLIT_K)
+                       PAIR_TILES)
         tiles_done += 1
 
 
 @gluon.jit
 def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
                DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr, SPLIT_K: gl.constexpr):
+               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
     starts, so they return while the K steps run)."""
-    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, stride_split,
-     tile_map, topk_weights_ptr, n_out, kp) = shared
-    n_tile, expert, row0, row_end, base, phase, steps, slots, split = tile
+    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
+     topk_weights_ptr, n_out, kp) = shared
+    n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
@@ -353,7 +310,7 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
         if not EARLY:
             operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
         _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
-                  BLOCK_N, WIDTH, DTYPE, MMA_L, split, stride_split, SPLIT_K)
+                  BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
@@ -371,11 +328,9 @@ def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.conste
 
 @gluon.jit
 def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
-              GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, DTYPE: gl.constexpr, MMA_L: gl.constexpr,
-              split, stride_split, SPLIT_K: gl.constexpr):
-    """A tile's whole-K sums out (``operands`` from _epilogue_operands): GEMM1 SiLU(gate) * up in DTYPE, or with
-    SPLIT_K > 1 split ``split``'s fp32 partials gate and up to out[split, row, n] and [.., n_out + n] (GEMM2's
-    loader sums and gates them, _gated_partials); GEMM2 times the pairs' top-k weights."""
+              GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, DTYPE: gl.constexpr, MMA_L: gl.constexpr):
+    """A tile's whole-K sums out (``operands`` from _epilogue_operands): GEMM1 SiLU(gate) * up in DTYPE; GEMM2
+    times the pairs' top-k weights."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
@@ -384,14 +339,8 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
     if GATED:
         gate_scale, up_scale = operands
-        out_ptrs = out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
-        if SPLIT_K == 1:
-            y = _silu_times(acc * (gate_scale * FIX), acc_up * (up_scale * FIX))
-            gl.store(out_ptrs, y.to(DTYPE), mask=store_mask)
-        else:
-            out_ptrs += split.to(gl.int64) * stride_split
-            gl.store(out_ptrs, acc * (gate_scale * FIX), mask=store_mask)
-            gl.store(out_ptrs + n_out, acc_up * (up_scale * FIX), mask=store_mask)
+        y = _silu_times(acc * (gate_scale * FIX), acc_up * (up_scale * FIX))
+        gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
     else:
         scale, pair_id = operands
         weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
@@ -403,14 +352,14 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
 # the pair count changes with T, and topk_ids come from the caller at any alignment: not specialized on, so
 # neither a new T nor a new topk_ids allocation compiles a new variant
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
-def _moe_gemm_ws_kernel(a_ptr, stride_a, stride_a_split, w_desc, s_desc, gs_ptr, out_ptr, stride_out, stride_split,
-                        sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr,
-                        num_pairs, topk_weights_ptr, n_out, k, kp,
+def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
+                        tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
+                        topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        PAIR_TILES: gl.constexpr, SPLIT_K: gl.constexpr, A_SPLITS: gl.constexpr):
+                        PAIR_TILES: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -438,36 +387,35 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, stride_a_split, w_desc, s_desc, gs_ptr,
     # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat) and their count (the map goes unread)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              stride_split, tile_map, topk_weights_ptr, n_out, kp)
-    loader = (a_ptr, stride_a, stride_a_split, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k,
-              kp)
+              tile_map, topk_weights_ptr, n_out, kp)
+    loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, SPLIT_K, A_SPLITS, DTYPE, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, SPLIT_K, A_SPLITS, DTYPE, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, SPLIT_K, A_SPLITS, DTYPE, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, SPLIT_K, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, SPLIT_K, A_SPLITS, DTYPE, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
@@ -491,13 +439,13 @@ def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: 
     return view(w_packed, fragments.block_bytes, _W_BOX), view(w_scale, fragments.scale_block_bytes, _S_BOX)
 
 
-def _mma_registers(gemm: GemmConfig, loader_regs: int = LOADER_REGISTERS) -> int:
+def _mma_registers(gemm: GemmConfig) -> int:
     """Registers per thread of MMA groups 1.. (setmaxnreg): the program's (its cap times its warps, the loader's
     warp group included) less the loader's, shared equally; Triton gives group 0 what the others leave."""
     if gemm.k_groups == 1:
         return 0  # no such groups
     mma_warps = gemm.num_warps * gemm.k_groups
-    per_warp = (gemm.max_registers * (mma_warps + 4) - 4 * loader_regs) // mma_warps
+    per_warp = (gemm.max_registers * (mma_warps + 4) - 4 * LOADER_REGISTERS) // mma_warps
     return min(256, per_warp // 8 * 8)
 
 
@@ -522,25 +470,18 @@ def launch_gemm_ws(
     block_m: int,
     programs: int,
     pdl: bool,
-    stride_split: int = 0,
-    a_splits: int = 1,
-    stride_a_split: int = 0,
-    dtype: torch.dtype | None = None,
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
-    whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().
-    GEMM1 with ``gemm.split_k`` > 1 writes fp32 partials per split ``stride_split`` apart; GEMM2 after it reads
-    ``a_splits`` of them ``stride_a_split`` apart and computes in ``dtype`` (x's; default a's).  With
+    whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With
     ``pair_tiles`` each (token, k) pair of ``topk_ids`` (flat, global expert ids) is a token tile of its own and
     its row is the pair's: tile_map goes unread and no routing kernel needs to run."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
-        a, stride_a, stride_a_split, w_desc, s_desc, w_global, out, stride_out, stride_split, *tile_map, topk_ids,
-        topk_ids.numel(), topk_weights, n_out, k, kp,
+        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(), topk_weights,
+        n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
-        STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if (dtype or a.dtype) == torch.bfloat16 else gl.float16, PDL=pdl,
-        LOADER_REGS=loader_registers(a_splits), CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
-        MMA_REGS=_mma_registers(gemm, loader_registers(a_splits)), NARROW=gemm.narrow_tiles,
-        LOADER_WARPS=gemm.loader_warps,
-        PAIR_TILES=pair_tiles, SPLIT_K=gemm.split_k, A_SPLITS=a_splits, launch_pdl=pdl, **gemm.launch_options(),
+        STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
+        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
+        MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
+        PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

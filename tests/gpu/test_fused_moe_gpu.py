@@ -383,59 +383,6 @@ def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
     _graph_replays_with_new_routing(Case("graph pair tiles", 64, 8, 2048, 768, 1), cfg, gen)
 
 
-SPLIT_CASES = [  # (case, block_m, GEMM1 fields, GEMM2 fields, pair tiles): GEMM1 split over K, both Gluon
-    (Case("one token, Qwen3-like: the shipped T=1 GEMMs, GEMM1 in 2 K splits", 128, 8, 2048, 768, 1), 8,
-     dict(block_n=64, num_stages=4, chunks_per_stage=2, k_groups=2, max_registers=168, split_k=2),
-     dict(block_n=64, num_stages=2, chunks_per_stage=2, programs_per_sm=2, loader_warps=2), True),
-    (Case("one token, 4 K splits, one K group, two per SM", 128, 8, 2048, 768, 1), 8,
-     dict(block_n=64, num_stages=4, chunks_per_stage=2, programs_per_sm=2, split_k=4),
-     dict(block_n=64, num_stages=2, chunks_per_stage=2, programs_per_sm=2, loader_warps=4), True),
-    (Case("routed, ragged, half the experts empty, 5 splits of one chunk, GEMM2's K padded", 16, 4, 640, 448, 37,
-          "half_empty"), 16, dict(block_n=128, num_stages=2, split_k=5), dict(block_n=64, num_stages=4), False),
-    (Case("routed, 8-token tiles, narrow GEMM2, 2 splits", 64, 8, 1024, 512, 24), 16,
-     dict(block_n=64, num_stages=4, chunks_per_stage=2, split_k=2),
-     dict(block_n=128, num_stages=2, chunks_per_stage=2, narrow_tiles=1, loader_warps=1), False),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case,block_m,fields1,fields2,pairs", SPLIT_CASES, ids=lambda v: getattr(v, "why", None))
-def test_gluon_gemm1_split_k(case, block_m, fields1, fields2, pairs, dtype, gen) -> None:
-    """GemmConfig.split_k in the Gluon GEMM1: fp32 gate and up partials per K split, which the Gluon GEMM2's loader
-    sums in split order and gates (SiLU(gate) * up) into its ring.  Against the float64 reference with outputs
-    and scratch poisoned, bit-identical over runs, and the same sums as whole-K GEMM1 tiles to within rounding;
-    the Triton GEMM1 split the same way feeds the Gluon GEMM2 as well."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
-    gemm1, gemm2 = (GemmConfig(**{"max_registers": 128, **f, "warp_specialized": True}) for f in (fields1, fields2))
-    cfg = MoEKernelConfig(block_m, gemm1, gemm2, pair_tiles=pairs)
-    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-    out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *args, cfg, out=out)
-    assert not out.isnan().any(), "unwritten output"
-    assert _rel(out, ref) < REL_TOL[dtype]
-    assert torch.equal(out, fused_moe_sm90(x, *args, cfg))
-    whole = fused_moe_sm90(x, *args, dataclasses.replace(cfg, gemm1=dataclasses.replace(gemm1, split_k=1)))
-    assert _rel(out, whole) < REL_TOL[dtype] / 4
-    if not pairs:  # the Triton GEMM1's partials, same layout
-        triton1 = GemmConfig(gemm1.block_n, num_stages=3, split_k=gemm1.split_k)
-        mixed = fused_moe_sm90(x, *args, dataclasses.replace(cfg, gemm1=triton1))
-        assert _rel(mixed, ref) < REL_TOL[dtype]
-
-
-def test_gluon_gemm1_split_k_in_a_cuda_graph(gen: torch.Generator) -> None:
-    """Pair tiles with GEMM1 in 2 K splits, captured once and replayed with new x and routing."""
-    case, block_m, fields1, fields2, _ = SPLIT_CASES[0]
-    gemm1, gemm2 = (GemmConfig(**{"max_registers": 128, **f, "warp_specialized": True}) for f in (fields1, fields2))
-    _graph_replays_with_new_routing(Case("graph split GEMM1", 64, 8, 2048, 768, 1),
-                                    MoEKernelConfig(block_m, gemm1, gemm2, pair_tiles=True), gen)
-
-
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
     # one program (up to 1024 pairs), counted chunks of one step (1332, 8000 pairs), of several (40000, 32768)
     for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32),
