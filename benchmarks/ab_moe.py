@@ -15,7 +15,7 @@ the warp-specialized module, the file at PATH, whose launch_gemm_ws takes the in
 version from before pair tiles (d67b485) use pkg=DIR), ``pkg=DIR`` (the tuned config run by another version of the
 whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
-tuned config (``partials_in_x_dtype``, ...).  Per case:
+tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (see gemm_variant).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.
@@ -81,6 +81,17 @@ def tuned_config(directory: Path, select):
         configs._tuned_entries.cache_clear()
 
 
+def gemm_variant(cfg, variant: str):
+    """``gemm1:field=value[/field=value...]`` (or gemm2): the tuned config with those fields of one GEMM changed
+    (integers, ``none`` for None), e.g. ``gemm1:split_k=2/k_groups=1/max_registers=128``."""
+    gemm, fields = variant.split(":", 1)
+    overrides = {}
+    for item in fields.split("/"):
+        name, value = item.split("=")
+        overrides[name] = None if value == "none" else int(value)
+    return dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), **overrides)})
+
+
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
     import torch
 
@@ -111,6 +122,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
             return tuned_in[variant]
         if variant == "shipped" or variant in modules:
             return cfg
+        if variant.startswith(("gemm1:", "gemm2:")):
+            return gemm_variant(cfg, variant)
         return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
 
     def forwards(variant: str) -> list:
@@ -118,6 +131,12 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
         c = package_config(host, c) if variant.startswith("pkg=") else c
         return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
+
+    invalid = [v for v in variants if v.startswith(("gemm1:", "gemm2:"))
+               and not configured(v).is_valid(-(-h // 128) * 128, -(-i // 128) * 128)]  # fmt: skip
+    for v in invalid:
+        print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)
+    variants = [v for v in variants if v not in invalid]
 
     def launching(variant: str):  # what fused_moe_sm90 imports as moe_sm90_ws.launch_gemm_ws
         return modules[variant].launch_gemm_ws if variant.startswith("ws=") else shipped_launch

@@ -513,3 +513,19 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
     assert ab_moe.tuned_config(tmp_path, select) == dataclasses.replace(shipped, gemm1=dataclasses.replace(
         shipped.gemm1, group_m=4))  # fmt: skip
     assert select() == shipped  # the package's directory again
+
+
+def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
+    """benchmarks/ab_moe.py's ``gemm1:field=value/...`` variant (the split-K A/B in design 002): those fields of
+    one GEMM changed, the rest of the config kept; ``none`` for None."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import ab_moe
+
+    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+
+    cfg = MoEKernelConfig(8, GemmConfig(64, max_registers=168, k_groups=2, warp_specialized=True),
+                          GemmConfig(64, warp_specialized=True), pair_tiles=True)  # fmt: skip
+    split = ab_moe.gemm_variant(cfg, "gemm1:split_k=4/k_groups=1/max_registers=none")
+    assert split == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, split_k=4, k_groups=1,
+                                                                       max_registers=None))  # fmt: skip
+    assert ab_moe.gemm_variant(cfg, "gemm2:num_stages=2").gemm2.num_stages == 2
