@@ -83,7 +83,8 @@ def tuned_config(directory: Path, select):
 
 def gemm_variant(cfg, variant: str):
     """``gemm1:field=value[/field=value...]`` (or gemm2): the tuned config with those fields of one GEMM changed
-    (integers, ``none`` for None), e.g. ``gemm1:split_k=2/k_groups=1/max_registers=128``."""
+    (integers, ``none`` for None), e.g. ``gemm1:num_stages=6/k_groups=3/max_registers=128``; a variant that is
+    not a valid config for a case is skipped there (run_case)."""
     gemm, fields = variant.split(":", 1)
     overrides = {}
     for item in fields.split("/"):
@@ -98,6 +99,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     from harness import rotation_copies, time_graph
     from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
+    from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from tune_moe import MODELS, make_layer
 
@@ -132,8 +134,9 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         c = package_config(host, c) if variant.startswith("pkg=") else c
         return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
 
+    padded = FragmentLayout().padded_k
     invalid = [v for v in variants if v.startswith(("gemm1:", "gemm2:"))
-               and not configured(v).is_valid(-(-h // 128) * 128, -(-i // 128) * 128)]  # fmt: skip
+               and not configured(v).is_valid(padded(h), padded(i))]  # fmt: skip
     for v in invalid:
         print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)
     variants = [v for v in variants if v not in invalid]
@@ -186,9 +189,10 @@ def main() -> int:
     print(f"\n{'case':<22}" + "".join(f"{v[-25:]:>26}" for v in variants))
     for case in args.cases.split(","):
         model, tokens = case.split(":")
-        cells = [r for r in rows if r["model"] == model and r["tokens"] == int(tokens)]
-        print(f"{case:<22}" + "".join(f"{r['median_us']:>9.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})".rjust(26)
-                                      for r in cells))  # fmt: skip
+        cells = {r["variant"]: r for r in rows if r["model"] == model and r["tokens"] == int(tokens)}
+        timed = [f"{r['median_us']:>9.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})" if r else "skipped"
+                 for r in map(cells.get, variants)]  # fmt: skip
+        print(f"{case:<22}" + "".join(t.rjust(26) for t in timed))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0
