@@ -96,12 +96,12 @@ def gemm_variant(cfg, variant: str):
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
     import torch
 
-    from harness import rotation_copies, time_graph
+    from harness import time_graph
     from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
-    from tune_moe import MODELS, make_layer
+    from tune_moe import MODELS, make_layer, rotated_weights
 
     e, k, h, i = MODELS[model]
     device_name = torch.cuda.get_device_name()
@@ -114,9 +114,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
     w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
     weights = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
-    touched = len(torch.unique(ti)) * sum(t[0].numel() * t.element_size() for t in weights)
-    copies = [weights] + [tuple(t.clone() for t in weights)
-                          for _ in range(rotation_copies(touched, torch.cuda.get_device_properties(0).L2_cache_size) - 1)]
+    copies = rotated_weights(weights, ti)
     shipped_launch = moe_sm90_ws.launch_gemm_ws
 
     def configured(variant: str):

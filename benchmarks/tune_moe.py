@@ -23,8 +23,10 @@ stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the
 (moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x token tile; --sweep-groups each
 GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring; --sweep-loader each
 warp-specialized GEMM in every narrow_tiles x loader_warps.  Each candidate is
-checked against the torch reference first, then timed by CUDA-graph replay (triton.testing.do_bench_cudagraph,
-median); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
+checked against the torch reference first, then timed as bench_moe.py times it: CUDA-graph replay over rotating
+weight copies, so L2 holds no weights between calls (harness.time_graph, median; --no-rotate: one copy through
+triton.testing.do_bench_cudagraph, which at Qwen3 T=1, 21 MB of touched weights, times L2, not HBM); the
+fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
 timing process), as compiling, not timing, is most of a sweep's time.
 """
@@ -55,6 +57,20 @@ MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
+
+
+def rotated_weights(weights: tuple, topk_ids: torch.Tensor, held: list[tuple] | None = None) -> list[tuple]:
+    """``weights`` (a forward's tensors, experts first) and as many clones as rotating through them takes
+    for at least 4 x L2 of other weights to stream between two uses of one copy (harness.rotation_copies),
+    counting the experts ``topk_ids`` touch: timing then pays cold weights, as in serving, where every other
+    layer evicts a layer's weights.  ``held``: copies made for an earlier token count, reused."""
+    from harness import rotation_copies
+
+    touched = len(torch.unique(topk_ids)) * sum(t[0].numel() * t.element_size() for t in weights)
+    wanted = rotation_copies(touched, torch.cuda.get_device_properties(0).L2_cache_size)
+    copies = [weights] + list(held or [])[1:wanted]
+    copies += [tuple(t.clone() for t in weights) for _ in range(wanted - len(copies))]
+    return copies
 
 
 def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0):
@@ -343,9 +359,13 @@ def main() -> int:
                    help="time each warp-specialized GEMM in every narrow_tiles x loader_warps before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
+    p.add_argument("--no-rotate", action="store_true",
+                   help="time one weight copy (triton's do_bench_cudagraph), which L2 may hold between calls at "
+                        "small T; by default each config is timed as bench_moe.py times it, rotating weight copies")
     args = p.parse_args()
     log = open(args.log, "a") if args.log else None
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    from harness import time_graph
     from triton.testing import do_bench_cudagraph
 
     dev = "cuda"
@@ -370,10 +390,12 @@ def main() -> int:
         weights = prepare_moe_weights(q13, q2)
         w = (weights.w13_packed, weights.w13_scale, weights.w13_global, weights.w2_packed, weights.w2_scale,
              weights.w2_global)  # fmt: skip
+        copies: list[tuple] = []
         for t in [int(s) for s in args.tokens.split(",")]:
             x = torch.randn(t, h, device=dev, dtype=dtype)
             tw, ti = topk_softmax(torch.randn(t, e, device=dev), k, renormalize=True)
             ref = fused_moe_torch(x[:64], q13, q2, tw[:64], ti[:64]).float()
+            copies = [w] if args.no_rotate else rotated_weights(w, ti, copies)
             errors: dict[MoEKernelConfig, float] = {}
 
             def measure(cfg: MoEKernelConfig) -> float | None:
@@ -383,7 +405,11 @@ def main() -> int:
                     if not err < 2e-2:
                         print(f"  {model} T={t} {cfg}: rel err {err:.3g} -- rejected", flush=True)
                         return None
-                    us = 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
+                    if args.no_rotate:
+                        us = 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
+                    else:
+                        us = time_graph([lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg)
+                                         for ws in copies]).median_us  # fmt: skip
                     if log is not None:
                         log.write(json.dumps(dict(model=model, tokens=t, us=round(us, 2), config=cfg.to_dict())) + "\n")
                         log.flush()
@@ -426,7 +452,7 @@ def main() -> int:
                                 config=cfg.to_dict(), time_us=round(us, 2)))  # fmt: skip
             if not args.probe:  # after every size: a long run stopped part way keeps what it found
                 write(entries)
-        del weights, q13, q2
+        del weights, q13, q2, copies
         torch.cuda.empty_cache()
     print("\n".join(lines))
     return 0

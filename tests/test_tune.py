@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
     GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, candidates, gemm_sweep, group_sweep,
-    loader_sweep, merge_entries, neighbors, search, spread, ws_sweep,
+    loader_sweep, merge_entries, neighbors, rotated_weights, search, spread, ws_sweep,
 )
 
 from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
@@ -114,6 +114,27 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
     merged = merge_entries(old, new)
     assert sorted((m["experts"], m["max_tokens"], m["time_us"]) for m in merged) == [
         (8, 1, 60.0), (8, 16, 280.0), (128, 1, 30.0)]  # fmt: skip
+
+
+def test_rotated_weights_cover_four_l2_sizes_of_touched_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner times cold weights, as the bench does: copies enough that 4 x L2 of the touched experts'
+    bytes stream between two uses of one copy, the first copy the weights themselves, clones made once."""
+    import torch
+
+    l2 = [50 << 20]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": l2[0]}))
+    experts, per_expert = 16, 1 << 20  # bytes of an expert's slice, over two tensors
+    weights = (torch.randint(0, 255, (experts, per_expert // 2), dtype=torch.uint8),
+               torch.randn(experts, per_expert // 8))  # float32: 4 bytes an element  # fmt: skip
+    one_expert = torch.zeros(1, 2, dtype=torch.long)
+    copies = rotated_weights(weights, one_expert)
+    assert len(copies) == 16 and copies[0] is weights  # harness.rotation_copies caps at 16
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for c in copies[1:] for a, b in zip(c, weights))
+    touched = torch.arange(14).view(7, 2)  # 14 MiB touched: ceil(200 / 14) = 15 copies
+    assert rotated_weights(weights, touched, copies)[1:] == copies[1:15]
+    assert len(rotated_weights(weights, torch.arange(experts).view(8, 2))) == 13  # ceil(200 / 16)
+    l2[0] = 256 << 10
+    assert rotated_weights(weights, one_expert) == [weights]  # one expert's MiB is past 4 x L2: no clone
 
 
 @pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 1, True), ("qwen3-30b-a3b", 2, False),
