@@ -4,6 +4,14 @@ before: the routing kernel read 129 us at Qwen3 T=4096 that way).
 
     python benchmarks/profile_moe.py --model qwen3-30b-a3b --tokens 1
     python benchmarks/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
+
+--ncu runs one forward (after three unprofiled ones, programmatic dependent launch as shipped) between
+cudaProfilerStart and cudaProfilerStop, for Nsight Compute (which flushes the caches before each kernel, so
+the weights come from HBM):
+
+    ncu --profile-from-start off --set full --clock-control none -o moe \
+        python benchmarks/profile_moe.py --model qwen3-30b-a3b --tokens 1 --ncu
+    ncu -i moe.ncu-rep --page details; ncu -i moe.ncu-rep --page source --print-source sass --csv
 """
 from __future__ import annotations
 
@@ -43,18 +51,33 @@ def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[s
             for j in range(per_forward)]  # fmt: skip
 
 
-def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int = 20) -> dict[str, float]:
+def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Callable[[], object]:
+    """One fused MoE forward of ``model``'s layer (random weights) at ``tokens``, the selected or given config."""
     e, k, h, i = MODELS[model]
-    q13, q2 = make_layer(e, h, i, "cuda")
-    w = prepare_moe_weights(q13, q2)
+    w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
     cfg = config or select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
+    return lambda: fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
+
+
+def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int = 20) -> dict[str, float]:
     per_kernel: dict[str, float] = defaultdict(float)
-    for name, us in kernel_times(lambda: fused_moe_sm90(x, *args, tw, ti, None, i, cfg), iters):
+    for name, us in kernel_times(forward_of(model, tokens, config), iters):
         per_kernel[name[:60]] += us
     return dict(per_kernel)
+
+
+def one_forward_for_ncu(forward: Callable[[], object]) -> None:
+    """Three forwards (compiles, caches), then one between cudaProfilerStart and cudaProfilerStop."""
+    for _ in range(3):
+        forward()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    forward()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def main() -> int:
@@ -62,8 +85,12 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--config", default=None, help="MoEKernelConfig as JSON (default: the selected config)")
+    p.add_argument("--ncu", action="store_true", help="one forward between cudaProfilerStart/Stop, no timing")
     args = p.parse_args()
     cfg = MoEKernelConfig.from_dict(json.loads(args.config)) if args.config else None
+    if args.ncu:
+        one_forward_for_ncu(forward_of(args.model, args.tokens, cfg))
+        return 0
     times = profile(args.model, args.tokens, cfg)
     total = sum(times.values())
     for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
