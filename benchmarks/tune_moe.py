@@ -411,7 +411,8 @@ def main() -> int:
                         us = time_graph([lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg)
                                          for ws in copies]).median_us  # fmt: skip
                     if log is not None:
-                        log.write(json.dumps(dict(model=model, tokens=t, us=round(us, 2), config=cfg.to_dict())) + "\n")
+                        log.write(json.dumps(dict(model=model, tokens=t, us=round(us, 2), weight_copies=len(copies),
+                                                   config=cfg.to_dict())) + "\n")  # fmt: skip
                         log.flush()
                     return us
                 except Exception as exc:  # a config that fails to compile is skipped, not fatal
