@@ -24,9 +24,8 @@ stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the
 GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring; --sweep-loader each
 warp-specialized GEMM in every narrow_tiles x loader_warps.  Each candidate is
 checked against the torch reference first, then timed as bench_moe.py times it: CUDA-graph replay over rotating
-weight copies, so L2 holds no weights between calls (harness.time_graph, median; --no-rotate: one copy through
-triton.testing.do_bench_cudagraph, which at Qwen3 T=1, 21 MB of touched weights, times L2, not HBM); the
-fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
+weight copies, so L2 holds no weights between calls (harness.time_graph, median; --no-rotate: one copy, which
+at Qwen3 T=1, 21 MB of touched weights, times L2, not HBM); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
 timing process), as compiling, not timing, is most of a sweep's time.
 """
@@ -360,13 +359,12 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     p.add_argument("--no-rotate", action="store_true",
-                   help="time one weight copy (triton's do_bench_cudagraph), which L2 may hold between calls at "
-                        "small T; by default each config is timed as bench_moe.py times it, rotating weight copies")
+                   help="time one weight copy, which L2 may hold between calls at small T; by default each config "
+                        "is timed as bench_moe.py times it, rotating weight copies")
     args = p.parse_args()
     log = open(args.log, "a") if args.log else None
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
     from harness import time_graph
-    from triton.testing import do_bench_cudagraph
 
     dev = "cuda"
     dtype = getattr(torch, args.dtype)
@@ -405,11 +403,8 @@ def main() -> int:
                     if not err < 2e-2:
                         print(f"  {model} T={t} {cfg}: rel err {err:.3g} -- rejected", flush=True)
                         return None
-                    if args.no_rotate:
-                        us = 1e3 * do_bench_cudagraph(lambda: fused_moe_sm90(x, *w, tw, ti, None, i, cfg), rep=50)
-                    else:
-                        us = time_graph([lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg)
-                                         for ws in copies]).median_us  # fmt: skip
+                    us = time_graph([lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg)
+                                     for ws in copies]).median_us  # fmt: skip
                     if log is not None:
                         log.write(json.dumps(dict(model=model, tokens=t, us=round(us, 2), weight_copies=len(copies),
                                                    config=cfg.to_dict())) + "\n")  # fmt: skip
