@@ -15,7 +15,7 @@ the warp-specialized module, the file at PATH, whose launch_gemm_ws takes the in
 version from before pair tiles (d67b485) use pkg=DIR), ``pkg=DIR`` (the tuned config run by another version of the
 whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
-tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (see gemm_variant).  Per case:
+tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.
@@ -82,15 +82,16 @@ def tuned_config(directory: Path, select):
 
 
 def gemm_variant(cfg, variant: str):
-    """``gemm1:field=value[/field=value...]`` (or gemm2): the tuned config with those fields of one GEMM changed
-    (integers, ``none`` for None), e.g. ``gemm1:num_stages=6/k_groups=3/max_registers=128``; a variant that is
-    not a valid config for a case is skipped there (run_case)."""
+    """``gemm1:field=value[/field=value...]`` (or gemm2, or gemms for both): the tuned config with those fields of
+    one GEMM (or both) changed (integers, ``none`` for None), e.g. ``gemm1:num_stages=6/k_groups=3/max_registers=128``
+    or ``gemms:narrow_tiles=2``; a variant that is not a valid config for a case is skipped there (run_case)."""
     gemm, fields = variant.split(":", 1)
     overrides = {}
     for item in fields.split("/"):
         name, value = item.split("=")
         overrides[name] = None if value == "none" else int(value)
-    return dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), **overrides)})
+    gemms = ("gemm1", "gemm2") if gemm == "gemms" else (gemm,)
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **overrides) for g in gemms})
 
 
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
@@ -122,7 +123,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
             return tuned_in[variant]
         if variant == "shipped" or variant in modules:
             return cfg
-        if variant.startswith(("gemm1:", "gemm2:")):
+        if variant.startswith(("gemm1:", "gemm2:", "gemms:")):
             return gemm_variant(cfg, variant)
         return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
 
@@ -133,7 +134,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
 
     padded = FragmentLayout().padded_k
-    invalid = [v for v in variants if v.startswith(("gemm1:", "gemm2:"))
+    invalid = [v for v in variants if v.startswith(("gemm1:", "gemm2:", "gemms:"))
                and not configured(v).is_valid(padded(h), padded(i))]  # fmt: skip
     for v in invalid:
         print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)

@@ -22,7 +22,7 @@ best so far), before the climb; --sweep-k only how each GEMM divides its work (p
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
 (moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x token tile; --sweep-groups each
 GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring; --sweep-loader each
-warp-specialized GEMM in every narrow_tiles x loader_warps.  Each candidate is
+GEMM in every narrow_tiles (x loader_warps where warp-specialized).  Each candidate is
 checked against the torch reference first, then timed as bench_moe.py times it: CUDA-graph replay over rotating
 weight copies, so L2 holds no weights between calls (harness.time_graph, median; --no-rotate: one copy, which
 at Qwen3 T=1, 21 MB of touched weights, times L2, not HBM); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
@@ -241,13 +241,13 @@ def group_sweep(
 def loader_sweep(
     cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
-    """``cfg``'s GEMM, where warp-specialized, in every valid narrow_tiles x loader_warps (its other parameters,
-    the other GEMM and the token tile kept): each pair changes what a tile's rows cost, not the tile shape."""
+    """``cfg``'s GEMM in every valid narrow_tiles x loader_warps (the Triton kernel: narrow_tiles only; its other
+    parameters, the other GEMM and the token tile kept): each changes what a tile's rows cost, not the tile
+    shape."""
     g = getattr(cfg, gemm)
-    if not g.warp_specialized:
-        return []
-    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, narrow_tiles=narrow, loader_warps=warps)})
-           for narrow, warps in itertools.product(GEMM_CHOICES["narrow_tiles"], GEMM_CHOICES["loader_warps"])]  # fmt: skip
+    warps = GEMM_CHOICES["loader_warps"] if g.warp_specialized else (g.loader_warps,)
+    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, narrow_tiles=narrow, loader_warps=w)})
+           for narrow, w in itertools.product(GEMM_CHOICES["narrow_tiles"], warps)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
 
 
@@ -355,7 +355,7 @@ def main() -> int:
     p.add_argument("--sweep-groups", action="store_true",
                    help="time each GEMM warp-specialized with 2-4 K groups per tile, every ring, before climbing")
     p.add_argument("--sweep-loader", action="store_true",
-                   help="time each warp-specialized GEMM in every narrow_tiles x loader_warps before climbing")
+                   help="time each GEMM in every narrow_tiles (x loader_warps where warp-specialized) before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
     p.add_argument("--no-rotate", action="store_true",

@@ -69,10 +69,12 @@ class GemmConfig:
     fit an SM's 65536 registers, and num_stages be a multiple of k_groups (each stage then always serves the
     same group).
 
-    narrow_tiles (warp-specialized only; 0, 1 or 2): a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs
-    that narrow, down to 8 tokens (the weights are the MMA's 64-row side, the tokens its N).  A tile then fits
-    the largest expert, so no expert's weights stream twice, while the many smaller ones pay for MMAs of their
-    own width only (Mixtral T=1, GEMM1 at block_m 16: 43.8 -> 41.1 us on the H200).
+    narrow_tiles (0, 1 or 2): a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs that narrow, down to 8
+    tokens in the warp-specialized kernel and 16 in the Triton one (the weights are the MMA's 64-row side, the
+    tokens its N).  At decode a tile then fits the largest expert, so no expert's weights stream twice, while the
+    many smaller ones pay for MMAs of their own width only (Mixtral T=1, GEMM1 at block_m 16: 43.8 -> 41.1 us on
+    the H200).  At prefill an expert's last tile often holds a few rows (Qwen3 T=4096: about 256 tokens an
+    expert, so half the experts have a fifth 64-row tile of 1-30 rows), which then costs a quarter of the MMAs.
 
     loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
     cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:
@@ -106,7 +108,7 @@ class GemmConfig:
             and (not self.warp_specialized or self._warp_specialized_ok())
             and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
-            and self.narrow_tiles in ((0, 1, 2) if self.warp_specialized else (0,))
+            and self.narrow_tiles in (0, 1, 2)
             and self.loader_warps in ((1, 2, 4) if self.warp_specialized else (4,))
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
@@ -163,7 +165,9 @@ class MoEKernelConfig:
         return (
             (self.block_m in (16, 32, 64, 128, 256)
              or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            and all(self.block_m >> g.narrow_tiles >= 8 for g in (self.gemm1, self.gemm2))  # wgmma's narrowest N
+            # wgmma's narrowest N: 8 tokens in the Gluon kernel; Triton lowers an 8-wide tl.dot to mma.sync
+            and all(self.block_m >> g.narrow_tiles >= (8 if g.warp_specialized else 16)
+                    for g in (self.gemm1, self.gemm2))
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT

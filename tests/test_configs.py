@@ -221,9 +221,9 @@ def test_k_groups_fit_one_program_on_an_sm() -> None:
 
 
 def test_narrow_tiles_stay_wgmma_widths() -> None:
-    """narrow_tiles: the warp-specialized kernel runs a tile whose rows fit in block_m / 2 (or / 4) with MMAs
-    that narrow.  The narrowest width must still be a wgmma N (8 tokens or more), and only the Gluon kernel
-    has the narrow paths."""
+    """narrow_tiles: a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs that narrow.  The narrowest
+    width must still be a wgmma N: 8 tokens or more in the Gluon kernel, 16 in the Triton one (an 8-wide tl.dot
+    is an mma.sync)."""
     ws = GemmConfig(128, num_warps=8, num_stages=4, warp_specialized=True)
     for narrow, block_ms in ((1, (16, 32, 64)), (2, (32, 64, 128))):
         g = dataclasses.replace(ws, narrow_tiles=narrow)
@@ -232,7 +232,12 @@ def test_narrow_tiles_stay_wgmma_widths() -> None:
         assert all(MoEKernelConfig(bm, ws, g).is_valid(1024, 1024) for bm in block_ms)
         assert not MoEKernelConfig(block_ms[0] // 2, g, g).is_valid(1024, 1024)  # an MMA of 4 tokens
     assert not dataclasses.replace(ws, narrow_tiles=3).is_valid(1024)
-    assert not GemmConfig(narrow_tiles=1).is_valid(1024)
+    triton_gemm = GemmConfig(128, num_warps=4, num_stages=3)
+    for narrow, block_ms in ((1, (32, 64, 128)), (2, (64, 128))):
+        g = dataclasses.replace(triton_gemm, narrow_tiles=narrow)
+        assert g.is_valid(1024)
+        assert all(MoEKernelConfig(bm, g, g).is_valid(1024, 1024) for bm in block_ms)
+        assert not MoEKernelConfig(block_ms[0] // 2, g, triton_gemm).is_valid(1024, 1024)  # an 8-wide tl.dot
     cfg = MoEKernelConfig(32, dataclasses.replace(ws, narrow_tiles=2), ws)
     assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.narrow_tiles == 0

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, pair, stream, pps, block_m = map(int, sys.argv[1:])
+    e, k, h, i, t, split1, split2, seed, use_map, low, pair, stream, pps, block_m, narrow, skew = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -34,7 +34,10 @@ SCRIPT = textwrap.dedent(
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(t, h, generator=g).half()
     n_global = e + 2 if use_map else e
-    tw, ti = m.topk_softmax(torch.randn(t, n_global, generator=g), k, renormalize=True)
+    logits = torch.randn(t, n_global, generator=g)
+    if skew:  # expert counts from most tokens to none (e=8, 100 tokens, top-2: about 85, 65, 30, 10, 3, 1, 0)
+        logits += torch.linspace(2.5, -2.5, n_global)
+    tw, ti = m.topk_softmax(logits, k, renormalize=True)
     emap = None
     if use_map:  # two global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32)
@@ -42,9 +45,9 @@ SCRIPT = textwrap.dedent(
     # with the same tiles (pair tiles: routed as usual), as they do on a GPU for rows that are not 16-byte aligned
     ws = block_m == 8 or bool(pair)
     cfg = MoEKernelConfig(block_m, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps,
-                                              warp_specialized=ws),
+                                              warp_specialized=ws, narrow_tiles=narrow),
                           GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps,
-                                     warp_specialized=ws),
+                                     warp_specialized=ws, narrow_tiles=narrow),
                           partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
@@ -98,7 +101,7 @@ WARMUP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,pair,stream,pps", CASES)
 def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, pair, stream, pps, seed: int) -> None:
-    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, pair, stream, pps, 16])
+    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, pair, stream, pps, 16, 0, 0])
 
 
 @pytest.mark.parametrize("e,k,h,i,t,use_map", [
@@ -107,7 +110,22 @@ def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, p
 ])
 def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) -> None:
     """block_m 8 (a Gluon-only config) where the Triton kernel runs it: tl.dot 8 wide."""
-    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8])
+    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8, 0, 0])
+
+
+@pytest.mark.parametrize("e,k,h,i,t,split1,use_map,stream,pps,block_m,narrow", [
+    pytest.param(8, 2, 256, 128, 100, 1, 0, 0, 1, 64, 2,
+                 id="narrow 2 of 64: skewed experts (two tiles, 64/32/16-wide tiles, empty experts)"),
+    pytest.param(8, 2, 144, 80, 100, 2, 1, 0, 1, 32, 1,
+                 id="narrow 1 of 32: skewed experts, split-K GEMM1, expert map, K padded"),
+    pytest.param(8, 2, 256, 128, 60, 1, 0, 3, 4, 32, 1,
+                 id="narrow 1 of 32 with stream-K on both GEMMs: narrow pieces summed across programs"),
+])
+def test_narrow_tiles_match_reference(e, k, h, i, t, split1, use_map, stream, pps, block_m, narrow,
+                                      seed: int) -> None:
+    """GemmConfig.narrow_tiles in the Triton kernel: a tile of at most block_m / 2 (/ 4) rows runs its loads,
+    MMAs and stores that narrow; skewed routing gives every width a tile."""
+    _run_case([e, k, h, i, t, split1, 1, seed % 2**31, use_map, 0, 0, stream, pps, block_m, narrow, 1])
 
 
 def _run_case(args: list[int]) -> None:

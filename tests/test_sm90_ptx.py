@@ -26,7 +26,8 @@ GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr
                       kp="i32")
 # STREAM_K goes right after SPLIT_K (the kernel's argument order)
 GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
-                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1)
+                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1,
+                        NARROW=0)
 
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
                        counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
@@ -49,11 +50,19 @@ KERNELS = {
 }  # fmt: skip
 
 
-def _compile(name: str, pdl: bool, block_m: int | None = None, **options):
+def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | None = None, aligned: bool = False,
+             **options):
+    """``aligned``: pointers, strides and sizes marked 16-divisible, as the JIT marks them at launch (without,
+    Triton pipelines no loads through cp.async)."""
     kernel, signature, constexprs, warps = KERNELS[name]
-    constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)))
+    constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)),
+                      **({} if narrow is None else dict(NARROW=narrow)))
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
-    src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs)
+    divisible = [i for i, (n, t) in enumerate(signature.items())
+                 if t.startswith("*") or n.startswith(("stride", "n_", "k"))]  # fmt: skip
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible} if aligned else None
+    src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs,
+                    attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options))
 
 
@@ -367,6 +376,21 @@ def test_triton_gemm_compiles_eight_token_tiles() -> None:
     assert "mma.sync.aligned.m16n8k16" in ptx and "wgmma" not in ptx
 
 
+@pytest.mark.parametrize("block_m,narrow,widths", [(64, 2, (16, 32, 64)), (32, 1, (16, 32)), (64, 0, (64,))])
+def test_triton_narrow_tiles_run_narrower_wgmma(block_m: int, narrow: int, widths: tuple[int, ...]) -> None:
+    """GemmConfig.narrow_tiles in the Triton GEMM: one K loop per token width, each a wgmma of that N and each
+    pipelined through cp.async (a wait per loop), in the shared memory of the full-width loop alone."""
+    full = _compile("gemm1", pdl=True, block_m=block_m, narrow=0, aligned=True)
+    asm = _compile("gemm1", pdl=True, block_m=block_m, narrow=narrow, aligned=True)
+    ptx = asm.asm["ptx"]
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16", ptx)
+    assert sorted({int(n) for n in wgmma}) == list(widths) and "mma.sync" not in ptx
+    assert len(wgmma) == len(widths) * len(re.findall(r"wgmma\.mma_async", full.asm["ptx"]))
+    waits = len(re.findall(r"cp\.async\.wait_group", ptx))
+    assert waits == len(widths) * len(re.findall(r"cp\.async\.wait_group", full.asm["ptx"])) > 0
+    assert asm.metadata.shared == full.metadata.shared
+
+
 @pytest.mark.parametrize(
     "gated,block_n,maxnreg,chunks,k_groups,stages",
     [(True, 64, 128, 2, 3, 3), (False, 128, 168, 1, 2, 4), (True, 64, 96, 1, 4, 4)],
@@ -517,7 +541,7 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
 
 def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
     """benchmarks/ab_moe.py's ``gemm1:field=value/...`` variant (the split-K A/B in design 002): those fields of
-    one GEMM changed, the rest of the config kept; ``none`` for None."""
+    one GEMM (``gemms:``: both) changed, the rest of the config kept; ``none`` for None."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import ab_moe
 
@@ -529,3 +553,6 @@ def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
     assert split == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, split_k=4, k_groups=1,
                                                                        max_registers=None))  # fmt: skip
     assert ab_moe.gemm_variant(cfg, "gemm2:num_stages=2").gemm2.num_stages == 2
+    both = ab_moe.gemm_variant(cfg, "gemms:narrow_tiles=2")
+    assert both == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, narrow_tiles=2),
+                                       gemm2=dataclasses.replace(cfg.gemm2, narrow_tiles=2))  # fmt: skip

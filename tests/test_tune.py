@@ -261,7 +261,7 @@ def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
 
 def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
     """--sweep-loader: a warp-specialized GEMM in every narrow_tiles x loader_warps its token tile allows (no
-    MMA under 8 tokens), nothing else changed; a Triton GEMM is not swept."""
+    MMA under 8 tokens), nothing else changed; a Triton GEMM in every narrow_tiles that keeps 16 tokens."""
     e, k, h, i = MODELS["mixtral-8x7b"]
     ws = GemmConfig(128, num_warps=8, num_stages=4, max_registers=128, warp_specialized=True, chunks_per_stage=2)
     for block_m, narrows in ((32, {0, 1, 2}), (16, {0, 1}), (8, {0})):
@@ -272,4 +272,7 @@ def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
         assert all(dataclasses.replace(c.gemm1, narrow_tiles=0, loader_warps=4) == ws for c in swept)
         assert all(c.gemm2 == cfg.gemm2 and c.block_m == block_m for c in swept)
         if block_m > 8:
-            assert loader_sweep(cfg, "gemm2", 64, e, k, h, i) == []
+            triton_narrows = {n for n in narrows if block_m >> n >= 16}
+            swept = loader_sweep(cfg, "gemm2", 64, e, k, h, i)
+            assert {c.gemm2.narrow_tiles for c in swept} == triton_narrows and len(swept) == len(triton_narrows)
+            assert all(dataclasses.replace(c.gemm2, narrow_tiles=0) == cfg.gemm2 and c.gemm1 == ws for c in swept)

@@ -348,7 +348,7 @@ def _partial_slot(workspace_ptr, q, mn, chunks, steps_per_program, PIECE: tl.con
 
 @triton.jit
 def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end, chunks, steps_per_program,
-                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
     """Stream-K: tile mn's K steps [k_first, k_end) were this program's share.  Returns (acc, acc_up, finish):
     the tile's whole sums and True in the program that finishes the tile, else finish False.
 
@@ -356,14 +356,15 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
     arrive, not by a fixed one: no program ever waits for another (programs past the resident ones run
     later, so waiting could deadlock).  Each program stores its fp32 partial in its own slot (2 q for the
     first tile it touches, 2 q + 1 for its last), then counts itself in under a release/acquire atomic; the
-    last arrival sums the slots in program order, so the result does not depend on who arrives last."""
+    last arrival sums the slots in program order, so the result does not depend on who arrives last.  A slot
+    holds a BLOCK_M-wide tile; a narrow one (WIDTH < BLOCK_M) uses its first WIDTH columns."""
     finish = (k_first == 0) & (k_end == chunks)
     if (k_first > 0) | (k_end < chunks):
         q_first = (mn * chunks) // steps_per_program
         q_last = (mn * chunks + chunks - 1) // steps_per_program
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
         PIECE: tl.constexpr = TILE * 2 if GATED else TILE
-        idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        idx = tl.arange(0, BLOCK_N)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
         mine = _partial_slot(workspace_ptr, pid, mn, chunks, steps_per_program, PIECE) + idx
         tl.store(mine, acc)
         if GATED:
@@ -372,8 +373,8 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
         arrived = tl.atomic_add(arrivals_ptr + q_first, 1, sem="acq_rel", scope="gpu")
         finish = arrived == q_last - q_first
         # the finisher re-reads its own partial too, so the sum runs in program order from zero
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
         if finish:
             tl.debug_barrier()
             for q in tl.range(q_first, q_last + 1, num_stages=1):  # a few pieces: nothing for a pipeline to overlap
@@ -382,6 +383,60 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
                 if GATED:
                     acc_up += tl.load(piece + TILE, cache_modifier=".cg")
     return acc, acc_up, finish
+
+
+@triton.jit
+def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr,
+                         A_SPLITS: tl.constexpr):
+    """One tile's K steps [k_first, k_end) and its epilogue, with the token side WIDTH rows wide (the tile's
+    first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
+    (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
+     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k) = args
+    pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program = tile
+    w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
+    rows = row0 + tl.arange(0, WIDTH)
+    row_ok = rows < row_end
+    pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+    if GATED:
+        a_rows = pair_id // TOP_K
+    else:
+        a_rows = tl.where(row_ok, rows, row0)
+    a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
+    acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)  # GATED only (unused otherwise)
+    w_up = w_slots + n_units * unit_bytes  # GATED: the up rows, n_units units after the gate rows
+    s_up = s_pairs + n_units * unit_scale_bytes
+    for chunk in tl.range(k_first, k_end, num_stages=NUM_STAGES):
+        a = _load_a(a_base, stride_a_split, chunk * BLOCK_K, k, BLOCK_K, EVEN_K, A_SPLITS, DTYPE)
+        acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
+        if GATED:
+            acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
+
+    if STREAM_K:
+        acc, acc_up, finish = _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end,
+                                              chunks, steps_per_program, GATED, BLOCK_N, BLOCK_M, WIDTH)  # fmt: skip
+    else:
+        finish = True
+    if finish:
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
+        fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
+        if GATED:
+            gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
+            up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
+            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            if SPLIT_K == 1:
+                tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
+            else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
+                tl.store(out_ptrs, gate, mask=store_mask)
+                tl.store(out_ptrs + n_out, up, mask=store_mask)
+        else:
+            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
+            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            tl.store(out_ptrs, y, mask=store_mask)
 
 
 @triton.jit
@@ -419,6 +474,7 @@ def _moe_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     A_SPLITS: tl.constexpr,
+    NARROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
@@ -430,6 +486,9 @@ def _moe_gemm_kernel(
     SPLIT_K > 1 the fp32 partials gs_g * gate and gs_u * up to out[split, row, n] and [.., n_out + n].
     Otherwise (GEMM2): A rows are the sorted rows (A_SPLITS > 1: GEMM1's partials, see _load_a); the
     epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype).
+    NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
+    (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
+    BLOCK_M tokens of MMA.
     """
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -443,6 +502,8 @@ def _moe_gemm_kernel(
     UNITS: tl.constexpr = BLOCK_N // 64
     slot = tl.arange(0, 2 * BLOCK_N)
     pair = tl.arange(0, BLOCK_N // 2)
+    args = (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
+            topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k)
     if STREAM_K:  # the tiles' K steps laid end to end, one equal run of them per program
         total_steps = num_m_tiles * num_n_tiles * chunks
         steps_per_program = tl.cdiv(total_steps, tl.num_programs(0))
@@ -452,6 +513,7 @@ def _moe_gemm_kernel(
         item_end = tl.cdiv(end_step, chunks)
         item_step = 1
     else:  # whole tiles (or K splits of them) dealt out in turn
+        steps_per_program = chunks  # unused
         item_first = pid
         item_end = num_m_tiles * num_n_tiles * SPLIT_K
         item_step = tl.num_programs(0)
@@ -471,17 +533,6 @@ def _moe_gemm_kernel(
         expert = tl.load(tile_expert_ptr + m_tile)
         row0 = tl.load(tile_row_ptr + m_tile)
         row_end = tl.load(tile_row_end_ptr + m_tile)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
-        if GATED:
-            a_rows = pair_id // TOP_K
-        else:
-            a_rows = tl.where(row_ok, rows, row0)
-        a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
-
-        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < n_out)[:, None]
         matrices = 2 * n_units if GATED else n_units  # units per expert
         slot_unit = n_tile * UNITS + slot // 128
         pair_unit = n_tile * UNITS + pair // 32
@@ -490,40 +541,18 @@ def _moe_gemm_kernel(
         unit0 = expert.to(tl.int64) * matrices
         w_slots = w_ptr + (unit0 + slot_unit) * unit_bytes + (slot % 128) * 32
         s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # GATED only (unused otherwise)
-        if GATED:
-            w_up = w_slots + n_units * unit_bytes
-            s_up = s_pairs + n_units * unit_scale_bytes
-
-        for chunk in tl.range(k_first, k_end, num_stages=NUM_STAGES):
-            a = _load_a(a_base, stride_a_split, chunk * BLOCK_K, k, BLOCK_K, EVEN_K, A_SPLITS, DTYPE)
-            acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
-            if GATED:
-                acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
-
-        if STREAM_K:
-            acc, acc_up, finish = _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end,
-                                                  chunks, steps_per_program, GATED, BLOCK_N, BLOCK_M)  # fmt: skip
+        tile = (pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program)
+        weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
+        # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
+        if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 4,
+                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
+        elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 2,
+                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
         else:
-            finish = True
-        if finish:
-            store_mask = n_ok & row_ok[None, :]
-            fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
-            if GATED:
-                gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
-                up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
-                out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-                if SPLIT_K == 1:
-                    tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
-                else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
-                    tl.store(out_ptrs, gate, mask=store_mask)
-                    tl.store(out_ptrs + n_out, up, mask=store_mask)
-            else:
-                weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-                y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-                out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-                tl.store(out_ptrs, y, mask=store_mask)
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M,
+                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
 
 
 @triton.jit
@@ -756,7 +785,8 @@ def fused_moe_sm90(
             *tile_map, topk_weights, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
             arrivals, intermediate, hidden, k1p,
             GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
-            EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, **shared, **g1.launch_options(),
+            EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, NARROW=g1.narrow_tiles, **shared,
+            **g1.launch_options(),
         )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
@@ -771,7 +801,8 @@ def fused_moe_sm90(
             _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
             hidden, intermediate, k2p,
             GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
-            EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, **shared, **g2.launch_options(),
+            EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, NARROW=g2.narrow_tiles,
+            **shared, **g2.launch_options(),
         )  # fmt: skip
     combine(partial, topk_ids, expert_map, out)
     return out
