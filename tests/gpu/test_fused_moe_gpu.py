@@ -78,6 +78,16 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def _poisoned_run(x: torch.Tensor, args: tuple, cfg: MoEKernelConfig) -> torch.Tensor:
+    """fused_moe_sm90(x, *args, cfg) into a NaN output, with the freed blocks its scratch will reuse NaN too;
+    fails if any output element is left unwritten."""
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+    out = torch.full_like(x, float("nan"))
+    fused_moe_sm90(x, *args, cfg, out=out)
+    assert not out.isnan().any(), f"{cfg}: unwritten output"
+    return out
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     seed = secrets.randbelow(2**31)
@@ -154,10 +164,7 @@ def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: 
     valid = [cfg for cfg in cfgs if cfg.is_valid(512, 512)]  # a GEMM1 K split rules out the large token tiles
     assert len(valid) >= 2 and (split1 > 1 or len(valid) == len(cfgs))
     for cfg in valid:
-        torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-        out = torch.full_like(x, float("nan"))
-        fused_moe_sm90(x, *args, cfg, out=out)
-        assert not out.isnan().any(), f"{cfg}: unwritten output"
+        out = _poisoned_run(x, args, cfg)
         assert _rel(out, ref) < REL_TOL[torch.bfloat16], cfg
 
 
@@ -183,10 +190,7 @@ def test_stream_k_matches_reference_and_is_deterministic(case, block_m, block_n,
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     first = None
     for _ in range(5):
-        torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-        out = torch.full_like(x, float("nan"))
-        fused_moe_sm90(x, *args, cfg, out=out)
-        assert not out.isnan().any(), "unwritten output"
+        out = _poisoned_run(x, args, cfg)
         assert _rel(out, ref) < REL_TOL[torch.bfloat16]
         first = out if first is None else first
         assert torch.equal(out, first)
@@ -249,10 +253,7 @@ def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-    out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *args, cfg, out=out)
-    assert not out.isnan().any(), "unwritten output"
+    out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
     assert _rel(out, fused_moe_sm90(x, *args, full)) < REL_TOL[dtype] / 4
 
@@ -320,10 +321,7 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-    out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *args, cfg, out=out)
-    assert not out.isnan().any(), "unwritten output"
+    out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
     assert torch.equal(out, fused_moe_sm90(x, *args, cfg))
     triton_only = MoEKernelConfig(max(block_m, 16), plain, plain)  # 8-token tiles are Gluon-only
@@ -408,10 +406,7 @@ def test_pair_tiles_match_reference_and_routed_tiles(case, block_m, fields, dtyp
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed blocks the op's scratch will reuse
-    out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *args, None, case.inter, cfg, out=out)
-    assert not out.isnan().any(), "unwritten output"
+    out = _poisoned_run(x, (*args, None, case.inter), cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
     assert torch.equal(out, fused_moe_sm90(x, *args, None, case.inter, cfg))
     routed = fused_moe_sm90(x, *args, None, case.inter, dataclasses.replace(cfg, pair_tiles=False))
