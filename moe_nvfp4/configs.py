@@ -73,8 +73,9 @@ class GemmConfig:
     tokens in the warp-specialized kernel and 16 in the Triton one (the weights are the MMA's 64-row side, the
     tokens its N).  At decode a tile then fits the largest expert, so no expert's weights stream twice, while the
     many smaller ones pay for MMAs of their own width only (Mixtral T=1, GEMM1 at block_m 16: 43.8 -> 41.1 us on
-    the H200).  At prefill an expert's last tile often holds a few rows (Qwen3 T=4096: about 256 tokens an
-    expert, so half the experts have a fifth 64-row tile of 1-30 rows), which then costs a quarter of the MMAs.
+    the H200).  At prefill an expert's last tile often holds a few rows (Qwen3 T=1024: about 64 tokens an expert,
+    so half the experts have a second 64-row tile of 1-30 rows); their narrower MMAs gained 2% in that GEMM2 and
+    lost elsewhere, the extra K loops costing more than they save (design 002).
 
     loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
     cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:

@@ -386,10 +386,10 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
 
 
 @triton.jit
-def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr,
-                         A_SPLITS: tl.constexpr):
+def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                         STREAM_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         USE_ASM: tl.constexpr, A_SPLITS: tl.constexpr):
     """One tile's K steps [k_first, k_end) and its epilogue, with the token side WIDTH rows wide (the tile's
     first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
     (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
@@ -513,7 +513,7 @@ def _moe_gemm_kernel(
         item_end = tl.cdiv(end_step, chunks)
         item_step = 1
     else:  # whole tiles (or K splits of them) dealt out in turn
-        steps_per_program = chunks  # unused
+        steps_per_program = chunks  # read by stream-K's fixup only
         item_first = pid
         item_end = num_m_tiles * num_n_tiles * SPLIT_K
         item_step = tl.num_programs(0)
