@@ -463,6 +463,29 @@ def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path)
     assert "ld.shared.v4" in ptx  # every one still reads the stage's bytes
 
 
+@pytest.mark.parametrize("gated,pair_tiles,k_groups", [(True, True, 2), (False, True, 1), (True, False, 1)])
+def test_timeline_probes_compile_into_the_gluon_gemm(gated: bool, pair_tiles: bool, k_groups: int, monkeypatch,
+                                                     tmp_path) -> None:
+    """benchmarks/timeline_ws.py's probed kernel (the timelines in design 002): every edit applies to the current
+    source, and the sm_90 build reads the global timer and the cycle counter at each point (MMA group 0's five,
+    the loader's one) and stores both to the buffer's address."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import ablate_ws
+    import timeline_ws
+
+    from moe_nvfp4.triton import moe_sm90_ws as W
+
+    address = 0x7F0000000000
+    probed = timeline_ws.timeline_source(address)
+    module = ablate_ws.module_from_source(probed, tmp_path, "moe_sm90_ws_timeline")
+    monkeypatch.setattr(W, "_moe_gemm_ws_kernel", module._moe_gemm_ws_kernel)
+    assert probed.count("_stamp(") == len(timeline_ws.EVENTS) + 1  # the calls and the definition
+    ptx = _compile_ws(gated, 64, 4, 168 if k_groups > 1 else 128, 2, k_groups, 2 * k_groups, block_m=8,
+                      pair_tiles=pair_tiles)["ptx"]  # fmt: skip
+    assert ptx.count("%globaltimer") == ptx.count("%clock64") == len(timeline_ws.EVENTS)
+    assert str(address) in ptx or hex(address)[2:] in ptx.lower()
+
+
 def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path) -> None:
     """benchmarks/ab_moe.py's ``ws=PATH`` variant (the A/B timings in design 002): a copy of moe_sm90_ws loads as a
     module of its own, beside the package's, and its kernel compiles for sm_90 as the package's does."""
