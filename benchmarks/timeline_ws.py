@@ -150,7 +150,7 @@ def main() -> int:
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
     ref = moe_sm90.fused_moe_sm90(x, *weights, tw, ti, None, i, cfg)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    flush = torch.empty(4 * l2 // 4, dtype=torch.int32, device="cuda")  # zeroed before each forward: 4 x L2
+    flush = torch.empty(l2, dtype=torch.int32, device="cuda")  # 4 x L2 bytes, zeroed before each forward
     shipped = moe_sm90_ws._moe_gemm_ws_kernel
     with tempfile.TemporaryDirectory() as tmp:
         probed = module_from_source(timeline_source(stamps.data_ptr()), Path(tmp), "moe_sm90_ws_timeline")
