@@ -59,7 +59,7 @@ _EDITS = [
     ("""        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         fence_async_shared()""", """        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         if GROUP == 0:
-            if it == GROUP:
+            if it == 0:  # the program's first stage
                 _stamp(2, GATED)
         fence_async_shared()"""),
     ("""    last = slots - K_GROUPS + GROUP  # this group's last slot of the tile

@@ -50,6 +50,14 @@ KERNELS = {
 }  # fmt: skip
 
 
+def _divisibility(signature: dict, unaligned: tuple[str, ...] = ()) -> dict:
+    """What the JIT specializes at launch: 16-byte aligned pointers (but ``unaligned`` ones), strides and sizes
+    divisible by 16, as the ``attrs`` of an AST source."""
+    divisible = [i for i, (n, t) in enumerate(signature.items())
+                 if (t.startswith("*") and n not in unaligned) or n.startswith(("stride", "n_", "k"))]  # fmt: skip
+    return {(i,): [["tt.divisibility", 16]] for i in divisible}
+
+
 def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | None = None, aligned: bool = False,
              **options):
     """``aligned``: pointers, strides and sizes marked 16-divisible, as the JIT marks them at launch (without,
@@ -58,9 +66,7 @@ def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | Non
     constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)),
                       **({} if narrow is None else dict(NARROW=narrow)))
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
-    divisible = [i for i, (n, t) in enumerate(signature.items())
-                 if t.startswith("*") or n.startswith(("stride", "n_", "k"))]  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible} if aligned else None
+    attrs = _divisibility(signature) if aligned else None
     src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs,
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options))
@@ -153,11 +159,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
                       MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
                       PAIR_TILES=pair_tiles)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
-    # what the JIT specializes at launch: 16-byte aligned pointers (topk_ids not: do_not_specialize_on_alignment),
-    # strides and sizes divisible by 16
-    aligned = [i for i, (n, t) in enumerate(signature.items())
-               if (t.startswith("*") and n != "ids_ptr") or n.startswith(("stride", "n_", "k"))]  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    attrs = _divisibility(signature, unaligned=("ids_ptr",))  # topk_ids: do_not_specialize_on_alignment
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
                          attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
