@@ -80,11 +80,7 @@ class GemmConfig:
     loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
     cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:
     one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage cost
-    Mixtral's long-K GEMM2 9 us of 78 (H200).
-
-    flat_steps (Triton kernel only; not with stream_k or narrow_tiles): a program's tiles run as one loop over
-    all their K steps, so the cp.async pipeline carries on from one tile into the next instead of draining and
-    filling again at every tile.  Meant for prefill GEMMs whose tiles have a few K steps each."""
+    Mixtral's long-K GEMM2 9 us of 78 (H200)."""
 
     block_n: int = 64
     group_m: int = 8
@@ -99,7 +95,6 @@ class GemmConfig:
     k_groups: int = 1
     narrow_tiles: int = 0
     loader_warps: int = 4
-    flat_steps: bool = False
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -116,7 +111,6 @@ class GemmConfig:
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
             and self.narrow_tiles in (0, 1, 2)
             and self.loader_warps in ((1, 2, 4) if self.warp_specialized else (4,))
-            and not (self.flat_steps and (self.warp_specialized or self.stream_k or self.narrow_tiles))
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))

@@ -253,16 +253,3 @@ def test_loader_warps_only_for_the_warp_specialized_kernel() -> None:
     cfg = MoEKernelConfig(8, dataclasses.replace(ws, loader_warps=1), ws)
     assert cfg.is_valid(1024, 1024) and MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.loader_warps == 4
-
-
-def test_flat_steps_only_in_the_plain_triton_loop() -> None:
-    """flat_steps is the Triton kernel's one loop over a program's whole tiles: not the Gluon kernel's, not with
-    stream-K (K runs that cross tiles) or narrow tiles (a loop per width); K splits are whole items of it."""
-    flat = GemmConfig(128, num_warps=4, num_stages=3, flat_steps=True)
-    assert flat.is_valid(1024) and dataclasses.replace(flat, split_k=2).is_valid(1024)
-    assert MoEKernelConfig(64, flat, flat).is_valid(2048, 768)
-    for other in (dict(warp_specialized=True), dict(stream_k=True), dict(narrow_tiles=1)):
-        assert not dataclasses.replace(flat, **other).is_valid(1024), other
-    cfg = MoEKernelConfig(64, flat, GemmConfig(128))
-    assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
-    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.flat_steps is False

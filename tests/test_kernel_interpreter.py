@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, pair, stream, pps, block_m, narrow, skew, flat = map(int, sys.argv[1:])
+    e, k, h, i, t, split1, split2, seed, use_map, low, pair, stream, pps, block_m, narrow, skew = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -45,9 +45,9 @@ SCRIPT = textwrap.dedent(
     # with the same tiles (pair tiles: routed as usual), as they do on a GPU for rows that are not 16-byte aligned
     ws = block_m == 8 or bool(pair)
     cfg = MoEKernelConfig(block_m, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps,
-                                              warp_specialized=ws, narrow_tiles=narrow, flat_steps=bool(flat & 1)),
+                                              warp_specialized=ws, narrow_tiles=narrow),
                           GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps,
-                                     warp_specialized=ws, narrow_tiles=narrow, flat_steps=bool(flat & 2)),
+                                     warp_specialized=ws, narrow_tiles=narrow),
                           partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
@@ -101,7 +101,7 @@ WARMUP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,pair,stream,pps", CASES)
 def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, pair, stream, pps, seed: int) -> None:
-    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, pair, stream, pps, 16, 0, 0, 0])
+    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, pair, stream, pps, 16, 0, 0])
 
 
 @pytest.mark.parametrize("e,k,h,i,t,use_map", [
@@ -110,7 +110,7 @@ def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, p
 ])
 def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) -> None:
     """block_m 8 (a Gluon-only config) where the Triton kernel runs it: tl.dot 8 wide."""
-    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8, 0, 0, 0])
+    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8, 0, 0])
 
 
 @pytest.mark.parametrize("e,k,h,i,t,split1,use_map,stream,pps,block_m,narrow", [
@@ -125,21 +125,7 @@ def test_narrow_tiles_match_reference(e, k, h, i, t, split1, use_map, stream, pp
                                       seed: int) -> None:
     """GemmConfig.narrow_tiles in the Triton kernel: a tile of at most block_m / 2 (/ 4) rows runs its loads,
     MMAs and stores that narrow; skewed routing gives every width a tile."""
-    _run_case([e, k, h, i, t, split1, 1, seed % 2**31, use_map, 0, 0, stream, pps, block_m, narrow, 1, 0])
-
-
-@pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,pps,block_m,flat", [
-    pytest.param(8, 2, 256, 128, 60, 1, 1, 0, 0, 1, 16, 3,
-                 id="flat steps, both GEMMs: many tiles a program, ragged and empty experts"),
-    pytest.param(8, 2, 144, 208, 40, 2, 2, 1, 1, 2, 16, 3,
-                 id="flat steps over K splits of both GEMMs, expert map, K padded, rows in x's dtype"),
-    pytest.param(5, 3, 256, 256, 1, 1, 1, 0, 0, 4, 32, 2,
-                 id="flat GEMM2 only, one token: programs with no tile"),
-])
-def test_flat_steps_match_reference(e, k, h, i, t, split1, split2, use_map, low, pps, block_m, flat, seed: int) -> None:
-    """GemmConfig.flat_steps: a program's tiles as one loop over their K steps (setup at a tile's first step, the
-    epilogue at its last); skewed routing gives programs tiles of several experts, some short, some none."""
-    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, 0, 0, pps, block_m, 0, 1, flat])
+    _run_case([e, k, h, i, t, split1, 1, seed % 2**31, use_map, 0, 0, stream, pps, block_m, narrow, 1])
 
 
 def _run_case(args: list[int]) -> None:

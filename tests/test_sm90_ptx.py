@@ -3,7 +3,6 @@ programmatic dependent launch each kernel must wait for the previous kernel (gri
 first global memory access, or it could read routing data or activations that are not written yet."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import re
 import sys
@@ -28,7 +27,7 @@ GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr
 # STREAM_K goes right after SPLIT_K (the kernel's argument order)
 GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
                         EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1,
-                        NARROW=0, FLAT=False)
+                        NARROW=0)
 
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
                        counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
@@ -60,13 +59,12 @@ def _divisibility(signature: dict, unaligned: tuple[str, ...] = ()) -> dict:
 
 
 def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | None = None, aligned: bool = False,
-             flat: bool | None = None, gated: bool | None = None, **options):
+             **options):
     """``aligned``: pointers, strides and sizes marked 16-divisible, as the JIT marks them at launch (without,
     Triton pipelines no loads through cp.async)."""
     kernel, signature, constexprs, warps = KERNELS[name]
     constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)),
-                      **({} if narrow is None else dict(NARROW=narrow)), **({} if flat is None else dict(FLAT=flat)),
-                      **({} if gated is None else dict(GATED=gated)))
+                      **({} if narrow is None else dict(NARROW=narrow)))
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     attrs = _divisibility(signature) if aligned else None
     src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs,
@@ -393,19 +391,6 @@ def test_triton_narrow_tiles_run_narrower_wgmma(block_m: int, narrow: int, width
     waits = len(re.findall(r"cp\.async\.wait_group", ptx))
     assert waits == len(widths) * len(re.findall(r"cp\.async\.wait_group", full.asm["ptx"])) > 0
     assert asm.metadata.shared == full.metadata.shared
-
-
-@pytest.mark.parametrize("gated,block_m", [(True, 64), (False, 64), (True, 16)])
-def test_flat_steps_pipeline_the_same_loads(gated: bool, block_m: int) -> None:
-    """GemmConfig.flat_steps: with a tile's setup and epilogue inside the one K loop, Triton must still issue the
-    weights and the token rows through cp.async, as many as the loop per tile (weight addresses built inside the
-    setup's if once made the weights plain loads and spilled kilobytes), the same wgmmas, and spill nothing."""
-    per_tile = _compile("gemm1", pdl=True, block_m=block_m, flat=False, gated=gated, aligned=True)
-    flat = _compile("gemm1", pdl=True, block_m=block_m, flat=True, gated=gated, aligned=True)
-    ops = [collections.Counter(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", _sass(k.asm["cubin"])))
-           for k in (per_tile, flat)]
-    assert ops[1]["LDGSTS"] == ops[0]["LDGSTS"] > 0 and ops[1]["HGMMA"] == ops[0]["HGMMA"] > 0
-    assert ops[1]["STL"] == 0
 
 
 @pytest.mark.parametrize(

@@ -386,9 +386,16 @@ def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, 
 
 
 @triton.jit
-def _tile_rows(args, row0, row_end, TOP_K: tl.constexpr, GATED: tl.constexpr, WIDTH: tl.constexpr):
-    """A tile's first WIDTH sorted rows: (rows, in range, their pair ids, their A row pointers [1, WIDTH])."""
-    a_ptr, stride_a, sorted_pairs_ptr = args[0], args[1], args[7]
+def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                         STREAM_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         USE_ASM: tl.constexpr, A_SPLITS: tl.constexpr):
+    """One tile's K steps [k_first, k_end) and its epilogue, with the token side WIDTH rows wide (the tile's
+    first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
+    (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
+     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k) = args
+    pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program = tile
+    w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
     rows = row0 + tl.arange(0, WIDTH)
     row_ok = rows < row_end
     pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
@@ -396,45 +403,7 @@ def _tile_rows(args, row0, row_end, TOP_K: tl.constexpr, GATED: tl.constexpr, WI
         a_rows = pair_id // TOP_K
     else:
         a_rows = tl.where(row_ok, rows, row0)
-    return rows, row_ok, pair_id, a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
-
-
-@triton.jit
-def _store_tile(args, acc, acc_up, rows, row_ok, pair_id, n_tile, expert, split, GATED: tl.constexpr,
-                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
-    """A tile's epilogue: global scales (GEMM1: SiLU(gate) * up, or the split's fp32 partials; GEMM2: times the
-    top-k weight, one row per pair) and the store."""
-    (_, _, _, gs_ptr, out_ptr, stride_out, stride_split, _, topk_weights_ptr, _, _, n_out, _) = args
-    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
-    fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
-    if GATED:
-        gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
-        up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
-        out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-        if SPLIT_K == 1:
-            tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
-        else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
-            tl.store(out_ptrs, gate, mask=store_mask)
-            tl.store(out_ptrs + n_out, up, mask=store_mask)
-    else:
-        weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-        y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-        out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-        tl.store(out_ptrs, y, mask=store_mask)
-
-
-@triton.jit
-def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
-                         STREAM_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         USE_ASM: tl.constexpr, A_SPLITS: tl.constexpr):
-    """One tile's K steps [k_first, k_end) and its epilogue, with the token side WIDTH rows wide (the tile's
-    first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
-    stride_a_split, workspace_ptr, arrivals_ptr, k = args[2], args[9], args[10], args[12]
-    pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program = tile
-    w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
-    rows, row_ok, pair_id, a_base = _tile_rows(args, row0, row_end, TOP_K, GATED, WIDTH)
+    a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
     acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)  # GATED only (unused otherwise)
     w_up = w_slots + n_units * unit_bytes  # GATED: the up rows, n_units units after the gate rows
@@ -451,7 +420,23 @@ def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.con
     else:
         finish = True
     if finish:
-        _store_tile(args, acc, acc_up, rows, row_ok, pair_id, n_tile, expert, split, GATED, SPLIT_K, BLOCK_N, DTYPE)
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
+        fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
+        if GATED:
+            gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
+            up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
+            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            if SPLIT_K == 1:
+                tl.store(out_ptrs, _silu_times(gate, up).to(DTYPE), mask=store_mask)
+            else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
+                tl.store(out_ptrs, gate, mask=store_mask)
+                tl.store(out_ptrs + n_out, up, mask=store_mask)
+        else:
+            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
+            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+            tl.store(out_ptrs, y, mask=store_mask)
 
 
 @triton.jit
@@ -490,7 +475,6 @@ def _moe_gemm_kernel(
     USE_ASM: tl.constexpr,
     A_SPLITS: tl.constexpr,
     NARROW: tl.constexpr,
-    FLAT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
@@ -515,6 +499,9 @@ def _moe_gemm_kernel(
     unit_bytes = chunks * BLOCK_BYTES
     unit_scale_bytes = chunks * SCALE_BLOCK_BYTES
     chunks_per_split = chunks // SPLIT_K
+    UNITS: tl.constexpr = BLOCK_N // 64
+    slot = tl.arange(0, 2 * BLOCK_N)
+    pair = tl.arange(0, BLOCK_N // 2)
     args = (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
             topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k)
     if STREAM_K:  # the tiles' K steps laid end to end, one equal run of them per program
@@ -530,117 +517,42 @@ def _moe_gemm_kernel(
         item_first = pid
         item_end = num_m_tiles * num_n_tiles * SPLIT_K
         item_step = tl.num_programs(0)
-    tile_map = (tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_m_tiles, num_n_tiles, w_ptr, s_ptr, n_units,
-                unit_bytes, unit_scale_bytes)
-    if FLAT:
-        _flat_tiles(args, tile_map, pid, item_first, item_end, item_step, chunks_per_split, TOP_K, GATED, SPLIT_K,
-                    BLOCK_N, BLOCK_M, BLOCK_K, GROUP_M, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
-    else:
-        for item in range(item_first, item_end, item_step):
-            if STREAM_K:
-                split = tl.full([], 0, tl.int32)
-                mn = item
-                k_first = tl.maximum(first_step - mn * chunks, 0)
-                k_end = tl.minimum(end_step - mn * chunks, chunks)
-            else:
-                split = item % SPLIT_K
-                mn = item // SPLIT_K
-                k_first = split * chunks_per_split
-                k_end = k_first + chunks_per_split
-            n_tile, expert, row0, row_end = _tile_at(tile_map, mn, True, GROUP_M)
-            weights = _tile_weights(tile_map, n_tile, expert, GATED, BLOCK_N)
-            tile = (pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program)
-            # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
-            if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
-                _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 4,
-                                     BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
-            elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
-                _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 2,
-                                     BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
-            else:
-                _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M,
-                                     BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
-
-
-@triton.jit
-def _tile_at(tile_map, mn, valid, GROUP_M: tl.constexpr):
-    """Tile mn's weight tile, expert and rows [row0, row_end).  valid False (a flat loop's setup before its first
-    tile) reads nothing and gives an empty tile."""
-    tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_m_tiles, num_n_tiles = tile_map[:5]
-    m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
-    expert = tl.load(tile_expert_ptr + m_tile, mask=valid, other=0)
-    row0 = tl.load(tile_row_ptr + m_tile, mask=valid, other=0)
-    row_end = tl.load(tile_row_end_ptr + m_tile, mask=valid, other=0)
-    return n_tile, expert, row0, row_end
-
-
-@triton.jit
-def _tile_weights(tile_map, n_tile, expert, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Weight tile n_tile of expert's matrix: its FragmentLayout slots and scale pairs (addresses, in range).
-    The tile's scalars plus offsets that do not change with the tile (hoisted out of a flat loop)."""
-    w_ptr, s_ptr, n_units, unit_bytes, unit_scale_bytes = tile_map[5:]
-    UNITS: tl.constexpr = BLOCK_N // 64
-    slot = tl.arange(0, 2 * BLOCK_N)
-    pair = tl.arange(0, BLOCK_N // 2)
-    matrices = 2 * n_units if GATED else n_units  # units per expert
-    unit0 = expert.to(tl.int64) * matrices + n_tile * UNITS  # the tile's first unit
-    units_left = n_units - n_tile * UNITS
-    slot_ok = slot // 128 < units_left
-    pair_ok = pair // 32 < units_left
-    w_slots = w_ptr + unit0 * unit_bytes + ((slot // 128) * unit_bytes + (slot % 128) * 32)
-    s_pairs = s_ptr + unit0 * unit_scale_bytes + ((pair // 32) * unit_scale_bytes + (pair % 32) * 16)
-    return w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes
-
-
-@triton.jit
-def _flat_tiles(args, tile_map, pid, item_first, item_end, item_step, steps, TOP_K: tl.constexpr, GATED: tl.constexpr,
-                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                USE_ASM: tl.constexpr, A_SPLITS: tl.constexpr):
-    """GemmConfig.flat_steps: this program's tiles (or K splits) as one loop over all their K steps, a tile's
-    setup at its first step and its epilogue after its last.  The cp.async pipeline then runs across tiles: the
-    next tile's first chunks load during this tile's last steps and epilogue, where a loop per tile drains
-    and refills it (prefill GEMMs of a few K steps per tile: Qwen3's GEMM2 has six)."""
-    stride_a_split, k = args[2], args[12]
-    n_items = tl.maximum(tl.cdiv(item_end - item_first, item_step), 0)
-    # a tile's setup at its first step and its epilogue at its last are separate ifs: the pipeliner issues the
-    # setup and loads of steps ahead with the loads, and runs the epilogue with the MMAs it follows
-    n_tile, expert, row0, row_end = _tile_at(tile_map, 0, False, GROUP_M)
-    a_base = _tile_rows(args, row0, row_end, TOP_K, GATED, BLOCK_M)[3]
-    item = item_first - item_step
-    split = item_first % SPLIT_K
-    ki = steps - 1
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # GATED only (unused otherwise)
-    for _ in tl.range(0, n_items * steps, num_stages=NUM_STAGES):
-        ki = tl.where(ki == steps - 1, 0, ki + 1)
-        if ki == 0:
-            item += item_step
+    for item in range(item_first, item_end, item_step):
+        if STREAM_K:
+            split = tl.full([], 0, tl.int32)
+            mn = item
+            k_first = tl.maximum(first_step - mn * chunks, 0)
+            k_end = tl.minimum(end_step - mn * chunks, chunks)
+        else:
             split = item % SPLIT_K
-            n_tile, expert, row0, row_end = _tile_at(tile_map, item // SPLIT_K, True, GROUP_M)
-            a_base = _tile_rows(args, row0, row_end, TOP_K, GATED, BLOCK_M)[3]
-        # the weight addresses from the tile's scalars at every step, outside the if: the pipeliner then issues
-        # the weights' loads as cp.async (built inside it, they were plain loads)
-        w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = _tile_weights(tile_map, n_tile,
-                                                                                                  expert, GATED, BLOCK_N)
-        chunk = split * steps + ki
-        a = _load_a(a_base, stride_a_split, chunk * BLOCK_K, k, BLOCK_K, EVEN_K, A_SPLITS, DTYPE)
-        acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
-        if GATED:
-            acc_up = _dot_chunk(acc_up, w_slots + n_units * unit_bytes, s_pairs + n_units * unit_scale_bytes, slot_ok,
-                                pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)  # fmt: skip
-        if ki == steps - 1:
-            # the rows again from the tile's scalars: rows, masks and pair ids carried from the setup to the
-            # epilogue's pipeline stage cost register moves at every step
-            rows, row_ok, pair_id = _tile_rows(args, row0, row_end, TOP_K, GATED, BLOCK_M)[:3]
-            _store_tile(args, acc, acc_up, rows, row_ok, pair_id, n_tile, expert, split, GATED, SPLIT_K, BLOCK_N,
-                        DTYPE)  # fmt: skip
-            # zero from a value the compiler cannot fold (ki - (steps - 1) is 0 here): a constant would make
-            # Triton's canonicalizer turn this if's result into a select of the accumulator at every step, whose
-            # register reads make ptxas wait for every wgmma
-            restart = tl.full([BLOCK_N, BLOCK_M], ki - (steps - 1), tl.float32)
-            acc = restart
-            acc_up = restart
+            mn = item // SPLIT_K
+            k_first = split * chunks_per_split
+            k_end = k_first + chunks_per_split
+        m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
+
+        expert = tl.load(tile_expert_ptr + m_tile)
+        row0 = tl.load(tile_row_ptr + m_tile)
+        row_end = tl.load(tile_row_end_ptr + m_tile)
+        matrices = 2 * n_units if GATED else n_units  # units per expert
+        slot_unit = n_tile * UNITS + slot // 128
+        pair_unit = n_tile * UNITS + pair // 32
+        slot_ok = slot_unit < n_units
+        pair_ok = pair_unit < n_units
+        unit0 = expert.to(tl.int64) * matrices
+        w_slots = w_ptr + (unit0 + slot_unit) * unit_bytes + (slot % 128) * 32
+        s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
+        tile = (pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program)
+        weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
+        # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
+        if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 4,
+                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
+        elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 2,
+                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
+        else:
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M,
+                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
 
 
 @triton.jit
@@ -873,7 +785,7 @@ def fused_moe_sm90(
             *tile_map, topk_weights, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
             arrivals, intermediate, hidden, k1p,
             GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
-            EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, NARROW=g1.narrow_tiles, FLAT=g1.flat_steps, **shared,
+            EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, NARROW=g1.narrow_tiles, **shared,
             **g1.launch_options(),
         )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
@@ -889,7 +801,7 @@ def fused_moe_sm90(
             _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
             hidden, intermediate, k2p,
             GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
-            EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, NARROW=g2.narrow_tiles, FLAT=g2.flat_steps,
+            EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, NARROW=g2.narrow_tiles,
             **shared, **g2.launch_options(),
         )  # fmt: skip
     combine(partial, topk_ids, expert_map, out)

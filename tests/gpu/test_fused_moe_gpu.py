@@ -223,62 +223,45 @@ def test_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
     _graph_replays_with_new_routing(Case("graph stream-K", 8, 2, 1024, 512, 5), cfg, gen)
 
 
-TRITON_VARIANT_CASES = [  # (case, block_m, (block_n, warps, stages, programs per SM, GEMM1 split, stream-K),
-    #                         the GemmConfig fields both GEMMs change)
+TRITON_NARROW_CASES = [  # (case, block_m, (block_n, warps, stages, programs per SM, GEMM1 split, stream-K), narrow)
     # about 75 rows an expert: a full tile, then a last one of a few rows (16 wide) or of 17-32 (32 wide)
-    (Case("Qwen3-like prefill, last tiles narrow", 16, 4, 512, 384, 300), 64, (128, 4, 3, 2, 1, False),
-     dict(narrow_tiles=2)),
+    (Case("Qwen3-like prefill, last tiles narrow", 16, 4, 512, 384, 300), 64, (128, 4, 3, 2, 1, False), 2),
     (Case("Mixtral-like prefill, 8 warps, ragged", 8, 2, 1024, 1024, 600, "half_empty"), 128,
-     (128, 8, 3, 2, 1, False), dict(narrow_tiles=2)),
-    (Case("narrow 1 of 32, split-K GEMM1, padded K", 16, 4, 768, 208, 70), 32, (64, 4, 3, 2, 2, False),
-     dict(narrow_tiles=1)),
-    (Case("narrow 1 of 32, stream-K both GEMMs", 8, 2, 1024, 512, 40), 32, (64, 4, 3, 2, 1, True),
-     dict(narrow_tiles=1)),
-    # flat steps: each program runs tiles of several experts back to back (six K steps a GEMM2 tile, as Qwen3's)
-    (Case("Qwen3-like prefill, flat steps", 16, 4, 512, 768, 300), 64, (128, 4, 3, 2, 1, False),
-     dict(flat_steps=True)),
-    (Case("flat steps, 8 warps, half the experts empty", 8, 2, 1024, 1024, 600, "half_empty"), 128,
-     (128, 8, 3, 2, 1, False), dict(flat_steps=True)),
-    (Case("flat steps over K splits, padded K", 16, 4, 768, 208, 70), 32, (64, 4, 3, 3, 2, False),
-     dict(flat_steps=True)),
+     (128, 8, 3, 2, 1, False), 2),
+    (Case("narrow 1 of 32, split-K GEMM1, padded K", 16, 4, 768, 208, 70), 32, (64, 4, 3, 2, 2, False), 1),
+    (Case("narrow 1 of 32, stream-K both GEMMs", 8, 2, 1024, 512, 40), 32, (64, 4, 3, 2, 1, True), 1),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case,block_m,shape,fields", TRITON_VARIANT_CASES, ids=lambda v: getattr(v, "why", None))
-def test_triton_gemm_variants_match_reference(case, block_m, shape, fields, dtype, gen) -> None:
-    """GemmConfig.narrow_tiles (a tile of at most block_m / 2 (/ 4) rows runs its loads, MMAs and stores that
-    narrow) and flat_steps (a program's tiles as one loop over their K steps) in the Triton GEMMs.  Against the
-    reference with outputs and scratch poisoned, and against the same config without the fields: within rounding
-    (narrow MMAs), or bit for bit (flat steps sum each tile's steps in the same order)."""
+@pytest.mark.parametrize("case,block_m,shape,narrow", TRITON_NARROW_CASES, ids=lambda v: getattr(v, "why", None))
+def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype, gen) -> None:
+    """GemmConfig.narrow_tiles in the Triton GEMMs: a tile of at most block_m / 2 (/ 4) rows runs its loads, MMAs
+    and stores that narrow.  Against the reference with outputs and scratch poisoned, and the same config at full
+    width to within rounding."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
     tw, ti = _routing(case, gen, "cuda")
     block_n, warps, stages, pps, split, stream = shape
-    plain = MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, num_stages=stages, programs_per_sm=pps,
-                                                split_k=split, stream_k=stream),
-                            GemmConfig(block_n, num_warps=warps, num_stages=stages, programs_per_sm=pps,
-                                       stream_k=stream))  # fmt: skip
-    cfg = dataclasses.replace(plain, gemm1=dataclasses.replace(plain.gemm1, **fields),
-                              gemm2=dataclasses.replace(plain.gemm2, **fields))  # fmt: skip
+    full = MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, num_stages=stages, programs_per_sm=pps,
+                                               split_k=split, stream_k=stream),
+                           GemmConfig(block_n, num_warps=warps, num_stages=stages, programs_per_sm=pps,
+                                      stream_k=stream))  # fmt: skip
+    cfg = dataclasses.replace(full, gemm1=dataclasses.replace(full.gemm1, narrow_tiles=narrow),
+                              gemm2=dataclasses.replace(full.gemm2, narrow_tiles=narrow))  # fmt: skip
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
-    if "flat_steps" in fields:
-        torch.testing.assert_close(out, fused_moe_sm90(x, *args, plain), rtol=0, atol=0)
-    else:
-        assert _rel(out, fused_moe_sm90(x, *args, plain)) < REL_TOL[dtype] / 4
+    assert _rel(out, fused_moe_sm90(x, *args, full)) < REL_TOL[dtype] / 4
 
 
-@pytest.mark.parametrize("fields", [dict(narrow_tiles=2), dict(flat_steps=True)], ids=["narrow", "flat"])
-def test_triton_gemm_variants_in_a_cuda_graph(fields: dict, gen: torch.Generator) -> None:
-    """Which width a tile runs, and how many tiles and steps a flat loop takes, are read from the tile map at run
-    time: replays with new routing change them."""
-    gemm = GemmConfig(128, num_warps=4, num_stages=3, programs_per_sm=2, **fields)
-    _graph_replays_with_new_routing(Case("graph variant", 16, 4, 512, 384, 300), MoEKernelConfig(64, gemm, gemm), gen)
+def test_triton_narrow_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
+    """Which width a tile runs is read from the tile map at run time: replays with new routing change it."""
+    gemm = GemmConfig(128, num_warps=4, num_stages=3, programs_per_sm=2, narrow_tiles=2)
+    _graph_replays_with_new_routing(Case("graph narrow", 16, 4, 512, 384, 300), MoEKernelConfig(64, gemm, gemm), gen)
 
 
 WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM, chunks per stage, K groups
