@@ -339,7 +339,7 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
     if GATED:
         gate_scale, up_scale = operands
-        y = _silu_times(acc * (gate_scale * FIX), acc_up * (up_scale * FIX))
+        y = _silu_times(acc * (gate_scale * FIX), acc_up * (up_scale * FIX), True)
         gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
     else:
         scale, pair_id = operands

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import moe_nvfp4 as m
 from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-from moe_nvfp4.triton.moe_sm90 import compiled_variants, fused_moe_sm90, route
+from moe_nvfp4.triton.moe_sm90 import _silu_times, compiled_variants, fused_moe_sm90, route
 
 pytestmark = pytest.mark.gpu
 
@@ -507,3 +509,31 @@ def test_bad_inputs_fail_before_launch(gen: torch.Generator) -> None:
         m.fused_moe(x[:, :64], w, tw, ti)
     with pytest.raises(ValueError, match="one device"):
         m.fused_moe(x, w, tw.cpu(), ti.cpu())
+
+
+@triton.jit
+def _silu_times_kernel(gate_ptr, up_ptr, out_ptr, n, USE_ASM: tl.constexpr):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    ok = offs < n
+    y = _silu_times(tl.load(gate_ptr + offs, mask=ok), tl.load(up_ptr + offs, mask=ok), USE_ASM)
+    tl.store(out_ptr + offs, y, mask=ok)
+
+
+def test_gated_activation_is_silu_times_up_to_fp32_rounding(gen: torch.Generator) -> None:
+    """The epilogues' SiLU(gate) * up (ex2 and rcp.approx on the GPU) against float64 over the whole range a gate
+    takes: zero, tiny, ordinary, and past where 2^(-gate log2 e) overflows (SiLU -> 0) or underflows (SiLU ->
+    gate).  Bound, relative to max(|ref|, 1e-28): a few fp32 ulps plus the rounding of gate * log2 e to fp32,
+    which the exponential magnifies to about |gate| 2^-24 (tl.exp rounds the same way), so 5.3e-6 at the
+    largest gates that do not flush: far below the bf16 / fp16 rounding that follows.  Values under fp32's
+    smallest normal may flush to zero."""
+    mags = torch.cat([torch.zeros(1, device="cuda"), torch.logspace(-30, 2.2, 4000, device="cuda"),
+                      torch.rand(20000, device="cuda", generator=gen) * 30])  # fmt: skip
+    gate = torch.cat([mags, -mags])
+    up = torch.randn(gate.shape, device="cuda", generator=gen) * 3
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    for use_asm in (True, False):  # the GPU's instructions, and the formula the interpreter runs
+        out = torch.full_like(gate, float("nan"))
+        _silu_times_kernel[(triton.cdiv(gate.numel(), 1024),)](gate, up, out, gate.numel(), USE_ASM=use_asm)
+        err = (out.double() - ref).abs() / ref.abs().clamp_min(1e-28)
+        bound = 4e-7 + gate.double().abs() * 2.0**-24
+        assert (err < bound).all(), (use_asm, gate[(err / bound).argmax()].item(), (err / bound).max().item())
