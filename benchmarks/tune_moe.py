@@ -84,11 +84,10 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
                     max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4),
-                    narrow_tiles=(0, 1, 2), loader_warps=(1, 2, 4), l2_ahead=(0, 2, 8, 32, 128))  # fmt: skip
+                    narrow_tiles=(0, 1, 2), loader_warps=(1, 2, 4))  # fmt: skip
 # k_groups only for the climb (from a --sweep-groups config): the grid would rarely meet its register caps;
-# narrow_tiles, loader_warps and l2_ahead too (from a warp-specialized config: the grid's are mostly the Triton
-# kernel's)
-CLIMB_ONLY = ("k_groups", "narrow_tiles", "loader_warps", "l2_ahead")
+# narrow_tiles and loader_warps too (from a warp-specialized config: the grid's are mostly the Triton kernel's)
+CLIMB_ONLY = ("k_groups", "narrow_tiles", "loader_warps")
 DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True),
                            k_groups=(1, 2, 3, 4))  # fmt: skip
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
@@ -149,8 +148,7 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
         for f, values in choices.items():
             k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
             if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles; the Triton kernel one chunk
-                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1, k_groups=1, narrow_tiles=0, loader_warps=4,
-                              l2_ahead=0)
+                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1, k_groups=1, narrow_tiles=0, loader_warps=4)
             out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]

@@ -35,8 +35,6 @@ SPLIT_A_SMEM_LIMIT = 160 * 1024
 # sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
 WS_SMEM_LIMIT = 227 * 1024 - 1024
 SM_REGISTERS = 65536  # sm_90's registers per SM (and per block)
-# GemmConfig.l2_ahead's bound: past a whole Mixtral GEMM2 tile's K steps (14336 / 128)
-MAX_L2_AHEAD = 128
 
 
 @dataclass(frozen=True)
@@ -82,11 +80,7 @@ class GemmConfig:
     loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
     cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:
     one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage cost
-    Mixtral's long-K GEMM2 9 us of 78 (H200).
-
-    l2_ahead (warp-specialized only): K steps past the one the loader issues that it asks into L2 (bulk prefetches,
-    nothing waits for them), so more of a tile's weights are in flight than the ring's stages hold.  GEMM2 asks for
-    its first tile's before it waits for GEMM1.  0: none."""
+    Mixtral's long-K GEMM2 9 us of 78 (H200)."""
 
     block_n: int = 64
     group_m: int = 8
@@ -101,7 +95,6 @@ class GemmConfig:
     k_groups: int = 1
     narrow_tiles: int = 0
     loader_warps: int = 4
-    l2_ahead: int = 0
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -118,7 +111,6 @@ class GemmConfig:
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
             and self.narrow_tiles in (0, 1, 2)
             and self.loader_warps in ((1, 2, 4) if self.warp_specialized else (4,))
-            and 0 <= self.l2_ahead <= MAX_L2_AHEAD and (self.l2_ahead == 0 or self.warp_specialized)
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))

@@ -133,8 +133,7 @@ def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False,
-                l2_ahead: int = 0):
+                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -148,19 +147,17 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     w = torch.zeros(8, 64, 4096, dtype=torch.uint8)  # any FragmentLayout-shaped bytes: only the views matter
     views = W._descriptors(w, w[:, :8], 1024, block_n // 64, chunks)
     descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in views]
-    signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], w_ptr="*u8", s_ptr="*u8",
-                     gs_ptr="*fp32",
+    signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
                      ids_ptr="*i32", num_pairs="i32", topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
-                      chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps,
-                      l2_ahead=l2_ahead)  # fmt: skip
+                      chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
                       MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
-                      PAIR_TILES=pair_tiles, L2_AHEAD=l2_ahead)  # fmt: skip
+                      PAIR_TILES=pair_tiles)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
     attrs = _divisibility(signature, unaligned=("ids_ptr",))  # topk_ids: do_not_specialize_on_alignment
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
@@ -304,29 +301,6 @@ def test_loader_warps_issue_the_token_rows(loader_warps: int, block_m: int) -> N
     assert re.search(rf"mbarrier\.init\.shared(::cta)?\.b64 \[[^]]+\], {32 * loader_warps + 1};", ptx)
     assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1
     assert len(re.findall(r"@%p\d+ mbarrier\.arrive\.expect_tx", ptx)) == 1  # predicated: one thread
-    assert ".local" not in ptx and not re.search(r"\bSTL", _sass(asm["cubin"]))
-
-
-@pytest.mark.parametrize("gated,block_n,chunks,k_groups,loader_warps", [
-    (True, 128, 2, 1, 1), (False, 64, 4, 2, 4), (True, 64, 1, 2, 2), (False, 128, 1, 1, 1)])
-def test_l2_ahead_asks_weights_into_l2(gated: bool, block_n: int, chunks: int, k_groups: int,
-                                       loader_warps: int) -> None:
-    """GemmConfig.l2_ahead: the loader asks the steps ahead of its ring into L2 with bulk prefetches, one per
-    matrix, unit and kind (values, scales) from as many of its threads, each predicated; GEMM2's loader also for
-    its first tile before it waits for GEMM1 (weights only: GEMM1 writes none), GEMM1's only after its wait (its
-    tiles come from the routing kernel).  Without l2_ahead no prefetch is built, and no registers spill either way
-    (at block_m 8: one loader warp spills a row address from block_m 16 on, with or without)."""
-    stages = 4 if k_groups > 1 else 2
-    maxnreg = 168 if k_groups > 1 else 128
-    assert "prefetch" not in _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=8,
-                                         loader_warps=loader_warps)["ptx"]  # fmt: skip
-    asm = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=8, loader_warps=loader_warps,
-                      l2_ahead=4)  # fmt: skip
-    ptx = asm["ptx"]
-    sites = [m.start() for m in re.finditer(r"@p cp\.async\.bulk\.prefetch\.L2\.global \[a\], %r\d+;", ptx)]
-    assert sites and len(re.findall(r"prefetch", ptx)) == len(sites)
-    loader_wait = max(m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx) if m.start() < ptx.index("cp.async.cg"))
-    assert len([s for s in sites if s < loader_wait]) == (0 if gated else 1) and sites[-1] > loader_wait
     assert ".local" not in ptx and not re.search(r"\bSTL", _sass(asm["cubin"]))
 
 

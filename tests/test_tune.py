@@ -49,9 +49,9 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
         def gemm(g: GemmConfig) -> list:
             k_mode = "ws" if g.warp_specialized else "stream" if g.stream_k else g.split_k
             return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode,
-                    g.chunks_per_stage, g.k_groups, g.narrow_tiles, g.loader_warps, g.l2_ahead]
+                    g.chunks_per_stage, g.k_groups, g.narrow_tiles, g.loader_warps]
 
-        assert len(dataclasses.fields(GemmConfig)) == 14, "a new GemmConfig field: add it above"
+        assert len(dataclasses.fields(GemmConfig)) == 13, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.pair_tiles, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
@@ -67,7 +67,6 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     ws_near = neighbors(ws, tokens, e, k, h, i)
     assert {c.gemm1.narrow_tiles for c in ws_near} >= {1, 2} - ({2} if ws.block_m < 32 else set())
     assert {c.gemm1.loader_warps for c in ws_near} == {1, 2, 4}
-    assert {c.gemm1.l2_ahead for c in ws_near} == {0, 2, 8, 32, 128}
     if tokens == 1:  # from a K split, stream-K is one step away
         split = dataclasses.replace(first, gemm2=dataclasses.replace(first.gemm2, split_k=2))
         assert dataclasses.replace(split.gemm2, split_k=1, stream_k=True) in [c.gemm2 for c in neighbors(split, tokens, e, k, h, i)]

@@ -65,29 +65,6 @@ def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units,
 
 
 @gluon.jit
-def _weights_to_l2(w_ptr, s_ptr, first, last, unit0, n_units, chunks_k, pred, HALVES: gl.constexpr,
-                   UNITS: gl.constexpr, CHUNKS: gl.constexpr, NT: gl.constexpr):
-    """Steps [first, last) of a tile's weights (each matrix's values and scales) into L2, one bulk prefetch per
-    matrix, unit and kind from the loader's first threads: a unit's K chunks are contiguous (FragmentLayout), so
-    one prefetch covers all the steps.  Nothing waits for them; the TMA boxes of those steps later find them in
-    L2, so more of the weights are in flight than the ring's stages hold (GemmConfig.l2_ahead)."""
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [NT // 32], [0])
-    t = gl.arange(0, NT, layout=L)
-    item = t // 2  # (matrix, unit) of this thread; odd threads take the scales
-    unit = (unit0 + (item // UNITS) * n_units + item % UNITS).to(gl.int64)
-    chunk = unit * chunks_k + first * CHUNKS
-    chunks = (last - first) * CHUNKS
-    is_scale = (t % 2).to(gl.int32)
-    size = gl.where(is_scale == 1, chunks * SCALE_BLOCK_BYTES, chunks * BLOCK_BYTES)
-    issue = ((t < 2 * HALVES * UNITS) & (chunks > 0) & pred).to(gl.int32)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p, q; .reg .b64 a; setp.ne.b32 p, $4, 0; setp.ne.b32 q, $5, 0; selp.b64 a, $2, $1, q; "
-        "@p cp.async.bulk.prefetch.L2.global [a], $3; } // $0",
-        "=r,l,l,r,r,r", [w_ptr + chunk * BLOCK_BYTES, s_ptr + chunk * SCALE_BLOCK_BYTES, size, issue, is_scale],
-        dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _token_tiles(tile_map, PAIR_TILES: gl.constexpr):
     """How many token tiles: the routing kernel's count, or with PAIR_TILES one per (token, k) pair (tile_map is
     the kernel's (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles, topk_ids, num_pairs))."""
@@ -131,9 +108,8 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr, L2_AHEAD: gl.constexpr):
-    (a_ptr, stride_a, w_desc, s_desc, w_ptr, s_ptr, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
-    NT: gl.constexpr = 32 * LOADER_WARPS
+            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+    (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
@@ -142,7 +118,6 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
-    chunks_k = kp // 128
     early = steps * 0  # stages of the first tile whose weights were issued before the previous kernel ended
     if not GATED:
         # GEMM2 reads only its token rows from GEMM1: its first tile's weights stream in while GEMM1 still runs
@@ -155,9 +130,6 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
             for step in range(early):  # the ring's first uses: every stage is free
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
                                expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
-            if L2_AHEAD > 0:  # and the next L2_AHEAD steps' into L2 (the loop below goes on from there)
-                _weights_to_l2(w_ptr, s_ptr, 1, gl.minimum(L2_AHEAD + 1, steps), expert * matrices + n_tile * UNITS,
-                               n_units, chunks_k, True, HALVES, UNITS, CHUNKS, NT)  # fmt: skip
     _after_previous_kernel(PDL)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
@@ -175,12 +147,6 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         # a padding slot (step >= steps) loads nothing (its token rows' copies are all masked off) and only
         # passes its stage on
         for step in range(slots):
-            if L2_AHEAD > 0:
-                # keep the steps up to L2_AHEAD past this one on their way to L2 (a tile's first step asks for all
-                # of them, unless issued before the previous kernel's end), before waiting for a free stage
-                first = gl.where(step == 0, 1, step + L2_AHEAD)
-                _weights_to_l2(w_ptr, s_ptr, first, gl.minimum(step + L2_AHEAD + 1, steps), unit0, n_units, chunks_k,
-                               (step > 0) | (it >= early), HALVES, UNITS, CHUNKS, NT)  # fmt: skip
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
@@ -386,14 +352,14 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
 # the pair count changes with T, and topk_ids come from the caller at any alignment: not specialized on, so
 # neither a new T nor a new topk_ids allocation compiles a new variant
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
-def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, w_ptr, s_ptr, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
+def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
                         tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
                         topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        PAIR_TILES: gl.constexpr, L2_AHEAD: gl.constexpr):
+                        PAIR_TILES: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -422,27 +388,26 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, w_ptr, s_ptr, gs_ptr, o
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
               tile_map, topk_weights_ptr, n_out, kp)
-    loader = (a_ptr, stride_a, w_desc, s_desc, w_ptr, s_ptr, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k,
-              kp)
+    loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
     if K_GROUPS == 1:
         gl.warp_specialize([
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, L2_AHEAD)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, L2_AHEAD)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, PDL)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, PDL)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, L2_AHEAD)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -450,7 +415,7 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, w_ptr, s_ptr, gs_ptr, o
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, PDL)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL)),
             (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, L2_AHEAD)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
@@ -512,12 +477,11 @@ def launch_gemm_ws(
     its row is the pair's: tile_map goes unread and no routing kernel needs to run."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
-        a, stride_a, w_desc, s_desc, w_packed, w_scale, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(),
-        topk_weights,
+        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(), topk_weights,
         n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        PAIR_TILES=pair_tiles, L2_AHEAD=gemm.l2_ahead, launch_pdl=pdl, **gemm.launch_options(),
+        PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

@@ -424,43 +424,6 @@ def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
     _graph_replays_with_new_routing(Case("graph pair tiles", 64, 8, 2048, 768, 1), cfg, gen)
 
 
-L2_AHEAD_CASES = [  # (case, block_m, pair tiles, GEMM1 and GEMM2 fields)
-    (Case("one token, pair tiles: GEMM2's whole first tile before its wait", 8, 2, 2048, 1024, 1), 16, True,
-     (dict(block_n=128, num_stages=2, chunks_per_stage=2, programs_per_sm=3, narrow_tiles=1, loader_warps=1,
-           l2_ahead=2), dict(block_n=64, num_stages=4, chunks_per_stage=4, k_groups=2, max_registers=168,
-                             l2_ahead=128))),
-    (Case("ragged, padded K, 2 K groups, a window of one step", 16, 4, 1024, 448, 37, "half_empty"), 16, False,
-     (dict(block_n=128, num_stages=4, k_groups=2, max_registers=168, l2_ahead=1),
-      dict(block_n=64, num_stages=2, chunks_per_stage=2, loader_warps=2, l2_ahead=1))),
-    (Case("several tiles a program, 256-row tiles, one loader warp", 8, 2, 1152, 640, 300), 64, False,
-     (dict(block_n=256, num_warps=8, num_stages=2, loader_warps=1, l2_ahead=8),
-      dict(block_n=128, num_stages=3, programs_per_sm=2, l2_ahead=32))),
-]
-
-
-@pytest.mark.parametrize("case,block_m,pairs,fields", L2_AHEAD_CASES, ids=lambda v: getattr(v, "why", None))
-def test_l2_ahead_changes_no_bits(case, block_m, pairs, fields, gen) -> None:
-    """GemmConfig.l2_ahead only asks weights into L2 ahead of the ring: the outputs are bit-identical to the same
-    config without it, and right against the reference (outputs and scratch poisoned).  Windows of one step to
-    past a whole tile; GEMM2 asking for its first tile before it waits for GEMM1; gate and up units of 256-row
-    tiles (16 prefetches a step) from one loader warp; several tiles a program; a CUDA graph replayed with new
-    routing."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").bfloat16()
-    tw, ti = _routing(case, gen, "cuda")
-    gemms = [GemmConfig(**{"max_registers": 128, **f, "warp_specialized": True}) for f in fields]
-    cfg = MoEKernelConfig(block_m, *gemms, pair_tiles=pairs)
-    without = MoEKernelConfig(block_m, *[dataclasses.replace(g, l2_ahead=0) for g in gemms], pair_tiles=pairs)
-    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
-    out = _poisoned_run(x, args, cfg)
-    assert _rel(out, m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)) < REL_TOL[torch.bfloat16]
-    assert torch.equal(out, fused_moe_sm90(x, *args, without))
-    if case.tokens == 1:
-        _graph_replays_with_new_routing(case, cfg, gen)
-
-
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
     # one program (up to 1024 pairs), counted chunks of one step (1332, 8000 pairs), of several (40000, 32768)
     for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32),
