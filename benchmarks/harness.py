@@ -287,12 +287,16 @@ def time_graph(
     max_calls: int = 400,
     replays: int = 10,
     warmup: int = 2,
+    replay_log: list[tuple[float, float]] | None = None,
+    idle_s: float = 0.0,
 ) -> Timing:
     """Capture N calls into one CUDA graph (call i runs ``fns[i % len(fns)]``), replay it ``replays``
     times after ``warmup`` replays; per-call time = replay time / N, median over replays.
 
     N is a multiple of len(fns), sized from an eager estimate so one replay takes about
     ``target_graph_ms``.  The callables must already be warm (JIT compiled, configs cached).
+    ``replay_log``: each timed replay's (wall-clock start, µs per call) is appended to it; ``idle_s``: seconds the
+    GPU idles before the timed replays (power_moe.py: how the time moves as a cool GPU heats up).
     """
     import torch
 
@@ -317,14 +321,18 @@ def time_graph(
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
+    time.sleep(idle_s)
     per_call = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        wall = time.time()
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) / calls)
+        if replay_log is not None:
+            replay_log.append((wall, 1e3 * per_call[-1]))
     del graph
     return _timing(per_call, "graph", calls, n_rot, f"eager estimate {1e3 * est_ms:.1f} us")
 
