@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -33,6 +34,7 @@ sys.path.insert(0, _HERE)  # harness.py, plot.py beside this file
 from harness import (  # noqa: E402
     Ceilings,
     MoEShape,
+    Timing,
     environment,
     floors,
     markdown_table,
@@ -415,7 +417,10 @@ def run_model(
             notes.append("MISMATCH " + ",".join(mismatches))
         del outs, ref
 
-        # Timing: graph replay over rotating weight copies; eager (marked) when capture fails.
+        # Timing: graph replay over rotating weight copies; eager (marked) when capture fails.  The paths take turns
+        # for args.rounds rounds, each path's time the median of its rounds: the SM clock moves with the GPU's
+        # power state (a sustained forward may sit at the power cap), and in turns every path sees the same mix.
+        fns_of: dict[str, list] = {}
         for name in args.paths:
             p = paths.get(name)
             if p is None or any(n.startswith(f"{name} run") for n in notes):
@@ -424,26 +429,31 @@ def run_model(
             per_expert = bf16_expert if name == "bf16" else fp4_expert
             n_rot = 1 if args.no_rotate else rotation_copies(touched * per_expert, l2, factor=args.l2_factor,
                                                            max_copies=len(p.weights))
-            fns = [p.fn(c, x, topk_weights, topk_ids) for c in range(n_rot)]
-            try:
-                timing = time_with_fallback(
-                    fns, target_graph_ms=args.target_graph_ms, replays=args.replays, max_calls=args.max_calls
-                )
-                row[f"{name}_us"] = timing.median_us
-                row[f"{name}_timing"] = timing.as_dict()
-                if timing.method != "graph":
-                    notes.append(f"{name} eager ({timing.note})")
-                needed = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=10**6)
-                if not args.no_rotate and n_rot < needed:
-                    notes.append(f"{name} rotates {n_rot}/{needed} copies (L2 may be warm)")
-            except Exception as exc:  # noqa: BLE001
-                row[f"{name}_us"] = None
-                notes.append(f"{name} timing: {short_error(exc)}")
-                if args.verbose:
-                    traceback.print_exc()
-            finally:
-                del fns
-                sync()
+            fns_of[name] = [p.fn(c, x, topk_weights, topk_ids) for c in range(n_rot)]
+            needed = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=10**6)
+            if not args.no_rotate and n_rot < needed:
+                notes.append(f"{name} rotates {n_rot}/{needed} copies (L2 may be warm)")
+        rounds: dict[str, list[Timing]] = {name: [] for name in fns_of}
+        for _ in range(args.rounds):
+            for name in [n for n in fns_of if n in rounds]:
+                try:
+                    rounds[name].append(time_with_fallback(
+                        fns_of[name], target_graph_ms=args.target_graph_ms, replays=args.replays,
+                        max_calls=args.max_calls))  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    del rounds[name]
+                    row[f"{name}_us"] = None
+                    notes.append(f"{name} timing: {short_error(exc)}")
+                    if args.verbose:
+                        traceback.print_exc()
+                finally:
+                    sync()
+        for name, timings in rounds.items():
+            row[f"{name}_us"] = statistics.median(t.median_us for t in timings)
+            row[f"{name}_timing"] = dict(timings[0].as_dict(), rounds_us=[t.median_us for t in timings])
+            if timings[0].method != "graph":
+                notes.append(f"{name} eager ({timings[0].note})")
+        del fns_of
         ours, marlin, bf16 = row.get("ours_us"), row.get("marlin_us"), row.get("bf16_us")
         row["pct_of_floor"] = pct_of_floor(row["floor_us"], ours)
         row["marlin_pct_of_floor"] = pct_of_floor(row["floor_us"], marlin)
@@ -490,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {list(PATHS)}")
     p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
     p.add_argument("--replays", type=int, default=None, help="graph replays per measurement (default 10; quick 5)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measurements per path, the paths in turn; the row takes their median (default 3; quick 1)")
     p.add_argument("--target-graph-ms", type=float, default=None,
                    help="calls per graph sized to this (default 20; quick 10)")
     p.add_argument("--max-calls", type=int, default=400, help="upper bound on calls captured per graph")
@@ -523,6 +535,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(t < 1 for t in args.tokens):
         raise SystemExit("token counts must be >= 1")
     args.replays = args.replays or (5 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     args.target_graph_ms = args.target_graph_ms or (10.0 if args.quick else 20.0)
     return args
 
@@ -536,7 +549,8 @@ def summary_lines(meta: dict, rows: list[dict]) -> list[str]:
         f"({c['matmul'].get('n')}^3, cuBLAS)",
         f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}"
         + (" (dirty)" if meta.get("git_dirty") else ""),
-        f"timing: CUDA graph replay, median per call; L2: {meta['l2_policy']}",
+        f"timing: CUDA graph replay, median per call; {meta.get('rounds', 1)} rounds, the paths in turn, each row the "
+        f"median round; L2: {meta['l2_policy']}",
     ]
 
 
@@ -571,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         f"rotating weight copies: each captured call uses the next copy, n = ceil({args.l2_factor:g} x L2 / touched "
         f"weight bytes) (max {args.max_copies}), so >= {args.l2_factor:g} x L2 of other weights stream between reuses"
     )
+    meta["rounds"] = args.rounds
     meta["floor"] = (
         "floor_us = max(hbm_floor_us, compute_floor_us); hbm = (touched experts' NVFP4 weights + e4m3 scales "
         "+ fp32 global scales + x read + out write) / copy bandwidth; compute = 2*T*k*3*I*H / bf16 rate"
@@ -595,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(json_path, meta, rows)
     table = markdown_table(rows, COLUMNS)
     notes = [
-        "Columns: times are µs per MoE forward (median of graph replays); floor = max(HBM, compute) floor; "
+        "Columns: times are µs per MoE forward (see timing above); floor = max(HBM, compute) floor; "
         "% floor = floor / time (100 = at the floor); × = baseline time / our time; err = ||a - b|| / ||b|| vs the "
         "vLLM BF16 path on the same dequantized weights. See benchmarks/README.md.",
         "",

@@ -194,6 +194,7 @@ def test_bench_moe_args():
     assert args.paths == ["ours", "marlin", "bf16"]
     quick = bench.parse_args(["--quick", "--models", "qwen3"])
     assert quick.tokens == list(bench.QUICK_TOKENS) and quick.replays < args.replays
+    assert args.rounds == 3 and quick.rounds == 1 and bench.parse_args(["--rounds", "5"]).rounds == 5
     assert bench.parse_args(["--tokens", "4,8"]).tokens == [4, 8]
     with pytest.raises(SystemExit):
         bench.parse_args(["--models", "llama"])
@@ -239,7 +240,7 @@ def test_bench_moe_cpu_smoke(tmp_path):
     """The whole script on a tiny shape with the host clock: rows, JSON and Markdown come out even when the
     vLLM paths cannot run here (each path fails on its own and the run goes on)."""
     cmd = [sys.executable, os.path.join(BENCH, "bench_moe.py"), "--device", "cpu", "--models", "tiny",
-           "--tokens", "1,8", "--replays", "2", "--out", str(tmp_path)]
+           "--tokens", "1,8", "--replays", "2", "--rounds", "2", "--out", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "moe.json").read_text())
@@ -247,5 +248,8 @@ def test_bench_moe_cpu_smoke(tmp_path):
     for r in data["rows"]:
         assert r["flops"] == 2 * r["tokens"] * 2 * 3 * 64 * 128
         assert math.isclose(r["floor_us"], max(r["hbm_floor_us"], r["compute_floor_us"]))
+        rounds = r["ours_timing"]["rounds_us"]  # the paths in turn; the row takes the median round
+        assert len(rounds) == 2 and math.isclose(r["ours_us"], sum(rounds) / 2)
+    assert data["meta"]["rounds"] == 2
     assert (tmp_path / "moe.md").read_text().startswith("# NVFP4 MoE forward")
     assert "| model |" in out.stdout
