@@ -10,8 +10,8 @@ power, throttle reasons).
 
 A forward that keeps the GPU at its power limit runs at lower SM clocks after its first rounds (throttle reason
 "sw_power_cap"); ``--cool-s`` idles between rounds, so each starts cool; ``--replays`` times each replay of one
-capture from a cool start, the finest view of how the time moves as the GPU heats up.  Needs a GPU and nvidia-smi (and vLLM
-0.26.0 for the marlin and bf16 paths).
+capture from a cool start, the finest view of how the time moves as the GPU heats up.  Needs a GPU and nvidia-smi
+(and vLLM 0.26.0 for the marlin and bf16 paths).
 """
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def reason_names(bits: int) -> list[str]:
 
 def summarize(rounds: list[dict], samples: list[Sample]) -> list[dict]:
     """Each round ({round, start, end, us}) with the samples taken inside it: their median and lowest SM clock,
-    median and highest power, highest temperature and every throttle reason any of them names (None where no
-    sample fell inside the round)."""
+    median and highest power, highest temperature and every throttle reason any of them names (only the count, 0,
+    where no sample fell inside the round)."""
     rows = []
     for r in rounds:
         inside = [s for s in samples if r["start"] <= s.t <= r["end"]]
@@ -93,19 +93,17 @@ def summarize(rounds: list[dict], samples: list[Sample]) -> list[dict]:
 
 
 def bench_forwards(model: str, tokens: int, path: str) -> list:
-    """bench_moe.py's ``path`` at (model, tokens): one warm forward per weight copy bench_moe would rotate through."""
+    """bench_moe.py's ``path`` at (model, tokens): one forward per weight copy bench_moe would rotate through."""
     import torch
 
     import bench_moe as B
 
     shape = B.MODELS[model]
     bench = B.build_parser().parse_args([])  # bench_moe's defaults: seed, rotation
-    w13_q, w2_q, w13_deq, w2_deq = B.make_weights(shape, bench.seed, "cuda")
     per_expert = shape.expert_bf16_bytes() if path == "bf16" else shape.expert_nvfp4_bytes()
     copies = B.copies_for(shape, [tokens], per_expert, per_expert * shape.num_experts, bench,
                           torch.cuda.get_device_properties(0).L2_cache_size)  # fmt: skip
-    built = {"ours": lambda: B.Ours(w13_q, w2_q, copies), "marlin": lambda: B.Marlin(shape, w13_q, w2_q, copies),
-             "bf16": lambda: B.BF16(w13_deq, w2_deq, copies)}[path]()  # fmt: skip
+    built = B.build_path(path, shape, B.make_weights(shape, bench.seed, "cuda"), copies)
     x, topk_weights, topk_ids = B.make_inputs(shape, tokens, bench.seed, "cuda")
     return [built.fn(c, x, topk_weights, topk_ids) for c in range(len(built.weights))]
 
