@@ -31,17 +31,22 @@ from ablate_ws import _IMPORTS, KERNEL_SOURCE, module_from_source  # noqa: E402
 # the points, in program order: MMA group 0's (0-4), then the loader's (5)
 EVENTS = ("mma_start", "mma_waited", "first_stage", "first_tile_k_done", "mma_end", "loader_waited")
 MAX_PROGRAMS = 4096  # per GEMM: the grid is SMs x programs per SM
+FIELDS = 4  # per program and point: global timer (ns), SM cycle counter, SM id, tiles run so far
 _STAMP = '''
 
 @gluon.jit
-def _stamp(EVENT: gl.constexpr, GATED: gl.constexpr):
-    """Timeline probe (benchmarks/timeline_ws.py): this program's global timer and SM cycle counter at EVENT."""
+def _stamp(EVENT: gl.constexpr, GATED: gl.constexpr, tiles):
+    """Timeline probe (benchmarks/timeline_ws.py): this program's global timer, SM cycle counter and SM at EVENT,
+    and ``tiles`` (the tiles it has run)."""
     t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
     c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    slot = (((0 if GATED else 1) * MAX_PROGRAMS + gl.program_id(0)) * EVENTS + EVENT) * 2
+    sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+    slot = (((0 if GATED else 1) * MAX_PROGRAMS + gl.program_id(0)) * EVENTS + EVENT) * FIELDS
     base = gl.full([], TIMELINE_ADDRESS, gl.int64).to(gl.pointer_type(gl.int64))
     gl.store(base + slot, t)
     gl.store(base + slot + 1, c)
+    gl.store(base + slot + 2, sm.to(gl.int64))
+    gl.store(base + slot + 3, gl.full([], 0, gl.int64) + tiles)
 '''
 # (old, new) source edits; {GROUP0} guards the MMA points to group 0
 _EDITS = [
@@ -51,33 +56,33 @@ _EDITS = [
 """, """    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
      topk_weights_ptr, n_out, kp) = shared
     if GROUP == 0:
-        _stamp(0, GATED)
+        _stamp(0, GATED, 0)
     _after_previous_kernel(PDL)
     if GROUP == 0:
-        _stamp(1, GATED)
+        _stamp(1, GATED, 0)
 """),
     ("""        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         fence_async_shared()""", """        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         if GROUP == 0:
             if it == 0:  # the program's first stage
-                _stamp(2, GATED)
+                _stamp(2, GATED, 0)
         fence_async_shared()"""),
     ("""    last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
 """, """    if GROUP == 0:
         if base == 0:
-            _stamp(3, GATED)
+            _stamp(3, GATED, 1)
     last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
 """),
     ("""        tiles_done += 1
 """, """        tiles_done += 1
     if GROUP == 0:
-        _stamp(4, GATED)
+        _stamp(4, GATED, tiles_done)
 """),
     ("""    _after_previous_kernel(PDL)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
 """, """    _after_previous_kernel(PDL)
-    _stamp(5, GATED)
+    _stamp(5, GATED, 0)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
 """),
@@ -86,14 +91,14 @@ _EDITS = [
 
 def timeline_source(address: int) -> str:
     """moe_sm90_ws's source with the probes, writing to the int64 buffer at ``address``
-    ([2 GEMMs, MAX_PROGRAMS, EVENTS, (global timer, clock)])."""
+    ([2 GEMMs, MAX_PROGRAMS, EVENTS, FIELDS])."""
     src = KERNEL_SOURCE.read_text()
     for old, new in _IMPORTS + _EDITS:
         if src.count(old) != 1:
             raise RuntimeError(f"timeline: the kernel source no longer has {old.strip()[:60]!r} once")
         src = src.replace(old, new)
     constants = (f"\nTIMELINE_ADDRESS = gl.constexpr({address})\nMAX_PROGRAMS = gl.constexpr({MAX_PROGRAMS})\n"
-                 f"EVENTS = gl.constexpr({len(EVENTS)})\n")
+                 f"EVENTS = gl.constexpr({len(EVENTS)})\nFIELDS = gl.constexpr({FIELDS})\n")
     anchor = "\n\n@gluon.jit\ndef _after_previous_kernel"
     return src.replace(anchor, constants + _STAMP + anchor, 1)
 
@@ -115,8 +120,28 @@ def summarize(stamps, programs: tuple[int, int]) -> dict:
         for (a, b) in ((0, 1), (1, 2), (2, 3), (3, 4)):
             cycles = [int(r[b, 1]) - int(r[a, 1]) for r in rows]
             phases[f"{EVENTS[a]} -> {EVENTS[b]}"] = statistics.median(cycles) / clock_ghz
-        out[name] = dict(programs_with_tiles=len(rows), points_ns=points, phases_ns=phases, clock_ghz=clock_ghz)
+        out[name] = dict(programs_with_tiles=len(rows), points_ns=points, phases_ns=phases, clock_ghz=clock_ghz,
+                         per_sm=per_sm(rows, t0))  # fmt: skip
     return out
+
+
+def per_sm(rows, t0: int) -> dict:
+    """The SMs by how many tiles their programs ran: how many SMs, and when the last of each SM's programs ended
+    (ns after ``t0``: first / median / last SM), and each SM's ns per tile from its first stage to its end (lowest
+    / median / highest): whether the SMs with more tiles end later, and whether some SMs stream slower."""
+    sms: dict[int, list] = {}
+    for r in rows:
+        sm = sms.setdefault(int(r[4, 2]), [0, None, None])
+        sm[0] += int(r[4, 3])
+        sm[1] = int(r[2, 0]) if sm[1] is None else min(sm[1], int(r[2, 0]))
+        sm[2] = int(r[4, 0]) if sm[2] is None else max(sm[2], int(r[4, 0]))
+    by_tiles: dict[int, list[int]] = {}
+    for tiles, _, end in sms.values():
+        by_tiles.setdefault(tiles, []).append(end - t0)
+    ns_per_tile = sorted((end - first) / tiles for tiles, first, end in sms.values())
+    return dict(by_tiles={t: dict(sms=len(e), end_first=min(e), end_median=statistics.median(e), end_last=max(e))
+                          for t, e in sorted(by_tiles.items())},
+                ns_per_tile=dict(lowest=ns_per_tile[0], median=statistics.median(ns_per_tile), highest=ns_per_tile[-1]))
 
 
 def main() -> int:
@@ -142,7 +167,7 @@ def main() -> int:
         raise SystemExit(f"{args.case}: the shipped config runs a Triton GEMM; the probes are in the Gluon one")
     sms = sm_count(torch.device("cuda"), off_gpu=1)
     programs = (sms * cfg.gemm1.programs_per_sm, sms * cfg.gemm2.programs_per_sm)
-    stamps = torch.zeros(2, MAX_PROGRAMS, len(EVENTS), 2, dtype=torch.int64, device="cuda")
+    stamps = torch.zeros(2, MAX_PROGRAMS, len(EVENTS), FIELDS, dtype=torch.int64, device="cuda")
     w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
     weights = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -179,14 +204,23 @@ def main() -> int:
         phases = {ph: statistics.median(s[g]["phases_ns"][ph] for s in summaries)
                   for ph in summaries[0][g]["phases_ns"]}  # fmt: skip
         clock_ghz = statistics.median(s[g]["clock_ghz"] for s in summaries)
+        # the SMs of the replay whose GEMM ended at the median time (SMs and their tiles differ between replays)
+        middle = sorted(summaries, key=lambda s: s[g]["points_ns"]["mma_end"]["last"])[len(summaries) // 2]
         result["gemms"][g] = dict(programs_with_tiles=summaries[0][g]["programs_with_tiles"], points_ns=points,
-                                  phases_ns=phases, clock_ghz=clock_ghz)  # fmt: skip
+                                  phases_ns=phases, clock_ghz=clock_ghz, per_sm=middle[g]["per_sm"])  # fmt: skip
         print(f"{g}: {result['gemms'][g]['programs_with_tiles']} programs with a tile; ns after GEMM1's first start "
               f"(first / median / last program); SM clock {clock_ghz:.2f} GHz")
         for ev, q in points.items():
             print(f"  {ev:<20} {q['first']:>9.0f} {q['median']:>9.0f} {q['last']:>9.0f}")
         for ph, ns in phases.items():
             print(f"  {ph:<40} {ns:>7.0f} ns inside a program (median)")
+        sm = result["gemms"][g]["per_sm"]
+        for tiles, q in sm["by_tiles"].items():
+            print(f"  SMs with {tiles:>3} tiles: {q['sms']:>3}, ending {q['end_first']:>9.0f} {q['end_median']:>9.0f} "
+                  f"{q['end_last']:>9.0f}")
+        rate = sm["ns_per_tile"]
+        print(f"  ns per tile on an SM: {rate['lowest']:.0f} / {rate['median']:.0f} / {rate['highest']:.0f} (lowest / "
+              f"median / highest)")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
