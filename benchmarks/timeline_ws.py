@@ -129,16 +129,18 @@ def per_sm(rows, t0: int) -> dict:
     """The SMs by how many tiles their programs ran: how many SMs, and when the last of each SM's programs ended
     (ns after ``t0``: first / median / last SM), and each SM's ns per tile from its first stage to its end (lowest
     / median / highest): whether the SMs with more tiles end later, and whether some SMs stream slower."""
-    sms: dict[int, list] = {}
+    tiles: dict[int, int] = {}
+    first: dict[int, int] = {}
+    end: dict[int, int] = {}
     for r in rows:
-        sm = sms.setdefault(int(r[4, 2]), [0, None, None])
-        sm[0] += int(r[4, 3])
-        sm[1] = int(r[2, 0]) if sm[1] is None else min(sm[1], int(r[2, 0]))
-        sm[2] = int(r[4, 0]) if sm[2] is None else max(sm[2], int(r[4, 0]))
+        sm, stage, done = int(r[4, 2]), int(r[2, 0]), int(r[4, 0])
+        tiles[sm] = tiles.get(sm, 0) + int(r[4, 3])
+        first[sm] = min(first.get(sm, stage), stage)
+        end[sm] = max(end.get(sm, done), done)
     by_tiles: dict[int, list[int]] = {}
-    for tiles, _, end in sms.values():
-        by_tiles.setdefault(tiles, []).append(end - t0)
-    ns_per_tile = sorted((end - first) / tiles for tiles, first, end in sms.values())
+    for sm, n in tiles.items():
+        by_tiles.setdefault(n, []).append(end[sm] - t0)
+    ns_per_tile = sorted((end[sm] - first[sm]) / n for sm, n in tiles.items())
     return dict(by_tiles={t: dict(sms=len(e), end_first=min(e), end_median=statistics.median(e), end_last=max(e))
                           for t, e in sorted(by_tiles.items())},
                 ns_per_tile=dict(lowest=ns_per_tile[0], median=statistics.median(ns_per_tile), highest=ns_per_tile[-1]))
