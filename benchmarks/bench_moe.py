@@ -308,16 +308,23 @@ def make_inputs(shape: MoEShape, tokens: int, seed: int, device: str):
     return x, topk_weights.contiguous(), topk_ids.contiguous()
 
 
-def copies_for(shape: MoEShape, tokens: list[int], per_expert_bytes: int, full_bytes: int, args, l2: int) -> int:
-    """Copies needed at the smallest T (the fewest touched experts), capped by max and by memory."""
+def expert_bytes(shape: MoEShape, path: str) -> int:
+    """One expert's weight bytes as ``path`` holds them: bf16 for the BF16 path, NVFP4 for ours and Marlin."""
+    return shape.expert_bf16_bytes() if path == "bf16" else shape.expert_nvfp4_bytes()
+
+
+def copies_for(shape: MoEShape, tokens: list[int], path: str, args, l2: int) -> int:
+    """Copies of ``path``'s weights needed at the smallest T (the fewest touched experts), capped by max and by
+    memory."""
     import torch
 
     if args.no_rotate:
         return 1
+    per_expert = expert_bytes(shape, path)
     touched = shape.max_touched(min(tokens))
-    want = rotation_copies(touched * per_expert_bytes, l2, factor=args.l2_factor, max_copies=args.max_copies)
+    want = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=args.max_copies)
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 8 << 30
-    by_memory = max(1, int(0.15 * free // max(full_bytes, 1)))
+    by_memory = max(1, int(0.15 * free // max(per_expert * shape.num_experts, 1)))
     return max(1, min(want, by_memory))
 
 
@@ -336,12 +343,10 @@ def run_model(
     log(f"   weights quantized in {time.time() - t0:.1f} s")
 
     fp4_expert = shape.expert_nvfp4_bytes()
-    bf16_expert = shape.expert_bf16_bytes()
     paths: dict[str, Path | None] = {}
     errors: dict[str, str] = {}
     for name in args.paths:
-        per_expert = bf16_expert if name == "bf16" else fp4_expert
-        n = copies_for(shape, tokens, per_expert, per_expert * shape.num_experts, args, l2)
+        n = copies_for(shape, tokens, name, args, l2)
         t1 = time.time()
         try:
             paths[name] = build_path(name, shape, (w13_q, w2_q, w13_deq, w2_deq), n)
@@ -430,7 +435,7 @@ def run_model(
             if p is None or any(n.startswith(f"{name} run") for n in notes):
                 row[f"{name}_us"] = None
                 continue
-            per_expert = bf16_expert if name == "bf16" else fp4_expert
+            per_expert = expert_bytes(shape, name)
             n_rot = 1 if args.no_rotate else rotation_copies(touched * per_expert, l2, factor=args.l2_factor,
                                                            max_copies=len(p.weights))
             fns_of[name] = [p.fn(c, x, topk_weights, topk_ids) for c in range(n_rot)]

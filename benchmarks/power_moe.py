@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_moe as B  # noqa: E402  (no torch at import: its paths import it when built)
+
 SMI_FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 # nvidia-smi's clocks_throttle_reasons bits (nvml.h, nvmlClocksEventReasons)
 THROTTLE_REASONS = {0x1: "gpu_idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal",
@@ -96,13 +98,9 @@ def bench_forwards(model: str, tokens: int, path: str) -> list:
     """bench_moe.py's ``path`` at (model, tokens): one forward per weight copy bench_moe would rotate through."""
     import torch
 
-    import bench_moe as B
-
     shape = B.MODELS[model]
     bench = B.build_parser().parse_args([])  # bench_moe's defaults: seed, rotation
-    per_expert = shape.expert_bf16_bytes() if path == "bf16" else shape.expert_nvfp4_bytes()
-    copies = B.copies_for(shape, [tokens], per_expert, per_expert * shape.num_experts, bench,
-                          torch.cuda.get_device_properties(0).L2_cache_size)  # fmt: skip
+    copies = B.copies_for(shape, [tokens], path, bench, torch.cuda.get_device_properties(0).L2_cache_size)
     built = B.build_path(path, shape, B.make_weights(shape, bench.seed, "cuda"), copies)
     x, topk_weights, topk_ids = B.make_inputs(shape, tokens, bench.seed, "cuda")
     return [built.fn(c, x, topk_weights, topk_ids) for c in range(len(built.weights))]
@@ -135,9 +133,9 @@ def time_replays(forwards: list, replays: int, cool_s: float) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="mixtral", help="bench_moe.py's model name")
+    p.add_argument("--model", default="mixtral", choices=sorted(B.MODELS), help="bench_moe.py's model name")
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--path", default="ours", choices=("ours", "marlin", "bf16"))
+    p.add_argument("--path", default="ours", choices=B.PATHS)
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--cool-s", type=float, default=0.0, help="seconds idle before each round (--replays: before all)")
     p.add_argument("--replays", type=int, default=0,
