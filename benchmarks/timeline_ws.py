@@ -51,10 +51,10 @@ def _stamp(EVENT: gl.constexpr, GATED: gl.constexpr, tiles):
 # (old, new) source edits; {GROUP0} guards the MMA points to group 0
 _EDITS = [
     ("""    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, kp) = shared
+     topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
 """, """    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, kp) = shared
+     topk_weights_ptr, n_out, kp) = shared
     if GROUP == 0:
         _stamp(0, GATED, 0)
     _after_previous_kernel(PDL)
@@ -69,23 +69,21 @@ _EDITS = [
         fence_async_shared()"""),
     ("""    last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
 """, """    if GROUP == 0:
-        if base + s0 == 0:  # the program's first tile
+        if base == 0:
             _stamp(3, GATED, 1)
     last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
 """),
-    ("""        used += s1 - s0 + slots - steps
-""", """        used += s1 - s0 + slots - steps
+    ("""        tiles_done += 1
+""", """        tiles_done += 1
     if GROUP == 0:
         _stamp(4, GATED, tiles_done)
 """),
     ("""    _after_previous_kernel(PDL)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
-    first, end, stride, first_step, end_step, per = _program_run(num_m_tiles * num_n_tiles, steps, STREAM_K)
     it = 0
 """, """    _after_previous_kernel(PDL)
     _stamp(5, GATED, 0)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
-    first, end, stride, first_step, end_step, per = _program_run(num_m_tiles * num_n_tiles, steps, STREAM_K)
     it = 0
 """),
 ]

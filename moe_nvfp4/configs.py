@@ -50,9 +50,8 @@ class GemmConfig:
     with one tile and some with two), every program takes an equal run of the tiles' K steps; a tile shared
     by programs is summed by the last of them to finish, in a fixed order.  Where a tile's K splits depends
     on its place in the run of all tiles, and the routing's atomics may put a row in another tile of its
-    expert from one run to the next, so outputs may differ in their last bits between runs; not so with pair
-    tiles (MoEKernelConfig.pair_tiles: a tile is a pair, in pair order), the one place a shipped config uses it.
-    Excludes split_k and k_groups.  programs_per_sm must then be what fits on an SM, or the runs past it wait
+    expert from one run to the next, so outputs may differ in their last bits between runs (no shipped config
+    uses it).  Excludes split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait
     for a second wave.
 
     warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp group and 4 or 8 MMA
@@ -106,7 +105,7 @@ class GemmConfig:
             and self.num_warps in (1, 2, 4, 8, 16)
             and self.split_k >= 1
             and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
-            and not (self.stream_k and (self.split_k > 1 or self.k_groups > 1))
+            and not (self.stream_k and self.split_k > 1)
             and (not self.warp_specialized or self._warp_specialized_ok())
             and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
@@ -119,7 +118,7 @@ class GemmConfig:
 
     def _warp_specialized_ok(self) -> bool:
         # whole K per tile, one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
-        return (self.split_k == 1 and self.num_warps in (4, 8)
+        return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
                 and self.block_n >= 16 * self.num_warps and self.num_stages >= 2)
 
     def _k_groups_fit(self) -> bool:

@@ -146,15 +146,13 @@ def test_stream_k_excludes_k_splits() -> None:
 
 
 def test_warp_specialized_takes_whole_tiles_and_pair_tiles_need_it() -> None:
-    """The warp-specialized kernel reads whole K per tile (or stream-K's runs, without K groups) and GEMM1's rows
-    in x's dtype; its MMA warp groups are 64 rows each.  Pair tiles (no routing kernel) need both GEMMs warp-specialized: the Triton kernel reads the
+    """The warp-specialized kernel reads whole K per tile and GEMM1's rows in x's dtype; its MMA warp groups are 64
+    rows each.  Pair tiles (no routing kernel) need both GEMMs warp-specialized: the Triton kernel reads the
     routing kernel's tile map."""
     ws = GemmConfig(warp_specialized=True)
     assert ws.is_valid(1024)
     assert not dataclasses.replace(ws, split_k=2).is_valid(1024)
-    assert dataclasses.replace(ws, stream_k=True).is_valid(1024)  # whole tiles or equal runs of K steps
-    grouped = GemmConfig(block_n=64, warp_specialized=True, k_groups=2, max_registers=168)
-    assert grouped.is_valid(1024) and not dataclasses.replace(grouped, stream_k=True).is_valid(1024)
+    assert not dataclasses.replace(ws, stream_k=True).is_valid(1024)
     assert not dataclasses.replace(ws, num_warps=8).is_valid(1024)  # 64 rows over two warp groups
     assert dataclasses.replace(ws, block_n=128, num_warps=8).is_valid(1024)
     assert not dataclasses.replace(ws, num_stages=1).is_valid(1024)  # a ring needs two stages

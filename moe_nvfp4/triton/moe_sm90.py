@@ -721,21 +721,6 @@ def _stream_k_workspace(gemm: GemmConfig, programs: int, block_m: int, matrices:
     return torch.empty(2 * programs, matrices * gemm.block_n * block_m, dtype=torch.float32, device=unused.device)
 
 
-# counters stream-K GEMMs count in where no routing kernel runs to zero them (pair tiles), per device and stream
-_ZEROED_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _self_zeroing_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters for both GEMMs at their most programs (8 an SM each), allocated zeroed once per device and
-    stream and never replaced (a captured CUDA graph keeps their address): every stream-K launch leaves them
-    zeroed, as the program finishing a tile zeroes its counter.  Forwards on one stream run in order, so none
-    counts in another's; a stream of its own gets counters of its own."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _ZEROED_COUNTERS:
-        _ZEROED_COUNTERS[key] = torch.zeros(2 * 8 * sm_count(device, off_gpu=2), dtype=torch.int32, device=device)
-    return _ZEROED_COUNTERS[key]
-
-
 def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
     """Whether the warp-specialized Gluon GEMMs can run: sm_90 code whose cp.async row copies are 16 bytes,
     compiled only where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors)
@@ -776,15 +761,15 @@ def fused_moe_sm90(
     ws_ok = _gluon_rows_ok(x, intermediate)
     ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
     # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids, and both GEMMs must number rows alike
+    # (the Triton GEMMs, the only readers of ``arrivals``, then do not run)
     pair_tiles = config.pair_tiles and ws1 and ws2 and expert_map is None
-    # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
-    n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k
     if pair_tiles:
         # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
         # are), so which variant compiles never depends on topk_ids' alignment
         tile_map = (torch.empty(4, dtype=torch.int32, device=x.device),) * 5
-        arrivals = _self_zeroing_counters(x.device)[:n_arrivals] if n_arrivals else tile_map[0]  # else unread
     else:
+        # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
+        n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k
         sorted_pairs, _, _, *tiles, arrivals = route(topk_ids, num_experts, config.block_m, expert_map, n_arrivals)
         tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
     # constexprs both GEMMs share
@@ -801,8 +786,8 @@ def fused_moe_sm90(
     pdl = shared["PDL"]
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map, ids,
-                       pair_tiles, topk_weights, _stream_k_workspace(g1, programs1, config.block_m, 2, ids), arrivals,
-                       intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1, pdl)  # fmt: skip
+                       pair_tiles, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1,
+                       pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs1,)](
             x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
@@ -816,8 +801,7 @@ def fused_moe_sm90(
     partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
     if ws2:
         launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
-                       ids, pair_tiles, topk_weights.reshape(-1), _stream_k_workspace(g2, programs2, config.block_m, 1,
-                       ids), arrivals[programs1 * g1.stream_k :], hidden, intermediate, k2p, top_k, False, g2,
+                       ids, pair_tiles, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2,
                        config.block_m, programs2, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](

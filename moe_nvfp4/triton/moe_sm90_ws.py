@@ -106,39 +106,14 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 
 
 @gluon.jit
-def _program_run(num_tiles, steps, STREAM_K: gl.constexpr):
-    """The tiles this program takes, as range arguments (first, end, stride), and its run of K steps
-    [first_step, end_step) of all tiles' steps laid end to end, ``per`` of them a program.  Whole tiles are dealt
-    out in turn; with STREAM_K every program takes an equal run of steps, so a tile may be shared by the programs
-    whose runs it spans (moe_sm90._stream_k_fixup's scheme).  Loader and MMA warps walk the same runs."""
-    pid = gl.program_id(0)
-    if STREAM_K:
-        total = num_tiles * steps
-        per = gl.cdiv(total, gl.num_programs(0))
-        first_step = pid * per
-        end_step = gl.minimum(first_step + per, total)
-        return first_step // steps, gl.cdiv(end_step, steps), 1, first_step, end_step, per
-    else:
-        return pid, num_tiles, gl.num_programs(0), 0, num_tiles * steps, steps
-
-
-@gluon.jit
-def _run_steps(mn, steps, first_step, end_step, STREAM_K: gl.constexpr):
-    """Tile mn's K steps [s0, s1) in this program's run: all of them unless STREAM_K cuts the tile."""
-    if STREAM_K:
-        return gl.maximum(first_step - mn * steps, 0), gl.minimum(end_step - mn * steps, steps)
-    else:
-        return mn * 0, steps
-
-
-@gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr, STREAM_K: gl.constexpr):
+            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
+    pid = gl.program_id(0)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
     matrices = 2 * n_units if GATED else n_units
@@ -149,21 +124,17 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         # (the tile map is the routing kernel's, which ended before GEMM1 let this kernel launch; topk_ids, read
         # with PAIR_TILES, come from a kernel before GEMM1 too)
         num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
-        first, end, stride, first_step, end_step, per = _program_run(num_m_tiles * num_n_tiles, steps, STREAM_K)
-        if first < end:
-            n_tile, expert, row0, row_end = _tile(first, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
-            s0, s1 = _run_steps(first, steps, first_step, end_step, STREAM_K)
-            early = gl.minimum(s1 - s0, STAGES)
-            for e in range(early):  # the ring's first uses: every stage is free
-                _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(e), e, s0 + e,
+        if pid < num_m_tiles * num_n_tiles:
+            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
+            early = gl.minimum(steps, STAGES)
+            for step in range(early):  # the ring's first uses: every stage is free
+                _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
                                expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
     _after_previous_kernel(PDL)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
-    first, end, stride, first_step, end_step, per = _program_run(num_m_tiles * num_n_tiles, steps, STREAM_K)
     it = 0
-    for mn in range(first, end, stride):
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
-        s0, s1 = _run_steps(mn, steps, first_step, end_step, STREAM_K)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
         if GATED:
@@ -175,7 +146,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         unit0 = expert * matrices + n_tile * UNITS
         # a padding slot (step >= steps) loads nothing (its token rows' copies are all masked off) and only
         # passes its stage on
-        for step in range(s0, s1 + slots - steps):
+        for step in range(slots):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
@@ -218,8 +189,7 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr,
-              STREAM_K: gl.constexpr):
+              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
@@ -227,52 +197,46 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
     group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, kp) = shared
+     topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
+    pid = gl.program_id(0)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
-    first, end, stride, first_step, end_step, per = _program_run(num_m_tiles * num_n_tiles, steps, STREAM_K)
     # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
     # global scales made the 8-warp one spill
     EARLY: gl.constexpr = NARROW < 2 or not GATED
     tiles_done = 0
-    used = 0  # ring slots this program's earlier tiles used
-    for mn in range(first, end, stride):
+    for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
-        s0, s1 = _run_steps(mn, steps, first_step, end_step, STREAM_K)
-        # a step's ring slot is used - s0 + step: the loader issues a tile's slots s0 .. s1 (and its padding)
-        tile = (n_tile, expert, row0, row_end, used - s0, tiles_done & 1, steps, slots, mn, s0, s1, per)
+        tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, BLOCK_M, STREAM_K)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, BLOCK_M, STREAM_K)
+                       EARLY, PAIR_TILES)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES, BLOCK_M, STREAM_K)
+                       EARLY, PAIR_TILES)
         else:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
-                       PAIR_TILES, BLOCK_M, STREAM_K)
+                       PAIR_TILES)
         tiles_done += 1
-        used += s1 - s0 + slots - steps
 
 
 @gluon.jit
 def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
                DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr, BLOCK_M: gl.constexpr,
-               STREAM_K: gl.constexpr):
-    """One tile's K steps [s0, s1) for this group (all of them but where STREAM_K cuts the tile), with MMAs WIDTH
-    tokens wide (the first WIDTH rows of each stage's token rows), then its sums handed to group 0 or, in group
-    0, the epilogue (EARLY: its loads issued as the tile starts, so they return while the K steps run); a cut
-    tile's epilogue runs in the program that finishes it (_stream_k_fixup)."""
+               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
+    """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
+    rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
+    starts, so they return while the K steps run)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, kp) = shared
-    n_tile, expert, row0, row_end, base, phase, steps, slots, mn, s0, s1, per = tile
+     topk_weights_ptr, n_out, kp) = shared
+    n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
@@ -294,7 +258,7 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     # differently from run to run) never changes its bits.  With STAGES a multiple of K_GROUPS each stage
     # then always serves one group, which waits for its uses in order, so a stage's barrier is never more than
     # one phase ahead of its waiter.
-    for step in range(s0 + GROUP, s1, K_GROUPS):
+    for step in range(GROUP, steps, K_GROUPS):
         it = base + step
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -343,60 +307,10 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
             if GATED:
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
-        finish = True
-        if STREAM_K:
-            if (s0 > 0) | (s1 < steps):
-                acc, acc_up, finish = _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, mn, steps, per, GATED,
-                                                      BLOCK_N, BLOCK_M, WIDTH, MMA_L)  # fmt: skip
-        if finish:
-            if not EARLY:
-                operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L,
-                                              PAIR_TILES)  # fmt: skip
-            _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
-                      GATED, BLOCK_N, WIDTH, DTYPE, MMA_L)
-
-
-@gluon.jit
-def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, mn, steps, per, GATED: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, MMA_L: gl.constexpr):
-    """moe_sm90._stream_k_fixup for one MMA warp group: tile mn was cut between programs q_first .. q_last, and
-    this program's part of its K steps is summed in (acc, acc_up).  Returns the tile's whole sums and True in the
-    program that arrives last, else False.  Each part goes to its program's fp32 slot (2 q for the first tile q
-    touches, 2 q + 1 for its last), then the program counts itself in on q_first's counter (release/acquire, one
-    thread, after a barrier of the group's warps); the last to arrive sums the slots in program order, so the
-    bits do not depend on who arrives last, and zeroes the counter again: with pair tiles no routing kernel runs
-    to zero it, so the counters start every forward at zero because the last forward left them so."""
-    pid = gl.program_id(0)
-    q_first = (mn * steps) // per
-    q_last = (mn * steps + steps - 1) // per
-    TILE: gl.constexpr = BLOCK_N * BLOCK_M
-    PIECE: gl.constexpr = TILE * 2 if GATED else TILE
-    idx = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))[:, None] * WIDTH
-           + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))[None, :])
-    mine = workspace_ptr + _partial_slot(pid, mn, steps, per) * PIECE + idx
-    gl.store(mine, acc)
-    if GATED:
-        gl.store(mine + TILE, acc_up)
-    gl.thread_barrier()  # every thread's part is stored before the release below
-    arrived = gl.atomic_add(arrivals_ptr + q_first, 1, sem="acq_rel", scope="gpu")
-    finish = arrived == q_last - q_first
-    # the finisher re-reads its own part too, so the sum runs in program order from zero
-    acc = gl.zeros_like(acc)
-    acc_up = gl.zeros_like(acc_up)
-    if finish:
-        gl.store(arrivals_ptr + q_first, 0)  # every program of the tile has counted in: ready for the next forward
-        for q in range(q_first, q_last + 1):
-            part = workspace_ptr + _partial_slot(q, mn, steps, per) * PIECE + idx
-            acc += gl.load(part, cache_modifier=".cg")  # L2: written by other SMs during this kernel
-            if GATED:
-                acc_up += gl.load(part + TILE, cache_modifier=".cg")
-    return acc, acc_up, finish
-
-
-@gluon.jit
-def _partial_slot(q, mn, steps, per):
-    """Program q's workspace slot for tile mn: 2 q if mn is the first tile q touches, else 2 q + 1 (its last)."""
-    return 2 * q.to(gl.int64) + ((q * per) // steps != mn).to(gl.int64)
+        if not EARLY:
+            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
+        _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
+                  BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
@@ -440,12 +354,12 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
                         tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
-                        topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k, kp,
+                        topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        PAIR_TILES: gl.constexpr, STREAM_K: gl.constexpr):
+                        PAIR_TILES: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -473,35 +387,35 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat) and their count (the map goes unread)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              tile_map, topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, kp)
+              tile_map, topk_weights_ptr, n_out, kp)
     loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, STREAM_K)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif K_GROUPS == 2:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, STREAM_K)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif K_GROUPS == 3:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, STREAM_K)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL, STREAM_K)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL, STREAM_K)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
 
 
@@ -547,8 +461,6 @@ def launch_gemm_ws(
     topk_ids: torch.Tensor,
     pair_tiles: bool,
     topk_weights: torch.Tensor,
-    workspace: torch.Tensor,
-    arrivals: torch.Tensor,
     n_out: int,
     k: int,
     kp: int,
@@ -562,16 +474,14 @@ def launch_gemm_ws(
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
     whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With
     ``pair_tiles`` each (token, k) pair of ``topk_ids`` (flat, global expert ids) is a token tile of its own and
-    its row is the pair's: tile_map goes unread and no routing kernel needs to run.  With ``gemm.stream_k``,
-    ``workspace`` holds two fp32 partial tiles a program and ``arrivals`` a zeroed counter a program (left zeroed
-    by the launch); otherwise both go unread."""
+    its row is the pair's: tile_map goes unread and no routing kernel needs to run."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(), topk_weights,
-        workspace, arrivals, n_out, k, kp,
+        n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
         STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        PAIR_TILES=pair_tiles, STREAM_K=gemm.stream_k, launch_pdl=pdl, **gemm.launch_options(),
+        PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

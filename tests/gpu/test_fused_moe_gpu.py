@@ -17,7 +17,6 @@ import triton.language as tl
 
 import moe_nvfp4 as m
 from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-from moe_nvfp4.triton import moe_sm90 as K
 from moe_nvfp4.triton.moe_sm90 import _silu_times, compiled_variants, fused_moe_sm90, route
 
 pytestmark = pytest.mark.gpu
@@ -423,55 +422,6 @@ def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
     device (GEMM2's loader before GEMM1 has ended)."""
     cfg = _pair_tiles_config(8, PAIR_CASES[1][2])
     _graph_replays_with_new_routing(Case("graph pair tiles", 64, 8, 2048, 768, 1), cfg, gen)
-
-
-WS_STREAM_K_CASES = [  # (case, block_m, GEMM1 and GEMM2 fields, pair tiles)
-    # Mixtral's T=1 shapes at K 2048: 16 tiles of 8 steps over 396 programs, so each tile spans 8 programs' runs
-    (Case("one token, Mixtral-like pair tiles: a tile over 8 programs", 8, 2, 2048, 1024, 1), 16,
-     (dict(block_n=128, num_stages=2, chunks_per_stage=2, programs_per_sm=3, narrow_tiles=1, loader_warps=1,
-           stream_k=True), dict(block_n=64, num_stages=4, chunks_per_stage=4, k_groups=2, max_registers=168)), True),
-    (Case("9 tokens on 8 experts, pair tiles, both GEMMs", 8, 2, 512, 256, 9), 8,
-     (dict(block_n=64, stream_k=True), dict(block_n=64, stream_k=True)), True),
-    (Case("routed decode, narrow tiles, GEMM1", 8, 2, 1024, 512, 13), 16,
-     (dict(block_n=128, chunks_per_stage=2, narrow_tiles=1, stream_k=True), dict(block_n=64)), False),
-    (Case("routed, many experts, padded K, GEMM2 (its first run's weights before GEMM1 ends)", 64, 8, 640, 208, 9), 8,
-     (dict(block_n=64), dict(block_n=128, num_warps=8, programs_per_sm=2, stream_k=True)), False),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case,block_m,fields,pairs", WS_STREAM_K_CASES, ids=lambda v: getattr(v, "why", None))
-def test_warp_specialized_stream_k(case, block_m, fields, pairs, dtype, gen) -> None:
-    """Stream-K in the Gluon GEMM: equal runs of ring steps per program, a cut tile finished by the last of its
-    programs to arrive.  Against the float64 reference with outputs and scratch poisoned, bit-identical over five
-    runs (who arrives last varies; the order of the sum must not), within rounding of whole tiles, and the
-    counters left zeroed for the next forward (with pair tiles no routing kernel zeroes them)."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
-    gemms = [GemmConfig(**{"max_registers": 128, **f, "warp_specialized": True}) for f in fields]
-    cfg = MoEKernelConfig(block_m, *gemms, pair_tiles=pairs)
-    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    first = None
-    for _ in range(5):
-        out = _poisoned_run(x, args, cfg)
-        assert _rel(out, ref) < REL_TOL[dtype]
-        first = out if first is None else first
-        assert torch.equal(out, first)
-        assert all(not c.any() for c in K._ZEROED_COUNTERS.values())
-    whole = fused_moe_sm90(x, *args, MoEKernelConfig(block_m, *[dataclasses.replace(g, stream_k=False) for g in gemms],
-                                                     pair_tiles=pairs))  # fmt: skip
-    assert _rel(out, whole) < REL_TOL[dtype] / 4
-
-
-def test_warp_specialized_stream_k_in_a_cuda_graph(gen: torch.Generator) -> None:
-    """Pair tiles with stream-K captured once: every replay finds the counters the last one left zeroed."""
-    cfg = MoEKernelConfig(16, *[GemmConfig(**{"max_registers": 128, **f, "warp_specialized": True})
-                                for f in WS_STREAM_K_CASES[0][2]], pair_tiles=True)  # fmt: skip
-    _graph_replays_with_new_routing(Case("graph Gluon stream-K", 8, 2, 2048, 1024, 1), cfg, gen)
 
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
