@@ -36,6 +36,7 @@ __all__ = [
     "measure_bf16_matmul_rate",
     "measure_ceilings",
     "measure_copy_bandwidth",
+    "measure_read_bandwidth",
     "nvfp4_matrix_bytes",
     "rotation_copies",
     "sync",
@@ -217,6 +218,22 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, device: str =
     if device != "cpu":
         torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3), {"bytes": nbytes, "iters": iters, "median_ms": ms, "min_ms": min(times)}
+
+
+def measure_read_bandwidth(nbytes: int = 2 << 30, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:
+    """A sum over ``nbytes`` of float32 (>> L2): bytes read per second, the ceiling a weight-streaming kernel
+    could reach (the copy's counts a read and a write, and writes cost HBM more). Median."""
+    import torch
+
+    if device == "cpu":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    times = _median_events_ms(lambda: src.sum(), iters, warmup=3)
+    ms = statistics.median(times)
+    del src
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3), {"bytes": nbytes, "iters": iters, "median_ms": ms, "min_ms": min(times)}
 
 
 def measure_bf16_matmul_rate(n: int = 8192, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:
