@@ -203,37 +203,42 @@ def _median_events_ms(fn: Callable[[], Any], iters: int, warmup: int) -> list[fl
     return _time_calls_ms([fn], iters)
 
 
+def _streaming_rate(make_call: Callable[[Any], Callable[[], Any]], moved_per_byte: int, nbytes: int, iters: int,
+                    device: str) -> tuple[float, dict]:
+    """Bytes moved per second by the call ``make_call(src)`` returns, ``src`` being ``nbytes`` of random bytes
+    (>> L2; at most 64 MiB on the CPU) and each byte of it moving ``moved_per_byte`` bytes. Median."""
+    import torch
+
+    if device == "cpu":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    call = make_call(src)
+    times = _median_events_ms(call, iters, warmup=3)
+    ms = statistics.median(times)
+    del src, call
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    detail = {"bytes": nbytes, "iters": iters, "median_ms": ms, "min_ms": min(times)}
+    return moved_per_byte * nbytes / (ms * 1e-3), detail
+
+
 def measure_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:
     """Device-to-device copy of ``nbytes`` (>> L2); bandwidth counts bytes read + written. Median."""
     import torch
 
-    if device == "cpu":
-        nbytes = min(nbytes, 64 << 20)
+    def copy(src):
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    times = _median_events_ms(lambda: dst.copy_(src), iters, warmup=3)
-    ms = statistics.median(times)
-    del src, dst
-    if device != "cpu":
-        torch.cuda.empty_cache()
-    return 2 * nbytes / (ms * 1e-3), {"bytes": nbytes, "iters": iters, "median_ms": ms, "min_ms": min(times)}
+    return _streaming_rate(copy, 2, nbytes, iters, device)
 
 
 def measure_read_bandwidth(nbytes: int = 2 << 30, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:
-    """A sum over ``nbytes`` of float32 (>> L2): bytes read per second, the ceiling a weight-streaming kernel
-    could reach (the copy's counts a read and a write, and writes cost HBM more). Median."""
+    """A float32 sum over ``nbytes`` (>> L2): bytes read per second, the ceiling a weight-streaming kernel could
+    reach (the copy's rate counts a read and a write, and writes cost HBM more). Median."""
     import torch
 
-    if device == "cpu":
-        nbytes = min(nbytes, 64 << 20)
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    times = _median_events_ms(lambda: src.sum(), iters, warmup=3)
-    ms = statistics.median(times)
-    del src
-    if device != "cpu":
-        torch.cuda.empty_cache()
-    return nbytes / (ms * 1e-3), {"bytes": nbytes, "iters": iters, "median_ms": ms, "min_ms": min(times)}
+    return _streaming_rate(lambda src: lambda: src.view(torch.float32).sum(), 1, nbytes, iters, device)
 
 
 def measure_bf16_matmul_rate(n: int = 8192, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:
