@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from harness import MoEShape, measure_read_bandwidth  # noqa: E402
+from harness import MoEShape, measure_copy_bandwidth, measure_read_bandwidth  # noqa: E402
 from loader_rate import gemm_bytes, timed_gemms  # noqa: E402
 
 
@@ -28,7 +28,9 @@ def test_a_variant_times_the_gemm_it_changes() -> None:
     assert timed_gemms("shipped", ["gemm1", "gemm2"]) == ["gemm1", "gemm2"]
 
 
-def test_read_ceiling_counts_bytes_read_once() -> None:
+def test_read_ceiling_counts_bytes_read_once_and_the_copy_twice() -> None:
     bps, detail = measure_read_bandwidth(nbytes=1 << 20, iters=3, device="cpu")
     assert bps > 0 and detail["bytes"] == 1 << 20
     assert bps == pytest.approx(detail["bytes"] / (detail["median_ms"] * 1e-3))
+    copy_bps, copy = measure_copy_bandwidth(nbytes=1 << 20, iters=3, device="cpu")
+    assert copy_bps == pytest.approx(2 * copy["bytes"] / (copy["median_ms"] * 1e-3))
