@@ -13,6 +13,8 @@ its own and runs the shipped config of each case with it.  Its outputs are wrong
 * ``no_mma``: the decode runs, and an xor of each operand register into a sink stands in for the wgmma.
 * ``loads_only``: both: the MMA warps read the stage's bytes from shared memory and free it.
 * ``no_fence``: without the proxy fence after each stage's wait (correct here only by timing luck).
+* ``stages_only``: the MMA warps only wait for each stage and free it (no shared-memory read, decode or MMA):
+  the loader's rate.  ``loads_only`` still reads every stage, converts each byte and folds the result per tile.
 
 Per case: the forward by CUDA-graph replay (median of three ``do_bench_cudagraph``) and each kernel's
 device time with programmatic dependent launch off (torch profiler, 20 forwards), in launch order.  One copy
@@ -54,6 +56,10 @@ _SINK = [("    acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)\n",
           "    folded = gl.max(gl.max(sink.to(gl.int32), axis=1), axis=0)\n"
           "    gl.store(out_ptr, folded.to(out_ptr.dtype.element_ty), mask=folded == 1 << 20)\n"
           "    if GROUP > 0:  # hand this group's sums to group 0\n")]  # fmt: skip
+# the stage's reads, decode and MMAs all taken out (a loop over no chunks): the MMA warps wait for each stage and
+# free it, and the epilogue stores zero sums, so the GEMM runs at its loader's rate
+_STAGES = ("        for c in gl.static_range(CHUNKS):\n            b = a_smem",
+           "        for c in gl.static_range(0):\n            b = a_smem")  # fmt: skip
 _FENCE = ("        fence_async_shared()  # the token rows", "        # fence_async_shared()  # the token rows")
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "full": [],
@@ -61,6 +67,7 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "no_mma": [_MMA, *_SINK],
     "loads_only": [_DECODE, _MMA, *_SINK],
     "no_fence": [_FENCE],
+    "stages_only": [_STAGES],
 }
 CASES = ("mixtral-8x7b:1", "mixtral-8x7b:16", "mixtral-8x7b:64", "qwen3-30b-a3b:1", "qwen3-30b-a3b:16")
 

@@ -1,7 +1,7 @@
 """How fast the warp-specialized GEMMs stream their weights: one GEMM's time per kernel (plain launches,
-profile_moe.kernel_times) with the loads alone (ablate_ws's ``loads_only``: the ring's TMA boxes and token rows
-arrive and are passed back, nothing decoded or multiplied) and in full, over ring shapes, against a plain read of
-2 GiB on the same GPU (harness.measure_read_bandwidth: the read ceiling).
+profile_moe.kernel_times) with the stages alone (ablate_ws's ``stages_only``: the ring's TMA boxes and token rows
+arrive and the MMA warps free each stage unread) and in full, over ring shapes, against a plain read of 2 GiB on
+the same GPU (harness.measure_read_bandwidth: the read ceiling).
 
     python benchmarks/loader_rate.py --cases mixtral-8x7b:1,mixtral-8x7b:16 \\
         --variants shipped,gemm1:num_stages=3,gemm1:chunks_per_stage=2/num_stages=4 --out benchmarks/results/loader
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ab_moe import gemm_variant  # noqa: E402
 from harness import nvfp4_matrix_bytes  # noqa: E402
 
-KERNELS = ("loads_only", "full")
+KERNELS = ("stages_only", "full")
 
 
 def gemm_bytes(gemm: str, touched_experts: int, hidden: int, inter: int) -> int:
@@ -111,8 +111,8 @@ def main() -> int:
         write_json(str(args.out / "loader_rate.json"), meta, rows)
         lines = [dict(r, **{f"{k}_{f}": r[k][f] for k in KERNELS for f in ("us", "pct_of_read")}) for r in rows]
         table = markdown_table(lines, [("model", "model", ""), ("tokens", "T", "d"), ("variant", "variant", ""),
-                                       ("gemm", "GEMM", ""), ("loads_only_us", "loads alone µs", ".1f"),
-                                       ("loads_only_pct_of_read", "% of read", ".0f"), ("full_us", "full µs", ".1f"),
+                                       ("gemm", "GEMM", ""), ("stages_only_us", "stages alone µs", ".1f"),
+                                       ("stages_only_pct_of_read", "% of read", ".0f"), ("full_us", "full µs", ".1f"),
                                        ("full_pct_of_read", "% of read", ".0f")])  # fmt: skip
         write_markdown(str(args.out / "loader_rate.md"), "Weight streaming rate of the Gluon GEMMs",
                        [f"device: {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}",

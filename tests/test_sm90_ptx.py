@@ -447,11 +447,12 @@ def test_decode_instruction_budget() -> None:
     assert words <= ops["PRMT"] <= words + 16  # the rest: a few outside the decode
 
 
-@pytest.mark.parametrize("ablation", ["full", "no_decode", "no_mma", "loads_only", "no_fence"])
+@pytest.mark.parametrize("ablation", ["full", "no_decode", "no_mma", "loads_only", "no_fence", "stages_only"])
 def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path) -> None:
     """benchmarks/ablate_ws.py's kernels (the GPU times in design 002 come from them) still apply to the
     current source and compile for sm_90, each without exactly the work it names: the decode PTX's packed
-    multiplies, the wgmma, the proxy fence."""
+    multiplies, the wgmma, the proxy fence; stages_only all of the stage's reads, decode and MMAs, keeping its waits
+    and frees."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import ablate_ws
 
@@ -459,10 +460,12 @@ def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path)
 
     monkeypatch.setattr(W, "_moe_gemm_ws_kernel", ablate_ws.load_ablation(ablation, tmp_path)._moe_gemm_ws_kernel)
     ptx = _compile_ws(True, 128, 4, 128, 2)["ptx"]
-    assert ("mul.rn.bf16x2" in ptx) == (ablation not in ("no_decode", "loads_only"))
-    assert ("wgmma.mma_async" in ptx) == (ablation not in ("no_mma", "loads_only"))
+    assert ("mul.rn.bf16x2" in ptx) == (ablation not in ("no_decode", "loads_only", "stages_only"))
+    assert ("wgmma.mma_async" in ptx) == (ablation not in ("no_mma", "loads_only", "stages_only"))
     assert ("fence.proxy.async.shared::cta" in ptx) == (ablation != "no_fence")
-    assert "ld.shared.v4" in ptx  # every one still reads the stage's bytes
+    # every one but stages_only still reads the stage's bytes; all wait for each stage and free it
+    assert ("ld.shared.v4" in ptx) == (ablation != "stages_only")
+    assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
 
 
 @pytest.mark.parametrize("gated,pair_tiles,k_groups", [(True, True, 2), (False, True, 1), (True, False, 1)])
