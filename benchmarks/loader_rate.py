@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ab_moe import gemm_variant  # noqa: E402
 from harness import nvfp4_matrix_bytes  # noqa: E402
 
-KERNELS = ("stages_only", "full")
+# ablate_ws's kernels timed, with their column labels
+KERNEL_LABELS = {"stages_only": "stages alone", "full": "full"}
 
 
 def gemm_bytes(gemm: str, touched_experts: int, hidden: int, inter: int) -> int:
@@ -100,7 +101,7 @@ def main() -> int:
     read_bps, read_detail = measure_read_bandwidth()
     print(f"read ceiling {read_bps / 1e12:.2f} TB/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        kernels = {name: load_ablation(name, Path(tmp))._moe_gemm_ws_kernel for name in KERNELS}
+        kernels = {name: load_ablation(name, Path(tmp))._moe_gemm_ws_kernel for name in KERNEL_LABELS}
         rows = []
         for case in args.cases.split(","):
             model, tokens = case.split(":")
@@ -109,11 +110,11 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = dict(environment(), read_bytes_per_s=read_bps, read_detail=read_detail)
         write_json(str(args.out / "loader_rate.json"), meta, rows)
-        lines = [dict(r, **{f"{k}_{f}": r[k][f] for k in KERNELS for f in ("us", "pct_of_read")}) for r in rows]
-        table = markdown_table(lines, [("model", "model", ""), ("tokens", "T", "d"), ("variant", "variant", ""),
-                                       ("gemm", "GEMM", ""), ("stages_only_us", "stages alone µs", ".1f"),
-                                       ("stages_only_pct_of_read", "% of read", ".0f"), ("full_us", "full µs", ".1f"),
-                                       ("full_pct_of_read", "% of read", ".0f")])  # fmt: skip
+        lines = [dict(r, **{f"{k}_{f}": r[k][f] for k in KERNEL_LABELS for f in ("us", "pct_of_read")}) for r in rows]
+        columns = [("model", "model", ""), ("tokens", "T", "d"), ("variant", "variant", ""), ("gemm", "GEMM", "")]
+        for k, label in KERNEL_LABELS.items():
+            columns += [(f"{k}_us", f"{label} µs", ".1f"), (f"{k}_pct_of_read", "% of read", ".0f")]
+        table = markdown_table(lines, columns)
         write_markdown(str(args.out / "loader_rate.md"), "Weight streaming rate of the Gluon GEMMs",
                        [f"device: {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}",
                         f"read ceiling (sum over 2 GiB): {read_bps / 1e12:.2f} TB/s",
