@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 import moe_nvfp4 as m
-from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+from moe_nvfp4.configs import CONFIG_DIR, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, load_config_file
 from moe_nvfp4.triton.moe_sm90 import _silu_times, compiled_variants, fused_moe_sm90, route
 
 pytestmark = pytest.mark.gpu
@@ -537,3 +538,34 @@ def test_gated_activation_is_silu_times_up_to_fp32_rounding(gen: torch.Generator
         err = (out.double() - ref).abs() / ref.abs().clamp_min(1e-28)
         bound = 4e-7 + gate.double().abs() * 2.0**-24
         assert (err < bound).all(), (use_asm, gate[(err / bound).argmax()].item(), (err / bound).max().item())
+
+
+SHIPPED_ENTRIES = [(path, entry) for path in sorted((CONFIG_DIR / KERNEL_NAME).glob("*.json"))
+                   for entry in load_config_file(str(path))[1]]  # fmt: skip
+# the shipped shapes are Mixtral's (8 experts, top-2) and Qwen3-30B-A3B's (128 experts, top-8); entries key on the
+# weights' shape only
+TOP_K_OF_EXPERTS = {8: 2, 128: 8}
+
+
+@pytest.mark.parametrize("path,entry", SHIPPED_ENTRIES, ids=[
+    f"{p.stem}-E{e['experts']}-H{e['hidden']}-I{e['intermediate']}-T{e['max_tokens']}" for p, e in SHIPPED_ENTRIES])
+def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Generator) -> None:
+    """Every tuned entry this GPU would select, at its own model shape and at the largest token count it serves
+    (most tiles, ragged last tiles per expert), with outputs and scratch poisoned, against the float64 reference
+    on the same NVFP4 weights (the full FP4 code range).  Entries of other devices' files are skipped: a re-tune
+    is checked on the GPU it was tuned for."""
+    device_name = torch.cuda.get_device_name()
+    if config_path(device_name).resolve() != path.resolve():
+        pytest.skip(f"entry of {path.name}, this GPU is {device_name}")
+    experts, hidden, inter, tokens = entry["experts"], entry["hidden"], entry["intermediate"], entry["max_tokens"]
+    case = Case("shipped", experts, TOP_K_OF_EXPERTS.get(experts, 8), hidden, inter, tokens)
+    cfg = MoEKernelConfig.from_dict(entry["config"])
+    q13, q2 = _layer(case, gen, "cuda")
+    w = m.prepare_moe_weights(q13, q2)
+    dtype = getattr(torch, entry["dtype"])
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+    tw, ti = _routing(case, gen, "cuda")
+    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, inter)
+    out = _poisoned_run(x, args, cfg)
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+    assert _rel(out, ref) < REL_TOL[dtype], cfg
