@@ -560,11 +560,8 @@ def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Gen
     experts, hidden, inter, tokens = entry["experts"], entry["hidden"], entry["intermediate"], entry["max_tokens"]
     case = Case("shipped", experts, TOP_K_OF_EXPERTS.get(experts, 8), hidden, inter, tokens)
     cfg = MoEKernelConfig.from_dict(entry["config"])
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
     dtype = getattr(torch, entry["dtype"])
-    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
+    q13, q2, w, x, tw, ti = _problem(case, gen, dtype)
     args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, inter)
     out = _poisoned_run(x, args, cfg)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
