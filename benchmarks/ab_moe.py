@@ -98,11 +98,10 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     import torch
 
     from harness import time_graph
-    from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
-    from tune_moe import MODELS, make_layer, rotated_weights
+    from tune_moe import MODELS, packed_layer, rotated_weights, seeded_inputs
 
     e, k, h, i = MODELS[model]
     device_name = torch.cuda.get_device_name()
@@ -110,11 +109,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, e, k, h, i, torch.bfloat16,
                                                                                  device_name))
                 for v in variants if v.startswith("configs=")}  # fmt: skip
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
-    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
-    w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
-    weights = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
+    x, tw, ti = seeded_inputs(model, tokens)
+    weights = packed_layer(model)
     copies = rotated_weights(weights, ti)
     shipped_launch = moe_sm90_ws.launch_gemm_ws
 

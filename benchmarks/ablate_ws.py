@@ -101,20 +101,16 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from profile_moe import kernel_times
-    from tune_moe import MODELS, make_layer
+    from tune_moe import MODELS, packed_layer, seeded_inputs
 
     e, k, h, i = MODELS[model]
     if model not in layers:
-        w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
-        layers[model] = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
+        layers[model] = packed_layer(model)
     weights = layers[model]
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
-    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
+    x, tw, ti = seeded_inputs(model, tokens)
     cfg = select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
     shipped = moe_sm90_ws._moe_gemm_ws_kernel
     rows, ref = [], None

@@ -45,19 +45,15 @@ def run_case(model: str, tokens: int, variants: list[str], shipped_gemms: list[s
              read_bps: float) -> list[dict]:
     import torch
 
-    from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from profile_moe import kernel_times
-    from tune_moe import MODELS, make_layer
+    from tune_moe import MODELS, packed_layer, seeded_inputs
 
     e, k, h, i = MODELS[model]
-    w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
-    weights = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
-    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
+    weights = packed_layer(model)
+    x, tw, ti = seeded_inputs(model, tokens)
     shipped_cfg = select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
     touched = len(torch.unique(ti))
     padded = FragmentLayout().padded_k

@@ -155,11 +155,10 @@ def main() -> int:
 
     import torch
 
-    from moe_nvfp4 import prepare_moe_weights, topk_softmax
     from moe_nvfp4.configs import select_config
     from moe_nvfp4.dispatch import sm_count
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
-    from tune_moe import MODELS, make_layer
+    from tune_moe import MODELS, packed_layer, seeded_inputs
 
     model, tokens = args.case.split(":")
     tokens = int(tokens)
@@ -170,11 +169,8 @@ def main() -> int:
     sms = sm_count(torch.device("cuda"), off_gpu=1)
     programs = (sms * cfg.gemm1.programs_per_sm, sms * cfg.gemm2.programs_per_sm)
     stamps = torch.zeros(2, MAX_PROGRAMS, len(EVENTS), FIELDS, dtype=torch.int64, device="cuda")
-    w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
-    weights = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
-    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda", generator=gen), k, renormalize=True)
+    weights = packed_layer(model)
+    x, tw, ti = seeded_inputs(model, tokens)
     ref = moe_sm90.fused_moe_sm90(x, *weights, tw, ti, None, i, cfg)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     flush = torch.empty(l2, dtype=torch.int32, device="cuda")  # 4 x L2 bytes, zeroed before each forward

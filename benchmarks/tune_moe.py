@@ -81,6 +81,28 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
     return q13, q2
 
 
+def packed_layer(model: str, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """``model``'s layer (make_layer's random weights) packed for the kernels, as fused_moe_sm90 takes them:
+    (w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global)."""
+    from moe_nvfp4 import prepare_moe_weights
+
+    e, _, h, i = MODELS[model]
+    w = prepare_moe_weights(*make_layer(e, h, i, device))
+    return w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global
+
+
+def seeded_inputs(model: str, tokens: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """bf16 activations [tokens, H] and softmax top-k routing (topk_weights, topk_ids) for ``model``, seeded by
+    ``tokens``: every benchmark that compares kernels at one size feeds them the same inputs."""
+    from moe_nvfp4 import topk_softmax
+
+    e, k, h, _ = MODELS[model]
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
+    tw, ti = topk_softmax(torch.randn(tokens, e, device=device, generator=gen), k, renormalize=True)
+    return x, tw, ti
+
+
 # The values each GEMM's launch parameters are searched over.
 GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
                     max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4),

@@ -276,3 +276,21 @@ def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
             swept = loader_sweep(cfg, "gemm2", 64, e, k, h, i)
             assert {c.gemm2.narrow_tiles for c in swept} == triton_narrows and len(swept) == len(triton_narrows)
             assert all(dataclasses.replace(c.gemm2, narrow_tiles=0) == cfg.gemm2 and c.gemm1 == ws for c in swept)
+
+
+def test_packed_layer_and_seeded_inputs(monkeypatch) -> None:
+    """The benchmarks' shared layer and inputs (ab_moe, ablate_ws, loader_rate, timeline_ws): fused_moe_sm90's
+    weight tensors in its argument order, and inputs that repeat for a token count and differ between counts."""
+    import tune_moe
+    import torch
+
+    monkeypatch.setitem(tune_moe.MODELS, "tiny", (4, 2, 128, 64))
+    w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global = tune_moe.packed_layer("tiny", "cpu")
+    assert w13_packed.shape[0] == w2_packed.shape[0] == 4 and w13_global.shape == (4, 2) and w2_global.shape == (4,)
+    assert w13_packed.dtype == w2_scale.dtype == w13_scale.dtype == torch.uint8
+    x, tw, ti = tune_moe.seeded_inputs("tiny", 5, "cpu")
+    assert x.shape == (5, 128) and x.dtype == torch.bfloat16 and tw.shape == ti.shape == (5, 2)
+    assert torch.allclose(tw.sum(-1), torch.ones(5)) and int(ti.max()) < 4
+    again = tune_moe.seeded_inputs("tiny", 5, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip((x, tw, ti), again))
+    assert not torch.equal(tune_moe.seeded_inputs("tiny", 6, "cpu")[0][:5], x)
