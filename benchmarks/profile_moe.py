@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_moe import MODELS, make_layer  # noqa: E402
+from tune_moe import MODELS, packed_layer  # noqa: E402
 
-from moe_nvfp4 import prepare_moe_weights, topk_softmax  # noqa: E402
+from moe_nvfp4 import topk_softmax  # noqa: E402
 from moe_nvfp4.configs import MoEKernelConfig, select_config  # noqa: E402
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, plain_launches  # noqa: E402
 
@@ -54,8 +54,7 @@ def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[s
 def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Callable[[], object]:
     """One fused MoE forward of ``model``'s layer (random weights) at ``tokens``, the selected or given config."""
     e, k, h, i = MODELS[model]
-    w = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global)
+    args = packed_layer(model)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
     cfg = config or select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
