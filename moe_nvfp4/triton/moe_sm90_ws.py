@@ -37,8 +37,6 @@ _S_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 # registers of the loader's warp group (setmaxnreg sets them per warp group; its idle warps hold as many):
 # pointers and indices, GemmConfig.loader_warps of its warps issuing the token rows' cp.async
 LOADER_REGISTERS = 56
-# wgmma calls per matrix and 128-wide K chunk (prototype)
-MMA_PIECES: gl.constexpr = gl.constexpr(1)
 
 
 @gluon.jit
@@ -169,28 +167,22 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _decode_tile(w_smem, s_smem, piece, BLOCK_N: gl.constexpr, PIECES: gl.constexpr, DTYPE: gl.constexpr,
-                 NW: gl.constexpr, DOT_L: gl.constexpr):
-    """K piece ``piece`` of PIECES of one stage's BLOCK_N x 128 weights of one matrix, from FragmentLayout bytes in
-    shared memory to the wgmma A operand registers.  Thread (warp, r, q) of 64-row unit u reads slot
-    128 u + 32 warp + 4 r + q: its 32 value bytes and its row pair's 16 scale bytes (the four q threads read the
-    same ones), of which a piece takes words (k16 blocks) 8 piece / PIECES ..."""
+def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, DOT_L: gl.constexpr):
+    """One stage's BLOCK_N x 128 weights of one matrix, from FragmentLayout bytes in shared memory to the
+    wgmma A operand registers.  Thread (warp, r, q) of 64-row unit u reads slot 128 u + 32 warp + 4 r + q:
+    its 32 value bytes and its row pair's 16 scale bytes (the four q threads read the same ones)."""
     PAIRS: gl.constexpr = BLOCK_N // 2
-    VB: gl.constexpr = 32 // PIECES  # value bytes of a piece per thread
-    SB: gl.constexpr = 16 // PIECES  # its scale bytes: two a word
-    P_L: gl.constexpr = gl.BlockedLayout([1, 1, VB], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
-    S_L: gl.constexpr = gl.BlockedLayout([1, 1, SB], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
-    FRAG: gl.constexpr = [BLOCK_N // 16, 8, 4, 8 // PIECES, 2, 2]  # [warp row block, r, q, g, kh, kp] of lo / hi
-    p = w_smem.reshape([PAIRS, 4, 32]).slice(piece * VB, VB, dim=2).load(P_L)
-    # each thread's scale bytes, then as the decode wants them: a word pair's four, twice
-    s8 = s_smem.reshape([PAIRS, 1, 16]).slice(piece * SB, SB, dim=2).load(S_L)
-    s8 = s8.broadcast_to([PAIRS, 4, SB]).reshape([PAIRS, 4, SB // 4, 1, 4])
-    s8 = gl.convert_layout(s8.broadcast_to([PAIRS, 4, SB // 4, 2, 4]).reshape([PAIRS, 4, VB]), P_L,
-                           assert_trivial=True)
+    P_L: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+    S_L: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+    FRAG: gl.constexpr = [BLOCK_N // 16, 8, 4, 8, 2, 2]  # [warp row block, r, q, g, kh, kp] of lo / hi
+    p = w_smem.reshape([PAIRS, 4, 32]).load(P_L)
+    # each thread's 16 scale bytes, then as the decode wants them: a word pair's four, twice
+    s8 = s_smem.reshape([PAIRS, 1, 16]).load(S_L).broadcast_to([PAIRS, 4, 16]).reshape([PAIRS, 4, 4, 1, 4])
+    s8 = gl.convert_layout(s8.broadcast_to([PAIRS, 4, 4, 2, 4]).reshape([PAIRS, 4, 32]), P_L, assert_trivial=True)
     lo, hi = _decode_words(p, s8, DTYPE)
     # the same relabelling as moe_sm90._decode_fragments: these registers already are the A operand
     w = gl.join(gl.reshape(lo, FRAG), gl.reshape(hi, FRAG))
-    w = gl.reshape(gl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [BLOCK_N, 128 // PIECES])
+    w = gl.reshape(gl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [BLOCK_N, 128])
     return gl.convert_layout(w, DOT_L, assert_trivial=True)
 
 
@@ -247,12 +239,10 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
-    PIECES: gl.constexpr = MMA_PIECES
-    KP: gl.constexpr = 128 // PIECES
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
     # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
-    # operands are live); an operand of PIECES MMAs, as many times that many in flight
-    IN_FLIGHT: gl.constexpr = (2 if BLOCK_N == 16 * NW else 1) * PIECES
+    # operands are live)
+    IN_FLIGHT: gl.constexpr = 2 if BLOCK_N == 16 * NW else 1
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, WIDTH, 16])
     DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
     # the groups' sums buffers viewed as [BLOCK_N, WIDTH] each: producer and consumer of a tile share the view
@@ -273,31 +263,31 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         fence_async_shared()  # the token rows came by cp.async (generic proxy); wgmma reads them async
-        # The stage's MMAs in order (gate, up per chunk and piece), at most IN_FLIGHT of them left running while
-        # the next one decodes.  wgmma reads its A registers asynchronously: an operand is a dep of the wait
+        # The stage's MMAs in order (gate, up per chunk), at most IN_FLIGHT of them left running while the
+        # next one decodes.  wgmma reads its A registers asynchronously: an operand is a dep of the wait
         # that retires its MMA, so nothing reuses its registers before.  The stage ends with all retired:
         # an operand carried into the next iteration was seen moved to new registers at the loop back-edge
         # while its MMA still read the old ones (wrong sums).
-        running = ()  # the A operands of the MMAs still running, oldest first
+        older = gl.zeros([BLOCK_N, 128], DTYPE, DOT_L)  # the A operands of the MMAs still running
+        newer = older
         for c in gl.static_range(CHUNKS):
-            rows = a_smem.index(s * CHUNKS + c).slice(0, WIDTH)
-            for i in gl.static_range(PIECES):
-                b = rows.slice(i * KP, KP, dim=1).permute((1, 0))
-                for h in gl.static_range(HALVES):
-                    w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
-                    sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
-                    a = _decode_tile(w.index(c), sc.index(c), i, BLOCK_N, PIECES, DTYPE, NW, DOT_L)
-                    if h == 0:
-                        acc = warpgroup_mma(a, b, acc, is_async=True)
-                    else:
-                        acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
-                    if len(running) == IN_FLIGHT:  # retire the oldest MMA still running
-                        warpgroup_mma_wait(IN_FLIGHT, deps=(running[0],))
-                        running = running[1:]
-                    running = running + (a,)
-        retired = warpgroup_mma_wait(0, deps=(acc, acc_up) + running)
-        acc = retired[0]
-        acc_up = retired[1]
+            b = a_smem.index(s * CHUNKS + c).slice(0, WIDTH).permute((1, 0))
+            for h in gl.static_range(HALVES):
+                w = w_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 32, 128], _W_TILE)
+                sc = s_smem.index(s * HALVES + h)._reinterpret(gl.uint8, [CHUNKS, UNITS * 4, 128], _S_TILE)
+                a = _decode_tile(w.index(c), sc.index(c), BLOCK_N, DTYPE, NW, DOT_L)
+                if h == 0:
+                    acc = warpgroup_mma(a, b, acc, is_async=True)
+                else:
+                    acc_up = warpgroup_mma(a, b, acc_up, is_async=True)
+                if c * HALVES + h >= IN_FLIGHT:  # retire the oldest MMA still running
+                    warpgroup_mma_wait(IN_FLIGHT, deps=(older,))
+                if IN_FLIGHT == 1:
+                    older = a
+                else:
+                    older = newer
+                    newer = a
+        acc, acc_up, older, newer = warpgroup_mma_wait(0, deps=(acc, acc_up, older, newer))
         mbarrier.arrive(empty.index(s))
     last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
     if K_GROUPS > 1 and last >= steps:  # a padding slot: no step, only its stage to pass back
