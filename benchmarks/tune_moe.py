@@ -15,8 +15,9 @@
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-loader --jobs 14 --max-candidates 24
 
 For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
-climbs from the fastest of those through configs one value away (with --climb: from the file's entry, or
-the default heuristic, alone; the on/off switches are tried first).  --sweep times, from that start, every
+climbs from the fastest of those through configs one value away (with --climb: from the config the file serves
+the size with now, its own entry or else the neighbouring entry select_config picks, or the default heuristic for a
+shape the file lacks, alone; the on/off switches are tried first).  --sweep times, from that start, every
 tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
 best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
 stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
 from moe_nvfp4.configs import (  # noqa: E402
     CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, default_config, load_config_file,
+    serving_entry,
 )
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
 
@@ -142,6 +144,19 @@ def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
     return cfg.is_valid(-(-hidden // 128) * 128, -(-inter // 128) * 128)
 
 
+def with_token_tile(cfg: MoEKernelConfig, block_m: int) -> MoEKernelConfig:
+    """``cfg`` at token tile ``block_m``, each GEMM's narrow_tiles lowered as far as the new tile needs (its
+    narrowest MMA must stay GemmConfig.narrowest_mma wide): a move from 32-token tiles with narrow_tiles 2 to 16
+    is then not refused for its 4-wide MMAs alone (the climb from Mixtral's T <= 64 entry never tried 16 at T=32)."""
+    def fit(g: GemmConfig) -> GemmConfig:
+        narrow = g.narrow_tiles
+        while narrow and block_m >> narrow < g.narrowest_mma:
+            narrow -= 1
+        return dataclasses.replace(g, narrow_tiles=narrow)
+
+    return dataclasses.replace(cfg, block_m=block_m, gemm1=fit(cfg.gemm1), gemm2=fit(cfg.gemm2))
+
+
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """The grid: both GEMMs share every parameter but the K split; plus the default heuristic."""
     moe, choices = search_space(tokens, experts, top_k)
@@ -160,11 +175,12 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
 
 def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """Valid configs differing from ``cfg`` in one value: a MoE-level field (token tile, partials' dtype,
-    pair tiles) or one parameter of one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or
-    programs per SM).  A GEMM's K split and stream-K count as one value, its way of dividing K: turning
-    stream-K on drops the split."""
+    pair tiles; a token tile with narrow_tiles lowered where it must be, with_token_tile) or one parameter of
+    one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM).  A GEMM's K split
+    and stream-K count as one value, its way of dividing K: turning stream-K on drops the split."""
     moe, choices = search_space(tokens, experts, top_k)
-    out = [dataclasses.replace(cfg, **{f: v}) for f, values in moe.items() for v in values if v != getattr(cfg, f)]
+    out = [with_token_tile(cfg, v) if f == "block_m" else dataclasses.replace(cfg, **{f: v})
+           for f, values in moe.items() for v in values if v != getattr(cfg, f)]
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
         for f, values in choices.items():
@@ -213,7 +229,7 @@ def gemm_sweep(
     ):  # fmt: skip
         new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, split_k=split,
                                   stream_k=stream, max_registers=regs)  # fmt: skip
-        c = dataclasses.replace(cfg, block_m=block_m, **{gemm: new})
+        c = with_token_tile(dataclasses.replace(cfg, **{gemm: new}), block_m)
         if _valid(c, hidden, inter):
             out.append(c)
     return out
@@ -243,7 +259,7 @@ def ws_sweep(
         setting = dict(block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
                        programs_per_sm=pps)  # fmt: skip
         for block_m in dict.fromkeys((cfg.block_m, *moe["block_m"])):
-            out += _warp_specialized(dataclasses.replace(cfg, block_m=block_m), gemm, [setting], hidden, inter)
+            out += _warp_specialized(with_token_tile(cfg, block_m), gemm, [setting], hidden, inter)
     return out
 
 
@@ -350,6 +366,15 @@ def entry_key(entry: dict) -> tuple:
     return entry["experts"], entry["hidden"], entry["intermediate"], entry["dtype"], entry["max_tokens"]
 
 
+def climb_start(entries: Sequence[dict], shape: tuple, tokens: int) -> list[MoEKernelConfig]:
+    """What --update starts from for ``tokens`` of ``shape`` (experts, hidden, intermediate, dtype): the config the
+    file serves it with now (its own entry, else the entry select_config picks), so a size new to the file is
+    climbed from its neighbour's config, never from the default heuristic while the file covers the shape, and
+    the result is never slower there than the file was; nothing for a shape the file lacks."""
+    same_shape = [o for o in entries if entry_key(o)[:4] == tuple(shape)]
+    return [MoEKernelConfig.from_dict(serving_entry(same_shape, tokens)["config"])] if same_shape else []
+
+
 def merge_entries(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` entries not re-tuned in ``new`` (same entry_key), then ``new``."""
     fresh = {entry_key(e) for e in new}
@@ -365,7 +390,9 @@ def main() -> int:
     p.add_argument("--max-candidates", type=int, default=24)
     p.add_argument("--out", default=None, help="JSON to write (default: configs/fused_moe_sm90/<device>.json)")
     p.add_argument("--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now")
-    p.add_argument("--climb", action="store_true", help="no spread: climb from the file's entry (or the default) only")
+    p.add_argument("--climb", action="store_true",
+                   help="no spread: climb from the config the file serves this size with (its entry, or the entry "
+                        "select_config picks; the default for a shape the file lacks) only")
     p.add_argument("--sweep", action="store_true", help="sweep GEMM1's, then GEMM2's, launch shapes before climbing")
     p.add_argument("--sweep-k", action="store_true",
                    help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
@@ -451,8 +478,7 @@ def main() -> int:
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)
             else:  # half the budget spread over the grid, the rest climbing from the best of those
-                incumbent = [MoEKernelConfig.from_dict(o["config"]) for o in old_entries
-                             if entry_key(o) == (e, h, i, args.dtype, t)]  # fmt: skip
+                incumbent = climb_start(old_entries, (e, h, i, args.dtype), t)
                 if args.climb:
                     start = incumbent or [first]
                 else:

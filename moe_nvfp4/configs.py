@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ from .layouts import FragmentLayout
 
 __all__ = [
     "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config",
-    "configs_up_to", "config_device_name",
+    "serving_entry", "configs_up_to", "config_device_name",
 ]
 
 CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves)
@@ -116,6 +117,12 @@ class GemmConfig:
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
         )
 
+    @property
+    def narrowest_mma(self) -> int:
+        """The fewest tokens an MMA of this GEMM may be wide (wgmma's N): 8 in the Gluon kernel; Triton lowers an
+        8-wide tl.dot to mma.sync, so 16 there."""
+        return 8 if self.warp_specialized else 16
+
     def _warp_specialized_ok(self) -> bool:
         # whole K per tile, one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
         return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
@@ -166,9 +173,7 @@ class MoEKernelConfig:
         return (
             (self.block_m in (16, 32, 64, 128, 256)
              or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            # wgmma's narrowest N: 8 tokens in the Gluon kernel; Triton lowers an 8-wide tl.dot to mma.sync
-            and all(self.block_m >> g.narrow_tiles >= (8 if g.warp_specialized else 16)
-                    for g in (self.gemm1, self.gemm2))
+            and all(self.block_m >> g.narrow_tiles >= g.narrowest_mma for g in (self.gemm1, self.gemm2))
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
@@ -258,10 +263,15 @@ def select_config(
     the largest one); the default heuristic for a shape with no entry."""
     entries = _entries_for(experts, hidden, intermediate, dtype, device_name)
     if entries:
-        fits = [e for e in entries if e["max_tokens"] >= tokens]
-        entry = min(fits, key=lambda e: e["max_tokens"]) if fits else max(entries, key=lambda e: e["max_tokens"])
-        return MoEKernelConfig.from_dict(entry["config"])
+        return MoEKernelConfig.from_dict(serving_entry(entries, tokens)["config"])
     return default_config(tokens, experts, top_k, hidden, intermediate)
+
+
+def serving_entry(entries: Sequence[dict], tokens: int) -> dict:
+    """Of one shape's tuned entries (not empty), the one that serves ``tokens``: the smallest max_tokens >= tokens,
+    past every entry the largest."""
+    fits = [e for e in entries if e["max_tokens"] >= tokens]
+    return min(fits, key=lambda e: e["max_tokens"]) if fits else max(entries, key=lambda e: e["max_tokens"])
 
 
 def configs_up_to(

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
-    GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, candidates, gemm_sweep, group_sweep,
-    loader_sweep, merge_entries, neighbors, rotated_weights, search, spread, ws_sweep,
+    GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, candidates, climb_start, gemm_sweep,
+    group_sweep, loader_sweep, merge_entries, neighbors, rotated_weights, search, spread, with_token_tile, ws_sweep,
 )
 
 from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
@@ -114,6 +114,47 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
     merged = merge_entries(old, new)
     assert sorted((m["experts"], m["max_tokens"], m["time_us"]) for m in merged) == [
         (8, 1, 60.0), (8, 16, 280.0), (128, 1, 30.0)]  # fmt: skip
+
+
+def test_climb_start_is_the_config_the_file_serves_the_size_with() -> None:
+    """--update starts each size from what the file runs it with now: its own entry, else the entry select_config
+    picks (the next larger one, past the largest that one), nothing for a shape or dtype the file lacks."""
+    def entry(tokens: int, block_m: int, experts: int = 8, dtype: str = "bfloat16") -> dict:
+        cfg = MoEKernelConfig(block_m, GemmConfig(), GemmConfig())
+        return dict(experts=experts, hidden=4096, intermediate=14336, dtype=dtype, max_tokens=tokens,
+                    config=cfg.to_dict())
+
+    entries = [entry(64, 32), entry(16, 16), entry(256, 64), entry(100, 128, experts=128),
+               entry(128, 128, dtype="float16")]
+    shape = (8, 4096, 14336, "bfloat16")
+    assert [c.block_m for c in climb_start(entries, shape, 64)] == [32]  # its own entry
+    assert [c.block_m for c in climb_start(entries, shape, 1)] == [16]
+    assert [c.block_m for c in climb_start(entries, shape, 100)] == [64]  # the entry serving 65..256
+    assert [c.block_m for c in climb_start(entries, shape, 4096)] == [64]  # past the largest: the largest
+    assert climb_start(entries, (8, 2048, 768, "bfloat16"), 64) == []
+    assert climb_start(entries[:3], (8, 4096, 14336, "float16"), 64) == []
+
+
+def test_token_tile_moves_lower_narrow_tiles_only_as_far_as_they_must() -> None:
+    """From Mixtral's T <= 64 entry (32-token tiles, narrow MMAs of 16 and 8 tokens), the climb at T=32 offers 16-token
+    tiles with both GEMMs at narrow_tiles 1 (8-wide MMAs) and 8-token tiles without narrow ones; a Triton GEMM's
+    narrowest MMA stays 16 wide."""
+    ws = GemmConfig(128, num_warps=4, num_stages=2, max_registers=128, warp_specialized=True, chunks_per_stage=2)
+    cfg = MoEKernelConfig(32, dataclasses.replace(ws, narrow_tiles=1), dataclasses.replace(ws, narrow_tiles=2))
+    e, k, h, i = MODELS["mixtral-8x7b"]
+    assert not dataclasses.replace(cfg, block_m=16).is_valid(4096, 14336)  # what the climb used to offer
+    tiles = {c.block_m: (c.gemm1.narrow_tiles, c.gemm2.narrow_tiles) for c in neighbors(cfg, 32, e, k, h, i)
+             if c.block_m != cfg.block_m}
+    assert tiles == {16: (1, 1), 8: (0, 0)}
+    assert all(getattr(c, g) == dataclasses.replace(getattr(cfg, g), narrow_tiles=getattr(c, g).narrow_tiles)
+               for c in neighbors(cfg, 32, e, k, h, i) if c.block_m != cfg.block_m
+               for g in ("gemm1", "gemm2"))  # nothing else moves with the tile
+    triton = MoEKernelConfig(32, GemmConfig(128, narrow_tiles=1), GemmConfig(128, narrow_tiles=1))
+    assert with_token_tile(triton, 16).gemm1.narrow_tiles == 0 and with_token_tile(triton, 64).gemm2.narrow_tiles == 1
+    assert with_token_tile(cfg, 64) == dataclasses.replace(cfg, block_m=64)  # wider tiles keep them
+    # the sweeps that move the token tile do the same
+    assert any(c.block_m == 16 and c.gemm2.narrow_tiles == 1 for c in ws_sweep(cfg, "gemm1", 32, e, k, h, i))
+    assert any(c.block_m == 16 and c.gemm2.narrow_tiles == 1 for c in gemm_sweep(cfg, "gemm1", 32, e, k, h, i))
 
 
 def test_rotated_weights_cover_four_l2_sizes_of_touched_experts(monkeypatch: pytest.MonkeyPatch) -> None:
