@@ -86,18 +86,13 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
 def packed_layer(model: str, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """``model``'s layer (make_layer's random weights) packed for the kernels, as fused_moe_sm90 takes them:
     (w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global)."""
-    from moe_nvfp4 import prepare_moe_weights
-
     e, _, h, i = MODELS[model]
-    w = prepare_moe_weights(*make_layer(e, h, i, device))
-    return w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global
+    return prepare_moe_weights(*make_layer(e, h, i, device)).tensors
 
 
 def seeded_inputs(model: str, tokens: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """bf16 activations [tokens, H] and softmax top-k routing (topk_weights, topk_ids) for ``model``, seeded by
     ``tokens``: every benchmark that compares kernels at one size feeds them the same inputs."""
-    from moe_nvfp4 import topk_softmax
-
     e, k, h, _ = MODELS[model]
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
@@ -434,9 +429,7 @@ def main() -> int:
     for model in args.models.split(","):
         e, k, h, i = MODELS[model]
         q13, q2 = make_layer(e, h, i, dev)
-        weights = prepare_moe_weights(q13, q2)
-        w = (weights.w13_packed, weights.w13_scale, weights.w13_global, weights.w2_packed, weights.w2_scale,
-             weights.w2_global)  # fmt: skip
+        w = prepare_moe_weights(q13, q2).tensors
         copies: list[tuple] = []
         for t in [int(s) for s in args.tokens.split(",")]:
             x = torch.randn(t, h, device=dev, dtype=dtype)
@@ -496,7 +489,7 @@ def main() -> int:
                                 config=cfg.to_dict(), time_us=round(us, 2)))  # fmt: skip
             if not args.probe:  # after every size: a long run stopped part way keeps what it found
                 write(entries)
-        del weights, q13, q2, copies
+        del w, q13, q2, copies
         torch.cuda.empty_cache()
     print("\n".join(lines))
     return 0

@@ -60,9 +60,13 @@ class MoEWeights:
     def num_experts(self) -> int:
         return self.w13_packed.shape[0]
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global): the kernels' weight arguments."""
+        return self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global
+
     def nbytes(self) -> int:
-        tensors = (self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
