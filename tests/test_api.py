@@ -121,7 +121,7 @@ def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
     x = torch.randn(5, 48, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
     w = weights
-    args = (x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, 32)
+    args = (x, *w.tensors, tw, ti, None, 32)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
 

@@ -51,8 +51,7 @@ SCRIPT = textwrap.dedent(
                           partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, emap,
-                   i, cfg, out=out)
+    fused_moe_sm90(x, *w.tensors, tw, ti, emap, i, cfg, out=out)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, compute_dtype=torch.float64)
     assert not out.isnan().any(), "unwritten output"
     rel = ((out.double() - ref).norm() / ref.norm()).item() if t else 0.0

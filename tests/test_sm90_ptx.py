@@ -354,8 +354,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     cfg = MoEKernelConfig(8, ws, ws, pair_tiles=True)
 
     def forward(config: MoEKernelConfig, expert_map: torch.Tensor | None = None) -> None:
-        K.fused_moe_sm90(x, w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti,
-                         expert_map, i, config)  # fmt: skip
+        K.fused_moe_sm90(x, *w.tensors, tw, ti, expert_map, i, config)
 
     forward(cfg)
     assert len(launches) == 2

@@ -159,7 +159,7 @@ def test_configs_agree_and_outputs_fully_written(split1: int, split2: int, gen: 
     GEMM2's rows in x's dtype."""
     q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, 512)
+    args = (*w.tensors, tw, ti, None, 512)
     cfgs = [MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, split_k=split1),
                             GemmConfig(block_n, num_warps=warps, num_stages=stages, split_k=split2), low)
             for block_m, block_n, warps, stages, low in
@@ -189,7 +189,7 @@ def test_stream_k_matches_reference_and_is_deterministic(case, block_m, block_n,
     cfg = MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps, programs_per_sm=pps, stream_k=bool(stream & 1)),
                           GemmConfig(block_n, num_warps=warps, programs_per_sm=pps, stream_k=bool(stream & 2)))  # fmt: skip
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    args = (*w.tensors, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     first = None
     for _ in range(5):
@@ -203,7 +203,7 @@ def _graph_replays_with_new_routing(case: Case, cfg: MoEKernelConfig, gen: torch
     """Capture one forward, replay it three times with new x and routing: each against the reference and
     bit-identical to an eager call."""
     q13, q2, w, x, tw, ti = _problem(case, gen)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    args = (*w.tensors, tw, ti, None, case.inter)
     fused_moe_sm90(x, *args, cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -254,7 +254,7 @@ def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype
     cfg = dataclasses.replace(full, gemm1=dataclasses.replace(full.gemm1, narrow_tiles=narrow),
                               gemm2=dataclasses.replace(full.gemm2, narrow_tiles=narrow))  # fmt: skip
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    args = (*w.tensors, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
@@ -322,7 +322,7 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
     cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, case.inter)
+    args = (*w.tensors, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
@@ -349,8 +349,7 @@ def test_k_groups_give_a_token_the_same_bits_wherever_its_tile_runs(k_groups: in
     assert cfg.is_valid(1152, 640)
 
     def forward(order: torch.Tensor) -> torch.Tensor:
-        return fused_moe_sm90(x[order], w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale,
-                              w.w2_global, tw[order], ti[order], None, case.inter, cfg)  # fmt: skip
+        return fused_moe_sm90(x[order], *w.tensors, tw[order], ti[order], None, case.inter, cfg)
 
     out = forward(torch.arange(case.tokens, device="cuda"))
     for _ in range(3):
@@ -407,7 +406,7 @@ def test_pair_tiles_match_reference_and_routed_tiles(case, block_m, fields, dtyp
     tw, ti = _routing(case, gen, "cuda")
     cfg = _pair_tiles_config(block_m, fields)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti)
+    args = (*w.tensors, tw, ti)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, (*args, None, case.inter), cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
@@ -562,7 +561,7 @@ def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Gen
     cfg = MoEKernelConfig.from_dict(entry["config"])
     dtype = getattr(torch, entry["dtype"])
     q13, q2, w, x, tw, ti = _problem(case, gen, dtype)
-    args = (w.w13_packed, w.w13_scale, w.w13_global, w.w2_packed, w.w2_scale, w.w2_global, tw, ti, None, inter)
+    args = (*w.tensors, tw, ti, None, inter)
     out = _poisoned_run(x, args, cfg)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     assert _rel(out, ref) < REL_TOL[dtype], cfg
