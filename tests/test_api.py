@@ -120,8 +120,7 @@ def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
     weights = m.prepare_moe_weights(*_layer(gen))
     x = torch.randn(5, 48, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
-    w = weights
-    args = (x, *w.tensors, tw, ti, None, 32)
+    args = (x, *weights.tensors, tw, ti, None, 32)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
 
