@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -47,20 +48,20 @@ from harness import (  # noqa: E402
     write_markdown,
 )
 
-MODELS = {
-    "mixtral": MoEShape("Mixtral-8x7B", num_experts=8, top_k=2, hidden=4096, inter=14336, renormalize=True),
-    "qwen3": MoEShape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, inter=768, renormalize=True),
-    # not run by default: a smoke shape for checking the script itself (e.g. --device cpu --models tiny)
-    "tiny": MoEShape("tiny", num_experts=4, top_k=2, hidden=128, inter=64, renormalize=True),
-}
+# --models: zoo shape keys (moe_nvfp4.zoo), "zoo" (every shape), "zoo-models" (every model at TP=1), the two
+# shapes the bench always had by their short names, and a smoke shape for checking the script itself
+# (e.g. --device cpu --models tiny).
+ALIASES = {"mixtral": "mixtral-8x7b", "qwen3": "qwen3-30b-a3b"}
+TINY = MoEShape("tiny", num_experts=4, top_k=2, hidden=128, inter=64, renormalize=True)
 DEFAULT_MODELS = ("mixtral", "qwen3")
-TOKENS = (1, 16, 64, 256, 1024, 4096)
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 QUICK_TOKENS = (1, 64, 1024)
 PATHS = ("ours", "marlin", "bf16")
 REL_TOL = 2e-2  # same dequantized weights everywhere; only bf16 rounding/accumulation order differ
 
 COLUMNS = [
     ("model", "model", ""),
+    ("config_source", "config", ""),
     ("tokens", "T", "d"),
     ("touched_experts", "touched", "d"),
     ("ours_us", "ours µs", ".1f"),
@@ -130,7 +131,8 @@ class Path:
     def add_copies(self, first: Any) -> None:
         self.weights = [first] + [clone_tensors(first) for _ in range(self.copies_wanted - 1)]
 
-    def fn(self, copy: int, x, topk_weights, topk_ids) -> Callable[[], Any]:
+    def fn(self, copy: int, x, topk_weights, topk_ids, expert_map=None) -> Callable[[], Any]:
+        """One forward of copy ``copy`` (``expert_map``: int32 [global E], -1 for experts on other ranks)."""
         raise NotImplementedError
 
 
@@ -144,9 +146,9 @@ class Ours(Path):
         self._fused_moe = moe_nvfp4.fused_moe
         self.add_copies(moe_nvfp4.prepare_moe_weights(w13_q, w2_q))
 
-    def fn(self, copy, x, topk_weights, topk_ids):
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w, f = self.weights[copy], self._fused_moe
-        return lambda: f(x, w, topk_weights, topk_ids)
+        return lambda: f(x, w, topk_weights, topk_ids, expert_map=expert_map)
 
 
 class _MarlinLayer:
@@ -203,16 +205,16 @@ class Marlin(Path):
         self._quant_type_id = scalar_types.float4_e2m1f.id
         self._silu = MoEActivation.SILU
         self._input_dtype = get_marlin_input_dtype()  # None unless VLLM_MARLIN_INPUT_DTYPE is set
-        self._num_experts = shape.num_experts
+        self._num_experts = shape.routed_experts
         # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output) sums in place; fused_marlin_moe
-        # returns what moe_sum returns, so hand back the output tensor.
+        # returns what moe_sum returns, so hand back the output tensor.  With an expert map, vLLM's own sum.
         def moe_sum(inp, outp, topk_ids, expert_map):
             ops.moe_sum(inp, outp)
             return outp
 
         self._moe_sum = moe_sum
 
-    def fn(self, copy, x, topk_weights, topk_ids):
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w13, w13_s, w13_gs, w2, w2_s, w2_gs = self.weights[copy]
         call = self._call
 
@@ -231,8 +233,8 @@ class Marlin(Path):
                 apply_router_weight_on_input=False,
                 global_num_experts=self._num_experts,
                 activation=self._silu,
-                moe_sum=self._moe_sum,
-                expert_map=None,
+                moe_sum=self._moe_sum if expert_map is None else None,
+                expert_map=expert_map,
                 global_scale1=w13_gs,
                 global_scale2=w2_gs,
                 input_global_scale1=None,
@@ -249,17 +251,20 @@ class BF16(Path):
 
     name = "bf16"
 
-    def __init__(self, w13_bf16, w2_bf16, copies: int):
+    def __init__(self, shape: MoEShape, w13_bf16, w2_bf16, copies: int):
         super().__init__(copies)
         from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
 
+        if w13_bf16 is None:
+            raise RuntimeError("no BF16 weights: the dequantized layer did not fit in GPU memory")
         self._call = fused_experts
+        self._num_experts = shape.routed_experts
         self.add_copies((w13_bf16, w2_bf16))
 
-    def fn(self, copy, x, topk_weights, topk_ids):
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w13, w2 = self.weights[copy]
-        call = self._call
-        return lambda: call(x, w13, w2, topk_weights, topk_ids)
+        call, n = self._call, self._num_experts
+        return lambda: call(x, w13, w2, topk_weights, topk_ids, global_num_experts=n, expert_map=expert_map)
 
 
 def build_path(name: str, shape: MoEShape, weights: tuple, copies: int) -> Path:
@@ -269,27 +274,40 @@ def build_path(name: str, shape: MoEShape, weights: tuple, copies: int) -> Path:
         return Ours(w13_q, w2_q, copies)
     if name == "marlin":
         return Marlin(shape, w13_q, w2_q, copies)
-    return BF16(w13_deq, w2_deq, copies)
+    return BF16(shape, w13_deq, w2_deq, copies)
 
 
 # --------------------------------------------------------------------------------------------------
 # One model
 # --------------------------------------------------------------------------------------------------
+WEIGHT_CHUNK_BYTES = 2 << 30  # bf16 experts drawn and quantized this many bytes at a time (Kimi-K2: 34 GB in all)
+
+
 def make_weights(shape: MoEShape, seed: int, device: str):
-    """Random bf16 experts (std 1/sqrt(K)), NVFP4-quantized; returns (w13_q, w2_q, w13_deq, w2_deq)."""
+    """Random bf16 experts (std 1/sqrt(K)), NVFP4-quantized a few experts at a time; returns (w13_q, w2_q,
+    w13_deq, w2_deq), the last two None where the dequantized BF16 layer does not fit in half the free memory
+    (the BF16 path and the float reference then drop out of that model's rows)."""
     import torch
 
-    from moe_nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from moe_nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_experts, shape.hidden, shape.inter
-    w13 = torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16, generator=gen) * (h**-0.5)
-    w13_q = quantize_nvfp4(w13, segments=1)  # one global scale per expert: vLLM's Marlin path keeps one
-    del w13
-    w2 = torch.randn(e, h, i, device=device, dtype=torch.bfloat16, generator=gen) * (i**-0.5)
-    w2_q = quantize_nvfp4(w2)
-    del w2
+    step = max(1, WEIGHT_CHUNK_BYTES // shape.expert_bf16_bytes())
+
+    def draw(n: int, k: int) -> NVFP4Tensor:
+        parts = []
+        for first in range(0, e, step):
+            w = torch.randn(min(step, e - first), n, k, device=device, dtype=torch.bfloat16, generator=gen) * (k**-0.5)
+            parts.append(quantize_nvfp4(w))  # one global scale per expert and matrix: vLLM's Marlin path keeps one
+            del w
+        return NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "block_scale", "global_scale")))
+
+    w13_q, w2_q = draw(2 * i, h), draw(h, i)
     empty_cache()
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else 1 << 40
+    if e * shape.expert_bf16_bytes() > free // 2:
+        return w13_q, w2_q, None, None
     w13_deq = dequantize_nvfp4(w13_q, torch.bfloat16)
     w2_deq = dequantize_nvfp4(w2_q, torch.bfloat16)
     empty_cache()
@@ -297,15 +315,21 @@ def make_weights(shape: MoEShape, seed: int, device: str):
 
 
 def make_inputs(shape: MoEShape, tokens: int, seed: int, device: str):
+    """x, softmax top-k routing over the routing's experts, and under expert parallelism the expert map of the
+    rank that holds the first num_experts of them (None without)."""
     import torch
 
     from moe_nvfp4 import topk_softmax
 
     gen = torch.Generator(device=device).manual_seed(seed * 1000003 + tokens)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, shape.num_experts, device=device, dtype=torch.float32, generator=gen)
+    logits = torch.randn(tokens, shape.routed_experts, device=device, dtype=torch.float32, generator=gen)
     topk_weights, topk_ids = topk_softmax(logits, shape.top_k, renormalize=shape.renormalize)
-    return x, topk_weights.contiguous(), topk_ids.contiguous()
+    expert_map = None
+    if shape.routed_experts != shape.num_experts:
+        expert_map = torch.full((shape.routed_experts,), -1, dtype=torch.int32, device=device)
+        expert_map[: shape.num_experts] = torch.arange(shape.num_experts, dtype=torch.int32, device=device)
+    return x, topk_weights.contiguous(), topk_ids.contiguous(), expert_map
 
 
 def expert_bytes(shape: MoEShape, path: str) -> int:
@@ -334,11 +358,12 @@ def run_model(
     import torch
 
     from moe_nvfp4 import moe_dense_torch
-    from moe_nvfp4.configs import config_device_name, select_config
+    from moe_nvfp4.configs import LayerShape, device_traits, entries_for, measured_entries, select_config
 
     rows: list[dict] = []
     t0 = time.time()
-    log(f"\n== {shape.name}: E={shape.num_experts} top-{shape.top_k} H={shape.hidden} I={shape.inter}")
+    ep = f" of {shape.routed_experts} (expert parallel)" if shape.routed_experts != shape.num_experts else ""
+    log(f"\n== {shape.name}: E={shape.num_experts}{ep} top-{shape.top_k} H={shape.hidden} I={shape.inter}")
     w13_q, w2_q, w13_deq, w2_deq = make_weights(shape, args.seed, args.device)
     log(f"   weights quantized in {time.time() - t0:.1f} s")
 
@@ -359,39 +384,56 @@ def run_model(
             if args.verbose:
                 traceback.print_exc()
         sync()
+    layer = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter, "bfloat16", shape.routed_experts)
+    autotuned = None
+    if args.autotune and paths.get("ours") is not None and args.device == "cuda":
+        from moe_nvfp4.autotune import autotune_fused_moe
+
+        _, _, _, emap = make_inputs(shape, 1, args.seed, args.device)
+        report = autotune_fused_moe(paths["ours"].weights[0], shape.top_k, torch.bfloat16, max(tokens), expert_map=emap,
+                                    budget_s=args.autotune_budget_s)  # fmt: skip
+        autotuned = dict(seconds=round(report.seconds, 1), source=report.source, summary=report.summary())
+        log(f"   autotune: {report.summary()}")
 
     for t in tokens:
         row: dict[str, Any] = {
             "model": shape.name,
             "tokens": t,
             "num_experts": shape.num_experts,
+            "global_experts": shape.routed_experts,
             "top_k": shape.top_k,
             "hidden": shape.hidden,
             "inter": shape.inter,
             "repro": f"python benchmarks/bench_moe.py --models {key} --tokens {t}",
         }
+        if autotuned is not None:
+            row["autotune"] = autotuned
         notes: list[str] = []
         if time.time() > deadline:
             row["status"] = "skipped (time budget)"
             rows.append(row)
             log(f"   T={t:5d} skipped: time budget reached")
             continue
-        x, topk_weights, topk_ids = make_inputs(shape, t, args.seed, args.device)
-        touched = int(torch.unique(topk_ids).numel())
+        x, topk_weights, topk_ids, expert_map = make_inputs(shape, t, args.seed, args.device)
+        local = topk_ids if expert_map is None else expert_map[topk_ids.long()]
+        touched = int(torch.unique(local[local >= 0]).numel())
         nbytes = shape.hbm_bytes(t, touched)
         flops = shape.flops(t)
         row.update(touched_experts=touched, hbm_bytes=nbytes, weight_bytes=touched * fp4_expert, flops=flops)
         row.update(floors(nbytes, flops, ceilings))
-        if x.is_cuda:  # the tuned (or default) config ours runs at this T, so a row can be traced to it
-            row["ours_config"] = select_config(t, shape.num_experts, shape.top_k, shape.hidden, shape.inter, x.dtype,
-                                               config_device_name(x.device)).to_dict()  # fmt: skip
+        if x.is_cuda:  # the config ours runs at this T and where it came from, so a row can be traced to it
+            traits = device_traits(x.device)
+            row["ours_config"] = select_config(t, layer, traits).to_dict()
+            row["config_source"] = ("autotuned" if measured_entries(layer, traits) else
+                                    "tuned" if entries_for(layer, traits) else "default")  # fmt: skip
 
         # Correctness: every path once, eagerly, against the float32 torch reference on the same weights.
         outs: dict[str, torch.Tensor] = {}
         ref = None
-        if not args.no_ref:
+        if not args.no_ref and w13_deq is not None:
             try:
-                ref = moe_dense_torch(x.float(), w13_deq, w2_deq, topk_weights, topk_ids, compute_dtype=torch.float32)
+                ref = moe_dense_torch(x.float(), w13_deq, w2_deq, topk_weights, topk_ids, expert_map=expert_map,
+                                      compute_dtype=torch.float32)  # fmt: skip
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"ref: {short_error(exc)}")
         for name in args.paths:
@@ -400,16 +442,18 @@ def run_model(
                 notes.append(f"{name} {errors.get(name, 'unavailable')}")
                 continue
             try:
-                outs[name] = p.fn(0, x, topk_weights, topk_ids)().float()
+                outs[name] = p.fn(0, x, topk_weights, topk_ids, expert_map)().float()
                 sync()
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"{name} run: {short_error(exc)}")
                 if args.verbose:
                     traceback.print_exc()
-        base, basis = (outs["bf16"], "bf16") if "bf16" in outs else (ref, "ref")
-        row["err_basis"] = basis  # rel_err_ours / rel_err_marlin are vs the BF16 path, or the reference without it
+        # rel_err_ours / rel_err_marlin: vs the BF16 path, else the reference, else (no BF16 weights) ours vs Marlin
+        base, basis = next(((out, name) for out, name in ((outs.get("bf16"), "bf16"), (ref, "ref"),
+                                                          (outs.get("marlin"), "marlin")) if out is not None), (None, None))
+        row["err_basis"] = basis
         for name in ("ours", "marlin"):
-            if name in outs:
+            if name in outs and name != basis:
                 row[f"rel_err_{name}"] = rel_err(outs[name], base) if base is not None else None
         for name, out in outs.items():
             row[f"rel_err_{name}_vs_ref"] = rel_err(out, ref) if ref is not None else None
@@ -438,7 +482,7 @@ def run_model(
             per_expert = expert_bytes(shape, name)
             n_rot = 1 if args.no_rotate else rotation_copies(touched * per_expert, l2, factor=args.l2_factor,
                                                            max_copies=len(p.weights))
-            fns_of[name] = [p.fn(c, x, topk_weights, topk_ids) for c in range(n_rot)]
+            fns_of[name] = [p.fn(c, x, topk_weights, topk_ids, expert_map) for c in range(n_rot)]
             needed = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=10**6)
             if not args.no_rotate and n_rot < needed:
                 notes.append(f"{name} rotates {n_rot}/{needed} copies (L2 may be warm)")
@@ -479,7 +523,7 @@ def run_model(
             f"err ours={_f(row.get('rel_err_ours'), '.1e')} marlin={_f(row.get('rel_err_marlin'), '.1e')}"
             + (f"  [{_clip(row['status'], 300)}]" if notes else "")
         )
-        del x, topk_weights, topk_ids
+        del x, topk_weights, topk_ids, expert_map
 
     del paths, w13_q, w2_q, w13_deq, w2_deq
     empty_cache()
@@ -504,9 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", default="benchmarks/results", help="directory for moe.json, moe.md, moe.png")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma list of zoo shape keys (e.g. qwen3-235b-a22b, kimi-k2-ep8, glm-4.5-tp4), 'zoo' (every "
+                        "shape), 'zoo-models' (each model at TP=1), or mixtral, qwen3, tiny")
     p.add_argument("--tokens", default=None,
                    help=f"comma list of token counts (default {TOKENS}; --quick {QUICK_TOKENS})")
+    p.add_argument("--autotune", action="store_true",
+                   help="autotune each shape's configs first (moe_nvfp4.autotune, its on-disk cache included)")
+    p.add_argument("--autotune-budget-s", type=float, default=50.0, help="the autotuner's search budget per shape")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {list(PATHS)}")
     p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
     p.add_argument("--replays", type=int, default=None, help="graph replays per measurement (default 10; quick 5)")
@@ -529,12 +578,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_models(spec: str) -> dict[str, MoEShape]:
+    """--models -> {key: shape}, in the order given (see --help)."""
+    from moe_nvfp4.zoo import zoo_shapes
+
+    zoo = {s.key: s for s in zoo_shapes()}
+    out: dict[str, MoEShape] = {}
+    for name in (m.strip().lower() for m in spec.split(",") if m.strip()):
+        keys = (list(zoo) if name == "zoo" else [k for k, s in zoo.items() if s.tp == s.ep == 1]
+                if name == "zoo-models" else [ALIASES.get(name, name)])  # fmt: skip
+        for key in keys:
+            if key == "tiny":
+                out[key] = TINY
+            elif key in zoo:
+                out[key] = MoEShape.from_zoo(zoo[key])
+            else:
+                raise SystemExit(f"unknown model {name!r}; choose from zoo, zoo-models, tiny, {sorted(ALIASES)} "
+                                 f"or {sorted(zoo)}")  # fmt: skip
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown:
-        raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    args.models = resolve_models(args.models)
     args.paths = [p.strip().lower() for p in args.paths.split(",") if p.strip()]
     if [p for p in args.paths if p not in PATHS]:
         raise SystemExit(f"unknown path(s) in {args.paths}; choose from {list(PATHS)}")
@@ -550,6 +616,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def model_summaries(rows: list[dict]) -> list[str]:
+    """One line per model: min / median speedup vs each baseline and % of floor over its timed rows."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        parts = []
+        for col, label in (("speedup_vs_marlin", "x Marlin"), ("speedup_vs_humming", "x Humming"),
+                           ("speedup_vs_bf16", "x BF16"), ("pct_of_floor", "% floor")):
+            values = sorted(r[col] for r in mine if r.get(col) is not None)
+            if values:
+                parts.append(f"{label} min {values[0]:.2f} median {statistics.median(values):.2f}")
+        sources = sorted({r["config_source"] for r in mine if r.get("config_source")})
+        out.append(f"{model} ({'/'.join(sources) or 'no config'}): " + ("; ".join(parts) or "no timed rows"))
+    return out
+
+
 def summary_lines(meta: dict, rows: list[dict]) -> list[str]:
     c = meta["ceilings"]
     return [
@@ -561,6 +643,8 @@ def summary_lines(meta: dict, rows: list[dict]) -> list[str]:
         + (" (dirty)" if meta.get("git_dirty") else ""),
         f"timing: CUDA graph replay, median per call; {meta.get('rounds', 1)} rounds, the paths in turn, each row the "
         f"median round; L2: {meta['l2_policy']}",
+        f"configs: tuned entries {'used where a file serves this GPU' if meta.get('tuned_entries') else 'none'} "
+        f"(MOE_NVFP4_CONFIG_DIR={meta.get('config_dir')}); autotuning {'ran' if meta.get('autotune') else 'off'}",
     ]
 
 
@@ -601,16 +685,22 @@ def main(argv: list[str] | None = None) -> int:
         "+ fp32 global scales + x read + out write) / copy bandwidth; compute = 2*T*k*3*I*H / bf16 rate"
     )
     meta["rel_tol"] = args.tol
-    meta["args"] = {k: v for k, v in vars(args).items()}
+    meta["args"] = {k: v for k, v in vars(args).items() if k != "models"} | {"models": list(args.models)}
+    from moe_nvfp4 import configs
+
+    meta["config_dir"] = str(configs.CONFIG_DIR)
+    meta["tuned_entries"] = args.device == "cuda" and configs.tuned_file_for(configs.device_traits(
+        torch.device("cuda"))) is not None  # fmt: skip
+    meta["autotune"] = args.autotune
 
     rows: list[dict] = []
-    for key in args.models:
+    for key, shape in args.models.items():
         try:
-            rows += run_model(key, MODELS[key], args.tokens, args, ceilings, l2, deadline)
+            rows += run_model(key, shape, args.tokens, args, ceilings, l2, deadline)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building weights
-            log(f"   {MODELS[key].name} FAILED: {short_error(exc)}")
+            log(f"   {shape.name} FAILED: {short_error(exc)}")
             traceback.print_exc()
-            rows.append({"model": MODELS[key].name, "status": f"failed: {short_error(exc)}"})
+            rows.append({"model": shape.name, "status": f"failed: {short_error(exc)}"})
             empty_cache()
     meta["wall_s"] = time.time() - start
 
@@ -624,8 +714,12 @@ def main(argv: list[str] | None = None) -> int:
         "% floor = floor / time (100 = at the floor); × = baseline time / our time; err = ||a - b|| / ||b|| vs the "
         "vLLM BF16 path on the same dequantized weights. See benchmarks/README.md.",
         "",
-        "Repro: `python benchmarks/bench_moe.py --models <mixtral|qwen3> --tokens <T>` "
+        "Repro: `python benchmarks/bench_moe.py --models <shape key> --tokens <T>` "
         "(each row's `repro` in moe.json).",
+        "",
+        "Per model (config: where ours' configs came from):",
+        "",
+        *[f"- {line}" for line in model_summaries(rows)],
     ]
     write_markdown(md_path, "NVFP4 MoE forward", summary_lines(meta, rows), table, notes)
     png = os.path.join(args.out, "moe.png")
@@ -636,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - matplotlib may be absent on the GPU machine
         png = f"(no plot: {short_error(exc)}; run `python benchmarks/plot.py {json_path}` where matplotlib exists)"
 
-    log("\n" + "\n".join(summary_lines(meta, rows)))
+    log("\n" + "\n".join(summary_lines(meta, rows) + model_summaries(rows)))
     short = [dict(r, status=_clip(r.get("status"), 60)) for r in rows]
     log(markdown_table(short, [c for c in COLUMNS if c[0] != "touched_experts"]))
     log(f"wrote {json_path}, {md_path}, {png}; total {meta['wall_s']:.0f} s")

@@ -72,10 +72,17 @@ class MoEShape:
     inter: int
     renormalize: bool = True
     act_bytes: int = 2  # bf16 activations
+    global_experts: int = 0  # the routing's experts under expert parallelism (num_experts of them local); 0: all
+
+    @property
+    def routed_experts(self) -> int:
+        return self.global_experts or self.num_experts
 
     def flops(self, tokens: int) -> int:
-        """2 * T * k * (2I*H + H*I): both GEMMs of every (token, expert) pair; the activation is ignored."""
-        return 2 * tokens * self.top_k * (2 * self.inter * self.hidden + self.hidden * self.inter)
+        """2 * T * k * (2I*H + H*I) over the pairs whose expert is local (all without expert parallelism; the
+        expected share with it): both GEMMs; the activation is ignored."""
+        pairs = tokens * self.top_k * self.num_experts // self.routed_experts
+        return 2 * pairs * (2 * self.inter * self.hidden + self.hidden * self.inter)
 
     def expert_nvfp4_bytes(self) -> int:
         """Weight bytes of one expert in NVFP4: w13 [2I, H] (one global scale) + w2 [H, I] (one)."""
@@ -98,6 +105,12 @@ class MoEShape:
 
     def max_touched(self, tokens: int) -> int:
         return min(self.num_experts, tokens * self.top_k)
+
+    @classmethod
+    def from_zoo(cls, shape) -> "MoEShape":
+        """A ``moe_nvfp4.zoo.ZooShape``."""
+        return cls(shape.name, num_experts=shape.experts, top_k=shape.top_k, hidden=shape.hidden,
+                   inter=shape.intermediate, global_experts=shape.global_experts)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ SERIES = (  # key, label, style
     ("floor_us", "floor max(HBM, compute)", dict(linestyle="--", color="k")),
     ("hbm_floor_us", "HBM floor", dict(linestyle=":", color="0.5")),
 )
+COLUMNS = 4  # panels per row (the zoo has dozens of shapes)
 
 
 def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") -> str:
@@ -25,8 +26,12 @@ def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") 
     models = list(dict.fromkeys(r["model"] for r in rows if r.get("tokens")))
     if not models:
         raise ValueError("no rows with timings to plot")
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    cols = min(COLUMNS, len(models))
+    rows_of_panels = -(-len(models) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(6 * cols, 4.5 * rows_of_panels), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
         mine = sorted((r for r in rows if r["model"] == model and r.get("tokens")), key=lambda r: r["tokens"])
         for key, label, style in SERIES:
             pts = [(r["tokens"], r[key]) for r in mine if r.get(key)]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import validate_nvfp4
+from .configs import LayerShape
 from .dispatch import backend_for
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
 from .layouts import FragmentLayout, padded_scale_shape
@@ -64,6 +65,12 @@ class MoEWeights:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global): the kernels' weight arguments."""
         return self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global
+
+    def layer_shape(self, top_k: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> LayerShape:
+        """What configs are chosen for when these weights run with ``top_k``, ``dtype`` activations and
+        ``expert_map`` (its length is the routing's expert count)."""
+        n_global = 0 if expert_map is None else expert_map.numel()
+        return LayerShape(self.num_experts, top_k, self.hidden, self.intermediate, dtype, n_global)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
@@ -254,17 +261,17 @@ def warmup_fused_moe(
     same weights shape, dtype, top_k and expert-map presence, compile nothing.  Returns the token counts
     run (empty on CPU, where nothing is compiled).
     """
-    from .configs import config_device_name, configs_up_to
+    from .configs import configs_up_to, device_traits
 
     device = weights.w13_packed.device
     if backend_for(device) == "torch" or max_tokens < 1:
         return []
     from .triton.moe_sm90 import routing_variants_from
 
-    e, h, i = weights.num_experts, weights.hidden, weights.intermediate
-    first = configs_up_to(max_tokens, e, top_k, h, i, dtype, config_device_name(device))
+    shape = weights.layer_shape(top_k, dtype, expert_map)
+    first = configs_up_to(max_tokens, shape, device_traits(device))
     counts = sorted(set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)})
-    n_global = e if expert_map is None else expert_map.numel()
+    h, n_global = weights.hidden, shape.global_experts
     for t in counts:
         x = torch.zeros(t, h, dtype=dtype, device=device)
         ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)

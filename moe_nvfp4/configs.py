@@ -1,18 +1,24 @@
-"""Kernel configurations: frozen dataclasses with one ``is_valid``, a default heuristic, tuned JSON.
+"""Kernel configurations: frozen dataclasses with one ``is_valid``, a default model, tuned and measured entries.
 
-Tuned entries live in ``configs/fused_moe_sm90/<device>.json`` at the repository root:
-  {"meta": {"kernel": "fused_moe_sm90", "version": 2, "device": "NVIDIA H200", ...},
-   "entries": [{"experts": 128, "hidden": 2048, "intermediate": 768, "dtype": "bfloat16",
-                "max_tokens": 16, "config": {...MoEKernelConfig fields...}}, ...]}
-An entry applies to token counts up to ``max_tokens`` (the smallest such entry wins; past the largest,
-the largest entry's config, tuned for the most tokens, is kept).  The file's metadata is checked on load;
-shapes with no entry use ``default_config``.
+A config is chosen per call by ``select_config(tokens, LayerShape, DeviceTraits)``, from (first that has
+entries for the shape):
+1. entries an autotuner measured in this process (``register_entries``; ``moe_nvfp4.autotune``);
+2. the tuned file that serves the device (``tuned_file_for``: ``configs/fused_moe_sm90/<device name>.json``, else
+   a file tuned on a part of the same capability and SM count):
+     {"meta": {"kernel": "fused_moe_sm90", "version": 3, "device": "NVIDIA H200", "capability": [9, 0],
+               "sm_count": 132, "memory_gib": 140, ...},
+      "entries": [{"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768, "dtype": "bfloat16",
+                   "max_tokens": 16, "config": {...MoEKernelConfig fields...}}, ...]}
+   (``global_experts`` in an entry: the routing's expert count under expert parallelism; absent, ``experts``);
+3. ``default_config``, a deterministic model of the problem and the device.
+An entry serves token counts up to ``max_tokens`` (the smallest such entry wins; past the largest, the largest).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -22,8 +28,9 @@ import torch
 from .layouts import FragmentLayout
 
 __all__ = [
-    "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "default_config", "load_config_file", "select_config",
-    "serving_entry", "configs_up_to", "config_device_name",
+    "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "DeviceTraits", "LayerShape", "default_config",
+    "device_traits", "load_config_file", "select_config", "serving_entry", "configs_up_to", "entries_for",
+    "register_entries", "tuned_file_for",
 ]
 
 CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves)
@@ -144,6 +151,14 @@ class GemmConfig:
         sums = (self.k_groups - 1) * halves * self.block_n * block_m * 4
         return self.num_stages * self.chunks_per_stage * per_chunk + sums
 
+    def narrowed_for(self, block_m: int) -> "GemmConfig":
+        """This GEMM with narrow_tiles lowered as far as ``block_m`` needs (its narrowest MMA stays narrowest_mma
+        wide)."""
+        narrow = self.narrow_tiles
+        while narrow and block_m >> narrow < self.narrowest_mma:
+            narrow -= 1
+        return replace(self, narrow_tiles=narrow)
+
     def launch_options(self) -> dict:
         """Triton launch keywords: warps, and the register cap when there is one."""
         cap = {} if self.max_registers is None else {"maxnreg": self.max_registers}
@@ -199,26 +214,200 @@ class MoEKernelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def with_token_tile(self, block_m: int) -> "MoEKernelConfig":
+        """This config at token tile ``block_m``, each GEMM's narrow_tiles lowered as far as the new tile needs (its
+        narrowest MMA must stay GemmConfig.narrowest_mma wide), so a move from 32-token tiles with narrow_tiles 2
+        to 16 is not refused for 4-wide MMAs alone."""
+        return replace(self, block_m=block_m, gemm1=self.gemm1.narrowed_for(block_m),
+                       gemm2=self.gemm2.narrowed_for(block_m))  # fmt: skip
+
 
 def _pad(k: int) -> int:
     return -(-k // CHUNK_K) * CHUNK_K
 
 
-# default_config's token tile: the first block_m whose row bound holds the mean rows per expert, else 128.
-DEFAULT_BLOCK_M = ((16, 16), (32, 32), (96, 64))
+@dataclass(frozen=True)
+class DeviceTraits:
+    """What a config depends on in the device: the name tuned files are keyed by, the compute capability, and
+    the SM count (persistent grids and the default's tile counts scale with it).  ``device_traits`` reads them."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    memory_gib: int = 0  # tells HBM3 parts from HBM3e ones of the same SM count, for tuned_file_for
 
 
-def default_config(tokens: int, experts: int, top_k: int, hidden: int, intermediate: int) -> MoEKernelConfig:
-    """Readable heuristic: token tile from the mean rows per expert; small tiles for decode."""
-    rows_per_expert = max(1, tokens * top_k // max(experts, 1))
-    block_m = next((bm for bound, bm in DEFAULT_BLOCK_M if rows_per_expert <= bound), 128)
-    big = block_m >= 64
-    gemm1 = GemmConfig(block_n=128 if big else 64, num_warps=8 if big else 4, num_stages=3 if big else 4)
-    gemm2 = GemmConfig(block_n=128 if big else 64, num_warps=8 if big else 4, num_stages=3 if big else 4)
-    cfg = MoEKernelConfig(block_m=block_m, gemm1=gemm1, gemm2=gemm2)
-    if not cfg.is_valid(_pad(hidden), _pad(intermediate)):
+# The Triton interpreter (CPU tensors): two programs, so persistent loops still stride.
+CPU_TRAITS = DeviceTraits("cpu", (0, 0), 2)
+# default_config's device when none is given: a Hopper part with 132 SMs (H100 SXM, H200, H800, GH200).
+HOPPER_132 = DeviceTraits("sm_90 with 132 SMs", (9, 0), 132)
+
+
+@lru_cache(maxsize=None)
+def _cuda_traits(index: int) -> DeviceTraits:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceTraits(props.name, (props.major, props.minor), props.multi_processor_count,
+                        round(props.total_memory / 2**30))  # fmt: skip
+
+
+def device_traits(device: torch.device) -> DeviceTraits:
+    """The traits of ``device`` (read once per GPU); CPU_TRAITS for CPU tensors."""
+    if device.type != "cuda":
+        return CPU_TRAITS
+    return _cuda_traits(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a MoE layer's configs are chosen for: local experts, top-k, H, I, activation dtype, and the routing's
+    expert count (``global_experts``: the expert map's length under expert parallelism, else ``experts``)."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    dtype: str = "bfloat16"
+    global_experts: int = 0  # 0: as many as ``experts``
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str):  # a torch.dtype: stored by name, as tuned files spell it
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if not self.global_experts:
+            object.__setattr__(self, "global_experts", self.experts)
+
+    def accepts(self, cfg: "MoEKernelConfig") -> bool:
+        """Whether ``cfg`` is valid for this shape's padded K dimensions."""
+        return cfg.is_valid(_pad(self.hidden), _pad(self.intermediate))
+
+    @property
+    def entry_key(self) -> tuple:
+        """The fields a tuned entry is matched on."""
+        return self.experts, self.global_experts, self.top_k, self.hidden, self.intermediate, self.dtype
+
+    def rows_per_active_expert(self, tokens: int) -> float:
+        """Expected (token, k) pairs per expert that gets any, with uniform routing: T k / (E (1 - (1 - k/E)^T))
+        over the routing's E experts (the local share of both numerator and denominator cancels).  1 at one
+        token; rises to T k / E once every expert is busy."""
+        e, k = self.global_experts, min(self.top_k, self.global_experts)
+        return tokens * k / (e * -math.expm1(tokens * math.log1p(-k / e))) if k < e else float(tokens)
+
+    def tokens_up_to_rows(self, rows: float) -> int:
+        """The largest T whose rows_per_active_expert is at most ``rows`` (the function rises with T)."""
+        lo, hi = 1, 1
+        while self.rows_per_active_expert(hi * 2) <= rows:
+            hi *= 2
+        hi *= 2
+        while hi - lo > 1:  # rows(lo) <= rows < rows(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.rows_per_active_expert(mid) <= rows else (lo, mid)
+        return lo
+
+
+# ---- the default: one readable model of what the tuned entries chose, keyed by the problem and the device ----
+# Token tile per expected rows per busy expert (the first bound that holds): a tile fits a busy expert's rows
+# with room for the routing's spread, and the Gluon kernel runs 8-wide MMAs at decode.
+TILE_BY_ROWS = ((5, 8), (10, 16), (20, 32), (96, 64))
+# Narrow MMAs in 64-token tiles (an expert's rows then often fill a quarter or half of the tile).
+NARROW_64_BY_ROWS = ((32, 2), (48, 1))
+PAIR_TILE_TOKENS = 2  # up to this many tokens every pair is a tile of its own (no routing launch)
+PARTIALS_IN_X_ROWS = 48  # past these rows per busy expert GEMM2 writes x's dtype (top-k > 2 always does)
+SHORT_K_ROWS = 32  # past these rows, 64-token tiles run GEMM2 on the Triton kernel where its K is short
+SHORT_K2 = 2048  # GEMM2's K (= I) under which that holds
+LONG_K2 = 8192  # 128-token tiles keep GEMM2 on the Gluon kernel from this K (long K hides its pipeline fill)
+# Every bound on rows the default compares against (configs_up_to finds the token counts where it changes).
+DEFAULT_ROW_BOUNDS = tuple(sorted({b for b, _ in TILE_BY_ROWS} | {b for b, _ in NARROW_64_BY_ROWS}
+                                  | {PARTIALS_IN_X_ROWS, SHORT_K_ROWS}))  # fmt: skip
+
+# Launch presets (GemmConfig fields) of the kernel families the tuned entries use.  ws: the warp-specialized
+# Gluon kernel (4 MMA warps + the loader's warp group: capped at 128 registers two programs fit an SM; 8 MMA
+# warps at 168 one does).
+WS_DECODE = dict(warp_specialized=True, block_n=64, num_warps=4, num_stages=2, chunks_per_stage=2, programs_per_sm=2,
+                 max_registers=128)  # fmt: skip
+WS_DECODE_WIDE = dict(WS_DECODE, block_n=128, num_stages=4, chunks_per_stage=1)
+WS_ONE_GROUP = dict(WS_DECODE, block_n=128)
+WS_TWO_GROUPS = dict(WS_DECODE, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1, max_registers=168)
+# At one or two tokens, a GEMM whose tiles cannot fill the SMs splits each tile's K over two MMA warp groups.
+WS_K_GROUPS = dict(WS_DECODE, num_stages=4, programs_per_sm=1, max_registers=168, k_groups=2)
+TRITON_PREFILL = dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2)
+
+
+def _first(bounds: Sequence[tuple[float, int]], rows: float, past: int) -> int:
+    return next((value for bound, value in bounds if rows <= bound), past)
+
+
+def fit_gemm(preset: dict, k_padded: int, block_m: int, gated: bool, **fields) -> GemmConfig:
+    """``preset`` made valid for this GEMM: its chunks per stage divide K's chunks (fewer chunks, more stages:
+    the same ring), then stages drop until the ring fits shared memory (the Gluon kernel)."""
+    g = GemmConfig(**{**preset, **fields})
+    chunks = k_padded // CHUNK_K
+    while chunks % g.chunks_per_stage:
+        g = replace(g, chunks_per_stage=g.chunks_per_stage // 2, num_stages=g.num_stages * 2)
+    while g.warp_specialized and g.num_stages > 2 and g.ws_shared_bytes(gated, block_m) > WS_SMEM_LIMIT:
+        g = replace(g, num_stages=g.num_stages - g.k_groups)
+    return g
+
+
+@lru_cache(maxsize=4096)  # select_config asks on every forward of a shape without entries
+def default_config(
+    tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, *, global_experts: int = 0,
+    device: DeviceTraits = HOPPER_132,
+) -> MoEKernelConfig:
+    """The config for a layer with no tuned entry: a deterministic model of what the tuned entries chose, from the
+    expected rows per busy expert ``m`` (LayerShape.rows_per_active_expert) and the SM count.
+
+    * One or two tokens: pair tiles (no routing launch), 8-token tiles, both GEMMs warp-specialized; a GEMM whose
+      k x N / 64 tiles cannot fill the SMs splits each tile's K over two MMA warp groups, one with 64-row tiles for
+      every SM twice over takes 128-row ones.
+    * Decode (tiles of 8-32 tokens, m <= 20): both GEMMs warp-specialized, 8-wide MMAs in 8-token tiles, half-width
+      ones in 16- and 32-token tiles.
+    * 64-token tiles (m <= 96): the Gluon kernel with two MMA warp groups; GEMM2 on the Triton kernel where its K
+      is short and the experts are busy (the Gluon kernel's per-tile pipeline fill then shows).
+    * Prefill (128-token tiles): the Triton kernel, GEMM2 warp-specialized where its K is long.
+    GEMM2 writes x's dtype for the combine where top-k > 2 or m > 48 (half the combine's bytes).
+    """
+    shape = LayerShape(experts, top_k, hidden, intermediate, global_experts=global_experts)
+    rows = shape.rows_per_active_expert(max(tokens, 1))
+    k1, k2 = _pad(hidden), _pad(intermediate)
+    if tokens <= PAIR_TILE_TOKENS:
+        block_m, pairs = 8, max(tokens, 1) * top_k
+
+        def pair_gemm(n: int, k: int, gated: bool) -> GemmConfig:
+            units = pairs * -(-n // 64)  # tiles of 64 rows
+            preset = WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
+            return fit_gemm(preset, k, block_m, gated, loader_warps=2)
+
+        cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, True), pair_gemm(hidden, k2, False),
+                              partials_in_x_dtype=top_k > 2, pair_tiles=True)  # fmt: skip
+    else:
+        block_m = _first(TILE_BY_ROWS, rows, 128)
+        narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]
+        if block_m <= 16:
+            preset = WS_DECODE if block_m == 8 else WS_DECODE_WIDE
+            gemm1 = fit_gemm(preset, k1, block_m, True, narrow_tiles=narrow, loader_warps=2 if block_m == 8 else 4)
+            gemm2 = fit_gemm(preset, k2, block_m, False, narrow_tiles=narrow, loader_warps=2 if block_m == 8 else 4)
+        elif block_m <= 64:
+            gemm1 = fit_gemm(WS_TWO_GROUPS, k1, block_m, True, narrow_tiles=narrow)
+            if block_m == 32:
+                gemm2 = fit_gemm(WS_ONE_GROUP, k2, block_m, False, narrow_tiles=narrow)
+            elif rows <= SHORT_K_ROWS or intermediate >= SHORT_K2:
+                gemm2 = fit_gemm(WS_TWO_GROUPS, k2, block_m, False, narrow_tiles=narrow)
+            else:
+                gemm2 = fit_gemm(TRITON_PREFILL, k2, block_m, False, narrow_tiles=2, max_registers=128)
+        else:
+            gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, True)
+            long_k = intermediate >= LONG_K2
+            gemm2 = fit_gemm(dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL,
+                            k2, block_m, False)  # fmt: skip
+        cfg = MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=top_k > 2 or rows > PARTIALS_IN_X_ROWS)
+    if not cfg.is_valid(k1, k2):
         raise AssertionError(f"default_config produced an invalid config {cfg}")  # a bug, not user input
     return cfg
+
+
+def default_bounds(shape: LayerShape) -> list[int]:
+    """The token counts after which ``default_config`` may change for ``shape``: each count with pair tiles (their
+    tiles follow the pairs) and the last T under each bound on rows it compares (DEFAULT_ROW_BOUNDS)."""
+    return sorted(set(range(1, PAIR_TILE_TOKENS + 1)) | {shape.tokens_up_to_rows(b) for b in DEFAULT_ROW_BOUNDS})
 
 
 @lru_cache(maxsize=None)
@@ -230,7 +419,7 @@ def load_config_file(path: str) -> tuple[dict, tuple[dict, ...]]:
         raise ValueError(f"{path}: expected meta kernel={KERNEL_NAME!r} version={CONFIG_VERSION}, got {meta}")
     entries = tuple(data.get("entries", ()))
     for i, entry in enumerate(entries):
-        for key in ("experts", "hidden", "intermediate", "dtype", "max_tokens", "config"):
+        for key in ("experts", "top_k", "hidden", "intermediate", "dtype", "max_tokens", "config"):
             if key not in entry:
                 raise ValueError(f"{path}: entry {i} lacks {key!r}")
         cfg = MoEKernelConfig.from_dict(entry["config"])
@@ -239,32 +428,70 @@ def load_config_file(path: str) -> tuple[dict, tuple[dict, ...]]:
     return meta, entries
 
 
-def config_device_name(device: torch.device) -> str:
-    """The name configs are keyed by: the CUDA device name ("cpu" for the Triton interpreter)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def config_path(device_name: str, config_dir: Path | None = None) -> Path:
     """Where a device's tuned configs live under ``config_dir`` (default CONFIG_DIR, read at the call:
     MOE_NVFP4_CONFIG_DIR or the shipped configs/)."""
     return (CONFIG_DIR if config_dir is None else config_dir) / KERNEL_NAME / (device_name.replace(" ", "_") + ".json")
 
 
-def _entries_for(experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str) -> list[dict]:
-    dtype_name = str(dtype).removeprefix("torch.")
-    key = (experts, hidden, intermediate, dtype_name)
-    return [e for e in _tuned_entries(device_name) if (e["experts"], e["hidden"], e["intermediate"], e["dtype"]) == key]
+def tuned_file_for(device: DeviceTraits, config_dir: Path | None = None) -> Path | None:
+    """The tuned file that serves ``device``: its own (by name), else one tuned on a part of the same
+    compute capability and SM count (the files' meta records both; an H100 NVL or a GH200 has no file of its
+    own), the one whose memory size is nearest (HBM3 against HBM3e); None if there is none."""
+    own = config_path(device.name, config_dir)
+    if own.exists():
+        return own
+    same = []
+    for path in sorted(own.parent.glob("*.json")):
+        meta = load_config_file(str(path))[0]
+        if tuple(meta.get("capability", ())) == device.capability and meta.get("sm_count") == device.sm_count:
+            same.append((abs(meta.get("memory_gib", 0) - device.memory_gib), path))
+    return min(same)[1] if same else None
 
 
-def select_config(
-    tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str
-) -> MoEKernelConfig:
-    """The tuned entry for this device and shape with the smallest max_tokens >= tokens (past every entry,
-    the largest one); the default heuristic for a shape with no entry."""
-    entries = _entries_for(experts, hidden, intermediate, dtype, device_name)
+# Entries an autotuner measured in this process (autotune.autotune_fused_moe), by device name and shape
+# (LayerShape.entry_key): they serve their shape before any file's entries.
+_MEASURED: dict[str, dict[tuple, list[dict]]] = {}
+
+
+def register_entries(device: DeviceTraits, entries: Sequence[dict]) -> None:
+    """Serve ``entries`` (dicts as in a tuned file) on ``device`` from now on in this process, ahead of the tuned
+    file's entries for the same shapes; an entry with the same shape and max_tokens as an earlier one replaces it.
+    Every entry is checked before any is kept."""
+    for entry in entries:
+        cfg = MoEKernelConfig.from_dict(entry["config"])
+        if not entry_shape(entry).accepts(cfg):
+            raise ValueError(f"entry for {entry_shape(entry)} up to {entry['max_tokens']} tokens has an invalid config {cfg}")
+    table = _MEASURED.setdefault(device.name, {})
+    for entry in entries:
+        key = entry_shape(entry).entry_key
+        table[key] = [e for e in table.get(key, []) if e["max_tokens"] != entry["max_tokens"]] + [entry]
+
+
+def entry_shape(entry: dict) -> LayerShape:
+    """The layer shape a tuned entry is for (``global_experts`` defaults to ``experts``: no expert parallelism)."""
+    return LayerShape(entry["experts"], entry["top_k"], entry["hidden"], entry["intermediate"], entry["dtype"],
+                      entry.get("global_experts", 0))  # fmt: skip
+
+
+def measured_entries(shape: LayerShape, device: DeviceTraits) -> list[dict]:
+    """The entries registered for ``shape`` on ``device`` in this process (register_entries)."""
+    return _MEASURED.get(device.name, {}).get(shape.entry_key, [])
+
+
+def entries_for(shape: LayerShape, device: DeviceTraits) -> list[dict]:
+    """The entries that serve ``shape`` on ``device``: measured in this process if any, else the tuned file's."""
+    return measured_entries(shape, device) or _tuned_entries(device).get(shape.entry_key, [])
+
+
+def select_config(tokens: int, shape: LayerShape, device: DeviceTraits) -> MoEKernelConfig:
+    """The config for ``tokens`` of ``shape`` on ``device``: of its entries (entries_for), the one with the
+    smallest max_tokens >= tokens (past every entry, the largest); without entries, default_config."""
+    entries = entries_for(shape, device)
     if entries:
         return MoEKernelConfig.from_dict(serving_entry(entries, tokens)["config"])
-    return default_config(tokens, experts, top_k, hidden, intermediate)
+    return default_config(tokens, shape.experts, shape.top_k, shape.hidden, shape.intermediate,
+                          global_experts=shape.global_experts, device=device)  # fmt: skip
 
 
 def serving_entry(entries: Sequence[dict], tokens: int) -> dict:
@@ -274,24 +501,26 @@ def serving_entry(entries: Sequence[dict], tokens: int) -> dict:
     return min(fits, key=lambda e: e["max_tokens"]) if fits else max(entries, key=lambda e: e["max_tokens"])
 
 
-def configs_up_to(
-    max_tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str
-) -> dict[MoEKernelConfig, int]:
+def configs_up_to(max_tokens: int, shape: LayerShape, device: DeviceTraits) -> dict[MoEKernelConfig, int]:
     """Every config ``select_config`` picks for 1..max_tokens tokens, each with the fewest tokens that pick it.
 
     select_config is constant between the token counts where an entry or a default_config bound ends, so
     checking 1 and each count just past such an end finds every config (what a warm-up must compile).
     """
-    ends = [e["max_tokens"] for e in _entries_for(experts, hidden, intermediate, dtype, device_name)]
-    ends += [-(-(bound + 1) * experts // top_k) - 1 for bound, _ in DEFAULT_BLOCK_M]  # last T with rows <= bound
+    entries = entries_for(shape, device)
+    ends = [e["max_tokens"] for e in entries] if entries else default_bounds(shape)
     found: dict[MoEKernelConfig, int] = {}
     for tokens in sorted({1} | {end + 1 for end in ends if 0 < end < max_tokens}):
-        found.setdefault(select_config(tokens, experts, top_k, hidden, intermediate, dtype, device_name), tokens)
+        found.setdefault(select_config(tokens, shape, device), tokens)
     return found
 
 
 @lru_cache(maxsize=None)
-def _tuned_entries(device_name: str) -> tuple[dict, ...]:
-    """The device's tuned entries, read once per process (select_config runs on every forward)."""
-    path = config_path(device_name)
-    return load_config_file(str(path))[1] if path.exists() else ()
+def _tuned_entries(device: DeviceTraits) -> dict[tuple, list[dict]]:
+    """The entries of the file that serves ``device`` (tuned_file_for) by shape, read once per process
+    (select_config runs on every forward)."""
+    path = tuned_file_for(device)
+    by_shape: dict[tuple, list[dict]] = {}
+    for entry in load_config_file(str(path))[1] if path is not None else ():
+        by_shape.setdefault(entry_shape(entry).entry_key, []).append(entry)
+    return by_shape

@@ -31,12 +31,12 @@ def fused_moe_op(
         weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, hidden, intermediate)
         w13, w2 = weights.to_nvfp4()
         return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
-    from .configs import config_device_name, select_config
+    from .configs import LayerShape, device_traits, select_config
     from .triton.moe_sm90 import fused_moe_sm90
 
-    config = select_config(
-        x.shape[0], w13_packed.shape[0], topk_ids.shape[1], hidden, intermediate, x.dtype, config_device_name(x.device)
-    )  # fmt: skip
+    shape = LayerShape(w13_packed.shape[0], topk_ids.shape[1], hidden, intermediate, str(x.dtype).removeprefix("torch."),
+                       0 if expert_map is None else expert_map.numel())  # fmt: skip
+    config = select_config(x.shape[0], shape, device_traits(x.device))
     return fused_moe_sm90(
         x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids,
         expert_map, intermediate, config,

@@ -190,8 +190,8 @@ def test_bench_moe_help():
 def test_bench_moe_args():
     bench = _load_bench()
     args = bench.parse_args([])
-    assert args.models == ["mixtral", "qwen3"] and args.tokens == [1, 16, 64, 256, 1024, 4096]
-    assert args.paths == ["ours", "marlin", "bf16"]
+    assert list(args.models) == ["mixtral-8x7b", "qwen3-30b-a3b"] and args.tokens == [1, 4, 16, 64, 256, 1024, 4096]
+    assert args.paths == ["ours", "marlin", "bf16"] and not args.autotune
     quick = bench.parse_args(["--quick", "--models", "qwen3"])
     assert quick.tokens == list(bench.QUICK_TOKENS) and quick.replays < args.replays
     assert args.rounds == 3 and quick.rounds == 1 and bench.parse_args(["--rounds", "5"]).rounds == 5
@@ -200,9 +200,42 @@ def test_bench_moe_args():
         bench.parse_args(["--models", "llama"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--paths", "cutlass"])
-    dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.inter, s.renormalize)  # noqa: E731
-    assert dims(bench.MODELS["mixtral"]) == dims(MIXTRAL) == (8, 2, 4096, 14336, True)
-    assert dims(bench.MODELS["qwen3"]) == dims(QWEN3) == (128, 8, 2048, 768, True)
+    dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.inter, s.renormalize, s.routed_experts)  # noqa: E731
+    assert dims(args.models["mixtral-8x7b"]) == dims(MIXTRAL) == (8, 2, 4096, 14336, True, 8)
+    assert dims(args.models["qwen3-30b-a3b"]) == dims(QWEN3) == (128, 8, 2048, 768, True, 128)
+
+
+def test_bench_moe_takes_the_zoo():
+    """--models zoo runs every zoo shape, zoo-models each model at TP=1, and a per-rank key that shape: its local
+    experts, intermediate slice and the routing's expert count."""
+    from moe_nvfp4.zoo import MODELS, zoo_shapes
+
+    bench = _load_bench()
+    assert list(bench.parse_args(["--models", "zoo"]).models) == [s.key for s in zoo_shapes()]
+    assert list(bench.parse_args(["--models", "zoo-models"]).models) == [m.key for m in MODELS]
+    ep8 = bench.parse_args(["--models", "kimi-k2-ep8,glm-4.5-tp4"]).models
+    assert (ep8["kimi-k2-ep8"].num_experts, ep8["kimi-k2-ep8"].routed_experts, ep8["kimi-k2-ep8"].inter) == (48, 384, 2048)
+    assert (ep8["glm-4.5-tp4"].num_experts, ep8["glm-4.5-tp4"].routed_experts, ep8["glm-4.5-tp4"].inter) == (160, 160, 384)
+
+
+def test_bench_moe_expert_parallel_inputs_map_the_first_experts_to_this_rank():
+    import torch
+
+    bench = _load_bench()
+    shape = bench.resolve_models("qwen3-235b-a22b-ep8")["qwen3-235b-a22b-ep8"]
+    x, tw, ids, emap = bench.make_inputs(shape, 64, 0, "cpu")
+    assert emap.tolist() == list(range(16)) + [-1] * 112 and ids.max() >= 16  # routed over all 128
+    assert bench.make_inputs(QWEN3, 4, 0, "cpu")[3] is None
+    assert shape.flops(64) == 2 * 64 * 8 * 16 // 128 * 3 * 4096 * 1536  # the local pairs' share
+
+
+def test_model_summaries_give_min_and_median_per_model():
+    bench = _load_bench()
+    rows = [dict(model="A", config_source="default", speedup_vs_marlin=s, pct_of_floor=p)
+            for s, p in ((1.0, 50.0), (2.0, 70.0), (3.0, 90.0))] + [dict(model="B", status="failed")]
+    a, b = bench.model_summaries(rows)
+    assert a == "A (default): x Marlin min 1.00 median 2.00; % floor min 50.00 median 70.00"
+    assert b == "B (no config): no timed rows"
 
 
 def test_clone_tensors_gives_new_storage():

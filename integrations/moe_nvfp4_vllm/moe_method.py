@@ -10,8 +10,10 @@ Life of a layer (vLLM 0.26 ``RoutedExperts``):
    negative, non-positive global scale), gate and up keep their own global scales, BF16 experts are
    quantized expert by expert, ``moe_nvfp4.prepare_moe_weights`` packs for the kernel and the checkpoint
    parameters are freed.
-   Then ``moe_nvfp4.warmup_fused_moe`` compiles every kernel variant up to the scheduler's token budget
-   (once per process and shape), so no request ever waits on a Triton compile.
+   Then, once per process and layer shape, ``moe_nvfp4.autotune.autotune_fused_moe`` times a few configs around
+   the served ones for each token bucket up to the scheduler's token budget and keeps the fastest (cached on disk
+   for the next start; ``MOE_NVFP4_AUTOTUNE=0`` turns it off), and ``moe_nvfp4.warmup_fused_moe`` compiles every
+   kernel variant up to that budget, so no request ever waits on a Triton compile.
 3. ``apply``: ``moe_nvfp4.fused_moe`` with the router's ``topk_weights`` / ``topk_ids`` (the MoE runner calls
    ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map.
    No host synchronisation, so vLLM's CUDA graphs capture it.
@@ -34,6 +36,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.utils import set_weight_attrs
 
 import moe_nvfp4
+from moe_nvfp4.autotune import autotune_enabled, autotune_fused_moe
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention, validate_nvfp4
 from moe_nvfp4.dispatch import backend_for
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
@@ -226,12 +229,16 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         self._warmup(layer, weights)
 
     def _warmup(self, layer: torch.nn.Module, weights: moe_nvfp4.MoEWeights) -> None:
-        """Compile the kernels for every token count now (Triton compiles lazily, per tuned config)."""
+        """Autotune (unless MOE_NVFP4_AUTOTUNE=0), then compile the kernels for every token count now (Triton
+        compiles lazily, per config)."""
         dtype, top_k, expert_map = self.moe.in_dtype, self.moe.experts_per_token, layer.expert_map
         key = (weights.w13_packed.shape, weights.w2_packed.shape, weights.w13_packed.device, dtype, top_k,
-               expert_map is None, self.max_tokens)  # fmt: skip
+               None if expert_map is None else expert_map.numel(), self.max_tokens)  # fmt: skip
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
+        if autotune_enabled() and weights.w13_packed.is_cuda:
+            report = autotune_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
+            logger.info("nvfp4_grouped: autotune %s", report.summary())
         start = time.perf_counter()
         counts = moe_nvfp4.warmup_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
         _WARMED.add(key)

@@ -1,0 +1,100 @@
+"""The model zoo: MoE layer shapes of the models people serve, and the per-rank shapes TP and EP give them.
+
+One definition for the benchmark, the tuner, the autotuner's tests and the config tests.  A shape is what one
+GPU's ``fused_moe`` sees: ``experts`` local experts of ``global_experts`` (expert parallelism keeps E / EP of
+them, the rest map to -1), ``intermediate`` the local slice of each expert's intermediate size (tensor
+parallelism splits it), ``top_k`` and ``hidden`` unchanged.
+
+    zoo_shapes()                  every shape: each model at TP=1, then its per-rank shapes
+    zoo_shapes("qwen3-235b-a22b") one model's shapes;  zoo_shape("kimi-k2-ep8") one shape
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ZooModel", "ZooShape", "MODELS", "SPLITS", "zoo_shape", "zoo_shapes"]
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A model's routed-expert layer: E experts, top-k, hidden size H, expert intermediate size I (SwiGLU)."""
+
+    key: str
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    large: bool = False  # served across GPUs: the zoo adds its TP and EP per-rank shapes
+
+
+@dataclass(frozen=True)
+class ZooShape:
+    """One GPU's share of a model's MoE layer (see the module docstring)."""
+
+    key: str
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    global_experts: int
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def local_fraction(self) -> float:
+        """The share of (token, expert) pairs whose expert lives on this rank (uniform routing)."""
+        return self.experts / self.global_experts
+
+
+MODELS: tuple[ZooModel, ...] = (
+    ZooModel("mixtral-8x7b", "Mixtral-8x7B", 8, 2, 4096, 14336),
+    ZooModel("mixtral-8x22b", "Mixtral-8x22B", 8, 2, 6144, 16384, large=True),
+    ZooModel("qwen3-30b-a3b", "Qwen3-30B-A3B", 128, 8, 2048, 768),
+    ZooModel("qwen3-235b-a22b", "Qwen3-235B-A22B", 128, 8, 4096, 1536, large=True),
+    ZooModel("kimi-k2", "Kimi-K2", 384, 8, 7168, 2048, large=True),
+    ZooModel("glm-4.5", "GLM-4.5", 160, 8, 5120, 1536, large=True),
+    ZooModel("qwen3-next-80b-a3b", "Qwen3-Next-80B-A3B", 512, 10, 2048, 512),
+    ZooModel("gpt-oss-120b", "gpt-oss-120b", 128, 4, 2880, 2880, large=True),
+    ZooModel("llama-4-maverick", "Llama-4-Maverick", 128, 1, 5120, 8192, large=True),
+    ZooModel("dbrx", "DBRX", 16, 4, 6144, 10752, large=True),
+    ZooModel("phi-3.5-moe", "Phi-3.5-MoE", 16, 2, 4096, 6400),
+    ZooModel("olmoe", "OLMoE", 64, 8, 2048, 1024),
+)
+
+# The per-rank splits of the large models: (tensor parallel, expert parallel) sizes.
+SPLITS: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (8, 1), (1, 2), (1, 8))
+# NVFP4 scales cover 16 values of K, and I is GEMM2's K: a TP slice must keep whole blocks.
+_SCALE_BLOCK = 16
+
+
+def _split(model: ZooModel, tp: int, ep: int) -> ZooShape | None:
+    """``model`` on one rank of TP=tp or EP=ep; None where the split does not divide the model (a TP slice of I
+    that is not whole NVFP4 blocks, e.g. gpt-oss's 2880 / 8 = 360, or fewer experts than ranks)."""
+    if model.intermediate % (tp * _SCALE_BLOCK) or model.experts % ep:
+        return None
+    suffix = f"-tp{tp}" if tp > 1 else f"-ep{ep}" if ep > 1 else ""
+    label = f" TP{tp}" if tp > 1 else f" EP{ep}" if ep > 1 else ""
+    return ZooShape(model.key + suffix, model.name + label, model.experts // ep, model.top_k, model.hidden,
+                    model.intermediate // tp, model.experts, tp, ep)  # fmt: skip
+
+
+def zoo_shapes(model: str | None = None) -> list[ZooShape]:
+    """Every zoo shape (or one model's): the model at TP=1, then its per-rank shapes if it is large."""
+    out = []
+    for m in MODELS:
+        if model is not None and m.key != model:
+            continue
+        out += [s for s in (_split(m, tp, ep) for tp, ep in ((1, 1), *(SPLITS if m.large else ()))) if s]
+    if model is not None and not out:
+        raise ValueError(f"unknown zoo model {model!r}; choose from {[m.key for m in MODELS]}")
+    return out
+
+
+def zoo_shape(key: str) -> ZooShape:
+    """One shape by key (``qwen3-235b-a22b``, ``kimi-k2-ep8``, ``glm-4.5-tp4``)."""
+    for shape in zoo_shapes():
+        if shape.key == key:
+            return shape
+    raise ValueError(f"unknown zoo shape {key!r}; choose from {[s.key for s in zoo_shapes()]}")

@@ -1,0 +1,228 @@
+"""The model zoo, the default config model, and how a config is chosen (measured entries, tuned files, default).
+
+No tolerances: everything here is exact (configs, token bounds, file choice).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_nvfp4.configs as configs
+from moe_nvfp4.configs import (
+    CONFIG_VERSION,
+    HOPPER_132,
+    KERNEL_NAME,
+    DeviceTraits,
+    GemmConfig,
+    LayerShape,
+    MoEKernelConfig,
+    configs_up_to,
+    default_bounds,
+    default_config,
+    register_entries,
+    select_config,
+    tuned_file_for,
+)
+from moe_nvfp4.zoo import MODELS, zoo_shape, zoo_shapes
+
+ZOO = zoo_shapes()
+H200 = DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
+
+
+def layer(s) -> LayerShape:
+    return LayerShape(s.experts, s.top_k, s.hidden, s.intermediate, "bfloat16", s.global_experts)
+
+
+@pytest.fixture
+def fresh_process(monkeypatch: pytest.MonkeyPatch):
+    """No entries measured in this process, and no tuned files (an empty config directory)."""
+    monkeypatch.setattr(configs, "_MEASURED", {})
+    configs._tuned_entries.cache_clear()
+    yield
+    configs._tuned_entries.cache_clear()
+
+
+# ---- the zoo ----
+def test_zoo_holds_every_model_of_the_issue_with_its_per_rank_shapes() -> None:
+    assert [(m.experts, m.top_k, m.hidden, m.intermediate) for m in MODELS] == [
+        (8, 2, 4096, 14336), (8, 2, 6144, 16384), (128, 8, 2048, 768), (128, 8, 4096, 1536), (384, 8, 7168, 2048),
+        (160, 8, 5120, 1536), (512, 10, 2048, 512), (128, 4, 2880, 2880), (128, 1, 5120, 8192),
+        (16, 4, 6144, 10752), (16, 2, 4096, 6400), (64, 8, 2048, 1024)]  # fmt: skip
+    keys = [s.key for s in ZOO]
+    assert len(keys) == len(set(keys))
+    for m in MODELS:
+        mine = [s for s in ZOO if s.key.startswith(m.key) and s.global_experts == m.experts]
+        assert mine[0].key == m.key and (mine[0].tp, mine[0].ep) == (1, 1)
+        assert len(mine) == (1 + 5 - (m.key == "gpt-oss-120b") if m.large else 1)  # gpt-oss: 2880 / 8 splits a block
+    kimi = zoo_shape("kimi-k2-ep8")
+    assert (kimi.experts, kimi.global_experts, kimi.intermediate, kimi.local_fraction) == (48, 384, 2048, 0.125)
+    assert (zoo_shape("qwen3-235b-a22b-tp8").intermediate, zoo_shape("qwen3-235b-a22b-tp8").experts) == (192, 128)
+    with pytest.raises(ValueError, match="gpt-oss-120b-tp8"):
+        zoo_shape("gpt-oss-120b-tp8")
+    with pytest.raises(ValueError, match="unknown zoo model"):
+        zoo_shapes("llama-2")
+
+
+# ---- rows per busy expert ----
+@pytest.mark.parametrize("shape", ZOO, ids=[s.key for s in ZOO])
+def test_rows_per_busy_expert_start_at_one_and_rise_to_the_mean(shape) -> None:
+    s = layer(shape)
+    rows = [s.rows_per_active_expert(t) for t in range(1, 4097)]
+    assert rows[0] == pytest.approx(1.0)
+    assert all(a <= b + 1e-9 for a, b in zip(rows, rows[1:]))
+    mean = 65536 * shape.top_k / shape.global_experts
+    assert s.rows_per_active_expert(65536) == pytest.approx(mean, rel=1e-6)  # every expert busy
+    for bound in (1.5, 5, 20, 96):
+        t = s.tokens_up_to_rows(bound)
+        assert s.rows_per_active_expert(t) <= bound < s.rows_per_active_expert(t + 1)
+
+
+def test_rows_per_busy_expert_do_not_depend_on_the_local_share() -> None:
+    full, ep8 = LayerShape(384, 8, 7168, 2048), LayerShape(48, 8, 7168, 2048, global_experts=384)
+    assert all(full.rows_per_active_expert(t) == ep8.rows_per_active_expert(t) for t in (1, 7, 64, 1000))
+    assert LayerShape(8, 8, 256, 256).rows_per_active_expert(5) == 5  # top-k = E: every token on every expert
+
+
+# ---- the default ----
+@pytest.mark.parametrize("shape", ZOO, ids=[s.key for s in ZOO])
+def test_default_is_valid_on_every_zoo_shape(shape) -> None:
+    s = layer(shape)
+    for t in (0, 1, 2, 3, 4, 16, 50, 64, 200, 256, 1000, 1024, 4096, 20000):
+        cfg = default_config(t, s.experts, s.top_k, s.hidden, s.intermediate, global_experts=s.global_experts)
+        assert s.accepts(cfg), (t, cfg)
+
+
+@pytest.mark.parametrize("e,k,h,i", [(1, 1, 16, 16), (7, 3, 48, 80), (1024, 16, 7168, 2048), (60, 4, 1008, 1360),
+                                     (256, 8, 7168, 256), (32, 4, 16, 65536 - 16)])
+def test_default_is_valid_on_odd_shapes(e: int, k: int, h: int, i: int) -> None:
+    for t in (1, 2, 3, 5, 9, 33, 129, 1025, 5000):
+        cfg = default_config(t, e, k, h, i)
+        assert LayerShape(e, k, h, i).accepts(cfg), (t, cfg)
+
+
+@pytest.mark.parametrize("key", ["mixtral-8x7b", "qwen3-30b-a3b", "kimi-k2-ep8", "llama-4-maverick", "dbrx-tp8",
+                                 "qwen3-next-80b-a3b"])  # fmt: skip
+def test_configs_up_to_finds_every_default_config(fresh_process, key: str, monkeypatch, tmp_path) -> None:
+    """Every config the default gives for 1..8192 tokens, found from its bounds alone (what a warm-up compiles)."""
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    s = layer(zoo_shape(key))
+    seen: dict[MoEKernelConfig, int] = {}
+    for t in range(1, 8193):
+        seen.setdefault(select_config(t, s, H200), t)
+    assert configs_up_to(8192, s, H200) == seen
+    assert default_bounds(s) == sorted(default_bounds(s))
+
+
+def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
+    """One or two tokens: pair tiles; decode: 8-token tiles, both GEMMs warp-specialized; 128-token prefill tiles on
+    the Triton kernel, GEMM2 warp-specialized where its K is long; K groups where a GEMM's tiles cannot fill the
+    SMs (Llama-4-Maverick's one expert at one token); the partials in x's dtype past top-2."""
+    mixtral, qwen3, maverick = (layer(zoo_shape(k)) for k in ("mixtral-8x7b", "qwen3-30b-a3b", "llama-4-maverick"))
+
+    def cfg(s: LayerShape, t: int, device: DeviceTraits = HOPPER_132) -> MoEKernelConfig:
+        return default_config(t, s.experts, s.top_k, s.hidden, s.intermediate, device=device)
+
+    for s in (mixtral, qwen3, maverick):
+        one = cfg(s, 1)
+        assert one.pair_tiles and one.block_m == 8 and one.gemm1.warp_specialized and one.gemm2.warp_specialized
+        assert not cfg(s, 3).pair_tiles
+    assert cfg(maverick, 1).gemm1.k_groups == cfg(maverick, 1).gemm2.k_groups == 2  # 128 and 80 tiles of 64 rows
+    assert cfg(qwen3, 1).gemm1.k_groups == 2 and cfg(qwen3, 1).gemm2.k_groups == 1  # 96 and 256 tiles
+    assert cfg(qwen3, 1, DeviceTraits("x", (9, 0), 78)).gemm2.k_groups == 1  # fewer SMs: 256 tiles fill them
+    assert cfg(qwen3, 1, DeviceTraits("x", (9, 0), 300)).gemm2.k_groups == 2
+    for s, t in ((mixtral, 16), (qwen3, 64)):
+        decode = cfg(s, t)
+        assert decode.block_m == 8 and decode.gemm1.warp_specialized and decode.gemm2.warp_specialized
+    for s in (mixtral, qwen3):
+        prefill = cfg(s, 4096)
+        assert prefill.block_m == 128 and not prefill.gemm1.warp_specialized and prefill.partials_in_x_dtype
+        assert prefill.gemm2.warp_specialized == (s.intermediate >= configs.LONG_K2)
+    assert cfg(qwen3, 16).partials_in_x_dtype and not cfg(mixtral, 16).partials_in_x_dtype
+
+
+def test_rings_shrink_to_whole_chunks_and_shared_memory() -> None:
+    """A GEMM whose K chunks do not divide by the preset's chunks per stage keeps the ring's depth in single chunks."""
+    cfg = default_config(16, 8, 2, 16 * 8 * 3, 1408)  # K = 384 (3 chunks) and 1408 (11 chunks)
+    for g in (cfg.gemm1, cfg.gemm2):
+        assert g.chunks_per_stage == 1 and g.num_stages == 4
+        assert g.ws_shared_bytes(g is cfg.gemm1, cfg.block_m) <= configs.WS_SMEM_LIMIT
+
+
+# ---- choosing ----
+def _write_file(directory: Path, device: str, meta_extra: dict, entries: list[dict]) -> Path:
+    meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=device, **meta_extra)
+    path = configs.config_path(device, directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, entries=entries)))
+    return path
+
+
+def _entry(cfg: MoEKernelConfig, max_tokens: int, **shape) -> dict:
+    fields = dict(experts=8, top_k=2, hidden=256, intermediate=256, dtype="bfloat16") | shape
+    return dict(fields, max_tokens=max_tokens, config=cfg.to_dict())
+
+
+SMALL = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, num_stages=3))
+LARGE = MoEKernelConfig(128, GemmConfig(128, num_warps=8), GemmConfig(128, num_warps=8))
+
+
+def test_files_serve_their_device_then_parts_of_the_same_capability_and_sm_count(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    h100 = _write_file(tmp_path, "NVIDIA H100 80GB HBM3", dict(capability=[9, 0], sm_count=132, memory_gib=80), [])
+    h200 = _write_file(tmp_path, "NVIDIA H200", dict(capability=[9, 0], sm_count=132, memory_gib=140), [])
+    _write_file(tmp_path, "Old GPU", {}, [])  # no traits in its meta: serves only its own name
+    assert tuned_file_for(H200) == h200
+    assert tuned_file_for(DeviceTraits("NVIDIA GH200 144G HBM3e", (9, 0), 132, 143)) == h200
+    assert tuned_file_for(DeviceTraits("NVIDIA H100 NVL", (9, 0), 132, 94)) == h100
+    assert tuned_file_for(DeviceTraits("NVIDIA H100 PCIe", (9, 0), 114, 80)) is None  # other SM count
+    assert tuned_file_for(DeviceTraits("NVIDIA H20", (9, 0), 78, 96)) is None
+    assert tuned_file_for(DeviceTraits("Old GPU", (8, 0), 108, 40)).name == "Old_GPU.json"
+
+
+def test_shipped_files_record_the_traits_they_serve() -> None:
+    for path in sorted((configs.CONFIG_DIR / KERNEL_NAME).glob("*.json")):
+        meta, entries = configs.load_config_file(str(path))
+        assert meta["capability"] == [9, 0] and meta["sm_count"] == 132 and meta["memory_gib"] in (80, 140)
+        assert {(e["experts"], e["top_k"]) for e in entries} == {(8, 2), (128, 8)}
+
+
+def test_measured_entries_come_before_the_file_and_the_file_before_the_default(fresh_process, tmp_path,
+                                                                               monkeypatch) -> None:  # fmt: skip
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    _write_file(tmp_path, "NVIDIA H200", dict(capability=[9, 0], sm_count=132, memory_gib=140),
+                [_entry(SMALL, 16), _entry(LARGE, 4096)])  # fmt: skip
+    s = LayerShape(8, 2, 256, 256)
+    assert select_config(1, s, H200) == SMALL and select_config(17, s, H200) == LARGE
+    assert select_config(99999, s, H200) == LARGE  # past every entry: the largest
+    for other in (LayerShape(8, 1, 256, 256), LayerShape(8, 2, 256, 256, "float16"),
+                  LayerShape(8, 2, 256, 256, global_experts=16)):  # top-k, dtype, expert parallelism differ
+        assert select_config(1, other, H200) == default_config(1, other.experts, other.top_k, 256, 256,
+                                                               global_experts=other.global_experts)  # fmt: skip
+    register_entries(H200, [_entry(LARGE, 8)])
+    assert select_config(1, s, H200) == LARGE and configs.entries_for(s, H200)[0]["max_tokens"] == 8
+    register_entries(H200, [_entry(SMALL, 8)])  # the same bucket again replaces it
+    assert select_config(1, s, H200) == SMALL and len(configs.measured_entries(s, H200)) == 1
+    assert configs_up_to(4096, s, H200) == {SMALL: 1}  # measured entries only; the file is not consulted
+    bad = _entry(dataclasses.replace(SMALL, block_m=8), 16)  # 8-token tiles need both GEMMs warp-specialized
+    with pytest.raises(ValueError, match="invalid config"):
+        register_entries(H200, [bad])
+
+
+def test_a_file_entry_without_top_k_is_refused(tmp_path) -> None:
+    entry = _entry(SMALL, 16)
+    del entry["top_k"]
+    path = _write_file(tmp_path, "Fake", {}, [entry])
+    with pytest.raises(ValueError, match="top_k"):
+        configs.load_config_file(str(path))
+
+
+def test_layer_shape_normalizes_dtype_and_global_experts() -> None:
+    s = LayerShape(8, 2, 256, 256, torch.float16)
+    assert s.dtype == "float16" and s.global_experts == 8
+    assert s.entry_key == (8, 8, 2, 256, 256, "float16")
+    assert math.isclose(LayerShape(128, 8, 256, 256).rows_per_active_expert(16), 128 / (128 * (1 - (15 / 16) ** 16)))
