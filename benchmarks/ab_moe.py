@@ -98,16 +98,15 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     import torch
 
     from harness import time_graph
-    from moe_nvfp4.configs import select_config
+    from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from tune_moe import MODELS, packed_layer, rotated_weights, seeded_inputs
 
     e, k, h, i = MODELS[model]
-    device_name = torch.cuda.get_device_name()
-    cfg = select_config(tokens, e, k, h, i, torch.bfloat16, device_name)
-    tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, e, k, h, i, torch.bfloat16,
-                                                                                 device_name))
+    shape, device = LayerShape(e, k, h, i), device_traits(torch.device("cuda"))
+    cfg = select_config(tokens, shape, device)
+    tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, shape, device))
                 for v in variants if v.startswith("configs=")}  # fmt: skip
     x, tw, ti = seeded_inputs(model, tokens)
     weights = packed_layer(model)

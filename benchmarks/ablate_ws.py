@@ -101,7 +101,7 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from moe_nvfp4.configs import select_config
+    from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from profile_moe import kernel_times
     from tune_moe import MODELS, packed_layer, seeded_inputs
@@ -111,7 +111,7 @@ def run_case(model: str, tokens: int, kernels: dict, layers: dict) -> list[dict]
         layers[model] = packed_layer(model)
     weights = layers[model]
     x, tw, ti = seeded_inputs(model, tokens)
-    cfg = select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
+    cfg = select_config(tokens, LayerShape(e, k, h, i, x.dtype), device_traits(x.device))
     shipped = moe_sm90_ws._moe_gemm_ws_kernel
     rows, ref = [], None
     try:

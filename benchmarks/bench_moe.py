@@ -1,16 +1,19 @@
-"""NVFP4 MoE forward: ours vs vLLM 0.26 Marlin NVFP4 vs vLLM Triton BF16, against measured floors.
+"""NVFP4 MoE forward: ours vs vLLM 0.26 Marlin NVFP4 (and Humming NVFP4) vs vLLM Triton BF16, against measured floors.
 
     python benchmarks/bench_moe.py --out benchmarks/results            # full run (< 8 min on an H200)
     python benchmarks/bench_moe.py --quick --out /tmp/moe               # 3 token counts, fewer replays
+    python benchmarks/bench_moe.py --paths ours,marlin,humming,bf16     # with vLLM's Humming (JIT: minutes)
 
 One process, one GPU.  For each model and token count T: random bf16 x and router logits, softmax
 top-k (renormalized), random bf16 expert weights quantized once to NVFP4 (one global scale per expert
-and matrix, as vLLM's ModelOpt path uses for w13); all three paths compute the same function on the same
+and matrix, as vLLM's ModelOpt path uses for w13); all the paths compute the same function on the same
 dequantized weights:
 
-  ours    moe_nvfp4.prepare_moe_weights(w13_q, w2_q); moe_nvfp4.fused_moe(x, weights, topk_w, topk_ids)
-  marlin  vLLM prepare_nvfp4_moe_layer_for_marlin(...) then fused_marlin_moe(...), W4A16 NVFP4
-  bf16    vLLM fused_experts(x, w13_bf16, w2_bf16, topk_w, topk_ids) on the dequantized weights
+  ours     moe_nvfp4.prepare_moe_weights(w13_q, w2_q); moe_nvfp4.fused_moe(x, weights, topk_w, topk_ids)
+  marlin   vLLM prepare_nvfp4_moe_layer_for_marlin(...) then fused_marlin_moe(...), W4A16 NVFP4
+  humming  vLLM convert_to_humming_moe_kernel_format(...) then the HummingIndexedExperts kernel, W4A16 NVFP4
+           (opt-in: --paths; its first forward JIT-compiles humming's kernels)
+  bf16     vLLM fused_experts(x, w13_bf16, w2_bf16, topk_w, topk_ids) on the dequantized weights
 
 Outputs are checked against each other (and a float32 torch reference) before timing; timing is CUDA
 graph replay with rotating weight copies so L2 never holds the weights between calls (harness.py).
@@ -56,7 +59,9 @@ TINY = MoEShape("tiny", num_experts=4, top_k=2, hidden=128, inter=64, renormaliz
 DEFAULT_MODELS = ("mixtral", "qwen3")
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 QUICK_TOKENS = (1, 64, 1024)
-PATHS = ("ours", "marlin", "bf16")
+PATHS = ("ours", "marlin", "humming", "bf16")
+DEFAULT_PATHS = ("ours", "marlin", "bf16")  # humming: minutes of JIT on a fresh machine (see Humming)
+BASELINES = ("marlin", "humming", "bf16")  # the paths ours is compared with, row by row
 REL_TOL = 2e-2  # same dequantized weights everywhere; only bf16 rounding/accumulation order differ
 
 COLUMNS = [
@@ -66,17 +71,38 @@ COLUMNS = [
     ("touched_experts", "touched", "d"),
     ("ours_us", "ours µs", ".1f"),
     ("marlin_us", "Marlin µs", ".1f"),
+    ("humming_us", "Humming µs", ".1f"),
     ("bf16_us", "BF16 µs", ".1f"),
     ("floor_us", "floor µs", ".1f"),
     ("bound", "bound", ""),
     ("pct_of_floor", "ours % floor", ".0f"),
     ("marlin_pct_of_floor", "Marlin % floor", ".0f"),
+    ("humming_pct_of_floor", "Humming % floor", ".0f"),
     ("speedup_vs_marlin", "× Marlin", ".2f"),
+    ("speedup_vs_humming", "× Humming", ".2f"),
     ("speedup_vs_bf16", "× BF16", ".2f"),
     ("rel_err_ours", "err ours", ".1e"),
     ("rel_err_marlin", "err Marlin", ".1e"),
+    ("rel_err_humming", "err Humming", ".1e"),
     ("status", "status", ""),
 ]
+
+
+def columns(paths: list[str]) -> list[tuple[str, str, str]]:
+    """COLUMNS less the time, % floor, speedup and error columns of the paths not run."""
+    own = {p: {f"{p}_us", f"{p}_pct_of_floor", f"speedup_vs_{p}", f"rel_err_{p}"} for p in PATHS}
+    dropped = set().union(*(own[p] for p in PATHS if p not in paths))
+    return [c for c in COLUMNS if c[0] not in dropped]
+
+
+def add_ratios(row: dict) -> None:
+    """% of floor for every path and ours' speedup over each baseline, from the row's times (None where one is
+    missing)."""
+    ours = row.get("ours_us")
+    row["pct_of_floor"] = pct_of_floor(row["floor_us"], ours)
+    for name in BASELINES:
+        row[f"{name}_pct_of_floor"] = pct_of_floor(row["floor_us"], row.get(f"{name}_us"))
+        row[f"speedup_vs_{name}"] = ratio(row.get(f"{name}_us"), ours)
 
 
 def log(msg: str) -> None:
@@ -103,11 +129,20 @@ def rel_err(a, b) -> float:
 
 
 def clone_tensors(obj: Any) -> Any:
-    """A copy of a dataclass / tuple of tensors with every tensor cloned (new storage, same layout)."""
+    """A copy of a dataclass / tuple of tensors with every tensor cloned (new storage, same layout); of a torch
+    Module, a shallow copy whose parameters and buffers are clones (its other attributes shared)."""
+    import copy
+
     import torch
 
     if isinstance(obj, torch.Tensor):
         return obj.clone()
+    if isinstance(obj, torch.nn.Module):
+        twin = copy.copy(obj)
+        twin._parameters = {k: torch.nn.Parameter(v.detach().clone(), requires_grad=False)
+                            for k, v in obj._parameters.items()}  # fmt: skip
+        twin._buffers = {k: v.clone() for k, v in obj._buffers.items()}
+        return twin
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(
             obj, **{f.name: clone_tensors(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
@@ -118,7 +153,7 @@ def clone_tensors(obj: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------
-# The three paths.  Each builder returns a callable make_fn(copy_index) -> (() -> out) and the number of
+# The paths.  Each builder returns a callable make_fn(copy_index) -> (() -> out) and the number of
 # weight copies it holds; copies beyond the first are clones made up front.
 # --------------------------------------------------------------------------------------------------
 class Path:
@@ -246,6 +281,133 @@ class Marlin(Path):
         return run
 
 
+class Humming(Path):
+    """vLLM 0.26 ModelOptNvFp4FusedMoE with the HUMMING backend (``--moe-backend humming``; 0.26 picks Marlin on
+    Hopper by default, its oracle trying MARLIN before HUMMING).  As __init__ and process_weights_after_loading do:
+    select_nvfp4_moe_backend(moe_backend="humming", kNvfp4Static, kNvfp4Dynamic), then on a layer holding the
+    ModelOpt parameters convert_to_nvfp4_moe_kernel_format -> convert_to_humming_moe_kernel_format(quant_config
+    {"quant_method": "modelopt", "quant_algo": "nvfp4"}), get_humming_moe_quant_config (what
+    make_nvfp4_moe_quant_config returns for HUMMING; it asserts a RoutedExperts) and make_nvfp4_moe_kernel (the
+    replace_parameter calls between them only re-register the converted tensors under ModelOpt's names); each
+    forward is FusedMoEKernel.apply as ModelOptNvFp4FusedMoE.apply calls it (no-EP prepare/finalize: no all2all).
+
+    vLLM accepts NVFP4 on sm_90: HummingExpertsBase wants has_humming(), CUDA and sm >= 7.5, and lists
+    (kNvfp4Static, kNvfp4Dynamic).  Of BatchedHummingGrouped- (batched activation format only), HummingGrouped- and
+    HummingIndexedExperts, the last two must match VLLM_HUMMING_MOE_GEMM_TYPE (unset: indexed), so this is
+    HummingIndexedExperts: moe_align_block_size, a w13 GEMM gathering x per (token, k), SiLU-and-mul, a w2 GEMM,
+    moe_fused_mul_sum.  Activations stay bf16 (W4A16) whatever the checkpoint's input scales say: Humming's input
+    schema comes from VLLM_HUMMING_INPUT_QUANT_CONFIG (unset: none).  A one-scale w13 (as here) keeps fp8 block
+    scales with a per-expert global scale; gate != up scales would be folded into bf16 block scales.  A refusal
+    (humming-kernels missing or not importing, no CUDA) raises RuntimeError with the reason.
+
+    Context: the experts read get_forward_context().dp_metadata (estimate_local_valid_shape_m) and the modular
+    kernel takes its workspaces from vLLM's WorkspaceManager; an empty ForwardContext (no DP) wraps each call and
+    the manager is initialized once on this device, as a model runner does.  No VllmConfig is involved.
+
+    JIT: the first forward of a layer shape compiles (NVRTC, 16 threads) one kernel per distinct entry of
+    humming's sm_90 tuning table, every token count at once (humming-kernels 0.1.10: 22 for each of w13 and w2, of
+    Mixtral and of Qwen3 alike); ``import humming`` starts building its C++ launcher (torch cpp_extension) in the
+    background.  Cubins are cached on disk in ~/.humming/cache (HUMMING_CACHE_DIR), which a fresh machine lacks, so
+    expect minutes: the warm-up forward here puts that in the setup time, not in the first row.  Weight copies
+    clone the converted layer (the kernels see the same metadata)."""
+
+    name = "humming"
+
+    def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
+        super().__init__(copies)
+        if shape.routed_experts != shape.num_experts:
+            raise RuntimeError("the Humming path here has no expert map (expert-parallel shapes run without it)")
+        try:  # vLLM's has_humming() swallows this error, and its oracle then blames the device
+            import humming  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - e.g. a missing cuda-bindings
+            raise RuntimeError(f"humming-kernels does not import: {short_error(exc)}") from exc
+        import torch
+        from vllm.forward_context import ForwardContext, override_forward_context
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.config import (
+            FusedMoEConfig,
+            FusedMoEParallelConfig,
+            get_routing_method_type,
+        )
+        from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
+            convert_to_nvfp4_moe_kernel_format,
+            make_nvfp4_moe_kernel,
+            select_nvfp4_moe_backend,
+        )
+        from vllm.model_executor.layers.quantization.utils.humming_utils import get_humming_moe_quant_config
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Dynamic, kNvfp4Static
+        from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+        e, h, i, device = shape.num_experts, shape.hidden, shape.inter, w13_q.packed.device
+        moe = FusedMoEConfig(
+            num_experts=e, experts_per_token=shape.top_k, hidden_dim=h, intermediate_size=i, num_local_experts=e,
+            num_logical_experts=e, activation=MoEActivation.SILU, device=device,
+            routing_method=get_routing_method_type("softmax", shape.top_k, shape.renormalize, None, False),
+            moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
+            moe_backend="humming",
+        )  # fmt: skip
+        try:
+            backend, experts_cls = select_nvfp4_moe_backend(moe, kNvfp4Static, kNvfp4Dynamic)
+        except ValueError as exc:  # "... does not support the deployment configuration since <reason>"
+            raise RuntimeError(f"vLLM 0.26's oracle refuses HUMMING: {str(exc).rpartition(' since ')[2]}") from exc
+
+        # What the Humming code reads of a RoutedExperts, and ModelOptNvFp4FusedMoE.create_weights' parameters as
+        # loaded: clones, since the conversion may take views of them.  w13_weight_scale_2 is [E, 2] (gate, up);
+        # the activation scales are there but unused (bf16 activations).
+        layer = torch.nn.Module()
+        layer.layer_name, layer.moe_config, layer.params_dtype = "model.layers.0.mlp.experts", moe, torch.bfloat16
+        layer.hidden_size, layer.intermediate_size_per_partition = h, i
+        layer.global_num_experts = layer.local_num_experts = e
+        checkpoint = {
+            "w13_weight": w13_q.packed,
+            "w13_weight_scale": w13_q.block_scale,
+            "w13_weight_scale_2": w13_q.global_scale.float().reshape(e, -1).expand(e, 2),
+            "w13_input_scale": torch.ones(e, 2, device=device),
+            "w2_weight": w2_q.packed,
+            "w2_weight_scale": w2_q.block_scale,
+            "w2_weight_scale_2": w2_q.global_scale.float(),
+            "w2_input_scale": torch.ones(e, device=device),
+        }
+        for name, t in checkpoint.items():
+            layer.register_parameter(name, torch.nn.Parameter(t.contiguous().clone(), requires_grad=False))
+        convert_to_nvfp4_moe_kernel_format(
+            nvfp4_backend=backend, layer=layer, w13=layer.w13_weight, w13_scale=layer.w13_weight_scale,
+            w13_scale_2=layer.w13_weight_scale_2[:, 0].contiguous(), a13_scale=layer.w13_input_scale,
+            w2=layer.w2_weight, w2_scale=layer.w2_weight_scale, w2_scale_2=layer.w2_weight_scale_2,
+            a2_scale=layer.w2_input_scale, is_act_and_mul=True,
+        )  # fmt: skip
+        self.add_copies(layer)
+
+        def kernel(copy_layer):
+            k = make_nvfp4_moe_kernel(get_humming_moe_quant_config(copy_layer), moe, experts_cls, backend,
+                                      layer=copy_layer)  # fmt: skip
+            k.fused_experts.process_weights_after_loading(copy_layer)
+            return k
+
+        self._kernels = [kernel(copy_layer) for copy_layer in self.weights]
+        if not is_workspace_manager_initialized():
+            init_workspace_manager(device)
+        self._context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        self._override = override_forward_context
+        self._silu = MoEActivation.SILU
+        self._num_experts = e
+        x = torch.zeros(1, h, device=device, dtype=torch.bfloat16)
+        topk_ids = torch.arange(shape.top_k, device=device, dtype=torch.int32)[None]
+        self.fn(0, x, torch.full(topk_ids.shape, 1 / shape.top_k, device=device), topk_ids)()  # the JIT, here
+
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
+        layer, kernel, context, override = self.weights[copy], self._kernels[copy], self._context, self._override
+
+        def run():
+            with override(context):
+                return kernel.apply(
+                    x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, activation=self._silu,
+                    global_num_experts=self._num_experts, expert_map=None, apply_router_weight_on_input=False,
+                )  # fmt: skip
+
+        return run
+
+
 class BF16(Path):
     """vLLM 0.26 Triton fused_experts on the dequantized bf16 weights (unquantized config)."""
 
@@ -274,6 +436,8 @@ def build_path(name: str, shape: MoEShape, weights: tuple, copies: int) -> Path:
         return Ours(w13_q, w2_q, copies)
     if name == "marlin":
         return Marlin(shape, w13_q, w2_q, copies)
+    if name == "humming":
+        return Humming(shape, w13_q, w2_q, copies)
     return BF16(shape, w13_deq, w2_deq, copies)
 
 
@@ -376,11 +540,11 @@ def run_model(
         try:
             paths[name] = build_path(name, shape, (w13_q, w2_q, w13_deq, w2_deq), n)
             copies = len(paths[name].weights)
-            log(f"   {name:6s} ready: {copies} weight cop{'y' if copies == 1 else 'ies'} ({time.time() - t1:.1f} s)")
+            log(f"   {name:7s} ready: {copies} weight cop{'y' if copies == 1 else 'ies'} ({time.time() - t1:.1f} s)")
         except Exception as exc:  # noqa: BLE001 - one path failing must not stop the others
             paths[name] = None
             errors[name] = f"setup: {short_error(exc)}"
-            log(f"   {name:6s} SETUP FAILED: {short_error(exc)}")
+            log(f"   {name:7s} SETUP FAILED: {short_error(exc)}")
             if args.verbose:
                 traceback.print_exc()
         sync()
@@ -448,17 +612,18 @@ def run_model(
                 notes.append(f"{name} run: {short_error(exc)}")
                 if args.verbose:
                     traceback.print_exc()
-        # rel_err_ours / rel_err_marlin: vs the BF16 path, else the reference, else (no BF16 weights) ours vs Marlin
+        # rel_err_<path>: vs the BF16 path, else the reference, else (no BF16 weights) vs Marlin
         base, basis = next(((out, name) for out, name in ((outs.get("bf16"), "bf16"), (ref, "ref"),
                                                           (outs.get("marlin"), "marlin")) if out is not None), (None, None))
         row["err_basis"] = basis
-        for name in ("ours", "marlin"):
+        for name in ("ours", "marlin", "humming"):
             if name in outs and name != basis:
                 row[f"rel_err_{name}"] = rel_err(outs[name], base) if base is not None else None
         for name, out in outs.items():
             row[f"rel_err_{name}_vs_ref"] = rel_err(out, ref) if ref is not None else None
-        if "ours" in outs and "marlin" in outs:
-            row["rel_err_ours_vs_marlin"] = rel_err(outs["ours"], outs["marlin"])
+        for name in ("marlin", "humming"):
+            if "ours" in outs and name in outs:
+                row[f"rel_err_ours_vs_{name}"] = rel_err(outs["ours"], outs[name])
         mismatches = []
         for name in outs:
             err = row.get(f"rel_err_{name}") if name != "bf16" else None
@@ -508,20 +673,16 @@ def run_model(
             if middle.method != "graph":
                 notes.append(f"{name} eager ({middle.note})")
         del fns_of
-        ours, marlin, bf16 = row.get("ours_us"), row.get("marlin_us"), row.get("bf16_us")
-        row["pct_of_floor"] = pct_of_floor(row["floor_us"], ours)
-        row["marlin_pct_of_floor"] = pct_of_floor(row["floor_us"], marlin)
-        row["bf16_pct_of_floor"] = pct_of_floor(row["floor_us"], bf16)
-        row["speedup_vs_marlin"] = ratio(marlin, ours)
-        row["speedup_vs_bf16"] = ratio(bf16, ours)
+        add_ratios(row)
         row["status"] = "ok" if not notes else "; ".join(notes)
         row["notes"] = notes
         rows.append(row)
+        times = " ".join(f"{name}={_f(row.get(f'{name}_us'))}" for name in args.paths)
+        errs = " ".join(f"{name}={_f(row.get(f'rel_err_{name}'), '.1e')}" for name in args.paths if name != "bf16")
         log(
-            f"   T={t:5d} touched={touched:3d} ours={_f(ours)} marlin={_f(marlin)} bf16={_f(bf16)} "
+            f"   T={t:5d} touched={touched:3d} {times} "
             f"floor={row['floor_us']:.1f}us ({row['bound']}) ours%floor={_f(row['pct_of_floor'], '.0f')} "
-            f"err ours={_f(row.get('rel_err_ours'), '.1e')} marlin={_f(row.get('rel_err_marlin'), '.1e')}"
-            + (f"  [{_clip(row['status'], 300)}]" if notes else "")
+            f"err {errs}" + (f"  [{_clip(row['status'], 300)}]" if notes else "")
         )
         del x, topk_weights, topk_ids, expert_map
 
@@ -544,7 +705,8 @@ def _f(v, spec: str = ".1f") -> str:
 # --------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="NVFP4 MoE: moe_nvfp4.fused_moe vs vLLM Marlin NVFP4 vs vLLM Triton BF16, with HBM/compute floors.",
+        description="NVFP4 MoE: moe_nvfp4.fused_moe vs vLLM Marlin (and Humming) NVFP4 vs vLLM Triton BF16, with "
+                    "HBM/compute floors.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", default="benchmarks/results", help="directory for moe.json, moe.md, moe.png")
@@ -556,7 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autotune", action="store_true",
                    help="autotune each shape's configs first (moe_nvfp4.autotune, its on-disk cache included)")
     p.add_argument("--autotune-budget-s", type=float, default=50.0, help="the autotuner's search budget per shape")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {list(PATHS)}")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                   help=f"comma list of {list(PATHS)} (humming: its first forward per shape JIT-compiles for minutes)")
     p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
     p.add_argument("--replays", type=int, default=None, help="graph replays per measurement (default 10; quick 5)")
     p.add_argument("--rounds", type=int, default=None,
@@ -708,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = os.path.join(args.out, "moe.json")
     md_path = os.path.join(args.out, "moe.md")
     write_json(json_path, meta, rows)
-    table = markdown_table(rows, COLUMNS)
+    table = markdown_table(rows, columns(args.paths))
     notes = [
         "Columns: times are µs per MoE forward (see timing above); floor = max(HBM, compute) floor; "
         "% floor = floor / time (100 = at the floor); × = baseline time / our time; err = ||a - b|| / ||b|| vs the "
@@ -732,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log("\n" + "\n".join(summary_lines(meta, rows) + model_summaries(rows)))
     short = [dict(r, status=_clip(r.get("status"), 60)) for r in rows]
-    log(markdown_table(short, [c for c in COLUMNS if c[0] != "touched_experts"]))
+    log(markdown_table(short, [c for c in columns(args.paths) if c[0] != "touched_experts"]))
     log(f"wrote {json_path}, {md_path}, {png}; total {meta['wall_s']:.0f} s")
     return 0
 

@@ -45,7 +45,7 @@ def run_case(model: str, tokens: int, variants: list[str], shipped_gemms: list[s
              read_bps: float) -> list[dict]:
     import torch
 
-    from moe_nvfp4.configs import select_config
+    from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from profile_moe import kernel_times
@@ -54,7 +54,7 @@ def run_case(model: str, tokens: int, variants: list[str], shipped_gemms: list[s
     e, k, h, i = MODELS[model]
     weights = packed_layer(model)
     x, tw, ti = seeded_inputs(model, tokens)
-    shipped_cfg = select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
+    shipped_cfg = select_config(tokens, LayerShape(e, k, h, i, x.dtype), device_traits(x.device))
     touched = len(torch.unique(ti))
     padded = FragmentLayout().padded_k
     shipped_kernel = moe_sm90_ws._moe_gemm_ws_kernel

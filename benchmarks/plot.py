@@ -10,6 +10,7 @@ import sys
 SERIES = (  # key, label, style
     ("ours_us", "ours (moe_nvfp4)", dict(marker="o", color="C0")),
     ("marlin_us", "vLLM Marlin NVFP4", dict(marker="s", color="C1")),
+    ("humming_us", "vLLM Humming NVFP4", dict(marker="D", color="C3")),
     ("bf16_us", "vLLM Triton BF16", dict(marker="^", color="C2")),
     ("floor_us", "floor max(HBM, compute)", dict(linestyle="--", color="k")),
     ("hbm_floor_us", "HBM floor", dict(linestyle=":", color="0.5")),

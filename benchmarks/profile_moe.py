@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_moe import MODELS, packed_layer  # noqa: E402
 
 from moe_nvfp4 import topk_softmax  # noqa: E402
-from moe_nvfp4.configs import MoEKernelConfig, select_config  # noqa: E402
+from moe_nvfp4.configs import LayerShape, MoEKernelConfig, device_traits, select_config  # noqa: E402
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, plain_launches  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Calla
     args = packed_layer(model)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
-    cfg = config or select_config(tokens, e, k, h, i, x.dtype, torch.cuda.get_device_name())
+    cfg = config or select_config(tokens, LayerShape(e, k, h, i, x.dtype), device_traits(x.device))
     return lambda: fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
 
 

@@ -155,7 +155,7 @@ def main() -> int:
 
     import torch
 
-    from moe_nvfp4.configs import select_config
+    from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.dispatch import sm_count
     from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
     from tune_moe import MODELS, packed_layer, seeded_inputs
@@ -163,7 +163,7 @@ def main() -> int:
     model, tokens = args.case.split(":")
     tokens = int(tokens)
     e, k, h, i = MODELS[model]
-    cfg = select_config(tokens, e, k, h, i, torch.bfloat16, torch.cuda.get_device_name())
+    cfg = select_config(tokens, LayerShape(e, k, h, i), device_traits(torch.device("cuda")))
     if not (cfg.gemm1.warp_specialized and cfg.gemm2.warp_specialized):
         raise SystemExit(f"{args.case}: the shipped config runs a Triton GEMM; the probes are in the Gluon one")
     sms = sm_count(torch.device("cuda"), off_gpu=1)

@@ -18,6 +18,7 @@ Family = Literal["mixtral", "qwen3_moe"]
 HIDDEN = 64
 EXPERT_INTERMEDIATE = 64
 EXPERTS = 4
+TOP_K = 2
 LAYERS = 2
 VOCAB = 256
 KV_HEADS = 2
@@ -39,7 +40,7 @@ def tiny_config(family: Family):
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         vocab_size=VOCAB,
-        num_experts_per_tok=2,
+        num_experts_per_tok=TOP_K,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )

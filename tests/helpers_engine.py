@@ -69,9 +69,9 @@ def resident_cuda_kernels(pgid: int, timeout_s: float = 45.0) -> str:
 
 def run_until_written(
     cmd: list[str], env: dict[str, str], out: Path, *, tag: str, timeout_s: float, exit_grace_s: float
-) -> None:
-    """Start ``cmd``; return once ``out`` exists and the process has exited or was killed ``exit_grace_s``
-    later; ``pytest.fail`` with the stderr tail if ``out`` never appears (exit or ``timeout_s``)."""
+) -> str:
+    """Start ``cmd``; return its stderr once ``out`` exists and the process has exited or was killed
+    ``exit_grace_s`` later; ``pytest.fail`` with the stderr tail if ``out`` never appears (exit or ``timeout_s``)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     stderr: list[str] = []  # read by a thread so a chatty engine cannot block on a full pipe
@@ -109,3 +109,4 @@ def run_until_written(
         pytest.fail(f"{tag}: no results (rc {proc.returncode}, limit {timeout_s} s):\n{''.join(stderr)[-6000:]}{kernels}")
     if proc.returncode not in (0, -signal.SIGKILL):
         warnings.warn(f"{tag}: wrote its results, then exited with rc {proc.returncode}")
+    return "".join(stderr)

@@ -200,6 +200,7 @@ def test_bench_moe_args():
         bench.parse_args(["--models", "llama"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--paths", "cutlass"])
+    assert bench.parse_args(["--paths", "ours,Humming"]).paths == ["ours", "humming"]  # opt-in: minutes of JIT
     dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.inter, s.renormalize, s.routed_experts)  # noqa: E731
     assert dims(args.models["mixtral-8x7b"]) == dims(MIXTRAL) == (8, 2, 4096, 14336, True, 8)
     assert dims(args.models["qwen3-30b-a3b"]) == dims(QWEN3) == (128, 8, 2048, 768, True, 128)
@@ -238,6 +239,32 @@ def test_model_summaries_give_min_and_median_per_model():
     assert b == "B (no config): no timed rows"
 
 
+def test_columns_follow_the_paths_run():
+    bench = _load_bench()
+    keys = lambda paths: [c[0] for c in bench.columns(paths)]  # noqa: E731
+    humming = ["humming_us", "humming_pct_of_floor", "speedup_vs_humming", "rel_err_humming"]
+    assert keys(list(bench.PATHS)) == [c[0] for c in bench.COLUMNS]
+    assert set(humming) <= set(keys(list(bench.PATHS)))
+    default = keys(list(bench.DEFAULT_PATHS))
+    assert not set(humming) & set(default)
+    assert "marlin_us" in default and "speedup_vs_marlin" in default and "rel_err_marlin" in default
+    assert keys(["ours", "humming"]) == [k for k in keys(list(bench.PATHS)) if "marlin" not in k and "bf16" not in k]
+
+
+def test_add_ratios_for_every_baseline():
+    bench = _load_bench()
+    row = {"floor_us": 10.0, "ours_us": 5.0, "marlin_us": 10.0, "humming_us": 20.0}
+    bench.add_ratios(row)
+    assert row["pct_of_floor"] == pytest.approx(200.0)
+    assert row["marlin_pct_of_floor"] == pytest.approx(100.0) and row["humming_pct_of_floor"] == pytest.approx(50.0)
+    assert row["speedup_vs_marlin"] == pytest.approx(2.0) and row["speedup_vs_humming"] == pytest.approx(4.0)
+    assert row["bf16_pct_of_floor"] is None and row["speedup_vs_bf16"] is None  # not run
+    row = {"floor_us": 10.0, "humming_us": 20.0}  # ours failed: no speedups, the baselines keep their % floor
+    bench.add_ratios(row)
+    assert row["pct_of_floor"] is None and row["speedup_vs_humming"] is None
+    assert row["humming_pct_of_floor"] == pytest.approx(50.0)
+
+
 def test_clone_tensors_gives_new_storage():
     import dataclasses
 
@@ -255,6 +282,15 @@ def test_clone_tensors_gives_new_storage():
     assert c.n == 3 and torch.equal(c.a, w.a) and c.a.data_ptr() != w.a.data_ptr()
     t = bench.clone_tensors((w.a, w.a))
     assert all(x.data_ptr() != w.a.data_ptr() for x in t)
+    m = torch.nn.Module()  # a layer as vLLM's Humming conversion leaves it: parameters, a buffer, metadata
+    m.weight = torch.nn.Parameter(torch.arange(4.0), requires_grad=False)
+    m.register_buffer("locks", torch.zeros(2, dtype=torch.int32))
+    m.metas = {"w13": object()}
+    c = bench.clone_tensors(m)
+    assert torch.equal(c.weight, m.weight) and c.weight.data_ptr() != m.weight.data_ptr()
+    assert isinstance(c.weight, torch.nn.Parameter) and not c.weight.requires_grad
+    assert c.locks.data_ptr() != m.locks.data_ptr() and c.metas is m.metas
+    assert dict(m.named_parameters())["weight"] is m.weight  # the original keeps its own
 
 
 def test_plot_rows(tmp_path):

@@ -73,6 +73,7 @@ RUNNER = textwrap.dedent(
 
 
 _RUNS: dict[tuple, list[dict]] = {}  # one engine start per (model, method, TP, extra env) per session
+_LOGS: dict[str, str] = {}  # each engine's stderr, by tag
 
 
 def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str,
@@ -93,8 +94,8 @@ def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int
     # Greedy decoding never samples; FlashInfer's top-k/top-p sampler would only be JIT-built (nvcc, a minute or
     # more on a fresh machine, each TP rank waiting on the build) for the engine's warm-up.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    run_until_written([sys.executable, "-c", RUNNER, json.dumps(args)], env, out, tag=tag,
-                      timeout_s=ENGINE_TIMEOUT_S, exit_grace_s=EXIT_GRACE_S)
+    _LOGS[tag] = run_until_written([sys.executable, "-c", RUNNER, json.dumps(args)], env, out, tag=tag,
+                                   timeout_s=ENGINE_TIMEOUT_S, exit_grace_s=EXIT_GRACE_S)
     return json.loads(out.read_text())
 
 
@@ -193,25 +194,46 @@ def test_warp_specialized_gemms_in_vllm(tmp_path, checkpoints, family):
     configs hold no entry for it, so the other tests run the Triton kernel), and a fresh Triton cache that
     must then hold their compiled kernel; greedy tokens match the dequantized-BF16 reference as there.  GEMM2
     runs as two K groups per tile (the tile's K step goes to each group in turn from tile to tile)."""
-    from helpers_checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN
+    from helpers_checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, TOP_K
 
     from moe_nvfp4.configs import CONFIG_VERSION, KERNEL_NAME, MoEKernelConfig, config_path
 
     ws = {"block_n": 64, "num_stages": 2, "programs_per_sm": 2, "max_registers": 128, "warp_specialized": True}
     config = {"block_m": 16, "gemm1": ws, "gemm2": {**ws, "programs_per_sm": 1, "max_registers": 168, "k_groups": 2}}
     assert MoEKernelConfig.from_dict(config).is_valid(128, 128)
-    entry = dict(experts=EXPERTS, hidden=HIDDEN, intermediate=EXPERT_INTERMEDIATE, dtype="bfloat16",
+    entry = dict(experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN, intermediate=EXPERT_INTERMEDIATE, dtype="bfloat16",
                  max_tokens=1 << 20, config=config)  # fmt: skip
     path = config_path(torch.cuda.get_device_name(), tmp_path / "configs")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"meta": {"kernel": KERNEL_NAME, "version": CONFIG_VERSION}, "entries": [entry]}))
     cache = tmp_path / "triton-cache"
-    env = {"MOE_NVFP4_CONFIG_DIR": str(tmp_path / "configs"), "TRITON_CACHE_DIR": str(cache)}
+    # autotuning off: the file's entry, not a measured neighbour of it, is what runs
+    env = {"MOE_NVFP4_CONFIG_DIR": str(tmp_path / "configs"), "TRITON_CACHE_DIR": str(cache), "MOE_NVFP4_AUTOTUNE": "0"}
     ckpt = checkpoints[family]
     ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
     ours = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{family}-ws", env_extra=env)
     assert any(p.name.startswith("_moe_gemm_ws_kernel") for p in cache.rglob("*")), "the Gluon GEMM never compiled"
     _compare(ours, ref, f"{family} warp-specialized")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autotune_at_load_logs_its_choice_and_a_second_start_reads_the_cache(tmp_path, checkpoints, family):
+    """Autotuning is on by default: the engine logs what it chose and how long it took, writes its cache, and
+    generates the reference's tokens; a second engine on the same cache reads the choice instead of timing."""
+    cache = tmp_path / "autotune-cache"
+    env = {"MOE_NVFP4_CACHE_DIR": str(cache), "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # the log is read here
+    ckpt = checkpoints[family]
+    ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
+    first = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{family}-autotune", env_extra=env)
+    tuned = [line for line in _LOGS[f"{family}-autotune"].splitlines() if "nvfp4_grouped: autotune" in line]
+    assert tuned and "timings over" in tuned[0] and " s;" in tuned[0], _LOGS[f"{family}-autotune"][-3000:]
+    assert list(cache.rglob("*.json")), "no autotune cache written"
+    _compare(first, ref, f"{family} autotuned")
+    second = _start_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=1, tag=f"{family}-autotune-again",
+                        env_extra=env)  # a second engine start, not the cached run
+    again = [line for line in _LOGS[f"{family}-autotune-again"].splitlines() if "nvfp4_grouped: autotune" in line]
+    assert again and "configs from cache" in again[0], _LOGS[f"{family}-autotune-again"][-3000:]
+    assert [o["tokens"] for o in second] == [o["tokens"] for o in first]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
