@@ -58,12 +58,18 @@ def load_package(directory: Path, scratch: Path, name: str):
 
 
 def package_config(host, cfg):
-    """``cfg`` as the config class of the package ``host`` (a load_package module) belongs to: a version from
-    before a field was added takes its default, one from after a field was removed ignores it (from_dict)."""
+    """``cfg`` as the config class of the package ``host`` (a load_package module) belongs to: a field that version
+    lacks (one added after it, or removed before it) is left out, as its from_dict may refuse it; a field only it has
+    takes its default (config version 2's tile group, K split and stream-K fields: what the current kernels run)."""
     import importlib
 
     configs = importlib.import_module(host.__name__.split(".")[0] + ".configs")
-    return configs.MoEKernelConfig.from_dict(cfg.to_dict())
+    theirs = {f.name for f in dataclasses.fields(configs.MoEKernelConfig)}
+    theirs_gemm = {f.name for f in dataclasses.fields(configs.GemmConfig)}
+    d = {k: v for k, v in cfg.to_dict().items() if k in theirs}
+    for gemm in ("gemm1", "gemm2"):
+        d[gemm] = {k: v for k, v in d[gemm].items() if k in theirs_gemm}
+    return configs.MoEKernelConfig.from_dict(d)
 
 
 def tuned_config(directory: Path, select):
@@ -83,7 +89,7 @@ def tuned_config(directory: Path, select):
 
 def gemm_variant(cfg, variant: str):
     """``gemm1:field=value[/field=value...]`` (or gemm2, or gemms for both): the tuned config with those fields of
-    one GEMM (or both) changed (integers, ``none`` for None), e.g. ``gemm1:num_stages=6/k_groups=3/max_registers=128``
+    one GEMM (or both) changed (integers, ``none`` for None), e.g. ``gemm1:num_stages=6/k_groups=2/max_registers=168``
     or ``gemms:narrow_tiles=2``; a variant that is not a valid config for a case is skipped there (run_case)."""
     gemm, fields = variant.split(":", 1)
     overrides = {}

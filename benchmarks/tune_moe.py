@@ -7,26 +7,24 @@
     python benchmarks/tune_moe.py --update --climb --max-candidates 8          # climb from the shipped configs
 
     python benchmarks/tune_moe.py --update --climb --sweep --jobs 14 --max-candidates 200 --log sweep.jsonl
-    python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-k --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-ws --jobs 14 --max-candidates 48
     python benchmarks/tune_moe.py --tokens 1,16,64 --update --climb --sweep-groups --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 64 --update --climb --sweep-ws --sweep-gemms gemm2 \\
         --jobs 14 --max-candidates 60
     python benchmarks/tune_moe.py --tokens 1,16,64,256 --update --climb --sweep-loader --jobs 14 --max-candidates 24
 
-For each (model, tokens), half of --max-candidates is spread over the grid (every K-split pair), the rest
-climbs from the fastest of those through configs one value away (with --climb: from the config the file serves
-the size with now, its own entry or else the neighbouring entry select_config picks, or the default heuristic for a
-shape the file lacks, alone; the on/off switches are tried first).  --sweep times, from that start, every
-tile shape x programs per SM x K split x register cap of GEMM1, then of GEMM2 (the other GEMM held at the
-best so far), before the climb; --sweep-k only how each GEMM divides its work (programs per SM x K split x
-stream-K), a short sweep for new ways of dividing K; --sweep-ws each GEMM as the warp-specialized kernel
-(moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x token tile; --sweep-groups each
-GEMM warp-specialized with 2-4 MMA warp groups sharing every tile (GemmConfig.k_groups) x ring; --sweep-loader each
-GEMM in every narrow_tiles (x loader_warps where warp-specialized).  Each candidate is
-checked against the torch reference first, then timed as bench_moe.py times it: CUDA-graph replay over rotating
-weight copies, so L2 holds no weights between calls (harness.time_graph, median; --no-rotate: one copy, which
-at Qwen3 T=1, 21 MB of touched weights, times L2, not HBM); the fastest valid one is written.  --max-candidates bounds the timings per size, sweeps included.
+For each (model, tokens), half of --max-candidates is spread over the grid, the rest climbs from the fastest of
+those through configs one value away (with --climb: from the config the file serves the size with now, its own entry
+or else the neighbouring entry select_config picks, or the default heuristic for a shape the file lacks, alone; the
+on/off switches are tried first).  --sweep times, from that start, every tile shape x programs per SM x register
+cap of GEMM1, then of GEMM2 (the other GEMM held at the best so far), before the climb; --sweep-ws each GEMM as the
+warp-specialized kernel (moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x
+token tile; --sweep-groups each GEMM warp-specialized with two MMA warp groups sharing every tile
+(GemmConfig.k_groups) x ring; --sweep-loader each GEMM in every narrow_tiles (x loader_warps where
+warp-specialized).  Each candidate is checked against the torch reference first, then timed as bench_moe.py times
+it: CUDA-graph replay over rotating weight copies, so L2 holds no weights between calls (harness.time_graph,
+median; --no-rotate: one copy, which at Qwen3 T=1, 21 MB of touched weights, times L2, not HBM); the fastest valid
+one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
 timing process), as compiling, not timing, is most of a sweep's time.
 """
@@ -107,8 +105,7 @@ GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), prog
 # k_groups only for the climb (from a --sweep-groups config): the grid would rarely meet its register caps;
 # narrow_tiles and loader_warps too (from a warp-specialized config: the grid's are mostly the Triton kernel's)
 CLIMB_ONLY = ("k_groups", "narrow_tiles", "loader_warps")
-DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), split_k=(1, 2, 3, 4), stream_k=(False, True),
-                           k_groups=(1, 2, 3, 4))  # fmt: skip
+DECODE_GEMM_CHOICES = dict(GEMM_CHOICES, programs_per_sm=(1, 2, 3, 4), k_groups=(1, 2))
 # --sweep's (block_n, num_warps) pairs: a 64-row tile is one warpgroup's wgmma, so 8 warps only for 128 rows
 SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 # --sweep-ws: the warp-specialized kernel's register cap -> the programs per SM it leaves room for (a 4-warp
@@ -116,17 +113,16 @@ SWEEP_SHAPES = ((64, 4), (128, 4), (128, 8))
 WS_RESIDENCY = ((None, 1), (128, 2), (80, 3))
 # --sweep-ws: its rings, (K chunks per stage, stages): deeper rings of one chunk, or fewer stages of more
 WS_RINGS = ((1, 4), (1, 6), (2, 2), (2, 4), (4, 2))
-# --sweep-groups: K groups of 4 MMA warps sharing a tile, each with the register cap that fits one program of
-# them and the loader's warp group on an SM; rings whose stages are a multiple of the groups
-WS_K_GROUPS = ((2, 168), (3, 128), (4, 96))
-GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (1, 3), (2, 3), (4, 2), (4, 4))
+# --sweep-groups: two K groups of 4 MMA warps sharing a tile, with the register cap that fits one program of them
+# and the loader's warp group on an SM; rings whose stages are a multiple of the groups
+WS_K_GROUPS = ((2, 168),)
+GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (4, 2), (4, 4))
 
 
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
     """(choices of the MoE-level fields, per-GEMM choices) for a token count.  Decode (<= 16 rows per
-    expert) also splits K or runs stream-K, as too few tiles (or a tile count just past a multiple of the SMs)
-    would leave SMs idle, and tries more programs per SM to hide the decode's latency.  Pair tiles (no routing
-    kernel) are offered at one token, whose k pairs hit k distinct experts."""
+    expert) also tries more programs per SM, to hide the decode's latency, and (climbing) K groups.  Pair tiles
+    (no routing kernel) are offered at one token, whose k pairs hit k distinct experts."""
     rows = max(1, tokens * top_k // experts)
     block_ms = (8, 16) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
     # the on/off switches first: a short climb (--climb) tries them before the tile sizes
@@ -153,16 +149,13 @@ def with_token_tile(cfg: MoEKernelConfig, block_m: int) -> MoEKernelConfig:
 
 
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
-    """The grid: both GEMMs share every parameter but the K split; plus the default heuristic."""
+    """The grid: both GEMMs share every parameter; plus the default heuristic."""
     moe, choices = search_space(tokens, experts, top_k)
-    shared = {f: v for f, v in choices.items() if f not in ("split_k", *CLIMB_ONLY)}
-    splits = choices.get("split_k", (1,))
+    shared = {f: v for f, v in choices.items() if f not in CLIMB_ONLY}
     out = {default_config(tokens, experts, top_k, hidden, inter)}
-    for moe_values, values, split1, split2 in itertools.product(
-        itertools.product(*moe.values()), itertools.product(*shared.values()), splits, splits
-    ):
-        gemm1 = GemmConfig(**dict(zip(shared, values)), split_k=split1)
-        cfg = MoEKernelConfig(**dict(zip(moe, moe_values)), gemm1=gemm1, gemm2=dataclasses.replace(gemm1, split_k=split2))
+    for moe_values, values in itertools.product(itertools.product(*moe.values()), itertools.product(*shared.values())):
+        gemm = GemmConfig(**dict(zip(shared, values)))
+        cfg = MoEKernelConfig(**dict(zip(moe, moe_values)), gemm1=gemm, gemm2=gemm)
         if _valid(cfg, hidden, inter):
             out.add(cfg)
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))
@@ -171,18 +164,17 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
 def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
     """Valid configs differing from ``cfg`` in one value: a MoE-level field (token tile, partials' dtype,
     pair tiles; a token tile with narrow_tiles lowered where it must be, with_token_tile) or one parameter of
-    one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM).  A GEMM's K split
-    and stream-K count as one value, its way of dividing K: turning stream-K on drops the split."""
+    one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
     moe, choices = search_space(tokens, experts, top_k)
     out = [with_token_tile(cfg, v) if f == "block_m" else dataclasses.replace(cfg, **{f: v})
            for f, values in moe.items() for v in values if v != getattr(cfg, f)]
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
         for f, values in choices.items():
-            k_mode = dict(split_k=1) if f == "stream_k" else dict(stream_k=False) if f == "split_k" else {}
-            if f == "warp_specialized":  # the warp-specialized kernel takes whole tiles; the Triton kernel one chunk
-                k_mode = dict(split_k=1, stream_k=False, chunks_per_stage=1, k_groups=1, narrow_tiles=0, loader_warps=4)
-            out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **k_mode})})
+            # switching kernels starts from their common settings (the Triton kernel: one chunk a stage, one group)
+            reset = {} if f != "warp_specialized" else dict(chunks_per_stage=1, k_groups=1, narrow_tiles=0,
+                                                            loader_warps=4)
+            out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **reset})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
 
@@ -194,36 +186,24 @@ def _spaced(items: list) -> list:
 
 
 def spread(cands: list[MoEKernelConfig], limit: int, first: MoEKernelConfig) -> list[MoEKernelConfig]:
-    """At most ``limit`` configs: ``first``, then one config from each (GEMM1, GEMM2) pair of K splits and
-    stream-K in turn, each pair's configs in a spread-out order, so every combination is timed however small
-    the limit and the whole grid once the limit allows."""
-    groups: dict[tuple[int, int], list[MoEKernelConfig]] = {}
-    for c in cands:
-        if c != first:
-            groups.setdefault((c.gemm1.split_k, c.gemm2.split_k, c.gemm1.stream_k, c.gemm2.stream_k), []).append(c)
-    in_turn = [c for row in itertools.zip_longest(*map(_spaced, groups.values())) for c in row if c is not None]
-    return [first] + in_turn[: limit - 1]
+    """At most ``limit`` configs: ``first``, then the others in a spread-out order (every prefix spread over the
+    whole grid), so the whole grid is timed once the limit allows."""
+    return [first] + _spaced([c for c in cands if c != first])[: limit - 1]
 
 
 def gemm_sweep(
-    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
-    shapes: bool = True,
+    cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
-    """``cfg`` with every valid (tile shape, programs per SM, K split, stream-K, register cap) of one GEMM;
-    GEMM1's sweep also takes every token tile (block_m, which both GEMMs share, changes which GEMM1 shapes
-    win).  ``shapes=False``: only how the work is divided (programs per SM x K split x stream-K), the
-    token tile, tile shape and register cap kept."""
+    """``cfg`` with every valid (tile shape, programs per SM, register cap) of one GEMM; GEMM1's sweep also takes
+    every token tile (block_m, which both GEMMs share, changes which GEMM1 shapes win)."""
     moe, choices = search_space(tokens, experts, top_k)
     g = getattr(cfg, gemm)
     out = []
-    for block_m, (block_n, warps), pps, split, stream, regs in itertools.product(
-        moe["block_m"] if gemm == "gemm1" and shapes else (cfg.block_m,),
-        SWEEP_SHAPES if shapes else ((g.block_n, g.num_warps),), choices["programs_per_sm"],
-        choices.get("split_k", (1,)), choices.get("stream_k", (False,)),
-        choices["max_registers"] if shapes else (g.max_registers,),
+    for block_m, (block_n, warps), pps, regs in itertools.product(
+        moe["block_m"] if gemm == "gemm1" else (cfg.block_m,), SWEEP_SHAPES, choices["programs_per_sm"],
+        choices["max_registers"],
     ):  # fmt: skip
-        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, split_k=split,
-                                  stream_k=stream, max_registers=regs)  # fmt: skip
+        new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, max_registers=regs)
         c = with_token_tile(dataclasses.replace(cfg, **{gemm: new}), block_m)
         if _valid(c, hidden, inter):
             out.append(c)
@@ -233,12 +213,11 @@ def gemm_sweep(
 def _warp_specialized(
     cfg: MoEKernelConfig, gemm: str, settings: Iterable[dict], hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
-    """``cfg`` with one GEMM warp-specialized (whole tiles: no K split, no stream-K) in each of ``settings``
-    (GemmConfig fields), the valid ones in order; the other GEMM and the token tile kept."""
+    """``cfg`` with one GEMM warp-specialized in each of ``settings`` (GemmConfig fields), the valid ones in order;
+    the other GEMM and the token tile kept."""
     g = getattr(cfg, gemm)
-    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, split_k=1, stream_k=False, warp_specialized=True,
-                                                                  **fields)})
-           for fields in settings]  # fmt: skip
+    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, warp_specialized=True, **fields)})
+           for fields in settings]
     return [c for c in out if _valid(c, hidden, inter)]
 
 
@@ -261,9 +240,8 @@ def ws_sweep(
 def group_sweep(
     cfg: MoEKernelConfig, gemm: str, tokens: int, experts: int, top_k: int, hidden: int, inter: int
 ) -> list[MoEKernelConfig]:
-    """``cfg`` with one GEMM warp-specialized as K groups (GemmConfig.k_groups) of 64- or 128-row tiles, in
-    every valid (groups with their register cap) x ring; one program per SM, the other GEMM and the token tile
-    kept."""
+    """``cfg`` with one GEMM warp-specialized as two K groups (GemmConfig.k_groups) of 64- or 128-row tiles, at
+    their register cap, in every valid ring; one program per SM, the other GEMM and the token tile kept."""
     settings = (dict(block_n=block_n, num_warps=4, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
                      programs_per_sm=1, k_groups=groups)
                 for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS,
@@ -389,15 +367,13 @@ def main() -> int:
                    help="no spread: climb from the config the file serves this size with (its entry, or the entry "
                         "select_config picks; the default for a shape the file lacks) only")
     p.add_argument("--sweep", action="store_true", help="sweep GEMM1's, then GEMM2's, launch shapes before climbing")
-    p.add_argument("--sweep-k", action="store_true",
-                   help="like --sweep, over programs per SM x K split x stream-K only (shapes and caps kept)")
     p.add_argument("--sweep-ws", action="store_true",
                    help="time each GEMM warp-specialized in every tile shape x stages x residency x token tile "
                         "before climbing")
     p.add_argument("--sweep-gemms", default="gemm1,gemm2", choices=("gemm1,gemm2", "gemm1", "gemm2"),
                    help="the GEMMs the --sweep* options sweep (in this order)")
     p.add_argument("--sweep-groups", action="store_true",
-                   help="time each GEMM warp-specialized with 2-4 K groups per tile, every ring, before climbing")
+                   help="time each GEMM warp-specialized with 2 K groups per tile, every ring, before climbing")
     p.add_argument("--sweep-loader", action="store_true",
                    help="time each GEMM in every narrow_tiles (x loader_warps where warp-specialized) before climbing")
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
@@ -463,8 +439,8 @@ def main() -> int:
                     pool.map(_compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1)
 
             # each sweep asked for, in this order, over the GEMMs asked for
-            kinds = [functools.partial(gemm_sweep, shapes=args.sweep)] if args.sweep or args.sweep_k else []
-            kinds += [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups + [loader_sweep] * args.sweep_loader
+            kinds = [gemm_sweep] * args.sweep + [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups
+            kinds += [loader_sweep] * args.sweep_loader
             sweeps = [functools.partial(kind, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
                       for kind in kinds for g in args.sweep_gemms.split(",")]  # fmt: skip
             first = default_config(t, e, k, h, i)

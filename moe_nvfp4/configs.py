@@ -33,13 +33,11 @@ __all__ = [
     "register_entries", "tuned_file_for",
 ]
 
-CONFIG_VERSION = 2  # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves)
+# 2: FragmentLayout kernel (block_n in 64-row units, no join_halves); 3: no tile group, K split or stream-K fields
+CONFIG_VERSION = 3
 KERNEL_NAME = "fused_moe_sm90"
 CONFIG_DIR = Path(os.environ.get("MOE_NVFP4_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
 CHUNK_K = FragmentLayout().chunk_k  # the kernel's K step (128), fixed by the weight layout
-# GEMM2's split-K A tiles must leave room for the weight stages in sm_90's 227 KiB: configs past this bound
-# failed to launch on an H200 (Triton OutOfResources; e.g. block_m 32, split 4, 3 stages needs 273 KiB).
-SPLIT_A_SMEM_LIMIT = 160 * 1024
 # sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
 WS_SMEM_LIMIT = 227 * 1024 - 1024
 SM_REGISTERS = 65536  # sm_90's registers per SM (and per block)
@@ -54,28 +52,20 @@ class GemmConfig:
     an SM: a GEMM1 tile of 128 rows takes 236 registers, two programs of 4 warps, whatever programs_per_sm
     asks for.  Capped at 168 three fit, at 128 four (ptxas then waits on each wgmma instead of spilling).
 
-    stream_k: instead of dealing whole tiles out in turn (at decode, 224 tiles on 132 SMs leave some SMs
-    with one tile and some with two), every program takes an equal run of the tiles' K steps; a tile shared
-    by programs is summed by the last of them to finish, in a fixed order.  Where a tile's K splits depends
-    on its place in the run of all tiles, and the routing's atomics may put a row in another tile of its
-    expert from one run to the next, so outputs may differ in their last bits between runs (no shipped config
-    uses it).  Excludes split_k.  programs_per_sm must then be what fits on an SM, or the runs past it wait
-    for a second wave.
-
     warp_specialized: run the GEMM as the Gluon kernel (triton.moe_sm90_ws): a TMA loader warp group and 4 or 8 MMA
     warps, whole K per tile.  max_registers then sets residency (uncapped one program per SM, 128 two, 80
     three: the loader's warp group counts too).  chunks_per_stage (warp-specialized only): K chunks of 128 per
     stage of its ring, fetched as one TMA box per matrix; the MMA warps keep MMAs running while they decode
     the stage's next matrix (one at 128 rows per warp group, two at 64) and retire them all at its end.
 
-    k_groups (warp-specialized only): MMA warp groups of num_warps warps that share each tile, group g taking
-    its K steps g, g + k_groups, ... (each tile's steps padded to a multiple of k_groups); the first adds the
-    others' sums from shared memory in group order, which is step order wherever the tile runs, so a row's
-    bits do not depend on which tile it lands in.  More warps decode one tile where tiles are fewer than the
-    SMs' program slots (Qwen3 GEMM1 at T=1: 96 tiles), and a program's loader warp group serves several MMA
-    groups.  max_registers must let one program (k_groups x num_warps MMA warps and the loader's warp group)
-    fit an SM's 65536 registers, and num_stages be a multiple of k_groups (each stage then always serves the
-    same group).
+    k_groups (warp-specialized only; 1 or 2): MMA warp groups of num_warps warps that share each tile, group g
+    taking its K steps g, g + k_groups, ... (each tile's steps padded to a multiple of k_groups); group 0 adds
+    group 1's sums from shared memory, in the same order wherever the tile runs, so a row's bits do not
+    depend on which tile it lands in.  More warps decode one tile where tiles are fewer than the SMs' program
+    slots (Qwen3 GEMM1 at T=1: 96 tiles), and a program's loader warp group serves both MMA groups.
+    max_registers must let one program (k_groups x num_warps MMA warps and the loader's warp group) fit an SM's
+    65536 registers, and num_stages be a multiple of k_groups (each stage then always serves the same group).
+    Three and four groups are gone: no tuned config chose them.
 
     narrow_tiles (0, 1 or 2): a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs that narrow, down to 8
     tokens in the warp-specialized kernel and 16 in the Triton one (the weights are the MMA's 64-row side, the
@@ -88,16 +78,17 @@ class GemmConfig:
     loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
     cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:
     one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage cost
-    Mixtral's long-K GEMM2 9 us of 78 (H200)."""
+    Mixtral's long-K GEMM2 9 us of 78 (H200).
+
+    Every GEMM takes whole K per tile, its tiles in the kernels' fixed grouped order (moe_sm90._grouped_tile).
+    Config version 3 removed the fields of modes no tuned or default config chose: the tile group (always 8, now
+    the fixed order), K splits (fp32 partials) and stream-K (equal runs of K steps per program)."""
 
     block_n: int = 64
-    group_m: int = 8
     num_stages: int = 4
     num_warps: int = 4
-    split_k: int = 1
     programs_per_sm: int = 1
     max_registers: int | None = None
-    stream_k: bool = False
     warp_specialized: bool = False
     chunks_per_stage: int = 1
     k_groups: int = 1
@@ -108,12 +99,8 @@ class GemmConfig:
         chunks = k_padded // CHUNK_K
         return (
             self.block_n in (64, 128, 256)  # whole 64-row units of the layout
-            and self.group_m >= 1
             and 1 <= self.num_stages <= 8
             and self.num_warps in (1, 2, 4, 8, 16)
-            and self.split_k >= 1
-            and chunks % self.split_k == 0  # GEMM1 splits too: GEMM2 sums its partials before the SiLU
-            and not (self.stream_k and self.split_k > 1)
             and (not self.warp_specialized or self._warp_specialized_ok())
             and self.chunks_per_stage in ((1, 2, 4) if self.warp_specialized else (1,))
             and (self.k_groups == 1 or (self.warp_specialized and self._k_groups_fit()))
@@ -131,19 +118,18 @@ class GemmConfig:
         return 8 if self.warp_specialized else 16
 
     def _warp_specialized_ok(self) -> bool:
-        # whole K per tile, one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
-        return (not self.stream_k and self.split_k == 1 and self.num_warps in (4, 8)
-                and self.block_n >= 16 * self.num_warps and self.num_stages >= 2)
+        # one or two MMA warp groups of at least 64 rows each, a ring of two or more stages
+        return self.num_warps in (4, 8) and self.block_n >= 16 * self.num_warps and self.num_stages >= 2
 
     def _k_groups_fit(self) -> bool:
         mma_warps = self.num_warps * self.k_groups
-        return (self.k_groups in (2, 3, 4) and self.num_stages % self.k_groups == 0
+        return (self.k_groups == 2 and self.num_stages % self.k_groups == 0
                 and self.max_registers is not None and 32 * self.max_registers * (mma_warps + 4) <= SM_REGISTERS)
 
     def ws_shared_bytes(self, gated: bool, block_m: int) -> int:
         """Shared memory of the warp-specialized kernel: its ring (per stage and chunk, the token rows (16-bit)
         and each matrix's (GATED: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit), and
-        the float32 sums MMA groups 1.. hand to group 0 (a gate and an up tile each when GATED)."""
+        the float32 sums MMA group 1 hands to group 0 (a gate and an up tile when GATED)."""
         fragments = FragmentLayout()
         halves = 2 if gated else 1
         unit_bytes = fragments.block_bytes + fragments.scale_block_bytes
@@ -163,6 +149,13 @@ class GemmConfig:
         """Triton launch keywords: warps, and the register cap when there is one."""
         cap = {} if self.max_registers is None else {"maxnreg": self.max_registers}
         return {"num_warps": self.num_warps, **cap}
+
+
+def _refuse_unknown_keys(d: dict, cls: type, where: str) -> None:
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}, not {cls.__name__} fields "
+                         f"(config version {CONFIG_VERSION})")
 
 
 @dataclass(frozen=True)
@@ -191,23 +184,19 @@ class MoEKernelConfig:
             and all(self.block_m >> g.narrow_tiles >= g.narrowest_mma for g in (self.gemm1, self.gemm2))
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
-            and self.gemm2_split_a_bytes() <= SPLIT_A_SMEM_LIMIT
             and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            and not (self.gemm2.warp_specialized and self.gemm1.split_k > 1)
             and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
                     for g, gated in ((self.gemm1, True), (self.gemm2, False)))
         )
 
-    def gemm2_split_a_bytes(self) -> int:
-        """Shared memory GEMM2's pipeline takes for GEMM1's fp32 gate and up partials (0 unless GEMM1
-        splits K): one [128, block_m] tile per split, gate and up, per stage in flight."""
-        if self.gemm1.split_k == 1:
-            return 0
-        return (self.gemm2.num_stages - 1) * self.block_m * CHUNK_K * 2 * 4 * self.gemm1.split_k
-
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":
-        # block_m, gemm1 and gemm2 are required; fields added later are optional (older files get the defaults)
+        # block_m, gemm1 and gemm2 are required; fields added later are optional (older files get the defaults).
+        # A key that is no field is refused, not dropped: a removed mode (version 2's K split, stream-K, tile group)
+        # must not run silently as something else.
+        _refuse_unknown_keys(d, cls, "config")
+        for gemm in ("gemm1", "gemm2"):
+            _refuse_unknown_keys(d.get(gemm, {}), GemmConfig, gemm)
         later = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name not in ("block_m", "gemm1", "gemm2")}
         return cls(block_m=d["block_m"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]), **later)
 

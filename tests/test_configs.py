@@ -46,7 +46,7 @@ def test_default_config_is_valid(tokens: int, shape: tuple[int, int, int, int]) 
 def test_select_prefers_smallest_covering_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import moe_nvfp4.configs as configs
 
-    small = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, split_k=2))
+    small = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, num_stages=3))
     large = MoEKernelConfig(128, GemmConfig(128, num_warps=8), GemmConfig(128, num_warps=8))
     entries = [
         dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=16, config=small.to_dict()),
@@ -83,43 +83,18 @@ def test_bad_file_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps(dict(meta=dict(kernel="other", version=1), entries=[])))
     with pytest.raises(ValueError, match="expected meta"):
         load_config_file(str(path))
-    bad_cfg = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, split_k=3)).to_dict()  # 3 does not divide chunks
+    bad_cfg = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64, num_stages=9)).to_dict()  # 8 stages at most
     entry = dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=1, config=bad_cfg)
     path.write_text(json.dumps(dict(meta=dict(kernel="fused_moe_sm90", version=CONFIG_VERSION), entries=[entry])))
     with pytest.raises(ValueError, match="invalid config"):
         load_config_file(str(path))
 
 
-def test_split_k_must_divide_the_k_chunks() -> None:
-    """Both GEMMs may split K (GEMM1's SiLU waits for GEMM2's A load), into whole 128-wide chunks."""
-    assert GemmConfig(split_k=2).is_valid(1024) and GemmConfig(split_k=8).is_valid(1024)
-    assert not GemmConfig(split_k=3).is_valid(1024) and not GemmConfig(split_k=16).is_valid(1024)
-    assert MoEKernelConfig(16, GemmConfig(split_k=4), GemmConfig(split_k=2, num_stages=3)).is_valid(512, 256)
-
-
-# (block_m, GEMM1 split, GEMM2 stages) launched, or refused by Triton for shared memory, on an H200
-# (triton 3.6; GEMM2 block_n 64 and 128, 4 and 8 warps alike unless noted).
-LAUNCHED_ON_H200 = [(16, 2, 4), (16, 4, 3), (32, 2, 3), (32, 4, 2), (64, 2, 2)]
-OUT_OF_SHARED_MEMORY_ON_H200 = [(32, 2, 4), (32, 4, 3), (32, 4, 4), (64, 2, 3), (64, 4, 2), (64, 4, 4)]
-
-
-def test_gemm1_split_leaves_gemm2_room_in_shared_memory() -> None:
-    """GEMM2 stages GEMM1's fp32 partials (gate and up per split) in shared memory: configs that ran out of
-    it on the GPU are invalid, configs that ran are valid.  (32, 2, 4) failed only with 8 warps; the bound
-    refuses it for all, as it refuses (16, 4, 4), which launched: the bound is conservative."""
-    def cfg(block_m: int, split: int, stages: int) -> MoEKernelConfig:
-        return MoEKernelConfig(block_m, GemmConfig(split_k=split), GemmConfig(num_stages=stages))
-
-    assert all(cfg(*c).is_valid(512, 768) for c in LAUNCHED_ON_H200)
-    assert not any(cfg(*c).is_valid(512, 768) for c in OUT_OF_SHARED_MEMORY_ON_H200)
-    assert cfg(64, 1, 4).is_valid(512, 768) and cfg(64, 1, 4).gemm2_split_a_bytes() == 0  # no split: no partials
-
-
 def test_files_without_the_partials_field_still_load() -> None:
     """Entries written before partials_in_x_dtype existed load with float32 partials; new ones round-trip."""
-    old = {"block_m": 32, "gemm1": {"block_n": 128}, "gemm2": {"block_n": 64, "split_k": 2}}
+    old = {"block_m": 32, "gemm1": {"block_n": 128}, "gemm2": {"block_n": 64, "num_stages": 3}}
     cfg = MoEKernelConfig.from_dict(old)
-    assert cfg.partials_in_x_dtype is False and cfg.gemm2.split_k == 2
+    assert cfg.partials_in_x_dtype is False and cfg.gemm2.num_stages == 3
     new = MoEKernelConfig(partials_in_x_dtype=True)
     assert MoEKernelConfig.from_dict(json.loads(json.dumps(new.to_dict()))) == new
 
@@ -136,13 +111,21 @@ def test_register_cap_is_checked_and_reaches_the_launch() -> None:
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.max_registers is None
 
 
-def test_stream_k_excludes_k_splits() -> None:
-    """Stream-K has its own K split."""
-    assert GemmConfig(stream_k=True).is_valid(1024) and not GemmConfig(stream_k=True, split_k=2).is_valid(1024)
-    stream = MoEKernelConfig(16, GemmConfig(), GemmConfig(stream_k=True))
-    assert stream.is_valid(512, 256)
-    assert MoEKernelConfig.from_dict(stream.to_dict()) == stream
-    assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm2.stream_k is False  # older files
+@pytest.mark.parametrize("where,key,value", [("gemm2", "split_k", 1), ("gemm1", "stream_k", False),
+                                             ("gemm1", "group_m", 8), ("config", "route_in_gemm", False)])
+def test_unknown_keys_are_refused(where: str, key: str, value, tmp_path: Path) -> None:
+    """from_dict refuses a key that is no field, naming it, even at what was its default: version 2's split_k,
+    stream_k and group_m (their modes are removed; a file that asks for one must not run as something else)."""
+    d = MoEKernelConfig(16, GemmConfig(64), GemmConfig(64)).to_dict()
+    (d if where == "config" else d[where])[key] = value
+    with pytest.raises(ValueError, match=rf"{where}: unknown key\(s\) '{key}'"):
+        MoEKernelConfig.from_dict(d)
+    entry = dict(experts=8, hidden=256, intermediate=256, dtype="bfloat16", max_tokens=1, config=d)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(dict(meta=dict(kernel="fused_moe_sm90", version=CONFIG_VERSION), entries=[entry])))
+    with pytest.raises(ValueError, match=key):
+        load_config_file(str(path))
+    assert not any(hasattr(GemmConfig(), f) for f in ("split_k", "stream_k", "group_m"))
 
 
 def test_warp_specialized_takes_whole_tiles_and_pair_tiles_need_it() -> None:
@@ -151,8 +134,6 @@ def test_warp_specialized_takes_whole_tiles_and_pair_tiles_need_it() -> None:
     routing kernel's tile map."""
     ws = GemmConfig(warp_specialized=True)
     assert ws.is_valid(1024)
-    assert not dataclasses.replace(ws, split_k=2).is_valid(1024)
-    assert not dataclasses.replace(ws, stream_k=True).is_valid(1024)
     assert not dataclasses.replace(ws, num_warps=8).is_valid(1024)  # 64 rows over two warp groups
     assert dataclasses.replace(ws, block_n=128, num_warps=8).is_valid(1024)
     assert not dataclasses.replace(ws, num_stages=1).is_valid(1024)  # a ring needs two stages
@@ -163,8 +144,8 @@ def test_warp_specialized_takes_whole_tiles_and_pair_tiles_need_it() -> None:
     assert not MoEKernelConfig(16, ws, GemmConfig(), pair_tiles=True).is_valid(512, 256)
     assert not MoEKernelConfig(16, GemmConfig(), ws, pair_tiles=True).is_valid(512, 256)
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).pair_tiles is False
-    assert not MoEKernelConfig(16, GemmConfig(split_k=2), ws).is_valid(512, 256)  # GEMM2 would read fp32 partials
-    assert MoEKernelConfig(16, ws, GemmConfig(split_k=2)).is_valid(512, 256)
+    assert MoEKernelConfig(16, GemmConfig(), ws).is_valid(512, 256)  # either GEMM alone
+    assert MoEKernelConfig(16, ws, GemmConfig()).is_valid(512, 256)
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.warp_specialized is False
 
 
@@ -200,23 +181,24 @@ def test_warp_specialized_rings_take_whole_chunks_and_fit_shared_memory() -> Non
 
 
 def test_k_groups_fit_one_program_on_an_sm() -> None:
-    """k_groups: MMA warp groups sharing each tile of the warp-specialized kernel.  One program (the groups'
-    warps and the loader's warp group at the register cap) must fit sm_90's 65536 registers, or the launch
-    fails; stages are a multiple of the groups (each stage always serves one group); the groups' float32
-    sums take shared memory beside the ring."""
-    groups = GemmConfig(64, num_stages=6, max_registers=128, warp_specialized=True, k_groups=3)
+    """k_groups: MMA warp groups sharing each tile of the warp-specialized kernel, one or two (three and four are
+    removed).  One program (the groups' warps and the loader's warp group at the register cap) must fit sm_90's
+    65536 registers, or the launch fails; stages are a multiple of the groups (each stage always serves one group);
+    group 1's float32 sums take shared memory beside the ring."""
+    groups = GemmConfig(64, num_stages=6, max_registers=168, warp_specialized=True, k_groups=2)
     assert groups.is_valid(1024)
-    assert not dataclasses.replace(groups, max_registers=None).is_valid(1024)  # Triton's default: 255 x 16 warps
-    assert not dataclasses.replace(groups, max_registers=136).is_valid(1024)  # 32 x 136 x 16 > 65536
-    assert not dataclasses.replace(groups, num_stages=4).is_valid(1024)
+    assert not dataclasses.replace(groups, max_registers=None).is_valid(1024)  # Triton's default: 255 x 12 warps
+    assert not dataclasses.replace(groups, max_registers=176).is_valid(1024)  # 32 x 176 x 12 > 65536
+    assert not dataclasses.replace(groups, num_stages=5).is_valid(1024)
     assert not dataclasses.replace(groups, warp_specialized=False).is_valid(1024)
-    assert not dataclasses.replace(groups, k_groups=5, num_stages=5, max_registers=64).is_valid(1024)
-    assert not dataclasses.replace(groups, num_warps=8, block_n=128).is_valid(1024)  # 28 warps x 128 registers
-    assert dataclasses.replace(groups, k_groups=2, max_registers=168, num_stages=4).is_valid(1024)
-    assert dataclasses.replace(groups, k_groups=4, max_registers=96, num_stages=4).is_valid(1024)
-    # the ring (6 x (16 x 128 x 2 + 2 x 4608) bytes) and two groups' gate and up sums (2 x 2 x 64 x 16 x 4)
-    assert groups.ws_shared_bytes(True, 16) == 6 * (16 * 128 * 2 + 2 * 4608) + 2 * 2 * 64 * 16 * 4
-    assert groups.ws_shared_bytes(False, 16) == 6 * (16 * 128 * 2 + 4608) + 2 * 64 * 16 * 4
+    assert not any(dataclasses.replace(groups, k_groups=g, num_stages=stages, max_registers=64).is_valid(1024)
+                   for g, stages in ((3, 6), (4, 4), (5, 5)))  # fmt: skip
+    assert not dataclasses.replace(groups, num_warps=8, block_n=128).is_valid(1024)  # 20 warps x 168 registers
+    assert dataclasses.replace(groups, num_warps=8, block_n=128, max_registers=96).is_valid(1024)
+    assert dataclasses.replace(groups, num_stages=4).is_valid(1024)
+    # the ring (6 x (16 x 128 x 2 + 2 x 4608) bytes) and group 1's gate and up sums (2 x 64 x 16 x 4)
+    assert groups.ws_shared_bytes(True, 16) == 6 * (16 * 128 * 2 + 2 * 4608) + 2 * 64 * 16 * 4
+    assert groups.ws_shared_bytes(False, 16) == 6 * (16 * 128 * 2 + 4608) + 64 * 16 * 4
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.k_groups == 1
 
 

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, split1, split2, seed, use_map, low, pair, stream, pps, block_m, narrow, skew = map(int, sys.argv[1:])
+    e, k, h, i, t, seed, use_map, low, pair, pps, block_m, narrow, skew = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
@@ -44,10 +44,8 @@ SCRIPT = textwrap.dedent(
     # 8-token tiles and pair tiles are valid only for the Gluon GEMMs; on CPU tensors those run the Triton kernel
     # with the same tiles (pair tiles: routed as usual), as they do on a GPU for rows that are not 16-byte aligned
     ws = block_m == 8 or bool(pair)
-    cfg = MoEKernelConfig(block_m, GemmConfig(64, split_k=split1, stream_k=bool(stream & 1), programs_per_sm=pps,
-                                              warp_specialized=ws, narrow_tiles=narrow),
-                          GemmConfig(64, split_k=split2, num_stages=3, stream_k=bool(stream & 2), programs_per_sm=pps,
-                                     warp_specialized=ws, narrow_tiles=narrow),
+    cfg = MoEKernelConfig(block_m, GemmConfig(64, programs_per_sm=pps, warp_specialized=ws, narrow_tiles=narrow),
+                          GemmConfig(64, num_stages=3, programs_per_sm=pps, warp_specialized=ws, narrow_tiles=narrow),
                           partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
@@ -64,25 +62,19 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-CASES = [  # (experts, top_k, hidden, inter, tokens, GEMM1 split_k, GEMM2 split_k, use_map, partials in x's dtype,
-    #          pair tiles, stream-K GEMMs (1: GEMM1, 2: GEMM2, 3: both), programs per "SM" (2 SMs))
-    pytest.param(4, 2, 256, 128, 5, 1, 1, 0, 0, 0, 0, 1, id="basic"),
-    pytest.param(7, 3, 48, 32, 9, 1, 1, 0, 0, 0, 0, 1, id="odd-E, rows padded to 64, K padded to 128"),
-    pytest.param(3, 2, 128, 256, 1, 1, 2, 0, 0, 0, 0, 1, id="one token, split-K GEMM2"),
-    pytest.param(5, 2, 128, 128, 0, 1, 1, 0, 0, 0, 0, 1, id="no tokens"),
-    pytest.param(6, 2, 128, 128, 11, 1, 1, 1, 0, 0, 0, 1, id="expert map"),
-    pytest.param(4, 2, 128, 128, 70, 1, 1, 0, 0, 0, 0, 1, id="140 pairs: routing in blocks of 1024"),
-    pytest.param(5, 2, 512, 80, 3, 4, 1, 0, 0, 0, 0, 1, id="split-K GEMM1 (SiLU in GEMM2's A load), padded GEMM2 K"),
-    pytest.param(6, 3, 256, 256, 7, 2, 2, 1, 0, 0, 0, 1, id="both GEMMs split, expert map"),
-    pytest.param(3, 2, 144, 48, 4, 2, 1, 0, 0, 0, 0, 1, id="split-K GEMM1 over a padded K tail, rows padded"),
-    pytest.param(6, 3, 256, 256, 9, 1, 2, 1, 1, 0, 0, 1, id="GEMM2 rows in x's dtype, split-K GEMM2, expert map"),
-    pytest.param(7, 3, 256, 256, 1, 1, 1, 0, 0, 1, 0, 1, id="pair tiles asked for, one token: the Triton kernel routes"),
-    # stream-K: 8 programs over one gated tile of 8 K steps (8 pieces, middle ones too), GEMM2's 16 whole tiles
-    pytest.param(2, 1, 1024, 64, 1, 1, 1, 0, 0, 0, 3, 4, id="stream-K: one tile over 8 programs, GEMM2 whole tiles"),
-    pytest.param(3, 2, 1024, 384, 5, 1, 1, 1, 0, 0, 3, 4, id="stream-K both GEMMs, runs across tile ends, expert map"),
-    pytest.param(5, 2, 256, 128, 1, 1, 1, 0, 1, 0, 3, 8, id="stream-K, more programs than K steps"),
-    pytest.param(6, 3, 384, 256, 7, 1, 1, 0, 0, 0, 1, 3, id="stream-K GEMM1 only, 6 programs, padded rows"),
-    pytest.param(6, 3, 512, 256, 7, 2, 1, 0, 0, 0, 2, 3, id="stream-K GEMM2 after a split-K GEMM1"),
+CASES = [  # (experts, top_k, hidden, inter, tokens, use_map, partials in x's dtype, pair tiles,
+    #          programs per "SM" (2 SMs))
+    pytest.param(4, 2, 256, 128, 5, 0, 0, 0, 1, id="basic"),
+    pytest.param(7, 3, 48, 32, 9, 0, 0, 0, 1, id="odd-E, rows padded to 64, K padded to 128"),
+    pytest.param(3, 2, 128, 256, 1, 0, 0, 0, 1, id="one token"),
+    pytest.param(5, 2, 128, 128, 0, 0, 0, 0, 1, id="no tokens"),
+    pytest.param(6, 2, 128, 128, 11, 1, 0, 0, 1, id="expert map"),
+    pytest.param(4, 2, 128, 128, 70, 0, 0, 0, 1, id="140 pairs: routing in blocks of 1024"),
+    pytest.param(3, 2, 144, 48, 4, 0, 0, 0, 1, id="padded K tails in both GEMMs, rows padded"),
+    pytest.param(6, 3, 256, 256, 9, 1, 1, 0, 1, id="GEMM2 rows in x's dtype, expert map"),
+    pytest.param(7, 3, 256, 256, 1, 0, 0, 1, 1, id="pair tiles asked for, one token: the Triton kernel routes"),
+    pytest.param(5, 2, 256, 128, 1, 0, 1, 0, 8, id="16 programs over a few tiles, GEMM2 rows in x's dtype"),
+    pytest.param(6, 3, 384, 256, 7, 0, 0, 0, 3, id="6 programs, several tiles each, padded rows"),
 ]
 
 
@@ -98,9 +90,9 @@ WARMUP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("e,k,h,i,t,split1,split2,use_map,low,pair,stream,pps", CASES)
-def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, pair, stream, pps, seed: int) -> None:
-    _run_case([e, k, h, i, t, split1, split2, seed % 2**31, use_map, low, pair, stream, pps, 16, 0, 0])
+@pytest.mark.parametrize("e,k,h,i,t,use_map,low,pair,pps", CASES)
+def test_kernel_matches_reference(e, k, h, i, t, use_map, low, pair, pps, seed: int) -> None:
+    _run_case([e, k, h, i, t, seed % 2**31, use_map, low, pair, pps, 16, 0, 0])
 
 
 @pytest.mark.parametrize("e,k,h,i,t,use_map", [
@@ -109,22 +101,19 @@ def test_kernel_matches_reference(e, k, h, i, t, split1, split2, use_map, low, p
 ])
 def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) -> None:
     """block_m 8 (a Gluon-only config) where the Triton kernel runs it: tl.dot 8 wide."""
-    _run_case([e, k, h, i, t, 1, 1, seed % 2**31, use_map, 0, 0, 0, 1, 8, 0, 0])
+    _run_case([e, k, h, i, t, seed % 2**31, use_map, 0, 0, 1, 8, 0, 0])
 
 
-@pytest.mark.parametrize("e,k,h,i,t,split1,use_map,stream,pps,block_m,narrow", [
-    pytest.param(8, 2, 256, 128, 100, 1, 0, 0, 1, 64, 2,
+@pytest.mark.parametrize("e,k,h,i,t,use_map,pps,block_m,narrow", [
+    pytest.param(8, 2, 256, 128, 100, 0, 1, 64, 2,
                  id="narrow 2 of 64: skewed experts (two tiles, 64/32/16-wide tiles, empty experts)"),
-    pytest.param(8, 2, 144, 80, 100, 2, 1, 0, 1, 32, 1,
-                 id="narrow 1 of 32: skewed experts, split-K GEMM1, expert map, K padded"),
-    pytest.param(8, 2, 256, 128, 60, 1, 0, 3, 4, 32, 1,
-                 id="narrow 1 of 32 with stream-K on both GEMMs: narrow pieces summed across programs"),
+    pytest.param(8, 2, 144, 80, 100, 1, 1, 32, 1, id="narrow 1 of 32: skewed experts, expert map, K padded"),
+    pytest.param(8, 2, 256, 128, 60, 0, 4, 32, 1, id="narrow 1 of 32, 8 programs over the tiles"),
 ])
-def test_narrow_tiles_match_reference(e, k, h, i, t, split1, use_map, stream, pps, block_m, narrow,
-                                      seed: int) -> None:
+def test_narrow_tiles_match_reference(e, k, h, i, t, use_map, pps, block_m, narrow, seed: int) -> None:
     """GemmConfig.narrow_tiles in the Triton kernel: a tile of at most block_m / 2 (/ 4) rows runs its loads,
     MMAs and stores that narrow; skewed routing gives every width a tile."""
-    _run_case([e, k, h, i, t, split1, 1, seed % 2**31, use_map, 0, 0, stream, pps, block_m, narrow, 1])
+    _run_case([e, k, h, i, t, seed % 2**31, use_map, 0, 0, pps, block_m, narrow, 1])
 
 
 def _run_case(args: list[int]) -> None:
@@ -151,7 +140,7 @@ ROUTE_SCRIPT = textwrap.dedent(
     if use_map:  # three global experts live on another rank
         emap = torch.tensor([-1] + list(range(e)) + [-1, -1], dtype=torch.int32)
     plan = m.plan_routing(ids, e, block_m, expert_map=emap)
-    sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles, _ = route(ids, e, block_m, emap)
+    sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles = route(ids, e, block_m, emap)
     for a, b in ((counts, plan.expert_counts), (offsets, plan.expert_offsets), (tile_expert, plan.tile_expert),
                  (tile_row, plan.tile_row_start), (tile_row_end, plan.tile_row_end), (num_tiles, plan.num_tiles)):
         assert torch.equal(a, b), (a, b)

@@ -19,21 +19,18 @@ from moe_nvfp4.triton import moe_sm90 as K
 
 GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
 
-GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", stride_a_split="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32",
-                      out_ptr="*bf16", stride_out="i32", stride_split="i32", sorted_pairs_ptr="*i32",
-                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
-                      topk_weights_ptr="*fp32", workspace_ptr="*fp32", arrivals_ptr="*i32", n_out="i32", k="i32",
+GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16",
+                      stride_out="i32", sorted_pairs_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32",
+                      tile_row_end_ptr="*i32", num_tiles_ptr="*i32", topk_weights_ptr="*fp32", n_out="i32", k="i32",
                       kp="i32")
-# STREAM_K goes right after SPLIT_K (the kernel's argument order)
-GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, SPLIT_K=1, STREAM_K=False, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, GROUP_M=8,
-                        EVEN_K=True, DTYPE=tl.bfloat16, NUM_STAGES=4, USE_ASM=True, A_SPLITS=1,
-                        NARROW=0)
+# in the kernel's argument order
+GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, EVEN_K=True, DTYPE=tl.bfloat16,
+                        NUM_STAGES=4, USE_ASM=True, NARROW=0)
 
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
                        counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
-                       tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32", arrivals_ptr="*i32",
-                       num_pairs="i32", chunk="i32", num_chunks="i32", num_experts="i32", max_tiles="i32",
-                       num_arrivals="i32")
+                       tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32", num_pairs="i32",
+                       chunk="i32", num_chunks="i32", num_experts="i32", max_tiles="i32")
 # COUNTED goes first (the kernel's argument order)
 ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128)
 
@@ -42,11 +39,9 @@ KERNELS = {
     "route counted": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=True, BLOCK_P=256), 8),
     "count": (K._count_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", num_pairs="i32",
               chunk="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
-    "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=False), 4),
-    "gemm1 stream-K": (K._moe_gemm_kernel, GEMM_SIGNATURE, dict(GEMM1_CONSTEXPRS, STREAM_K=True), 4),
+    "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
-                hidden="i32", stride_split="i32"),
-                dict(TOP_K=2, SPLIT_K=1, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
+                hidden="i32"), dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
 }  # fmt: skip
 
 
@@ -118,20 +113,6 @@ def test_register_cap_bounds_the_gemm_registers() -> None:
     assert registers(capped) <= 80 < registers(free)
 
 
-def test_stream_k_fixup_publishes_partials_before_counting_in() -> None:
-    """A shared tile's partial sums must be in memory before the program counts itself in, and the last
-    program must read the other programs' partials from L2 after its count: every thread's stores, then a
-    CTA barrier, then one release/acquire atomic at GPU scope, then L1-bypassing loads."""
-    ptx = _ptx("gemm1 stream-K", True)
-    atomics = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
-    assert len(atomics) == 1
-    before = ptx[: atomics[0]]
-    assert re.search(r"@%p\d+ atom\.global", ptx), "one thread counts the program in"
-    assert before.rfind("bar.sync") > before.rfind("st.global") > 0
-    assert ptx.find("ld.global.cg", atomics[0]) > 0 and "ld.global.cg" not in before
-    assert "atom.global" not in _ptx("gemm1", True)  # whole tiles: no counting
-
-
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
                 stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
@@ -154,7 +135,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
-    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_M=8, STAGES=stages, DTYPE=W.gl.bfloat16,
+    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
                       MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
                       PAIR_TILES=pair_tiles)  # fmt: skip
@@ -222,7 +203,7 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
 
 
 @pytest.mark.parametrize("gated,k_groups,maxnreg,stages,pairs", [
-    (True, 1, 128, 4, False), (False, 1, 128, 4, False), (False, 3, 128, 3, False), (True, 2, 168, 4, False),
+    (True, 1, 128, 4, False), (False, 1, 128, 4, False), (False, 2, 160, 2, False), (True, 2, 168, 4, False),
     (True, 2, 168, 4, True), (False, 1, 128, 4, True)])
 def test_warp_specialized_partitions_wait_for_the_previous_kernel(gated: bool, k_groups: int, maxnreg: int,
                                                                   stages: int, pairs: bool) -> None:
@@ -394,7 +375,7 @@ def test_triton_narrow_tiles_run_narrower_wgmma(block_m: int, narrow: int, width
 
 @pytest.mark.parametrize(
     "gated,block_n,maxnreg,chunks,k_groups,stages",
-    [(True, 64, 128, 2, 3, 3), (False, 128, 168, 1, 2, 4), (True, 64, 96, 1, 4, 4)],
+    [(True, 64, 168, 2, 2, 4), (False, 128, 168, 1, 2, 4), (True, 64, 128, 1, 2, 2)],
 )
 def test_k_groups_share_a_tile(gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int, stages: int) -> None:
     """GemmConfig.k_groups: the program is k_groups MMA warp groups plus the loader's, every group running the
@@ -551,7 +532,7 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
     shipped_file = configs.config_path("NVIDIA H200")
     data = json.loads(shipped_file.read_text())
     for entry in data["entries"]:
-        entry["config"]["gemm1"]["group_m"] = 4  # a value no shipped entry uses
+        entry["config"]["gemm1"]["programs_per_sm"] = 7  # a value no shipped entry uses
     copy = configs.config_path("NVIDIA H200", tmp_path)
     copy.parent.mkdir(parents=True)
     copy.write_text(json.dumps(data))
@@ -560,15 +541,15 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
         return configs.select_config(1, 8, 2, 4096, 14336, torch.bfloat16, "NVIDIA H200")
 
     shipped = select()
-    assert shipped.gemm1.group_m != 4
+    assert shipped.gemm1.programs_per_sm != 7
     assert ab_moe.tuned_config(tmp_path, select) == dataclasses.replace(shipped, gemm1=dataclasses.replace(
-        shipped.gemm1, group_m=4))  # fmt: skip
+        shipped.gemm1, programs_per_sm=7))  # fmt: skip
     assert select() == shipped  # the package's directory again
 
 
 def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
-    """benchmarks/ab_moe.py's ``gemm1:field=value/...`` variant (the split-K A/B in design 002): those fields of
-    one GEMM (``gemms:``: both) changed, the rest of the config kept; ``none`` for None."""
+    """benchmarks/ab_moe.py's ``gemm1:field=value/...`` variant (A/Bs of one GEMM's fields in design 002): those
+    fields of one GEMM (``gemms:``: both) changed, the rest of the config kept; ``none`` for None."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import ab_moe
 
@@ -576,9 +557,9 @@ def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
 
     cfg = MoEKernelConfig(8, GemmConfig(64, max_registers=168, k_groups=2, warp_specialized=True),
                           GemmConfig(64, warp_specialized=True), pair_tiles=True)  # fmt: skip
-    split = ab_moe.gemm_variant(cfg, "gemm1:split_k=4/k_groups=1/max_registers=none")
-    assert split == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, split_k=4, k_groups=1,
-                                                                       max_registers=None))  # fmt: skip
+    one = ab_moe.gemm_variant(cfg, "gemm1:programs_per_sm=3/k_groups=1/max_registers=none")
+    assert one == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, programs_per_sm=3, k_groups=1,
+                                                                     max_registers=None))  # fmt: skip
     assert ab_moe.gemm_variant(cfg, "gemm2:num_stages=2").gemm2.num_stages == 2
     both = ab_moe.gemm_variant(cfg, "gemms:narrow_tiles=2")
     assert both == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, narrow_tiles=2),

@@ -10,8 +10,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
-    GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, candidates, climb_start, gemm_sweep,
-    group_sweep, loader_sweep, merge_entries, neighbors, rotated_weights, search, spread, with_token_tile, ws_sweep,
+    GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, _spaced, candidates, climb_start,
+    gemm_sweep, group_sweep, loader_sweep, merge_entries, neighbors, rotated_weights, search, spread, with_token_tile,
+    ws_sweep,
 )
 
 from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
@@ -20,21 +21,21 @@ from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, defaul
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("tokens", [1, 16, 64, 4096])
 @pytest.mark.parametrize("limit", [2, 7, 10, 24, 1000])
-def test_spread_keeps_the_default_and_covers_every_k_split(model: str, tokens: int, limit: int) -> None:
+def test_spread_keeps_the_default_and_spreads_over_the_grid(model: str, tokens: int, limit: int) -> None:
     e, k, h, i = MODELS[model]
     grid, first = candidates(tokens, e, k, h, i), default_config(tokens, e, k, h, i)
     picked = spread(grid, limit, first)
     assert picked[0] == first and len(picked) == len(set(picked)) == min(limit, len({first, *grid}))
     assert all(c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128) for c in picked)
-    def k_mode(c: MoEKernelConfig) -> tuple:
-        return c.gemm1.split_k, c.gemm2.split_k, c.gemm1.stream_k, c.gemm2.stream_k
-
-    modes = {k_mode(c) for c in grid}
-    if limit - 1 >= len(modes):  # room for one of each pair of K splits and stream-K
-        assert modes <= {k_mode(c) for c in picked[1:]}
-    if tokens == 1:  # decode: both GEMMs may split K (GEMM2 only by divisors of its 6 or 112 chunks) or stream
-        assert {s1 for s1, _, _, _ in modes} == {1, 2, 4}
-        assert (1, 1, True, True) in modes and all(s1 == s2 == 1 for s1, s2, st, _ in modes if st)
+    others = [c for c in grid if c != first]
+    assert picked[1:] == _spaced(others)[: limit - 1]  # every prefix spread over the whole grid
+    if limit >= len(others) + 1:
+        assert set(picked) == {first, *grid}
+    if limit - 1 >= 2:  # the first two past the default come from the grid's two halves
+        assert others.index(picked[1]) < len(others) / 2 <= others.index(picked[2])
+    assert all(c.gemm1 == c.gemm2 for c in grid if c != first)  # both GEMMs share every parameter
+    if tokens == 1:  # decode: more programs per SM
+        assert {c.gemm1.programs_per_sm for c in grid} == {1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -45,13 +46,12 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     near = neighbors(first, tokens, e, k, h, i)
     assert near and len(near) == len(set(near)) and first not in near
 
-    def values(c: MoEKernelConfig) -> list:  # K split, stream-K and warp-specialized (whole K) are one value
+    def values(c: MoEKernelConfig) -> list:
         def gemm(g: GemmConfig) -> list:
-            k_mode = "ws" if g.warp_specialized else "stream" if g.stream_k else g.split_k
-            return [g.block_n, g.group_m, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, k_mode,
+            return [g.block_n, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, g.warp_specialized,
                     g.chunks_per_stage, g.k_groups, g.narrow_tiles, g.loader_warps]
 
-        assert len(dataclasses.fields(GemmConfig)) == 13, "a new GemmConfig field: add it above"
+        assert len(dataclasses.fields(GemmConfig)) == 10, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.pair_tiles, *gemm(c.gemm1), *gemm(c.gemm2)]
 
     for c in near:
@@ -67,16 +67,13 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     ws_near = neighbors(ws, tokens, e, k, h, i)
     assert {c.gemm1.narrow_tiles for c in ws_near} >= {1, 2} - ({2} if ws.block_m < 32 else set())
     assert {c.gemm1.loader_warps for c in ws_near} == {1, 2, 4}
-    if tokens == 1:  # from a K split, stream-K is one step away
-        split = dataclasses.replace(first, gemm2=dataclasses.replace(first.gemm2, split_k=2))
-        assert dataclasses.replace(split.gemm2, split_k=1, stream_k=True) in [c.gemm2 for c in neighbors(split, tokens, e, k, h, i)]
 
 
 def test_search_climbs_to_the_optimum_within_the_limit() -> None:
     e, k, h, i = MODELS["qwen3-30b-a3b"]
     tokens = 1
-    target = MoEKernelConfig(block_m=16, gemm1=GemmConfig(block_n=64, programs_per_sm=3, split_k=4),
-                             gemm2=GemmConfig(block_n=128, num_stages=3, split_k=2))  # fmt: skip
+    target = MoEKernelConfig(block_m=16, gemm1=GemmConfig(block_n=64, programs_per_sm=3, max_registers=168),
+                             gemm2=GemmConfig(block_n=128, num_stages=3, programs_per_sm=2))  # fmt: skip
     assert target.is_valid(h, i)
 
     def distance(c: MoEKernelConfig) -> float:  # a cost with one minimum, at target
@@ -207,7 +204,6 @@ def test_gemm_sweep_varies_one_gemm_over_every_shape_and_register_cap(model: str
     g = [getattr(c, gemm) for c in swept]
     assert {(x.block_n, x.num_warps) for x in g} == set(SWEEP_SHAPES)
     assert {x.max_registers for x in g} == {None, 168, 128} and {x.programs_per_sm for x in g} == {1, 2, 3, 4}
-    assert {x.stream_k for x in g} == {False, True} and not any(x.stream_k and x.split_k > 1 for x in g)
     assert {x.num_stages for x in g} == {getattr(first, gemm).num_stages}  # not swept
 
 
@@ -215,7 +211,7 @@ def test_search_times_each_sweep_from_the_best_so_far_before_climbing() -> None:
     e, k, h, i = MODELS["qwen3-30b-a3b"]
     first = default_config(1, e, k, h, i)
     target = dataclasses.replace(first, gemm1=dataclasses.replace(first.gemm1, block_n=128, max_registers=168, programs_per_sm=3),
-                                 gemm2=dataclasses.replace(first.gemm2, split_k=3, max_registers=128))  # fmt: skip
+                                 gemm2=dataclasses.replace(first.gemm2, programs_per_sm=2, max_registers=128))  # fmt: skip
 
     def cost(c: MoEKernelConfig) -> float:  # separable: each GEMM's sweep finds its half of the target
         return 10.0 + (c.gemm1 != target.gemm1) + (c.gemm2 != target.gemm2) + (c.block_m != target.block_m)
@@ -229,48 +225,34 @@ def test_search_times_each_sweep_from_the_best_so_far_before_climbing() -> None:
     assert len(timed) == len(set(timed))  # nothing timed twice
 
 
-def test_k_sweep_varies_only_how_one_gemm_divides_its_work() -> None:
-    """--sweep-k: programs per SM x K split x stream-K of one GEMM; tile shapes, caps and the token tile kept."""
+def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency() -> None:
+    """--sweep-ws: one GEMM as the warp-specialized kernel in every tile shape x ring (chunks per stage, stages) x
+    (register cap, programs per SM) whose ring fits in shared memory, at the config's token tile and the search
+    space's; the other GEMM kept.  Neighbours can turn it on from the Triton kernel (one step: only the switch
+    moves) and off from a multi-chunk ring (the Triton kernel takes one chunk per stage)."""
     e, k, h, i = MODELS["mixtral-8x7b"]
     first = default_config(1, e, k, h, i)
-    swept = gemm_sweep(first, "gemm2", 1, e, k, h, i, shapes=False)
-    assert len(swept) == len(set(swept)) == 4 * (3 + 1)  # 4 programs per SM x (splits 1, 2, 4 or stream-K)
-    strip = dict(programs_per_sm=1, split_k=1, stream_k=False)
-    assert {dataclasses.replace(c.gemm2, **strip) for c in swept} == {dataclasses.replace(first.gemm2, **strip)}
-    assert all(c.gemm1 == first.gemm1 and c.block_m == first.block_m for c in swept)
-
-
-def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency() -> None:
-    """--sweep-ws: one GEMM as the warp-specialized kernel (whole K, so no split or stream-K) in every tile
-    shape x ring (chunks per stage, stages) x (register cap, programs per SM) whose ring fits in shared memory,
-    at the config's token tile and the search space's; the other GEMM kept.  Neighbours can turn it on from a
-    split config (dropping the split) and off from a multi-chunk ring (the Triton kernel takes one chunk per
-    stage)."""
-    e, k, h, i = MODELS["mixtral-8x7b"]
-    first = dataclasses.replace(default_config(1, e, k, h, i), gemm1=GemmConfig(split_k=2))
-    for gemm, block_m in (("gemm1", 16), ("gemm1", 64), ("gemm2", 16)):
+    for gemm, block_m in (("gemm1", 16), ("gemm1", 64), ("gemm2", 16), ("gemm2", 64)):
+        other = "gemm2" if gemm == "gemm1" else "gemm1"
         swept = ws_sweep(dataclasses.replace(first, block_m=block_m), gemm, 1, e, k, h, i)
-        if gemm == "gemm2":  # GEMM2 cannot read GEMM1's fp32 partials warp-specialized
-            assert swept == []
-            continue
         fits = [(shape, ring) for shape in SWEEP_SHAPES for ring in WS_RINGS
-                if GemmConfig(shape[0], num_stages=ring[1], chunks_per_stage=ring[0]).ws_shared_bytes(True, block_m)
-                <= WS_SMEM_LIMIT]  # fmt: skip
-        # at block_m 16 every ring fits (the largest, 128-row tiles in 4 stages of 2 chunks, takes 176 KiB)
+                if GemmConfig(shape[0], num_stages=ring[1], chunks_per_stage=ring[0]).ws_shared_bytes(
+                    gemm == "gemm1", block_m) <= WS_SMEM_LIMIT]  # fmt: skip
+        # at block_m 16 every ring fits (the largest, GEMM1's 128-row tiles in 4 stages of 2 chunks, takes 176 KiB)
         every = len(SWEEP_SHAPES) * len(WS_RINGS)
-        assert len(fits) == every if block_m == 16 else 0 < len(fits) < every
+        assert len(fits) == every if block_m == 16 or gemm == "gemm2" else 0 < len(fits) < every
         at_tile = [c for c in swept if c.block_m == block_m]
         assert len(swept) == len(set(swept)) and len(at_tile) == len(fits) * len(WS_RESIDENCY)
-        assert {(c.gemm1.chunks_per_stage, c.gemm1.num_stages) for c in at_tile} == set(WS_RINGS)
-        assert all(c.gemm1.warp_specialized and c.gemm1.split_k == 1 and not c.gemm1.stream_k for c in swept)
-        assert all(c.gemm2 == first.gemm2 for c in swept)
-        # and the search space's token tiles at T=1, 8 and 16: 8 needs GEMM2 warp-specialized too, not so here
+        assert {(getattr(c, gemm).chunks_per_stage, getattr(c, gemm).num_stages) for c in at_tile} == set(WS_RINGS)
+        assert all(getattr(c, gemm).warp_specialized for c in swept)
+        assert all(getattr(c, other) == getattr(first, other) for c in swept)
+        # and the search space's token tiles at T=1, 8 and 16: 8 needs both GEMMs warp-specialized, not so here
         assert {c.block_m for c in swept} == {block_m, 16}
     gluon2 = dataclasses.replace(first, gemm1=GemmConfig(), gemm2=GemmConfig(128, max_registers=128, programs_per_sm=2,
                                                                                warp_specialized=True))  # fmt: skip
     assert {c.block_m for c in ws_sweep(gluon2, "gemm1", 1, e, k, h, i)} == {8, 16}
     turned_on = [c for c in neighbors(first, 1, e, k, h, i) if c.gemm1.warp_specialized]
-    assert turned_on and all(c.gemm1.split_k == 1 for c in turned_on)
+    assert turned_on == [dataclasses.replace(first, gemm1=dataclasses.replace(first.gemm1, warp_specialized=True))]
     ring = dataclasses.replace(first, gemm1=GemmConfig(warp_specialized=True, chunks_per_stage=4, num_stages=2))
     turned_off = [c for c in neighbors(ring, 1, e, k, h, i) if not c.gemm1.warp_specialized]
     assert turned_off and all(c.gemm1.chunks_per_stage == 1 for c in turned_off)
@@ -278,9 +260,9 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
-    """--sweep-groups: one GEMM warp-specialized with 2-4 K groups of 4 MMA warps, one program per SM at each
-    group count's register cap, in every ring whose stages are a multiple of the groups and that fits in
-    shared memory with the groups' sums; the other GEMM and the token tile kept."""
+    """--sweep-groups: one GEMM warp-specialized with 2 K groups of 4 MMA warps, one program per SM at their
+    register cap, in every ring whose stages are a multiple of the groups and that fits in shared memory with
+    group 1's sums; the other GEMM and the token tile kept."""
     e, k, h, i = MODELS[model]
     first = default_config(1, e, k, h, i)
     for gemm in ("gemm1", "gemm2"):
@@ -292,7 +274,8 @@ def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
                         gemm == "gemm1", first.block_m) <= WS_SMEM_LIMIT}  # fmt: skip
         got = [(getattr(c, gemm).block_n, getattr(c, gemm).k_groups,
                 (getattr(c, gemm).chunks_per_stage, getattr(c, gemm).num_stages)) for c in swept]  # fmt: skip
-        assert len(got) == len(set(got)) and set(got) == expected and {g for _, g, _ in got} == {2, 3, 4}
+        assert len(got) == len(set(got)) and set(got) == expected and {g for _, g, _ in got} == {2}
+        assert {r for _, _, r in got} == {r for r in GROUP_RINGS if (kp // 128) % r[0] == 0} and len(expected) > 8
         regs = dict(WS_K_GROUPS)
         assert all(getattr(c, gemm).max_registers == regs[getattr(c, gemm).k_groups] for c in swept)
         assert all(getattr(c, gemm).programs_per_sm == 1 and getattr(c, gemm).warp_specialized for c in swept)

@@ -261,9 +261,9 @@ def fused_moe_w4a4_sm100(
                                          weights.w13_interleaved_scale, act, rows, alpha1, (), num_ctas))  # fmt: skip
 
     a2 = quantize_activations(act, w2_input_scale)
-    partial = torch.empty(1, t * top_k, hidden, dtype=torch.float32, device=x.device)  # [split, pair, H]
+    partial = torch.empty(t * top_k, hidden, dtype=torch.float32, device=x.device)  # [pair, H]
     alpha2 = (weights.w2.global_scale * w2_input_scale.reshape(()))[:, None]
     launch_grouped_w4a4_sm100(_gemm_plan(MoeDownVariant(tile_n), a2, weights.w2.packed, weights.w2.block_scale,
-                                         partial[0], rows, alpha2, (rows.row_pairs, rows.row_weights), num_ctas))  # fmt: skip
+                                         partial, rows, alpha2, (rows.row_pairs, rows.row_weights), num_ctas))  # fmt: skip
     combine(partial, topk_ids, expert_map, out)
     return out

@@ -5,13 +5,11 @@ Launches per forward (each grid sized from the SM count or T, never from routing
      to ROUTE_ONE_PROGRAM pairs; past that one per chunk of pairs, after ``_count_kernel`` counted them.
      None with pair tiles (MoEKernelConfig.pair_tiles): the Gluon GEMMs (moe_sm90_ws) then take every
      (token, k) pair as a one-row tile, its expert read from topk_ids.
-  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up
-     (split over K at decode sizes: fp32 gate and up partials, the SiLU left to GEMM2's A load).
+  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up.
   3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
-     (token, k) pair (and per K split) into a float32 buffer (or one in x's dtype, per config).
+     (token, k) pair into a float32 buffer (or one in x's dtype, per config).
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
-Either GEMM may run stream-K (equal runs of K steps per program; shared tiles summed in a fixed order by
-the last program to finish them, counted with atomics on per-program counters the routing kernel zeroes).
+Each GEMM tile takes whole K in one program, so a row's sums never depend on where its tile runs.
 
 The GEMMs compute out^T = W @ A^T ("swap AB"): the decoded weights are the MMA's large side and the
 token tile (16..128 rows) its small side, so decode-sized batches do not pad the tensor core with
@@ -32,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..configs import GemmConfig, MoEKernelConfig
+from ..configs import MoEKernelConfig
 from ..dispatch import sm_count
 from ..layouts import FragmentLayout
 
@@ -90,9 +88,8 @@ def _count_kernel(ids_ptr, expert_map_ptr, hist_ptr, num_pairs, chunk, HAS_MAP: 
     tl.store(hist_ptr + c * E_POW2 + tl.arange(0, E_POW2), counts)
 
 
-# The pair, chunk and tile counts change with T (the counter count with the config): not specialized on, so
-# a new T never compiles a new variant.
-@triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "max_tiles", "num_arrivals"])
+# The pair, chunk and tile counts change with T: not specialized on, so a new T never compiles a new variant.
+@triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "max_tiles"])
 def _route_kernel(
     ids_ptr,
     expert_map_ptr,
@@ -105,13 +102,11 @@ def _route_kernel(
     tile_row_ptr,
     tile_row_end_ptr,
     num_tiles_ptr,
-    arrivals_ptr,
     num_pairs,
     chunk,
     num_chunks,
     num_experts,
     max_tiles,
-    num_arrivals,
     COUNTED: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
     HAS_MAP: tl.constexpr,
@@ -147,10 +142,6 @@ def _route_kernel(
         pos = tl.atomic_add(cursor_ptr + c * E_POW2 + e, 1, mask=valid)
         tl.store(sorted_pairs_ptr + pos, offs, mask=valid)
     if c == 0:
-        # The stream-K GEMMs' arrival counters start every forward at zero (see _stream_k_fixup).
-        for a0 in range(0, num_arrivals, BLOCK_P):
-            a = a0 + tl.arange(0, BLOCK_P)
-            tl.store(arrivals_ptr + a, tl.zeros([BLOCK_P], tl.int32), mask=a < num_arrivals)
         tl.store(counts_ptr + experts, counts, mask=expert_ok)
         tl.store(offsets_ptr + experts, starts, mask=expert_ok)
         tl.store(offsets_ptr + experts + 1, starts + counts, mask=experts == num_experts - 1)
@@ -297,8 +288,8 @@ def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.co
 
 @triton.jit
 def _silu_times(gate, up, USE_ASM: tl.constexpr):
-    """The gated activation SiLU(gate) * up = gate / (1 + 2^(-gate log2 e)) * up, in fp32 (GEMM1's epilogue, or
-    GEMM2's A load after a K split).  On the GPU the reciprocal is rcp.approx (1 ulp; its argument is >= 1, so
+    """The gated activation SiLU(gate) * up = gate / (1 + 2^(-gate log2 e)) * up, in fp32 (GEMM1's epilogue).
+    On the GPU the reciprocal is rcp.approx (1 ulp; its argument is >= 1, so
     no subnormals): about 5 instructions a value against 12 for tl.exp and the `/` (div.full's range fix-ups), in
     an epilogue that is on a decode forward's critical path.  Large negative gates give 2^x = inf, r = 0, 0."""
     denom = 1.0 + tl.exp2(gate * -1.4426950408889634)
@@ -311,99 +302,37 @@ def _silu_times(gate, up, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_base, stride_a_split, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, A_SPLITS: tl.constexpr,
-            DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """A^T for K columns k0 .. k0 + BLOCK_K: [BLOCK_K, BLOCK_M] in DTYPE.
-
-    A_SPLITS > 1: GEMM1 ran split over K and left fp32 partial sums per split, [gate | up] per row; they are
-    summed here and SiLU(gate) * up is applied, so the gated activation is computed once K is complete.
-    """
+def _load_a(a_base, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """A^T for K columns k0 .. k0 + BLOCK_K: [BLOCK_K, BLOCK_M] (a_base: the tile's rows, [1, BLOCK_M])."""
     kk = k0 + tl.arange(0, BLOCK_K)
     ptrs = a_base + kk[:, None]
-    k_ok = (kk < k)[:, None]
-    if A_SPLITS == 1:
-        if EVEN_K:
-            return tl.load(ptrs)
-        return tl.load(ptrs, mask=k_ok, other=0.0)
-    gate = tl.zeros(ptrs.shape, dtype=tl.float32)
-    up = tl.zeros(ptrs.shape, dtype=tl.float32)
-    for s in tl.static_range(A_SPLITS):
-        if EVEN_K:
-            gate += tl.load(ptrs + s * stride_a_split)
-            up += tl.load(ptrs + s * stride_a_split + k)
-        else:
-            gate += tl.load(ptrs + s * stride_a_split, mask=k_ok, other=0.0)
-            up += tl.load(ptrs + s * stride_a_split + k, mask=k_ok, other=0.0)
-    return _silu_times(gate, up, USE_ASM).to(DTYPE)
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(kk < k)[:, None], other=0.0)
 
 
 @triton.jit
-def _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
-    """Tile mn's (token tile, weight tile) in grouped order: GROUP_M token tiles share each weight tile while
-    it is hot in L2.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels."""
-    group = mn // (GROUP_M * num_n_tiles)
-    first_m = group * GROUP_M
-    group_m = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    in_group = mn % (GROUP_M * num_n_tiles)
-    return first_m + in_group % group_m, in_group // group_m
+def _grouped_tile(mn, num_m_tiles, num_n_tiles):
+    """Tile mn's (token tile, weight tile) in grouped order: GROUP token tiles share each weight tile while it is
+    hot in L2.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels.  Which program runs a tile never changes
+    its sums (whole K per tile), so the order is a matter of speed only.  GROUP is 8, what every tuned config ran
+    with while it was a GemmConfig field (until config version 3): the order their timings saw."""
+    GROUP: tl.constexpr = 8
+    group = mn // (GROUP * num_n_tiles)
+    first_m = group * GROUP
+    tiles_in_group = tl.minimum(num_m_tiles - first_m, GROUP)
+    in_group = mn % (GROUP * num_n_tiles)
+    return first_m + in_group % tiles_in_group, in_group // tiles_in_group
 
 
 @triton.jit
-def _partial_slot(workspace_ptr, q, mn, chunks, steps_per_program, PIECE: tl.constexpr):
-    """Program q's workspace slot for tile mn: 2 q if mn is the first tile q touches, else 2 q + 1 (its last)."""
-    later = ((q * steps_per_program) // chunks != mn).to(tl.int64)
-    return workspace_ptr + (2 * q + later) * PIECE
-
-
-@triton.jit
-def _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end, chunks, steps_per_program,
-                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
-    """Stream-K: tile mn's K steps [k_first, k_end) were this program's share.  Returns (acc, acc_up, finish):
-    the tile's whole sums and True in the program that finishes the tile, else finish False.
-
-    A tile shared by several programs (consecutive ones, q_first .. q_last) is finished by the last to
-    arrive, not by a fixed one: no program ever waits for another (programs past the resident ones run
-    later, so waiting could deadlock).  Each program stores its fp32 partial in its own slot (2 q for the
-    first tile it touches, 2 q + 1 for its last), then counts itself in under a release/acquire atomic; the
-    last arrival sums the slots in program order, so the result does not depend on who arrives last.  A slot
-    holds a BLOCK_M-wide tile; a narrow one (WIDTH < BLOCK_M) uses its first WIDTH columns."""
-    finish = (k_first == 0) & (k_end == chunks)
-    if (k_first > 0) | (k_end < chunks):
-        q_first = (mn * chunks) // steps_per_program
-        q_last = (mn * chunks + chunks - 1) // steps_per_program
-        TILE: tl.constexpr = BLOCK_N * BLOCK_M
-        PIECE: tl.constexpr = TILE * 2 if GATED else TILE
-        idx = tl.arange(0, BLOCK_N)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-        mine = _partial_slot(workspace_ptr, pid, mn, chunks, steps_per_program, PIECE) + idx
-        tl.store(mine, acc)
-        if GATED:
-            tl.store(mine + TILE, acc_up)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(arrivals_ptr + q_first, 1, sem="acq_rel", scope="gpu")
-        finish = arrived == q_last - q_first
-        # the finisher re-reads its own partial too, so the sum runs in program order from zero
-        acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
-        if finish:
-            tl.debug_barrier()
-            for q in tl.range(q_first, q_last + 1, num_stages=1):  # a few pieces: nothing for a pipeline to overlap
-                piece = _partial_slot(workspace_ptr, q, mn, chunks, steps_per_program, PIECE) + idx
-                acc += tl.load(piece, cache_modifier=".cg")  # L2: written by other SMs during this kernel
-                if GATED:
-                    acc_up += tl.load(piece + TILE, cache_modifier=".cg")
-    return acc, acc_up, finish
-
-
-@triton.jit
-def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
-                         STREAM_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         USE_ASM: tl.constexpr, A_SPLITS: tl.constexpr):
-    """One tile's K steps [k_first, k_end) and its epilogue, with the token side WIDTH rows wide (the tile's
-    first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
-    (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
-     topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k) = args
-    pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program = tile
+def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+    """One tile's K steps and its epilogue, with the token side WIDTH rows wide (the tile's first WIDTH rows: all
+    it has where WIDTH < BLOCK_M)."""
+    a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k = args
+    n_tile, expert, row0, row_end, chunks = tile
     w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
     rows = row0 + tl.arange(0, WIDTH)
     row_ok = rows < row_end
@@ -417,84 +346,66 @@ def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.con
     acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)  # GATED only (unused otherwise)
     w_up = w_slots + n_units * unit_bytes  # GATED: the up rows, n_units units after the gate rows
     s_up = s_pairs + n_units * unit_scale_bytes
-    for chunk in tl.range(k_first, k_end, num_stages=NUM_STAGES):
-        a = _load_a(a_base, stride_a_split, chunk * BLOCK_K, k, BLOCK_K, EVEN_K, A_SPLITS, DTYPE, USE_ASM)
+    for chunk in tl.range(0, chunks, num_stages=NUM_STAGES):
+        a = _load_a(a_base, chunk * BLOCK_K, k, BLOCK_K, EVEN_K)
         acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
         if GATED:
             acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
 
-    if STREAM_K:
-        acc, acc_up, finish = _stream_k_fixup(acc, acc_up, workspace_ptr, arrivals_ptr, pid, mn, k_first, k_end,
-                                              chunks, steps_per_program, GATED, BLOCK_N, BLOCK_M, WIDTH)  # fmt: skip
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
+    fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
+    if GATED:
+        gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
+        up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
+        out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+        tl.store(out_ptrs, _silu_times(gate, up, USE_ASM).to(DTYPE), mask=store_mask)
     else:
-        finish = True
-    if finish:
-        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
-        fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
-        if GATED:
-            gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
-            up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
-            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-            if SPLIT_K == 1:
-                tl.store(out_ptrs, _silu_times(gate, up, USE_ASM).to(DTYPE), mask=store_mask)
-            else:  # partial sums: GEMM2 adds the splits and applies SiLU as it loads A
-                tl.store(out_ptrs, gate, mask=store_mask)
-                tl.store(out_ptrs + n_out, up, mask=store_mask)
-        else:
-            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-            out_ptrs = out_ptr + split.to(tl.int64) * stride_split + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-            tl.store(out_ptrs, y, mask=store_mask)
+        weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+        y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
+        out_ptrs = out_ptr + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+        tl.store(out_ptrs, y, mask=store_mask)
 
 
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     stride_a,
-    stride_a_split,
     w_ptr,
     s_ptr,
     gs_ptr,
     out_ptr,
     stride_out,
-    stride_split,
     sorted_pairs_ptr,
     tile_expert_ptr,
     tile_row_ptr,
     tile_row_end_ptr,
     num_tiles_ptr,
     topk_weights_ptr,
-    workspace_ptr,
-    arrivals_ptr,
     n_out,
     k,
     kp,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    STREAM_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
-    A_SPLITS: tl.constexpr,
     NARROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k].
+    """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k], whole tiles dealt out to
+    the programs in turn (whole K each).
 
     The tile map comes from _route_kernel's buffers.
 
     GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up);
-    the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order, or with
-    SPLIT_K > 1 the fp32 partials gs_g * gate and gs_u * up to out[split, row, n] and [.., n_out + n].
-    Otherwise (GEMM2): A rows are the sorted rows (A_SPLITS > 1: GEMM1's partials, see _load_a); the
-    epilogue writes gs * topk_weight * acc to out[split, pair, n] (float32, or the buffer's dtype).
+    the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order.
+    Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes gs * topk_weight * acc to out[pair, n]
+    (float32, or the buffer's dtype).
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
@@ -507,37 +418,12 @@ def _moe_gemm_kernel(
     n_units = tl.cdiv(n_out, 64)  # 64-row units of FragmentLayout (gate and up padded apart)
     unit_bytes = chunks * BLOCK_BYTES
     unit_scale_bytes = chunks * SCALE_BLOCK_BYTES
-    chunks_per_split = chunks // SPLIT_K
     UNITS: tl.constexpr = BLOCK_N // 64
     slot = tl.arange(0, 2 * BLOCK_N)
     pair = tl.arange(0, BLOCK_N // 2)
-    args = (a_ptr, stride_a, stride_a_split, gs_ptr, out_ptr, stride_out, stride_split, sorted_pairs_ptr,
-            topk_weights_ptr, workspace_ptr, arrivals_ptr, n_out, k)
-    if STREAM_K:  # the tiles' K steps laid end to end, one equal run of them per program
-        total_steps = num_m_tiles * num_n_tiles * chunks
-        steps_per_program = tl.cdiv(total_steps, tl.num_programs(0))
-        first_step = pid * steps_per_program
-        end_step = tl.minimum(first_step + steps_per_program, total_steps)
-        item_first = first_step // chunks
-        item_end = tl.cdiv(end_step, chunks)
-        item_step = 1
-    else:  # whole tiles (or K splits of them) dealt out in turn
-        steps_per_program = chunks  # read by stream-K's fixup only
-        item_first = pid
-        item_end = num_m_tiles * num_n_tiles * SPLIT_K
-        item_step = tl.num_programs(0)
-    for item in range(item_first, item_end, item_step):
-        if STREAM_K:
-            split = tl.full([], 0, tl.int32)
-            mn = item
-            k_first = tl.maximum(first_step - mn * chunks, 0)
-            k_end = tl.minimum(end_step - mn * chunks, chunks)
-        else:
-            split = item % SPLIT_K
-            mn = item // SPLIT_K
-            k_first = split * chunks_per_split
-            k_end = k_first + chunks_per_split
-        m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
+    args = (a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k)
+    for mn in range(pid, num_m_tiles * num_n_tiles, tl.num_programs(0)):
+        m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
 
         expert = tl.load(tile_expert_ptr + m_tile)
         row0 = tl.load(tile_row_ptr + m_tile)
@@ -550,18 +436,18 @@ def _moe_gemm_kernel(
         unit0 = expert.to(tl.int64) * matrices
         w_slots = w_ptr + (unit0 + slot_unit) * unit_bytes + (slot % 128) * 32
         s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
-        tile = (pid, mn, split, n_tile, expert, row0, row_end, k_first, k_end, chunks, steps_per_program)
+        tile = (n_tile, expert, row0, row_end, chunks)
         weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
-            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 4,
-                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, BLOCK_N, BLOCK_M // 4, BLOCK_K, EVEN_K, DTYPE,
+                                 NUM_STAGES, USE_ASM)
         elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
-            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M // 2,
-                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, BLOCK_N, BLOCK_M // 2, BLOCK_K, EVEN_K, DTYPE,
+                                 NUM_STAGES, USE_ASM)
         else:
-            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, SPLIT_K, STREAM_K, BLOCK_N, BLOCK_M, BLOCK_M,
-                                 BLOCK_K, EVEN_K, DTYPE, NUM_STAGES, USE_ASM, A_SPLITS)
+            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, DTYPE,
+                                 NUM_STAGES, USE_ASM)
 
 
 @triton.jit
@@ -571,15 +457,13 @@ def _combine_kernel(
     expert_map_ptr,
     out_ptr,
     hidden,
-    stride_split,
     TOP_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[t] = sum over k, then K splits, of partial[split, t * TOP_K + k] (fixed order)."""
+    """out[t] = the sum over k of partial[t * TOP_K + k], in k order."""
     _after_previous_kernel(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -591,9 +475,8 @@ def _combine_kernel(
         if HAS_MAP:  # pairs routed to another rank were never written
             local = tl.load(expert_map_ptr + tl.load(ids_ptr + pair) + tl.zeros([BLOCK_H], tl.int32))
             pair_mask = mask & (local >= 0)
-        for split in tl.static_range(SPLIT_K):
-            row = partial_ptr + split * stride_split + pair.to(tl.int64) * hidden
-            acc += tl.load(row + offs, mask=pair_mask, other=0.0).to(tl.float32)
+        row = partial_ptr + pair.to(tl.int64) * hidden
+        acc += tl.load(row + offs, mask=pair_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * hidden + offs, acc.to(DTYPE), mask=mask)
 
 
@@ -653,14 +536,13 @@ def route_chunks(num_pairs: int, num_experts: int) -> tuple[int, int]:
 
 
 def route(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None, arrivals: int = 0
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None
 ) -> tuple[torch.Tensor, ...]:
     """Launch the routing kernel(s); returns (sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end,
-    num_tiles, arrivals) as in routing.RoutingPlan; the last, ``arrivals`` zeroed counters for stream-K GEMMs.
-    Up to ROUTE_ONE_PROGRAM pairs one program does it all (one launch); past that _count_kernel counts chunks
-    of pairs and _route_kernel scatters them, a program per chunk.  H200, route() alone by graph replay, one
-    program -> chunks: 4.2 -> 5.2 us at 1024 pairs and E=128, 7.8 -> 5.5 at 2048, 112 -> 7.1 at 32768 (its
-    atomics serialized)."""
+    num_tiles) as in routing.RoutingPlan.  Up to ROUTE_ONE_PROGRAM pairs one program does it all (one launch);
+    past that _count_kernel counts chunks of pairs and _route_kernel scatters them, a program per chunk.  H200,
+    route() alone by graph replay, one program -> chunks: 4.2 -> 5.2 us at 1024 pairs and E=128, 7.8 -> 5.5 at
+    2048, 112 -> 7.1 at 32768 (its atomics serialized)."""
     from ..routing import max_tiles
 
     num_pairs = topk_ids.numel()
@@ -669,15 +551,14 @@ def route(
     chunk, num_chunks = route_chunks(num_pairs, num_experts) if counted else (num_pairs, 1)
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
     hist_size = num_chunks * e_pow2 if counted else 0
-    sizes = (num_pairs, num_experts, num_experts + 1, num_chunks * e_pow2, n_tiles, n_tiles, n_tiles, 1, arrivals,
-             hist_size)
+    sizes = (num_pairs, num_experts, num_experts + 1, num_chunks * e_pow2, n_tiles, n_tiles, n_tiles, 1, hist_size)
     # One allocation; each part starts on a 16-byte boundary, the alignment Triton specializes pointers
     # on, so the kernels see the same pointer properties for every T (no recompilation).
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + -(-size // 4) * 4)
     ints = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
-    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end, num_tiles, counters, hist = (
+    sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end, num_tiles, hist = (
         ints[start : start + size] for start, size in zip(starts, sizes)
     )
     ids = topk_ids.reshape(-1)
@@ -689,16 +570,16 @@ def route(
                                      BLOCK_P=block_p, E_POW2=e_pow2, num_warps=4, **launch)  # fmt: skip
     _route_kernel[(num_chunks,)](
         ids, emap, hist if counted else ints, sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end,
-        num_tiles, counters, num_pairs, chunk, num_chunks, num_experts, n_tiles, arrivals,
+        num_tiles, num_pairs, chunk, num_chunks, num_experts, n_tiles,
         COUNTED=counted, MAX_CHUNKS=_route_max_chunks(e_pow2), HAS_MAP=expert_map is not None,
         BLOCK_M=block_m, BLOCK_P=block_p, E_POW2=e_pow2, num_warps=8, **launch,
     )  # fmt: skip
-    return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles, counters
+    return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles
 
 
 def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out[t] = the fixed-order sum of partial[split, t * top_k + k] over k and splits (one launch); pairs
-    whose expert maps to -1 are skipped (their rows were never written)."""
+    """out[t] = the fixed-order sum of partial[t * top_k + k] over k (one launch); pairs whose expert maps to -1
+    are skipped (their rows were never written)."""
     t, hidden = out.shape
     ids = topk_ids.reshape(-1)
     # 512 columns a program (4 per thread): at decode, more programs for the few token rows.  H200, forward by graph
@@ -706,19 +587,10 @@ def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Ten
     # or faster; 256 and 128 no better
     block_h = min(512, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        partial, ids, ids if expert_map is None else expert_map, out, hidden, partial.stride(0),
-        TOP_K=topk_ids.shape[1], SPLIT_K=partial.shape[0], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
+        partial, ids, ids if expert_map is None else expert_map, out, hidden,
+        TOP_K=topk_ids.shape[1], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
         DTYPE=_TL_DTYPES[out.dtype], num_warps=4, **_dependent_launch(out.device),
     )  # fmt: skip
-
-
-def _stream_k_workspace(gemm: GemmConfig, programs: int, block_m: int, matrices: int, unused: torch.Tensor) -> torch.Tensor:
-    """fp32 partial tiles of a stream-K GEMM: two per program (its first and its last tile), ``matrices``
-    [block_n, block_m] each (GEMM1: gate and up).  Sized by the grid, never by the routing.  Without
-    stream-K, ``unused`` stands in (the kernel does not read it)."""
-    if not gemm.stream_k:
-        return unused
-    return torch.empty(2 * programs, matrices * gemm.block_n * block_m, dtype=torch.float32, device=unused.device)
 
 
 def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
@@ -761,57 +633,46 @@ def fused_moe_sm90(
     ws_ok = _gluon_rows_ok(x, intermediate)
     ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
     # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids, and both GEMMs must number rows alike
-    # (the Triton GEMMs, the only readers of ``arrivals``, then do not run)
     pair_tiles = config.pair_tiles and ws1 and ws2 and expert_map is None
     if pair_tiles:
         # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
         # are), so which variant compiles never depends on topk_ids' alignment
         tile_map = (torch.empty(4, dtype=torch.int32, device=x.device),) * 5
     else:
-        # stream-K GEMMs count arrivals per program: GEMM1 in the first programs1 counters, GEMM2 after
-        n_arrivals = programs1 * g1.stream_k + programs2 * g2.stream_k
-        sorted_pairs, _, _, *tiles, arrivals = route(topk_ids, num_experts, config.block_m, expert_map, n_arrivals)
+        sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
         tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
     # constexprs both GEMMs share
     shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
                   **_dependent_launch(x.device))
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
-    if g1.split_k == 1:  # the gated activation, in x's dtype
-        act = torch.empty(1, num_pairs, intermediate, dtype=x.dtype, device=x.device)
-    else:  # fp32 partial sums per K split, [gate | up] per row
-        act = torch.empty(g1.split_k, num_pairs, 2 * intermediate, dtype=torch.float32, device=x.device)
+    act = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)  # the gated activation
     if ws1 or ws2:
         from .moe_sm90_ws import launch_gemm_ws  # imports moe_sm90's decode and tile helpers
     pdl = shared["PDL"]
     if ws1:
-        launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act[0], act.stride(1), tile_map, ids,
+        launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), tile_map, ids,
                        pair_tiles, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1,
                        pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs1,)](
-            x, x.stride(0), 0, w13_packed, w13_scale, w13_global, act, act.stride(1), act.stride(0),
-            *tile_map, topk_weights, _stream_k_workspace(g1, programs1, config.block_m, 2, ids),
-            arrivals, intermediate, hidden, k1p,
-            GATED=True, SPLIT_K=g1.split_k, STREAM_K=g1.stream_k, BLOCK_N=g1.block_n, GROUP_M=g1.group_m,
-            EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, A_SPLITS=1, NARROW=g1.narrow_tiles, **shared,
-            **g1.launch_options(),
+            x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), *tile_map, topk_weights,
+            intermediate, hidden, k1p,
+            GATED=True, BLOCK_N=g1.block_n, EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, NARROW=g1.narrow_tiles,
+            **shared, **g1.launch_options(),
         )  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
-    partial = torch.empty(g2.split_k, num_pairs, hidden, dtype=partial_dtype, device=x.device)
+    partial = torch.empty(num_pairs, hidden, dtype=partial_dtype, device=x.device)
     if ws2:
-        launch_gemm_ws(act[0], act.stride(1), w2_packed, w2_scale, w2_global, partial[0], partial.stride(1), tile_map,
+        launch_gemm_ws(act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), tile_map,
                        ids, pair_tiles, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2,
                        config.block_m, programs2, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](
-            act, act.stride(1), act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(1),
-            partial.stride(0), *tile_map, topk_weights.reshape(-1),
-            _stream_k_workspace(g2, programs2, config.block_m, 1, ids), arrivals[programs1 * g1.stream_k :],
-            hidden, intermediate, k2p,
-            GATED=False, SPLIT_K=g2.split_k, STREAM_K=g2.stream_k, BLOCK_N=g2.block_n, GROUP_M=g2.group_m,
-            EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages, A_SPLITS=g1.split_k, NARROW=g2.narrow_tiles,
-            **shared, **g2.launch_options(),
+            act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), *tile_map,
+            topk_weights.reshape(-1), hidden, intermediate, k2p,
+            GATED=False, BLOCK_N=g2.block_n, EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages,
+            NARROW=g2.narrow_tiles, **shared, **g2.launch_options(),
         )  # fmt: skip
     combine(partial, topk_ids, expert_map, out)
     return out

@@ -1,17 +1,17 @@
 """Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp group feeds a ring of shared-memory stages, the MMA
 warps decode FP4 from shared memory into their wgmma A registers.
 
-Same contract and sums as moe_sm90._moe_gemm_kernel's whole-K path (its decode PTX, tile order and SiLU are
-shared).  There every thread computes its own cp.async addresses and waits for its own copies (170 of the
-decode loop's 426 SASS instructions per K step at block_n 64); here one loader thread issues, per stage and
+Same contract and sums as moe_sm90._moe_gemm_kernel (its decode PTX, tile order and SiLU are shared).  There
+every thread computes its own cp.async addresses and waits for its own copies (170 of the decode loop's 426 SASS
+instructions per K step at block_n 64); here one loader thread issues, per stage and
 matrix, one TMA box of values and one of scales (4 KiB and 512 bytes per 64-row unit and K chunk), and its
 warp group cp.async for the (gathered) token rows, running ahead across tile boundaries.  What made it faster on the
 H200 was the loads' rate: boxes of 128-byte rows stream at 3.6 TB/s where 32-byte rows reached 2.9, and one
 box per matrix for all of a tile's units at 3.9-4.1 (design 002).  A stage may hold several K chunks
 (GemmConfig.chunks_per_stage), and the MMA warps keep MMAs running while they decode the stage's next
-matrix: the decode, not the loads, is what limits it now.  Several MMA warp groups may share each tile
+matrix: the decode, not the loads, is what limits it now.  Two MMA warp groups may share each tile
 (GemmConfig.k_groups), taking its K steps in turn: more warps decode a tile where there are fewer tiles than
-program slots, and one loader warp group serves them all.
+program slots, and one loader warp group serves both.
 """
 from __future__ import annotations
 
@@ -75,12 +75,12 @@ def _token_tiles(tile_map, PAIR_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M: gl.constexpr, PAIR_TILES: gl.constexpr):
+def _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES: gl.constexpr):
     """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and end of rows, three loads side
     by side.  With PAIR_TILES token tile m is pair m, one row (row m), its expert read from topk_ids.  Loader and
     MMA warps walk the same tiles."""
     sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs = tile_map
-    m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles, GROUP_M)
+    m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
     if PAIR_TILES:
         return n_tile, gl.load(ids_ptr + m_tile).to(gl.int32), m_tile, m_tile + 1
     else:
@@ -107,8 +107,8 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+            STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+            PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -125,7 +125,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         # with PAIR_TILES, come from a kernel before GEMM1 too)
         num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
         if pid < num_m_tiles * num_n_tiles:
-            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
+            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES)
             early = gl.minimum(steps, STAGES)
             for step in range(early):  # the ring's first uses: every stage is free
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
@@ -134,7 +134,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
         if GATED:
@@ -187,11 +187,11 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 
 
 @gluon.jit
-def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-              K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr, K_GROUPS: gl.constexpr,
+              NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
-    the other groups' sums (from shared memory, in step order: the same bits wherever the tile runs) and runs the
+    group 1's sums (from shared memory, in the same order wherever the tile runs: the same bits) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
     all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
     that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
@@ -208,7 +208,7 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     EARLY: gl.constexpr = NARROW < 2 or not GATED
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, GROUP_M, PAIR_TILES)
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES)
         tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
@@ -356,7 +356,7 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
                         tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
                         topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
+                        STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
                         PAIR_TILES: gl.constexpr):
@@ -374,7 +374,7 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
         # the TMA's expect-arrive + one cp.async arrive per loader thread
         mbarrier.init(ready.index(i), count=32 * LOADER_WARPS + 1)
         mbarrier.init(empty.index(i), count=1)
-    # K groups 1.. hand their sums of a tile to group 0 through one buffer each (gate and up when GATED)
+    # K group 1 hands its sums of a tile to group 0 through one buffer (gate and up when GATED)
     sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     sums_full = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
@@ -382,8 +382,8 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     for g in gl.static_range(K_GROUPS - 1):
         mbarrier.init(sums_full.index(g), count=1)
         mbarrier.init(sums_free.index(g), count=1)
-    # partitions: MMA group 0 in the launch's warps, groups 1.. and the loader in worker warps.  Constexprs are
-    # spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
+    # partitions: MMA group 0 in the launch's warps, group 1 (K_GROUPS 2) and the loader in worker warps.
+    # Constexprs are spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
     # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat) and their count (the map goes unread)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
@@ -391,32 +391,18 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
+    gl.static_assert(K_GROUPS == 1 or K_GROUPS == 2, "GemmConfig.k_groups is 1 or 2")
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
-    elif K_GROUPS == 2:
-        gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
-        ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
-    elif K_GROUPS == 3:
-        gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 3, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 3, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 3, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
-        ], [NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 0, 4, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 1, 4, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 2, 4, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, DTYPE, NW, CHUNKS, 3, 4, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, GROUP_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
-        ], [NW, NW, NW, LOADER_WARPS], [MMA_REGS, MMA_REGS, MMA_REGS, LOADER_REGS])
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
+        ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
 def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int,
@@ -440,10 +426,10 @@ def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: 
 
 
 def _mma_registers(gemm: GemmConfig) -> int:
-    """Registers per thread of MMA groups 1.. (setmaxnreg): the program's (its cap times its warps, the loader's
-    warp group included) less the loader's, shared equally; Triton gives group 0 what the others leave."""
+    """Registers per thread of MMA group 1 (setmaxnreg): the program's (its cap times its warps, the loader's warp
+    group included) less the loader's, shared equally; Triton gives group 0 what the others leave."""
     if gemm.k_groups == 1:
-        return 0  # no such groups
+        return 0  # no such group
     mma_warps = gemm.num_warps * gemm.k_groups
     per_warp = (gemm.max_registers * (mma_warps + 4) - 4 * LOADER_REGISTERS) // mma_warps
     return min(256, per_warp // 8 * 8)
@@ -471,16 +457,16 @@ def launch_gemm_ws(
     programs: int,
     pdl: bool,
 ) -> None:
-    """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel's
-    whole-K path: tile_map is (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With
-    ``pair_tiles`` each (token, k) pair of ``topk_ids`` (flat, global expert ids) is a token tile of its own and
-    its row is the pair's: tile_map goes unread and no routing kernel needs to run."""
+    """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel: tile_map is
+    (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With ``pair_tiles`` each (token,
+    k) pair of ``topk_ids`` (flat, global expert ids) is a token tile of its own and its row is the pair's: tile_map
+    goes unread and no routing kernel needs to run."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(), topk_weights,
         n_out, k, kp,
-        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, GROUP_M=gemm.group_m,
-        STAGES=gemm.num_stages, DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
+        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, STAGES=gemm.num_stages,
+        DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
         PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
