@@ -98,12 +98,12 @@ def bench_forwards(model: str, tokens: int, path: str) -> list:
     """bench_moe.py's ``path`` at (model, tokens): one forward per weight copy bench_moe would rotate through."""
     import torch
 
-    shape = B.MODELS[model]
+    shape = B.resolve_models(model)[B.ALIASES.get(model, model)]
     bench = B.build_parser().parse_args([])  # bench_moe's defaults: seed, rotation
     copies = B.copies_for(shape, [tokens], path, bench, torch.cuda.get_device_properties(0).L2_cache_size)
     built = B.build_path(path, shape, B.make_weights(shape, bench.seed, "cuda"), copies)
-    x, topk_weights, topk_ids = B.make_inputs(shape, tokens, bench.seed, "cuda")
-    return [built.fn(c, x, topk_weights, topk_ids) for c in range(len(built.weights))]
+    x, topk_weights, topk_ids, expert_map = B.make_inputs(shape, tokens, bench.seed, "cuda")
+    return [built.fn(c, x, topk_weights, topk_ids, expert_map) for c in range(len(built.weights))]
 
 
 def time_rounds(forwards: list, rounds: int, cool_s: float) -> list[dict]:
@@ -133,7 +133,7 @@ def time_replays(forwards: list, replays: int, cool_s: float) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="mixtral", choices=sorted(B.MODELS), help="bench_moe.py's model name")
+    p.add_argument("--model", default="mixtral", help="a bench_moe.py --models name (mixtral, qwen3, a zoo shape key)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--path", default="ours", choices=B.PATHS)
     p.add_argument("--rounds", type=int, default=25)

@@ -47,15 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
 from moe_nvfp4.configs import (  # noqa: E402
-    CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig, config_path, default_config, load_config_file,
-    serving_entry,
+    CONFIG_VERSION, KERNEL_NAME, PAIR_TILE_TOKENS, GemmConfig, LayerShape, MoEKernelConfig, config_path,
+    default_config, device_traits, entry_shape, load_config_file, serving_entry,
 )
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
+from moe_nvfp4.zoo import zoo_shapes  # noqa: E402
 
-MODELS = {  # name: (experts, top_k, hidden, intermediate)
-    "mixtral-8x7b": (8, 2, 4096, 14336),
-    "qwen3-30b-a3b": (128, 8, 2048, 768),
-}
+# The zoo's shapes without expert parallelism (the tuner routes over the layer's own experts): name ->
+# (experts, top_k, hidden, intermediate).  By default the two shapes the shipped files tune.
+MODELS = {s.key: (s.experts, s.top_k, s.hidden, s.intermediate) for s in zoo_shapes() if s.ep == 1}
+DEFAULT_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 
 
 def rotated_weights(weights: tuple, topk_ids: torch.Tensor, held: list[tuple] | None = None) -> list[tuple]:
@@ -122,30 +123,18 @@ GROUP_RINGS = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 4), (2, 6), (4, 2), (4, 4))
 def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple], dict[str, tuple[int, ...]]]:
     """(choices of the MoE-level fields, per-GEMM choices) for a token count.  Decode (<= 16 rows per
     expert) also tries more programs per SM, to hide the decode's latency, and (climbing) K groups.  Pair tiles
-    (no routing kernel) are offered at one token, whose k pairs hit k distinct experts."""
+    (no routing kernel) are offered where the default may take them (configs.PAIR_TILE_TOKENS: one token's k pairs
+    hit k distinct experts, two tokens' mostly do)."""
     rows = max(1, tokens * top_k // experts)
     block_ms = (8, 16) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
     # the on/off switches first: a short climb (--climb) tries them before the tile sizes
     moe = dict(partials_in_x_dtype=(False, True),
-               pair_tiles=(False, True) if tokens == 1 else (False,), block_m=block_ms)  # fmt: skip
+               pair_tiles=(False, True) if tokens <= PAIR_TILE_TOKENS else (False,), block_m=block_ms)  # fmt: skip
     return moe, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
 
 
 def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
     return cfg.is_valid(-(-hidden // 128) * 128, -(-inter // 128) * 128)
-
-
-def with_token_tile(cfg: MoEKernelConfig, block_m: int) -> MoEKernelConfig:
-    """``cfg`` at token tile ``block_m``, each GEMM's narrow_tiles lowered as far as the new tile needs (its
-    narrowest MMA must stay GemmConfig.narrowest_mma wide): a move from 32-token tiles with narrow_tiles 2 to 16
-    is then not refused for its 4-wide MMAs alone (the climb from Mixtral's T <= 64 entry never tried 16 at T=32)."""
-    def fit(g: GemmConfig) -> GemmConfig:
-        narrow = g.narrow_tiles
-        while narrow and block_m >> narrow < g.narrowest_mma:
-            narrow -= 1
-        return dataclasses.replace(g, narrow_tiles=narrow)
-
-    return dataclasses.replace(cfg, block_m=block_m, gemm1=fit(cfg.gemm1), gemm2=fit(cfg.gemm2))
 
 
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
@@ -166,7 +155,7 @@ def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidde
     pair tiles; a token tile with narrow_tiles lowered where it must be, with_token_tile) or one parameter of
     one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
     moe, choices = search_space(tokens, experts, top_k)
-    out = [with_token_tile(cfg, v) if f == "block_m" else dataclasses.replace(cfg, **{f: v})
+    out = [cfg.with_token_tile(v) if f == "block_m" else dataclasses.replace(cfg, **{f: v})
            for f, values in moe.items() for v in values if v != getattr(cfg, f)]
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
@@ -204,7 +193,7 @@ def gemm_sweep(
         choices["max_registers"],
     ):  # fmt: skip
         new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, max_registers=regs)
-        c = with_token_tile(dataclasses.replace(cfg, **{gemm: new}), block_m)
+        c = dataclasses.replace(cfg, **{gemm: new}).with_token_tile(block_m)
         if _valid(c, hidden, inter):
             out.append(c)
     return out
@@ -233,7 +222,7 @@ def ws_sweep(
         setting = dict(block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
                        programs_per_sm=pps)  # fmt: skip
         for block_m in dict.fromkeys((cfg.block_m, *moe["block_m"])):
-            out += _warp_specialized(with_token_tile(cfg, block_m), gemm, [setting], hidden, inter)
+            out += _warp_specialized(cfg.with_token_tile(block_m), gemm, [setting], hidden, inter)
     return out
 
 
@@ -335,16 +324,16 @@ def _compile_worker(job: tuple) -> None:
 
 
 def entry_key(entry: dict) -> tuple:
-    """What a tuned entry is for: shape, dtype and token bound."""
-    return entry["experts"], entry["hidden"], entry["intermediate"], entry["dtype"], entry["max_tokens"]
+    """What a tuned entry is for: shape (configs.LayerShape.entry_key) and token bound."""
+    return *entry_shape(entry).entry_key, entry["max_tokens"]
 
 
-def climb_start(entries: Sequence[dict], shape: tuple, tokens: int) -> list[MoEKernelConfig]:
-    """What --update starts from for ``tokens`` of ``shape`` (experts, hidden, intermediate, dtype): the config the
+def climb_start(entries: Sequence[dict], shape: LayerShape, tokens: int) -> list[MoEKernelConfig]:
+    """What --update starts from for ``tokens`` of ``shape``: the config the
     file serves it with now (its own entry, else the entry select_config picks), so a size new to the file is
     climbed from its neighbour's config, never from the default heuristic while the file covers the shape, and
     the result is never slower there than the file was; nothing for a shape the file lacks."""
-    same_shape = [o for o in entries if entry_key(o)[:4] == tuple(shape)]
+    same_shape = [o for o in entries if entry_shape(o).entry_key == shape.entry_key]
     return [MoEKernelConfig.from_dict(serving_entry(same_shape, tokens)["config"])] if same_shape else []
 
 
@@ -356,7 +345,7 @@ def merge_entries(old: list[dict], new: list[dict]) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {sorted(MODELS)}")
     p.add_argument("--tokens", default="1,16,64,256,1024,4096")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--probe", action="store_true", help="time the default heuristic only")
@@ -388,12 +377,14 @@ def main() -> int:
 
     dev = "cuda"
     dtype = getattr(torch, args.dtype)
-    name = torch.cuda.get_device_name()
+    device = device_traits(torch.device(dev))
+    name = device.name
     out_path = Path(args.out) if args.out else config_path(name)
     old_meta, old_entries = load_config_file(str(out_path)) if args.update and out_path.exists() else ({}, ())
     entries, lines = [], []
     commands = old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []) + [" ".join(sys.argv)]
-    meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, torch=torch.__version__,
+    meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, capability=list(device.capability),
+                sm_count=device.sm_count, memory_gib=device.memory_gib, torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d"), commands=commands)  # fmt: skip
 
     def write(new_entries: list[dict]) -> None:
@@ -447,7 +438,7 @@ def main() -> int:
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)
             else:  # half the budget spread over the grid, the rest climbing from the best of those
-                incumbent = climb_start(old_entries, (e, h, i, args.dtype), t)
+                incumbent = climb_start(old_entries, LayerShape(e, k, h, i, args.dtype), t)
                 if args.climb:
                     start = incumbent or [first]
                 else:
@@ -461,7 +452,7 @@ def main() -> int:
             err = errors[cfg]
             lines.append(f"{model:>14} T={t:>5}: {us:9.1f} us  err {err:.2e}  {cfg}")
             print(lines[-1], flush=True)
-            entries.append(dict(experts=e, hidden=h, intermediate=i, dtype=args.dtype, max_tokens=t,
+            entries.append(dict(experts=e, top_k=k, hidden=h, intermediate=i, dtype=args.dtype, max_tokens=t,
                                 config=cfg.to_dict(), time_us=round(us, 2)))  # fmt: skip
             if not args.probe:  # after every size: a long run stopped part way keeps what it found
                 write(entries)

@@ -105,12 +105,13 @@ def test_default_is_valid_on_odd_shapes(e: int, k: int, h: int, i: int) -> None:
         assert LayerShape(e, k, h, i).accepts(cfg), (t, cfg)
 
 
-@pytest.mark.parametrize("key", ["mixtral-8x7b", "qwen3-30b-a3b", "kimi-k2-ep8", "llama-4-maverick", "dbrx-tp8",
-                                 "qwen3-next-80b-a3b"])  # fmt: skip
-def test_configs_up_to_finds_every_default_config(fresh_process, key: str, monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("s", [layer(zoo_shape(key)) for key in ("mixtral-8x7b", "qwen3-30b-a3b", "kimi-k2-ep8",
+                                                                  "llama-4-maverick", "dbrx-tp8", "qwen3-next-80b-a3b")]
+                         + [LayerShape(60, 4, 256, 256), LayerShape(512, 16, 256, 256), LayerShape(3, 3, 64, 64)],
+                         ids=str)  # fmt: skip
+def test_configs_up_to_finds_every_default_config(fresh_process, s: LayerShape, monkeypatch, tmp_path) -> None:
     """Every config the default gives for 1..8192 tokens, found from its bounds alone (what a warm-up compiles)."""
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    s = layer(zoo_shape(key))
     seen: dict[MoEKernelConfig, int] = {}
     for t in range(1, 8193):
         seen.setdefault(select_config(t, s, H200), t)

@@ -537,8 +537,10 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
     copy.parent.mkdir(parents=True)
     copy.write_text(json.dumps(data))
 
+    h200 = configs.DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
+
     def select() -> configs.MoEKernelConfig:
-        return configs.select_config(1, 8, 2, 4096, 14336, torch.bfloat16, "NVIDIA H200")
+        return configs.select_config(1, configs.LayerShape(8, 2, 4096, 14336, torch.bfloat16), h200)
 
     shipped = select()
     assert shipped.gemm1.programs_per_sm != 7

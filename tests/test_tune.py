@@ -10,15 +10,29 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
-    GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, _spaced, candidates, climb_start,
-    gemm_sweep, group_sweep, loader_sweep, merge_entries, neighbors, rotated_weights, search, spread, with_token_tile,
+    DEFAULT_MODELS, GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, _spaced, candidates,
+    climb_start, gemm_sweep, group_sweep, loader_sweep, merge_entries, neighbors, rotated_weights, search, spread,
     ws_sweep,
 )
 
-from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig, default_config  # noqa: E402
+from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, LayerShape, MoEKernelConfig, default_config  # noqa: E402
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+def triton_start(tokens: int, e: int, k: int, h: int, i: int) -> MoEKernelConfig:
+    """The default's token tile (16 tokens at least) and tile rows with both GEMMs on the Triton kernel: the start
+    the sweeps below are checked from (the default itself runs the Gluon kernel at decode)."""
+    d = default_config(tokens, e, k, h, i)
+    gemm = lambda g: GemmConfig(g.block_n, num_warps=4 if g.block_n == 64 else g.num_warps, num_stages=3)  # noqa: E731
+    return MoEKernelConfig(max(d.block_m, 16), gemm(d.gemm1), gemm(d.gemm2))
+
+
+def test_the_tuner_takes_its_shapes_from_the_zoo() -> None:
+    assert MODELS["mixtral-8x7b"] == (8, 2, 4096, 14336) and MODELS["qwen3-30b-a3b"] == (128, 8, 2048, 768)
+    assert "kimi-k2-tp8" in MODELS and "kimi-k2-ep8" not in MODELS  # no expert maps in the tuner
+    assert set(DEFAULT_MODELS) <= set(MODELS)
+
+
+@pytest.mark.parametrize("model", DEFAULT_MODELS)
 @pytest.mark.parametrize("tokens", [1, 16, 64, 4096])
 @pytest.mark.parametrize("limit", [2, 7, 10, 24, 1000])
 def test_spread_keeps_the_default_and_spreads_over_the_grid(model: str, tokens: int, limit: int) -> None:
@@ -38,11 +52,11 @@ def test_spread_keeps_the_default_and_spreads_over_the_grid(model: str, tokens: 
         assert {c.gemm1.programs_per_sm for c in grid} == {1, 2, 3, 4}
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", DEFAULT_MODELS)
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     e, k, h, i = MODELS[model]
-    first = default_config(tokens, e, k, h, i)
+    first = triton_start(tokens, e, k, h, i)
     near = neighbors(first, tokens, e, k, h, i)
     assert near and len(near) == len(set(near)) and first not in near
 
@@ -104,7 +118,8 @@ def test_search_reports_nothing_when_every_config_fails() -> None:
 
 def test_merge_entries_replaces_only_what_was_retuned() -> None:
     def entry(tokens: int, us: float, experts: int = 8) -> dict:
-        return dict(experts=experts, hidden=4096, intermediate=14336, dtype="bfloat16", max_tokens=tokens, time_us=us)
+        return dict(experts=experts, top_k=2, hidden=4096, intermediate=14336, dtype="bfloat16", max_tokens=tokens,
+                    time_us=us)  # fmt: skip
 
     old = [entry(1, 90.0), entry(16, 280.0), entry(1, 30.0, experts=128)]
     new = [entry(1, 60.0)]
@@ -115,21 +130,22 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
 
 def test_climb_start_is_the_config_the_file_serves_the_size_with() -> None:
     """--update starts each size from what the file runs it with now: its own entry, else the entry select_config
-    picks (the next larger one, past the largest that one), nothing for a shape or dtype the file lacks."""
+    picks (the next larger one, past the largest that one), nothing for a shape, top-k or dtype the file lacks."""
     def entry(tokens: int, block_m: int, experts: int = 8, dtype: str = "bfloat16") -> dict:
         cfg = MoEKernelConfig(block_m, GemmConfig(), GemmConfig())
-        return dict(experts=experts, hidden=4096, intermediate=14336, dtype=dtype, max_tokens=tokens,
+        return dict(experts=experts, top_k=2, hidden=4096, intermediate=14336, dtype=dtype, max_tokens=tokens,
                     config=cfg.to_dict())
 
     entries = [entry(64, 32), entry(16, 16), entry(256, 64), entry(100, 128, experts=128),
                entry(128, 128, dtype="float16")]
-    shape = (8, 4096, 14336, "bfloat16")
+    shape = LayerShape(8, 2, 4096, 14336)
     assert [c.block_m for c in climb_start(entries, shape, 64)] == [32]  # its own entry
     assert [c.block_m for c in climb_start(entries, shape, 1)] == [16]
     assert [c.block_m for c in climb_start(entries, shape, 100)] == [64]  # the entry serving 65..256
     assert [c.block_m for c in climb_start(entries, shape, 4096)] == [64]  # past the largest: the largest
-    assert climb_start(entries, (8, 2048, 768, "bfloat16"), 64) == []
-    assert climb_start(entries[:3], (8, 4096, 14336, "float16"), 64) == []
+    assert climb_start(entries, LayerShape(8, 2, 2048, 768), 64) == []
+    assert climb_start(entries, LayerShape(8, 1, 4096, 14336), 64) == []
+    assert climb_start(entries[:3], LayerShape(8, 2, 4096, 14336, "float16"), 64) == []
 
 
 def test_token_tile_moves_lower_narrow_tiles_only_as_far_as_they_must() -> None:
@@ -147,8 +163,8 @@ def test_token_tile_moves_lower_narrow_tiles_only_as_far_as_they_must() -> None:
                for c in neighbors(cfg, 32, e, k, h, i) if c.block_m != cfg.block_m
                for g in ("gemm1", "gemm2"))  # nothing else moves with the tile
     triton = MoEKernelConfig(32, GemmConfig(128, narrow_tiles=1), GemmConfig(128, narrow_tiles=1))
-    assert with_token_tile(triton, 16).gemm1.narrow_tiles == 0 and with_token_tile(triton, 64).gemm2.narrow_tiles == 1
-    assert with_token_tile(cfg, 64) == dataclasses.replace(cfg, block_m=64)  # wider tiles keep them
+    assert triton.with_token_tile(16).gemm1.narrow_tiles == 0 and triton.with_token_tile(64).gemm2.narrow_tiles == 1
+    assert cfg.with_token_tile(64) == dataclasses.replace(cfg, block_m=64)  # wider tiles keep them
     # the sweeps that move the token tile do the same
     assert any(c.block_m == 16 and c.gemm2.narrow_tiles == 1 for c in ws_sweep(cfg, "gemm1", 32, e, k, h, i))
     assert any(c.block_m == 16 and c.gemm2.narrow_tiles == 1 for c in gemm_sweep(cfg, "gemm1", 32, e, k, h, i))
@@ -175,30 +191,32 @@ def test_rotated_weights_cover_four_l2_sizes_of_touched_experts(monkeypatch: pyt
     assert rotated_weights(weights, one_expert) == [weights]  # one expert's MiB is past 4 x L2: no clone
 
 
-@pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 1, True), ("qwen3-30b-a3b", 2, False),
-                                                  ("mixtral-8x7b", 1, True), ("mixtral-8x7b", 16, False)])
-def test_pair_tiles_are_offered_at_one_token_only(model: str, tokens: int, offered: bool) -> None:
-    """One token's k pairs hit k distinct experts; past one token, pairs sharing an expert would each stream its
-    weights.  Pair tiles need both GEMMs warp-specialized, so the climb offers them from such a config."""
+@pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 1, True), ("qwen3-30b-a3b", 2, True),
+                                                  ("qwen3-30b-a3b", 3, False), ("mixtral-8x7b", 1, True),
+                                                  ("mixtral-8x7b", 16, False)])  # fmt: skip
+def test_pair_tiles_are_offered_up_to_two_tokens(model: str, tokens: int, offered: bool) -> None:
+    """One token's k pairs hit k distinct experts, two tokens' mostly do; past that, pairs sharing an expert would
+    each stream its weights (configs.PAIR_TILE_TOKENS, where the default takes them too).  Pair tiles need both GEMMs
+    warp-specialized, so the climb offers them from such a config."""
     e, k, h, i = MODELS[model]
     assert any(c.pair_tiles for c in candidates(tokens, e, k, h, i)) == offered
     ws = GemmConfig(64, warp_specialized=True, max_registers=128)
-    start = dataclasses.replace(default_config(tokens, e, k, h, i), gemm1=ws, gemm2=ws)
+    start = dataclasses.replace(triton_start(tokens, e, k, h, i), gemm1=ws, gemm2=ws)
     assert any(c.pair_tiles for c in neighbors(start, tokens, e, k, h, i)) == offered
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", DEFAULT_MODELS)
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 def test_gemm_sweep_varies_one_gemm_over_every_shape_and_register_cap(model: str, gemm: str) -> None:
     e, k, h, i = MODELS[model]
-    first = default_config(1, e, k, h, i)
+    first = triton_start(1, e, k, h, i)
     swept = gemm_sweep(first, gemm, 1, e, k, h, i)
     other = "gemm2" if gemm == "gemm1" else "gemm1"
     assert swept and len(swept) == len(set(swept))
     assert all(c.is_valid(-(-h // 128) * 128, -(-i // 128) * 128) for c in swept)
     assert all(getattr(c, other) == getattr(first, other) for c in swept)
     assert all(c.block_m == first.block_m for c in swept)  # one token tile at T=1 (16 rows)
-    mid = default_config(64, e, k, h, i)  # the token tile moves with GEMM1's sweep only
+    mid = triton_start(64, e, k, h, i)  # the token tile moves with GEMM1's sweep only
     tiles = {c.block_m for c in gemm_sweep(mid, gemm, 64, e, k, h, i)}
     assert tiles == ({16, 32} if model == "mixtral-8x7b" else {16}) if gemm == "gemm1" else tiles == {mid.block_m}
     g = [getattr(c, gemm) for c in swept]
@@ -209,7 +227,7 @@ def test_gemm_sweep_varies_one_gemm_over_every_shape_and_register_cap(model: str
 
 def test_search_times_each_sweep_from_the_best_so_far_before_climbing() -> None:
     e, k, h, i = MODELS["qwen3-30b-a3b"]
-    first = default_config(1, e, k, h, i)
+    first = triton_start(1, e, k, h, i)
     target = dataclasses.replace(first, gemm1=dataclasses.replace(first.gemm1, block_n=128, max_registers=168, programs_per_sm=3),
                                  gemm2=dataclasses.replace(first.gemm2, programs_per_sm=2, max_registers=128))  # fmt: skip
 
@@ -231,7 +249,7 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
     space's; the other GEMM kept.  Neighbours can turn it on from the Triton kernel (one step: only the switch
     moves) and off from a multi-chunk ring (the Triton kernel takes one chunk per stage)."""
     e, k, h, i = MODELS["mixtral-8x7b"]
-    first = default_config(1, e, k, h, i)
+    first = triton_start(1, e, k, h, i)
     for gemm, block_m in (("gemm1", 16), ("gemm1", 64), ("gemm2", 16), ("gemm2", 64)):
         other = "gemm2" if gemm == "gemm1" else "gemm1"
         swept = ws_sweep(dataclasses.replace(first, block_m=block_m), gemm, 1, e, k, h, i)
@@ -258,7 +276,7 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
     assert turned_off and all(c.gemm1.chunks_per_stage == 1 for c in turned_off)
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", DEFAULT_MODELS)
 def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
     """--sweep-groups: one GEMM warp-specialized with 2 K groups of 4 MMA warps, one program per SM at their
     register cap, in every ring whose stages are a multiple of the groups and that fits in shared memory with
