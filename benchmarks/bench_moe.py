@@ -472,8 +472,13 @@ def make_weights(shape: MoEShape, seed: int, device: str):
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else 1 << 40
     if e * shape.expert_bf16_bytes() > free // 2:
         return w13_q, w2_q, None, None
-    w13_deq = dequantize_nvfp4(w13_q, torch.bfloat16)
-    w2_deq = dequantize_nvfp4(w2_q, torch.bfloat16)
+
+    def dequantized(q: NVFP4Tensor) -> torch.Tensor:  # the same experts at a time: its float32 temporaries too
+        return torch.cat([dequantize_nvfp4(NVFP4Tensor(q.packed[a : a + step], q.block_scale[a : a + step],
+                                                       q.global_scale[a : a + step]), torch.bfloat16)
+                          for a in range(0, e, step)])  # fmt: skip
+
+    w13_deq, w2_deq = dequantized(w13_q), dequantized(w2_q)
     empty_cache()
     return w13_q, w2_q, w13_deq, w2_deq
 
