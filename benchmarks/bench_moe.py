@@ -60,7 +60,7 @@ DEFAULT_MODELS = ("mixtral", "qwen3")
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 QUICK_TOKENS = (1, 64, 1024)
 PATHS = ("ours", "marlin", "humming", "bf16")
-DEFAULT_PATHS = ("ours", "marlin", "bf16")  # humming: minutes of JIT on a fresh machine (see Humming)
+DEFAULT_PATHS = PATHS
 BASELINES = ("marlin", "humming", "bf16")  # the paths ours is compared with, row by row
 REL_TOL = 2e-2  # same dequantized weights everywhere; only bf16 rounding/accumulation order differ
 
@@ -307,9 +307,9 @@ class Humming(Path):
     JIT: the first forward of a layer shape compiles (NVRTC, 16 threads) one kernel per distinct entry of
     humming's sm_90 tuning table, every token count at once (humming-kernels 0.1.10: 22 for each of w13 and w2, of
     Mixtral and of Qwen3 alike); ``import humming`` starts building its C++ launcher (torch cpp_extension) in the
-    background.  Cubins are cached on disk in ~/.humming/cache (HUMMING_CACHE_DIR), which a fresh machine lacks, so
-    expect minutes: the warm-up forward here puts that in the setup time, not in the first row.  Weight copies
-    clone the converted layer (the kernels see the same metadata)."""
+    background.  Cubins are cached on disk in ~/.humming/cache (HUMMING_CACHE_DIR), which a fresh machine lacks: on
+    a fresh H200 (2026-11-26) the warm-up forward here took 17-30 s per shape, in the setup time, not in the first
+    row.  Weight copies clone the converted layer (the kernels see the same metadata)."""
 
     name = "humming"
 
@@ -724,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autotune each shape's configs first (moe_nvfp4.autotune, its on-disk cache included)")
     p.add_argument("--autotune-budget-s", type=float, default=50.0, help="the autotuner's search budget per shape")
     p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
-                   help=f"comma list of {list(PATHS)} (humming: its first forward per shape JIT-compiles for minutes)")
+                   help=f"comma list of {list(PATHS)} (humming: its first forward per shape JIT-compiles, ~20-30 s)")
     p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
     p.add_argument("--replays", type=int, default=None, help="graph replays per measurement (default 10; quick 5)")
     p.add_argument("--rounds", type=int, default=None,

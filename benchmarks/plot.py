@@ -1,9 +1,10 @@
 """Plot a bench_moe result: time per forward vs tokens, one panel per model, log-log, with the floor.
 
-    python benchmarks/plot.py benchmarks/results/moe.json [out.png]
+    python benchmarks/plot.py benchmarks/results/moe.json [out.png]      (or a gzipped moe.json.gz)
 """
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
@@ -29,7 +30,9 @@ def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") 
         raise ValueError("no rows with timings to plot")
     cols = min(COLUMNS, len(models))
     rows_of_panels = -(-len(models) // cols)
-    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(6 * cols, 4.5 * rows_of_panels), squeeze=False)
+    small = len(models) > COLUMNS  # a zoo's dozens of panels: smaller panels, a small file
+    size = (4.0, 3.0) if small else (6.0, 4.5)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(size[0] * cols, size[1] * rows_of_panels), squeeze=False)
     for ax in axes.flat[len(models):]:
         ax.set_visible(False)
     for ax, model in zip(axes.flat, models):
@@ -42,12 +45,13 @@ def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") 
         ax.set_yscale("log")
         ax.set_xlabel("tokens")
         ax.set_ylabel("µs per MoE forward")
-        ax.set_title(model)
+        ax.set_title(model, fontsize=9 if small else None)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if not small or ax is axes.flat[0]:  # one legend is enough for many panels
+            ax.legend(fontsize=6 if small else 8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=70 if small else 120)
     plt.close(fig)
     return path
 
@@ -56,9 +60,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    with open(argv[0]) as f:
+    with (gzip.open if argv[0].endswith(".gz") else open)(argv[0], "rt") as f:
         data = json.load(f)
-    out = argv[1] if len(argv) > 1 else argv[0].rsplit(".", 1)[0] + ".png"
+    out = argv[1] if len(argv) > 1 else argv[0].removesuffix(".gz").rsplit(".", 1)[0] + ".png"
     device = data.get("meta", {}).get("device", "")
     print(plot_rows(data["rows"], out, title=f"NVFP4 MoE forward on {device}".strip()))
     return 0

@@ -30,17 +30,39 @@ class ZooModel:
 
 @dataclass(frozen=True)
 class ZooShape:
-    """One GPU's share of a model's MoE layer (see the module docstring)."""
+    """One GPU's share of a model's MoE layer under TP=tp or EP=ep (see the module docstring)."""
 
-    key: str
-    name: str
-    experts: int
-    top_k: int
-    hidden: int
-    intermediate: int
-    global_experts: int
+    model: ZooModel
     tp: int = 1
     ep: int = 1
+
+    @property
+    def key(self) -> str:
+        return self.model.key + (f"-tp{self.tp}" if self.tp > 1 else f"-ep{self.ep}" if self.ep > 1 else "")
+
+    @property
+    def name(self) -> str:
+        return self.model.name + (f" TP{self.tp}" if self.tp > 1 else f" EP{self.ep}" if self.ep > 1 else "")
+
+    @property
+    def experts(self) -> int:
+        return self.model.experts // self.ep
+
+    @property
+    def global_experts(self) -> int:
+        return self.model.experts
+
+    @property
+    def top_k(self) -> int:
+        return self.model.top_k
+
+    @property
+    def hidden(self) -> int:
+        return self.model.hidden
+
+    @property
+    def intermediate(self) -> int:
+        return self.model.intermediate // self.tp
 
     @property
     def local_fraction(self) -> float:
@@ -74,10 +96,7 @@ def _split(model: ZooModel, tp: int, ep: int) -> ZooShape | None:
     that is not whole NVFP4 blocks, e.g. gpt-oss's 2880 / 8 = 360, or fewer experts than ranks)."""
     if model.intermediate % (tp * _SCALE_BLOCK) or model.experts % ep:
         return None
-    suffix = f"-tp{tp}" if tp > 1 else f"-ep{ep}" if ep > 1 else ""
-    label = f" TP{tp}" if tp > 1 else f" EP{ep}" if ep > 1 else ""
-    return ZooShape(model.key + suffix, model.name + label, model.experts // ep, model.top_k, model.hidden,
-                    model.intermediate // tp, model.experts, tp, ep)  # fmt: skip
+    return ZooShape(model, tp, ep)
 
 
 def zoo_shapes(model: str | None = None) -> list[ZooShape]:

@@ -191,7 +191,7 @@ def test_bench_moe_args():
     bench = _load_bench()
     args = bench.parse_args([])
     assert list(args.models) == ["mixtral-8x7b", "qwen3-30b-a3b"] and args.tokens == [1, 4, 16, 64, 256, 1024, 4096]
-    assert args.paths == ["ours", "marlin", "bf16"] and not args.autotune
+    assert args.paths == ["ours", "marlin", "humming", "bf16"] and not args.autotune
     quick = bench.parse_args(["--quick", "--models", "qwen3"])
     assert quick.tokens == list(bench.QUICK_TOKENS) and quick.replays < args.replays
     assert args.rounds == 3 and quick.rounds == 1 and bench.parse_args(["--rounds", "5"]).rounds == 5
@@ -200,7 +200,7 @@ def test_bench_moe_args():
         bench.parse_args(["--models", "llama"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--paths", "cutlass"])
-    assert bench.parse_args(["--paths", "ours,Humming"]).paths == ["ours", "humming"]  # opt-in: minutes of JIT
+    assert bench.parse_args(["--paths", "ours,Humming"]).paths == ["ours", "humming"]
     dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.inter, s.renormalize, s.routed_experts)  # noqa: E731
     assert dims(args.models["mixtral-8x7b"]) == dims(MIXTRAL) == (8, 2, 4096, 14336, True, 8)
     assert dims(args.models["qwen3-30b-a3b"]) == dims(QWEN3) == (128, 8, 2048, 768, True, 128)
@@ -245,9 +245,9 @@ def test_columns_follow_the_paths_run():
     humming = ["humming_us", "humming_pct_of_floor", "speedup_vs_humming", "rel_err_humming"]
     assert keys(list(bench.PATHS)) == [c[0] for c in bench.COLUMNS]
     assert set(humming) <= set(keys(list(bench.PATHS)))
-    default = keys(list(bench.DEFAULT_PATHS))
-    assert not set(humming) & set(default)
-    assert "marlin_us" in default and "speedup_vs_marlin" in default and "rel_err_marlin" in default
+    without = keys(["ours", "marlin", "bf16"])
+    assert not set(humming) & set(without)
+    assert "marlin_us" in without and "speedup_vs_marlin" in without and "rel_err_marlin" in without
     assert keys(["ours", "humming"]) == [k for k in keys(list(bench.PATHS)) if "marlin" not in k and "bf16" not in k]
 
 
