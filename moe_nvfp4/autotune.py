@@ -95,7 +95,7 @@ def _swap_kernel(g: GemmConfig, k_padded: int, block_m: int, gated: bool) -> Gem
 
 
 def _gemm_neighbours(g: GemmConfig, k_padded: int, block_m: int, gated: bool) -> list[GemmConfig]:
-    out = [_swap_kernel(g, k_padded, block_m, gated) if block_m >= 16 else g]
+    out = [_swap_kernel(g, k_padded, block_m, gated)]  # invalid where the token tile needs the Gluon kernel: dropped
     out.append(replace(g, block_n=64, num_warps=4) if g.block_n == 128 else replace(g, block_n=128))
     if g.warp_specialized:
         here = next((i for i, r in enumerate(WS_RESIDENCY) if r == (g.max_registers, g.programs_per_sm)), None)
@@ -115,11 +115,11 @@ def neighbours(cfg: MoEKernelConfig, tokens: int, shape: LayerShape) -> list[MoE
     kernel family, tile rows, residency, ring and narrow MMAs, then the partials' dtype and pair tiles."""
     i = TOKEN_TILES.index(cfg.block_m) if cfg.block_m in TOKEN_TILES else 0
     out = [cfg.with_token_tile(bm) for bm in TOKEN_TILES[max(0, i - 1) : i + 2]]
-    k1, k2 = -(-shape.hidden // CHUNK_K) * CHUNK_K, -(-shape.intermediate // CHUNK_K) * CHUNK_K
+    k1, k2 = shape.padded_k
     out += [replace(cfg, gemm1=g) for g in _gemm_neighbours(cfg.gemm1, k1, cfg.block_m, True)]
     out += [replace(cfg, gemm2=g) for g in _gemm_neighbours(cfg.gemm2, k2, cfg.block_m, False)]
     out.append(replace(cfg, partials_in_x_dtype=not cfg.partials_in_x_dtype))
-    if tokens * shape.top_k <= 4 * shape.global_experts:  # pairs then mostly hit distinct experts
+    if tokens * shape.top_k <= 4 * shape.global_experts:  # a few pairs per expert: pair tiles may still pay
         out.append(replace(cfg, pair_tiles=not cfg.pair_tiles))
     return [c for c in dict.fromkeys(out) if c != cfg and shape.accepts(c)]
 

@@ -264,9 +264,14 @@ class LayerShape:
         if not self.global_experts:
             object.__setattr__(self, "global_experts", self.experts)
 
+    @property
+    def padded_k(self) -> tuple[int, int]:
+        """GEMM1's and GEMM2's K (H and I) padded to whole 128-wide chunks, as the packed layout stores them."""
+        return _pad(self.hidden), _pad(self.intermediate)
+
     def accepts(self, cfg: "MoEKernelConfig") -> bool:
         """Whether ``cfg`` is valid for this shape's padded K dimensions."""
-        return cfg.is_valid(_pad(self.hidden), _pad(self.intermediate))
+        return cfg.is_valid(*self.padded_k)
 
     @property
     def entry_key(self) -> tuple:
@@ -356,7 +361,7 @@ def default_config(
     """
     shape = LayerShape(experts, top_k, hidden, intermediate, global_experts=global_experts)
     rows = shape.rows_per_active_expert(max(tokens, 1))
-    k1, k2 = _pad(hidden), _pad(intermediate)
+    k1, k2 = shape.padded_k
     if tokens <= PAIR_TILE_TOKENS:
         block_m, pairs = 8, max(tokens, 1) * top_k
 
