@@ -396,6 +396,40 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
     assert calls[1:] == [(E // 2, TOPK, torch.bfloat16, budget, False)]
 
 
+def test_autotune_runs_once_per_shape_before_the_warmup_unless_switched_off(plugin, gen, monkeypatch):
+    """Autotuning at load is on by default: once per process and shape, before the warm-up compiles what it chose,
+    with the scheduler's token budget and the layer's expert map; MOE_NVFP4_AUTOTUNE=0 leaves only the warm-up."""
+    import moe_nvfp4
+    from vllm.config import DeviceConfig, VllmConfig
+
+    from moe_nvfp4.autotune import AutotuneReport
+    from moe_nvfp4.configs import CPU_TRAITS
+    from moe_nvfp4_vllm import moe_method
+
+    steps = []
+
+    def tune(w, k, dtype, tokens, expert_map=None):
+        steps.append(("tune", w.num_experts, k, dtype, tokens, None if expert_map is None else expert_map.numel()))
+        return AutotuneReport(w.layer_shape(k, dtype, expert_map), CPU_TRAITS, [], 0.0, "cpu")
+
+    monkeypatch.delenv("MOE_NVFP4_AUTOTUNE", raising=False)
+    monkeypatch.setattr(moe_method, "_WARMED", set())
+    monkeypatch.setattr(moe_method, "autotune_fused_moe", tune)
+    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None: steps.append(
+        ("warm", w.num_experts)) or [])  # fmt: skip
+    budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
+    ex = _experts(gen)
+    for _ in range(2):
+        _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
+    assert steps == [("tune", E, TOPK, torch.bfloat16, budget, None), ("warm", E)]
+    _load(_routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=0), ex.tensors)
+    assert steps[2:] == [("tune", E // 2, TOPK, torch.bfloat16, budget, E), ("warm", E // 2)]
+    monkeypatch.setenv("MOE_NVFP4_AUTOTUNE", "0")
+    monkeypatch.setattr(moe_method, "_WARMED", set())
+    _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
+    assert steps[4:] == [("warm", E)]
+
+
 def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
     """Plain BF16 experts: quantized expert by expert, gate and up with their own global scales."""
     import moe_nvfp4
