@@ -34,7 +34,7 @@ def fused_moe_op(
     from .configs import LayerShape, device_traits, select_config
     from .triton.moe_sm90 import fused_moe_sm90
 
-    shape = LayerShape(w13_packed.shape[0], topk_ids.shape[1], hidden, intermediate, str(x.dtype).removeprefix("torch."),
+    shape = LayerShape(w13_packed.shape[0], topk_ids.shape[1], hidden, intermediate, x.dtype,
                        0 if expert_map is None else expert_map.numel())  # fmt: skip
     config = select_config(x.shape[0], shape, device_traits(x.device))
     return fused_moe_sm90(
