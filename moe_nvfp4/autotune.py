@@ -76,7 +76,7 @@ WS_RINGS = ((1, 4), (2, 2), (2, 3), (1, 6), (4, 2))  # (K chunks per stage, stag
 def token_buckets(max_tokens: int, shape: LayerShape, device: DeviceTraits) -> list[int]:
     """Bucket ends up to ``max_tokens`` (see the module docstring), ascending."""
     entries = entries_for(shape, device)
-    bounds = sorted({e["max_tokens"] for e in entries} if entries else set(default_bounds(shape)))
+    bounds = sorted({e["max_tokens"] for e in entries} if entries else set(default_bounds(shape, device)))
     powers = [4**i for i in range(16) if 4**i <= max_tokens]
     kept = [b for b in bounds if b < max_tokens] + [max_tokens]
     for p in powers:

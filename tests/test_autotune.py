@@ -36,7 +36,7 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_buckets_end_at_the_default_bounds_powers_of_four_and_max_tokens() -> None:
     b = token_buckets(8192, QWEN3, H100)
     assert b == sorted(set(b)) and b[0] == 1 and b[-1] == 8192
-    bounds = [t for t in configs.default_bounds(QWEN3) if t < 8192]
+    bounds = [t for t in configs.default_bounds(QWEN3, H100) if t < 8192]
     assert set(bounds) <= set(b)  # the config changes only at a bucket's end
     for p in (4**i for i in range(7)):  # each power of four is a bucket or within MERGE of one
         assert any(k / autotune.MERGE <= p <= k * autotune.MERGE for k in b)

@@ -116,7 +116,7 @@ def test_configs_up_to_finds_every_default_config(fresh_process, s: LayerShape, 
     for t in range(1, 8193):
         seen.setdefault(select_config(t, s, H200), t)
     assert configs_up_to(8192, s, H200) == seen
-    assert default_bounds(s) == sorted(default_bounds(s))
+    assert default_bounds(s, H200) == sorted(default_bounds(s, H200))
 
 
 def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
@@ -146,11 +146,35 @@ def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
     assert cfg(qwen3, 16).partials_in_x_dtype and not cfg(mixtral, 16).partials_in_x_dtype
 
 
+def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
+    """8-token tiles: a GEMM whose expected 64-row tiles (busy experts x token tiles x N / 64) are fewer than the
+    SMs runs one program per SM with a deeper ring; where they fill the SMs, two programs with the plain one."""
+    glm_tp8, mixtral_ep8 = layer(zoo_shape("glm-4.5-tp8")), layer(zoo_shape("mixtral-8x22b-ep8"))
+    assert glm_tp8.decode_tiles(4, glm_tp8.intermediate, 8, 64) < 132 <= glm_tp8.decode_tiles(16, glm_tp8.intermediate, 8, 64)
+
+    def gemms(s: LayerShape, t: int, sm: int = 132) -> tuple[GemmConfig, GemmConfig]:
+        cfg = default_config(t, s.experts, s.top_k, s.hidden, s.intermediate, global_experts=s.global_experts,
+                             device=DeviceTraits("x", (9, 0), sm))  # fmt: skip
+        assert cfg.block_m == 8
+        return cfg.gemm1, cfg.gemm2
+
+    def deep(g: GemmConfig) -> bool:
+        return g.programs_per_sm == 1 and g.num_stages * g.chunks_per_stage == 6
+
+    g1, g2 = gemms(glm_tp8, 4)  # ~30 busy experts x 3 tiles of I = 192; x 80 tiles of H
+    assert deep(g1) and not deep(g2) and g2.programs_per_sm == 2
+    assert not any(deep(g) for g in gemms(glm_tp8, 16))
+    assert not deep(gemms(glm_tp8, 4, sm=78)[0]) and deep(gemms(glm_tp8, 4, sm=100)[0])  # 89 tiles: the SM count decides
+    g1, g2 = gemms(mixtral_ep8, 16)  # one local expert of 8: 256 tiles of I, 96 of H
+    assert not deep(g1) and deep(g2)
+
+
 def test_rings_shrink_to_whole_chunks_and_shared_memory() -> None:
     """A GEMM whose K chunks do not divide by the preset's chunks per stage keeps the ring's depth in single chunks."""
     cfg = default_config(16, 8, 2, 16 * 8 * 3, 1408)  # K = 384 (3 chunks) and 1408 (11 chunks)
-    for g in (cfg.gemm1, cfg.gemm2):
-        assert g.chunks_per_stage == 1 and g.num_stages == 4
+    # GEMM1's 8 x 22 tiles fill 132 SMs (the plain preset), GEMM2's 8 x 6 do not (the deep one)
+    for g, preset in ((cfg.gemm1, configs.WS_DECODE), (cfg.gemm2, configs.WS_DECODE_DEEP)):
+        assert g.chunks_per_stage == 1 and g.num_stages == preset["num_stages"] * preset["chunks_per_stage"]
         assert g.ws_shared_bytes(g is cfg.gemm1, cfg.block_m) <= configs.WS_SMEM_LIMIT
 
 
