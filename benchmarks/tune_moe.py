@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -382,10 +383,13 @@ def main() -> int:
     out_path = Path(args.out) if args.out else config_path(name)
     old_meta, old_entries = load_config_file(str(out_path)) if args.update and out_path.exists() else ({}, ())
     entries, lines = [], []
-    commands = old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []) + [" ".join(sys.argv)]
+    # The file carries data: the device, the versions, the date and where the entries came from (an --update keeps
+    # the file's own pointer; the tuner's logs are the results files, not the config's meta).
+    produced_by = old_meta.get("produced_by", "benchmarks/tune_moe.py; record: docs/design/002-hopper-kernel.md, "
+                                              "section 'Tuned entries'")  # fmt: skip
     meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, capability=list(device.capability),
                 sm_count=device.sm_count, memory_gib=device.memory_gib, torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"), commands=commands)  # fmt: skip
+                triton=triton.__version__, date=time.strftime("%Y-%m-%d"), produced_by=produced_by)  # fmt: skip
 
     def write(new_entries: list[dict]) -> None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
