@@ -17,7 +17,8 @@ import torch
 
 from .checkpoint import validate_nvfp4
 from .configs import LayerShape
-from .dispatch import backend_for
+from .backends import CUTE, FLASHINFER, TORCH
+from .dispatch import select_backends
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
 from .layouts import FragmentLayout, padded_scale_shape
 from .reference import grouped_gemm_nvfp4_torch
@@ -25,6 +26,7 @@ from .reference import grouped_gemm_nvfp4_torch
 if TYPE_CHECKING:
     from .cute.host import GroupedW4A4Sm100Plan
     from .cute.moe_host import MoEWeightsSm100
+    from .flashinfer_moe import MoEWeightsFlashInfer
     from .triton.grouped_w4a4 import GroupedW4A4Plan
 
 __all__ = [
@@ -204,18 +206,28 @@ def fused_moe(
     )
 
 
-def prepare_moe_weights_w4a4(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeightsSm100:
-    """Validate checkpoint tensors (as ``prepare_moe_weights``) and lay them out for the sm_100a W4A4 MoE
-    kernels: K-major packed values, 128x4-swizzled scales, w13's gate and up rows interleaved in blocks of 32
-    (``cute.moe_host.MoEWeightsSm100``).  H must be a multiple of 32 (TMA rows of whole 16-byte units)."""
+def prepare_moe_weights_w4a4(
+    w13: NVFP4Tensor, w2: NVFP4Tensor, *, expert_offset: int = 0
+) -> MoEWeightsSm100 | MoEWeightsFlashInfer:
+    """Validate checkpoint tensors (as ``prepare_moe_weights``) and lay them out for the W4A4 MoE backend of
+    their device (``dispatch.select_backends``), chosen here once: FlashInfer's fused MoE on sm_100/sm_103
+    (``flashinfer_moe.MoEWeightsFlashInfer``), else our kernels' layout (``cute.moe_host.MoEWeightsSm100``: K-major
+    packed values, 128x4-swizzled scales, gate and up rows interleaved in blocks of 32; H a multiple of 32).
+    ``expert_offset``: the global id of local expert 0 under expert parallelism (the FlashInfer kernel takes the
+    local experts as one contiguous range)."""
+    w13, w2 = _validated(w13, w2)
+    if select_backends(w13.packed.device).moe_w4a4 is FLASHINFER:
+        from .flashinfer_moe import prepare_moe_weights_flashinfer
+
+        return prepare_moe_weights_flashinfer(w13, w2, expert_offset=expert_offset)
     from .cute.moe_host import prepare_moe_weights_sm100
 
-    return prepare_moe_weights_sm100(*_validated(w13, w2))
+    return prepare_moe_weights_sm100(w13, w2)
 
 
 def fused_moe_w4a4(
     x: torch.Tensor,
-    weights: MoEWeightsSm100,
+    weights: MoEWeightsSm100 | MoEWeightsFlashInfer,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -227,17 +239,31 @@ def fused_moe_w4a4(
     fixed global scale (one float32 value each: ModelOpt's ``input_scale``, a multiplier), the semantics of
     ``fused_moe_torch(..., w13_input_scale=, w2_input_scale=)``.
 
-    sm_100/sm_103 (``dispatch.backend_for`` -> "cute"): the block-scaled CuTe DSL kernels (compiled and
-    checked, not yet run on hardware); CPU: the reference.  Other GPUs have no FP4 tensor cores: run
-    ``fused_moe`` there (activations stay 16-bit).
+    The kernels are those ``prepare_moe_weights_w4a4`` laid the weights out for: on sm_100/sm_103 FlashInfer's
+    NVFP4 fused MoE by default, our CuTe DSL kernels with MOE_NVFP4_BACKEND=cute (compiled and checked, not yet
+    run on hardware); CPU: the reference.  Other GPUs have no FP4 tensor cores: run ``fused_moe`` there
+    (activations stay 16-bit).
     """
-    _check_inputs(x, weights.hidden, weights.w2.packed.device, topk_weights, topk_ids, expert_map)
+    from .flashinfer_moe import MoEWeightsFlashInfer
+
+    device = weights.w2.device if isinstance(weights, MoEWeightsFlashInfer) else weights.w2.packed.device
+    _check_inputs(x, weights.hidden, device, topk_weights, topk_ids, expert_map)
     _check_global_scale("w13_input_scale", w13_input_scale, x.device)
     _check_global_scale("w2_input_scale", w2_input_scale, x.device)
-    if backend_for(x.device) == "triton":
+    if select_backends(x.device).moe_w4a4 is None:
         raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {x.device} has none: "
                          "use fused_moe (16-bit activations)")  # fmt: skip
-    from .ops import fused_moe_w4a4_op
+    from .ops import fused_moe_w4a4_flashinfer_op, fused_moe_w4a4_op
+
+    if isinstance(weights, MoEWeightsFlashInfer):
+        global_experts = weights.num_experts if expert_map is None else expert_map.numel()
+        if weights.expert_offset + weights.num_experts > global_experts:
+            raise ValueError(f"experts {weights.expert_offset}..{weights.expert_offset + weights.num_experts - 1} "
+                             f"are local, but expert_map has only {global_experts} entries")  # fmt: skip
+        return fused_moe_w4a4_flashinfer_op(
+            x, weights.tensors(), topk_weights.float(), topk_ids.to(torch.int32), weights.hidden, weights.intermediate,
+            weights.expert_offset, global_experts, w13_input_scale.reshape(1), w2_input_scale.reshape(1),
+        )  # fmt: skip
 
     return fused_moe_w4a4_op(
         x, weights.tensors(), topk_weights.float(), topk_ids.to(torch.int32),
@@ -264,7 +290,7 @@ def warmup_fused_moe(
     from .configs import configs_up_to, device_traits
 
     device = weights.w13_packed.device
-    if backend_for(device) == "torch" or max_tokens < 1:
+    if select_backends(device).moe_w4a16 is TORCH or max_tokens < 1:
         return []
     from .triton.moe_sm90 import routing_variants_from
 
@@ -293,7 +319,7 @@ def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> N
         raise ValueError(f"x must be [M, K] with K a multiple of {NVFP4.block_size}, got {tuple(x.shape)}")
     _check_global_scale("input_global_scale", input_global_scale, x.device)
     gs = input_global_scale.reshape(())
-    if backend_for(x.device) == "torch":
+    if select_backends(x.device).quantize is TORCH:
         return quantize_activations_nvfp4(x, gs).swizzled_scales()
     from .triton.quant_act import quantize_activations_sm90
 
@@ -312,14 +338,14 @@ def grouped_gemm_nvfp4(
     [M_g, K_g] and B_g [N_g, K_g] are NVFP4 (packed e2m1, e4m3 block scales in either layout, one global
     scale each) and alpha float32 [G] is optional.  The semantics of ``reference.grouped_gemm_nvfp4_torch``.
 
-    One persistent launch over all groups, by device (``dispatch.backend_for``): Hopper and other CUDA GPUs run
+    One persistent launch over all groups, by device (``dispatch.select_backends``): Hopper and other CUDA GPUs run
     the Triton kernel (both operands decoded in registers, exact; fp32 accumulation); sm_100/sm_103 run the
     CuTe DSL kernel (block-scaled tcgen05 MMA; compiled and checked, not yet run on hardware); CPU runs the
     reference.  Each call plans on the host (pointer arrays, group sizes); to capture the launch in a CUDA
     graph, plan once with ``plan_grouped_gemm_nvfp4`` and launch the plan.
     """
     _check_grouped(a, b, alpha, out_dtype)
-    if backend_for(a[0].packed.device) == "torch":
+    if select_backends(a[0].packed.device).grouped_gemm is TORCH:
         return grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
     return launch_grouped_gemm_nvfp4(_plan_grouped(a, b, alpha, out_dtype))
 
@@ -355,7 +381,7 @@ def _plan_grouped(
         scale = scale * alpha
     operands = ([t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
                 [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw])  # fmt: skip
-    if backend_for(a[0].packed.device) == "cute":
+    if select_backends(a[0].packed.device).grouped_gemm is CUTE:
         from .cute.host import plan_grouped_w4a4_sm100
 
         return plan_grouped_w4a4_sm100(operands, scale, out_dtype)

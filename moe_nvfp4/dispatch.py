@@ -1,21 +1,50 @@
-"""Backend choice in one place, by the tensor's device capability; MOE_NVFP4_BACKEND overrides it.
+"""Backend choice in one place: ``select_backends(device)`` picks one backend per operation from the registry
+(``backends.py``), from the device's architecture, once; MOE_NVFP4_BACKEND overrides it.
 
-  cpu                       -> "torch"  (the reference ops)
-  CUDA sm_100 / sm_103      -> "cute"   (Blackwell: block-scaled FP4 tensor cores, CuTe DSL kernels)
-  other CUDA, sm_80 and up  -> "triton" (sm_90 is the tuned target: weights decoded in registers)
+  cpu                       -> torch everywhere (the reference ops)
+  CUDA sm_100 / sm_103      -> W4A4 MoE: flashinfer (FlashInfer's NVFP4 fused MoE); grouped GEMM: cute;
+                               16-bit-activation MoE and the quantizer: triton
+  other CUDA, sm_80 and up  -> triton (sm_90 is the tuned target); no W4A4 MoE (no FP4 tensor cores)
 
-"cute" covers the W4A4 ops (the grouped GEMM and the W4A4 MoE); the ops it has no kernel for (the W4A16
-fused MoE, the activation quantizer) run their Triton kernels on Blackwell too.
+MOE_NVFP4_BACKEND=<name>: every operation that backend implements runs on it (it must support the device's
+architecture; triton also runs CPU tensors under TRITON_INTERPRET=1).  The W4A4 MoE runs on that backend or not
+at all, so ``triton`` keeps 16-bit activations on Blackwell and ``cute`` picks our CuTe DSL MoE over FlashInfer's.
+Other operations keep the device default.
 """
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BACKENDS", "backend_for", "has_native_fp4_mma", "sm_count"]
+from .backends import DEFAULT_ORDER, TORCH, TRITON, Backend, by_name
 
-BACKENDS = ("torch", "triton", "cute")
+__all__ = ["Selection", "arch_of", "select_backends", "has_native_fp4_mma", "sm_count"]
+
+OVERRIDE_ENV = "MOE_NVFP4_BACKEND"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The backend of each operation on one device; ``moe_w4a4`` is None where no backend can run it."""
+
+    arch: str
+    moe_w4a16: Backend
+    moe_w4a4: Backend | None
+    grouped_gemm: Backend
+    quantize: Backend
+
+
+def arch_of(device: torch.device) -> str:
+    """``cpu`` or ``sm_<major><minor>`` of a CUDA device."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise RuntimeError(f"no NVFP4 MoE backend for device {device}; supported: CPU (reference), CUDA sm_80+")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 def has_native_fp4_mma(device: torch.device) -> bool:
@@ -29,20 +58,24 @@ def sm_count(device: torch.device, *, off_gpu: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else off_gpu
 
 
-def backend_for(device: torch.device) -> str:
-    """The backend for ``device`` (see the module docstring), or MOE_NVFP4_BACKEND when set."""
-    forced = os.environ.get("MOE_NVFP4_BACKEND")
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"MOE_NVFP4_BACKEND={forced!r}; choose one of {BACKENDS}")
-        if forced == "cute" and not has_native_fp4_mma(device):
-            raise ValueError(f"MOE_NVFP4_BACKEND=cute needs an sm_100/sm_103 GPU (block-scaled FP4 MMA); {device} "
-                             "has none")  # fmt: skip
-        return forced
-    if has_native_fp4_mma(device):
-        return "cute"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "triton"
-    if device.type == "cpu":
-        return "torch"
-    raise RuntimeError(f"no NVFP4 MoE backend for device {device}; supported: CPU (reference), CUDA sm_80+")
+def select_backends(device: torch.device) -> Selection:
+    """The backends for ``device`` (see the module docstring)."""
+    return _select(arch_of(device), os.environ.get(OVERRIDE_ENV) or None)
+
+
+@functools.cache
+def _select(arch: str, forced_name: str | None) -> Selection:
+    if arch == "cpu":
+        default = {op: TORCH for op in DEFAULT_ORDER}
+    else:
+        default = {op: next((b for b in order if b.supports(arch)), None) for op, order in DEFAULT_ORDER.items()}
+        if default["moe_w4a16"] is None:
+            raise RuntimeError(f"no NVFP4 MoE backend for {arch}; supported: CPU (reference), CUDA sm_80+")
+    if forced_name is not None:
+        forced = by_name(forced_name)
+        if not (forced.supports(arch) or (forced is TRITON and arch == "cpu")):
+            raise ValueError(f"{OVERRIDE_ENV}={forced_name}: {forced.name} runs on "
+                             f"{sorted(forced.archs or ['sm_80+'])}, not on {arch}")  # fmt: skip
+        default = {op: forced if op in forced.operations else default[op] for op in default}
+        default["moe_w4a4"] = forced if "moe_w4a4" in forced.operations else None
+    return Selection(arch, **default)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import backend_for
+from .backends import TORCH
+from .dispatch import select_backends
 
-__all__ = ["fused_moe_op", "fused_moe_w4a4_op"]
+__all__ = ["fused_moe_op", "fused_moe_w4a4_op", "fused_moe_w4a4_flashinfer_op"]
 
 
 @torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
@@ -24,7 +25,7 @@ def fused_moe_op(
 ) -> torch.Tensor:
     """Tensors as in api.MoEWeights; inputs already checked by api.fused_moe."""
     hidden = x.shape[1]
-    if backend_for(x.device) == "torch":
+    if select_backends(x.device).moe_w4a16 is TORCH:
         from .api import MoEWeights
         from .reference import fused_moe_torch
 
@@ -64,7 +65,7 @@ def fused_moe_w4a4_op(
     from .cute.moe_host import MoEWeightsSm100, fused_moe_w4a4_sm100
 
     packed = MoEWeightsSm100.from_tensors(weights, intermediate)
-    if backend_for(x.device) == "torch":
+    if select_backends(x.device).moe_w4a4 is TORCH:
         from .reference import fused_moe_torch
 
         w13, w2 = packed.to_nvfp4()
@@ -75,4 +76,39 @@ def fused_moe_w4a4_op(
 
 @fused_moe_w4a4_op.register_fake
 def _(x, weights, topk_weights, topk_ids, expert_map, intermediate, w13_input_scale, w2_input_scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moe_nvfp4::fused_moe_w4a4_flashinfer", mutates_args=())
+def fused_moe_w4a4_flashinfer_op(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    hidden: int,
+    intermediate: int,
+    expert_offset: int,
+    global_experts: int,
+    w13_input_scale: torch.Tensor,
+    w2_input_scale: torch.Tensor,
+) -> torch.Tensor:
+    """weights: ``MoEWeightsFlashInfer.tensors()``; inputs already checked by api.fused_moe_w4a4.  CPU tensors run
+    the reference on the same weights (only local experts contribute, as with an expert map)."""
+    from .flashinfer_moe import MoEWeightsFlashInfer, fused_moe_w4a4_flashinfer
+
+    packed = MoEWeightsFlashInfer.from_tensors(weights, hidden, intermediate, expert_offset)
+    if select_backends(x.device).moe_w4a4 is TORCH:
+        from .reference import fused_moe_torch
+
+        w13, w2 = packed.to_nvfp4()
+        local = torch.arange(packed.num_experts, dtype=torch.int32) + expert_offset
+        expert_map = torch.full((global_experts,), -1, dtype=torch.int32).index_put_((local.long(),), local - expert_offset)
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
+                               w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)  # fmt: skip
+    return fused_moe_w4a4_flashinfer(x, packed, topk_weights, topk_ids, global_experts, (w13_input_scale, w2_input_scale))
+
+
+@fused_moe_w4a4_flashinfer_op.register_fake
+def _(x, weights, topk_weights, topk_ids, hidden, intermediate, expert_offset, global_experts, w13_input_scale,
+      w2_input_scale):  # fmt: skip
     return torch.empty_like(x)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.dispatch import backend_for
+from moe_nvfp4.dispatch import _select
 
 
 def _layer(gen: torch.Generator, e: int = 4, h: int = 48, i: int = 32):
@@ -75,30 +75,6 @@ def test_inputs_are_checked_before_launch(gen: torch.Generator) -> None:
         m.fused_moe(x, weights, tw, ti, expert_map=torch.zeros(2, 4, dtype=torch.int32))
 
 
-def test_dispatch_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert backend_for(torch.device("cpu")) == "torch"
-    monkeypatch.setenv("MOE_NVFP4_BACKEND", "triton")
-    assert backend_for(torch.device("cpu")) == "triton"
-    monkeypatch.setenv("MOE_NVFP4_BACKEND", "cute")  # a kernel for sm_100a: refused where it cannot run
-    with pytest.raises(ValueError, match="sm_100/sm_103"):
-        backend_for(torch.device("cpu"))
-    monkeypatch.setenv("MOE_NVFP4_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="MOE_NVFP4_BACKEND"):
-        backend_for(torch.device("cpu"))
-
-
-@pytest.mark.parametrize(("capability", "expected"), [((9, 0), "triton"), ((10, 0), "cute"), ((10, 3), "cute"),
-                                                      ((12, 0), "triton"), ((8, 0), "triton")])  # fmt: skip
-def test_capability_switch(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: str) -> None:
-    """sm_100/sm_103 (block-scaled FP4 tensor cores) -> CuTe DSL; other CUDA GPUs (incl. consumer Blackwell,
-    sm_120, whose FP4 MMA is another instruction) -> Triton; the variable overrides it."""
-    monkeypatch.delenv("MOE_NVFP4_BACKEND", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert backend_for(torch.device("cuda", 0)) == expected
-    monkeypatch.setenv("MOE_NVFP4_BACKEND", "triton")
-    assert backend_for(torch.device("cuda", 0)) == "triton"
-
-
 def test_custom_op_under_torch_compile(gen: torch.Generator) -> None:
     """The fake implementation lets torch.compile trace through the op (fullgraph) on CPU."""
     w13, w2 = _layer(gen)
@@ -147,6 +123,6 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     assert torch.equal(compiled(x), ref)
     with pytest.raises(ValueError, match="w2_input_scale must be one float32"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=torch.ones(2))
-    monkeypatch.setattr(api, "backend_for", lambda device: "triton")
+    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_90", None))
     with pytest.raises(ValueError, match="use fused_moe"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2)

@@ -181,7 +181,7 @@ def test_wide_tiles_only_past_four_waves(rows: int, expected: int) -> None:
 
 
 def test_capability_switch_picks_the_cute_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where dispatch says "cute" (sm_100/sm_103) the API plans for the CuTe DSL kernel, with the same operands
+    """Where dispatch picks cute for the grouped GEMM (sm_100/sm_103) the API plans for the CuTe DSL kernel, with the same operands
     and alpha the Triton plan gets, and launches that plan through its own launcher."""
     sys.path.insert(0, str(TESTS))
     import moe_nvfp4.api as api
@@ -190,7 +190,9 @@ def test_capability_switch_picks_the_cute_plan(monkeypatch: pytest.MonkeyPatch) 
 
     a, b, alpha = exact_groups([(37, 48, 64), (5, 130, 128)], seed=0)
     triton_plan = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.bfloat16)
-    monkeypatch.setattr(api, "backend_for", lambda device: "cute")
+    from moe_nvfp4.dispatch import _select
+
+    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", None))
     plan = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.bfloat16)
     assert isinstance(plan, cute_host.GroupedW4A4Sm100Plan)
     assert plan.variant.out_dtype == torch.bfloat16

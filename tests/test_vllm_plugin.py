@@ -295,20 +295,26 @@ def test_load_and_apply_matches_reference(plugin, gen, convention, w4a4):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
-@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors"])
-def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, convention, monkeypatch):
-    """Where dispatch says "cute" (sm_100/sm_103; faked here) a checkpoint with input scales is laid out for
-    the W4A4 kernels and apply quantizes the activations with each GEMM's largest input scale; the forward
-    (the W4A4 op's CPU path, the reference) equals fused_moe_torch with those scales."""
+@pytest.mark.parametrize(("convention", "backend", "layout"), [("modelopt", "cute", "MoEWeightsSm100"),
+                                                              ("compressed-tensors", "cute", "MoEWeightsSm100"),
+                                                              ("modelopt", None, "MoEWeightsFlashInfer")])  # fmt: skip
+def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, convention, backend, layout, monkeypatch):
+    """Where dispatch has a W4A4 MoE backend (sm_100/sm_103; faked here: FlashInfer's by default, ours when
+    chosen) a checkpoint with input scales is laid out for that backend and apply quantizes the activations with
+    each GEMM's largest input scale; the forward (the W4A4 op's CPU path, the reference on the weights unpacked
+    from that layout) equals fused_moe_torch with those scales."""
     import moe_nvfp4
+    import moe_nvfp4.api as api
     import moe_nvfp4_vllm.moe_method as method
+    from moe_nvfp4.dispatch import _select
 
-    monkeypatch.setattr(method, "backend_for", lambda device: "cute")
+    monkeypatch.setattr(method, "select_backends", lambda device: _select("sm_100", backend))
+    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", backend))
     ex = _experts(gen, convention, w4a4=True)
     layer = _routed_experts(_config(plugin, convention, True))
     _load(layer, ex.tensors)
     weights = getattr(layer, method.WEIGHTS_ATTR)
-    assert type(weights).__name__ == "MoEWeightsSm100"
+    assert type(weights).__name__ == layout
     w13, w2 = weights.to_nvfp4()
     assert torch.equal(w13.packed, ex.w13.packed) and torch.equal(w2.packed, ex.w2.packed)
     largest = torch.tensor([0.5 + (E - 1) / 10])
@@ -321,10 +327,12 @@ def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, conve
 
 
 def test_w4a4_checkpoint_stays_w4a16_on_hopper(plugin, gen, monkeypatch):
-    """Without FP4 tensor cores (dispatch "triton") the same checkpoint keeps the 16-bit-activation layout."""
+    """Without FP4 tensor cores (sm_90: no W4A4 MoE backend) the same checkpoint keeps the 16-bit-activation
+    layout."""
     import moe_nvfp4_vllm.moe_method as method
+    from moe_nvfp4.dispatch import _select
 
-    monkeypatch.setattr(method, "backend_for", lambda device: "triton")
+    monkeypatch.setattr(method, "select_backends", lambda device: _select("sm_90", None))
     layer = _routed_experts(_config(plugin, "modelopt", True))
     monkeypatch.setattr(layer.quant_method, "_warmup", lambda layer, weights: None)  # no Triton on CPU tensors
     _load(layer, _experts(gen, "modelopt", w4a4=True).tensors)

@@ -19,8 +19,9 @@ Life of a layer (vLLM 0.26 ``RoutedExperts``):
    No host synchronisation, so vLLM's CUDA graphs capture it.
 
 Activations stay in BF16/FP16 on Hopper: a W4A4 checkpoint's input scales are loaded and validated, not used.
-On sm_100/sm_103 (``moe_nvfp4.dispatch.backend_for`` -> "cute"; ``MOE_NVFP4_BACKEND=triton`` keeps the
-16-bit path) a checkpoint with input scales runs W4A4: ``prepare_moe_weights_w4a4`` and ``fused_moe_w4a4``
+On sm_100/sm_103 (``moe_nvfp4.dispatch.select_backends`` has a W4A4 MoE backend there: FlashInfer's fused MoE,
+or our CuTe DSL kernels with ``MOE_NVFP4_BACKEND=cute``; ``MOE_NVFP4_BACKEND=triton`` keeps the 16-bit path) a
+checkpoint with input scales runs W4A4: ``prepare_moe_weights_w4a4`` and ``fused_moe_w4a4``
 with each GEMM's largest input scale over the local experts (one value per GEMM: the activations of all
 experts are quantized in one launch, and the largest calibrated range saturates none of them).
 """
@@ -38,7 +39,8 @@ from vllm.model_executor.utils import set_weight_attrs
 import moe_nvfp4
 from moe_nvfp4.autotune import autotune_enabled, autotune_fused_moe
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention, validate_nvfp4
-from moe_nvfp4.dispatch import backend_for
+from moe_nvfp4.backends import TORCH
+from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
 __all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR"]
@@ -218,10 +220,13 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         for p in self.params:
             delattr(layer, p.name)  # the checkpoint copies; prepare_moe_weights makes the kernel's own
         self.loaded.clear()
-        if self.w13_input_scale is not None and backend_for(w13.packed.device) == "cute":
+        if self.w13_input_scale is not None and select_backends(w13.packed.device).moe_w4a4 not in (None, TORCH):
+            if global_ids != list(range(global_ids[0], global_ids[0] + n_local)):
+                raise ValueError(f"{name}: the W4A4 MoE takes this rank's experts as one contiguous range of global "
+                                 f"ids, got {global_ids}; use the linear expert placement")  # fmt: skip
             self.w4a4_input_scales = (self.w13_input_scale.max().reshape(1).float(),
                                       self.w2_input_scale.max().reshape(1).float())  # fmt: skip
-            setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2))
+            setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2, expert_offset=global_ids[0]))
             return
         weights = moe_nvfp4.prepare_moe_weights(w13, w2)
         del w13, w2

@@ -1,0 +1,123 @@
+"""FlashInfer on the GPU (docs/design/005-backends.md).
+
+Any CUDA GPU (sm_90 included; FlashInfer 0.6.14 of the vLLM 0.26 bundle, whose FP4 utilities JIT-compile an
+sm_90 module with the host's nvcc): our activation quantizer and our 128x4 swizzle give the same bytes as
+``flashinfer.fp4_quantize`` and ``flashinfer.block_scale_interleave``, and our FlashInfer weight layout equals
+what vLLM 0.26's own ``prepare_static_weights_for_trtllm_fp4_moe`` builds with FlashInfer's CUDA helpers.
+sm_100/sm_103: the default W4A4 MoE (FlashInfer's fused MoE) against the reference.
+sm_90 with FlashInfer >= 0.7.1 installed beside the bundle: the cuTile W4A16 path against the reference.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+from moe_nvfp4.flashinfer_moe import prepare_moe_weights_flashinfer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_quant import hard_activations  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# ||out - ref|| / ||ref||: both sides quantize the activations to NVFP4 with the same scales; FlashInfer's
+# kernel rounds the GEMM1 output to NVFP4 in its own order and carries routing weights in bf16.
+MOE_REL_TOL = 3e-2
+
+
+def _flashinfer():
+    return pytest.importorskip("flashinfer", reason="FlashInfer is part of the vLLM 0.26 bundle")
+
+
+@pytest.mark.parametrize(("rows", "k"), [(8, 64), (300, 2048), (129, 7168)])
+def test_quantizer_bytes_match_flashinfer(rows: int, k: int, seed: int) -> None:
+    flashinfer = _flashinfer()
+    x, gs = hard_activations(rows, k, torch.bfloat16, seed)
+    x, gs = x.cuda(), gs.reshape(1).float().cuda()
+    ours = m.quantize_activations(x, gs)
+    packed, scales = flashinfer.fp4_quantize(x, 1.0 / gs, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True)
+    theirs_scales = scales.view(torch.uint8).reshape(-1)
+    ours_scales = ours.block_scale.view(torch.uint8).reshape(-1)
+    assert theirs_scales.numel() == ours_scales.numel()
+    bad_scales = (theirs_scales != ours_scales).nonzero().flatten()[:8].tolist()
+    bad_codes = (packed.view(torch.uint8) != ours.packed).nonzero()[:8].tolist()
+    assert not bad_scales and not bad_codes, f"scale bytes differ at {bad_scales}, code bytes at [row, byte] {bad_codes}"
+
+
+@pytest.mark.parametrize(("experts", "rows", "cols"), [(1, 128, 4), (3, 200, 7), (2, 384, 448)])
+def test_swizzle_bytes_match_flashinfer(experts: int, rows: int, cols: int, gen) -> None:
+    flashinfer = _flashinfer()
+    scales = torch.randint(0, 256, (experts, rows, cols), generator=gen, dtype=torch.uint8)
+    theirs = flashinfer.block_scale_interleave(scales.cuda()).cpu().reshape(-1)
+    assert torch.equal(theirs, m.swizzle_scales_128x4(scales).reshape(-1))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("e", "h", "i"), [(4, 1024, 512), (3, 2048, 192)])
+def test_weight_layout_matches_vllm(e: int, h: int, i: int, gen) -> None:
+    """vLLM 0.26's TRT-LLM FP4 weight preparation, FlashInfer's CUDA swizzle included, on [w3, w1] ordered
+    tensors (vLLM swaps them first), gives our bytes."""
+    from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+        prepare_static_weights_for_trtllm_fp4_moe,
+    )
+
+    w13 = m.NVFP4Tensor(torch.randint(0, 256, (e, 2 * i, h // 2), generator=gen, dtype=torch.uint8),
+                        (torch.rand(e, 2 * i, h // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
+                        torch.rand(e, 2, generator=gen) + 0.5)  # fmt: skip
+    w2 = m.NVFP4Tensor(torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8),
+                       (torch.rand(e, h, i // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
+                       torch.rand(e, generator=gen) + 0.5)  # fmt: skip
+    ours = prepare_moe_weights_flashinfer(w13, w2)
+    swap = lambda t: torch.cat((t[:, i:], t[:, :i]), 1).contiguous().cuda()  # noqa: E731
+    v13, s13, v2, s2 = prepare_static_weights_for_trtllm_fp4_moe(
+        swap(w13.packed), w2.packed.cuda(), swap(w13.block_scale), w2.block_scale.cuda(), hidden_size=h,
+        intermediate_size=i, num_experts=e, is_gated_activation=True,
+    )  # fmt: skip
+    for name, got, want in (("w13", ours.w13, v13), ("w13_scale", ours.w13_scale, s13), ("w2", ours.w2, v2),
+                            ("w2_scale", ours.w2_scale, s2)):  # fmt: skip
+        assert torch.equal(got.view(torch.uint8), want.cpu().view(torch.uint8).reshape(got.shape)), name
+
+
+def _moe_inputs(gen, e: int, h: int, i: int, t: int, top_k: int):
+    w13 = m.quantize_nvfp4(torch.randn(e, 2 * i, h, generator=gen) * 0.05, segments=2)
+    w2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=gen) * 0.05)
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen), top_k)
+    return w13, w2, x, tw, ti
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10),
+                    reason="FlashInfer's TRT-LLM-gen MoE needs sm_100/sm_103")  # fmt: skip
+@pytest.mark.parametrize(("e", "h", "i", "t", "top_k"), [(8, 1024, 512, 1, 2), (16, 2048, 768, 300, 4),
+                                                         (8, 4096, 1536, 4096, 8), (4, 960, 208, 17, 2)])  # fmt: skip
+def test_default_w4a4_moe_on_blackwell(e, h, i, t, top_k, gen) -> None:
+    """Shapes: one token, a ragged batch, a prefill, and H, I off the 256/64 alignment (padded)."""
+    w13, w2, x, tw, ti = _moe_inputs(gen, e, h, i, t, top_k)
+    s13, s2 = torch.tensor([x.abs().max().item() / 2688]), torch.tensor([0.01])
+    ref = m.fused_moe_torch(x, w13, w2, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
+    weights = m.prepare_moe_weights_w4a4(w13.to("cuda"), w2.to("cuda"))
+    assert type(weights).__name__ == "MoEWeightsFlashInfer"
+    out = m.fused_moe_w4a4(x.cuda(), weights, tw.cuda(), ti.cuda(), w13_input_scale=s13.cuda(), w2_input_scale=s2.cuda())
+    assert _rel(out.cpu(), ref) < MOE_REL_TOL
+
+
+@pytest.mark.parametrize(("e", "h", "i", "t", "top_k"), [(8, 1024, 512, 1, 2), (16, 2048, 768, 300, 4)])
+def test_cutile_w4a16_path_on_hopper(e, h, i, t, top_k, gen) -> None:
+    """FlashInfer's cuTile NVFP4 x BF16 MoE (FlashInfer >= 0.7.1) against the W4A16 reference."""
+    flashinfer = _flashinfer()
+    if not hasattr(flashinfer.fused_moe, "CuTileNvfp4Bf16Config"):
+        pytest.skip(f"FlashInfer {flashinfer.__version__} has no cuTile NVFP4 MoE (>= 0.7.1; see design 005)")
+    from moe_nvfp4.flashinfer_moe import flashinfer_moe_path
+
+    w13, w2, x, tw, ti = _moe_inputs(gen, e, h, i, t, top_k)
+    ref = m.fused_moe_torch(x, w13, w2, tw, ti)
+    run = flashinfer_moe_path(w13.to("cuda"), w2.to("cuda"), top_k=top_k, max_tokens=t)
+    out = run(x.cuda(), tw.cuda(), ti.cuda())
+    assert _rel(out.cpu(), ref) < 1e-2  # bf16 activations both sides; fp32 vs bf16 accumulation order only
