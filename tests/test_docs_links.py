@@ -29,6 +29,7 @@ def _path_tokens(text: str) -> list[str]:
     for token in re.findall(r"`([^`\n]+)`", text):
         if any(c in token for c in " =<>$") or token.startswith(("/", "~", "-", ".")):
             continue
+        token = token.split("::")[0]  # a pytest node id names its file
         if "/" in token or token.endswith(DATA_ENDINGS):
             tokens.append(token.rstrip(".,;:"))
     return tokens
