@@ -279,7 +279,7 @@ def run_load_memory(name: str, ckpt: Path, quantization: str, args, out_dir: Pat
         print(f"{name} (load memory): FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
         return result
     rows = json.loads(out.read_text())
-    moe = [r for r in rows if "MoE" in r["module"] or "Experts" in r["module"]]
+    moe = [r for r in rows if r["module"] == "RoutedExperts"]  # vLLM 0.26's MoE layer, which holds the quant method
     result.update(rows=rows, first_moe_peak_extra=moe[0]["peak_extra"] if moe else None,
                   other_moe_peak_extra_max=max((r["peak_extra"] for r in moe[1:]), default=None),
                   any_layer_peak_extra_max=max((r["peak_extra"] for r in rows), default=None))  # fmt: skip

@@ -370,6 +370,47 @@ def response_problems(spec: RequestSpec, response: dict | list[dict], *, vocab: 
     return out + _usage_problems(response.get("usage"), spec)
 
 
+async def drive(base_url: str, model: str, specs: list[RequestSpec], bad: list[dict] = (), *, concurrency: int,
+                timeout_s: float) -> tuple[list, list]:
+    """Send ``specs`` and the raw ``bad`` bodies through the ``openai`` client, ``concurrency`` at a time, within
+    ``timeout_s``.  Returns the answers in order (a response dict, or a stream's chunk dicts) and, per bad body,
+    the HTTP status it got (or "accepted")."""
+    import asyncio
+
+    from openai import APIStatusError, AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def good(spec: RequestSpec):
+        body = request_body(spec, model)
+        extra = {k: body.pop(k) for k in ("ignore_eos", "return_tokens_as_token_ids") if k in body}  # vLLM's fields
+        create = client.chat.completions.create if spec.endpoint == "chat" else client.completions.create
+        async with gate:
+            result = await create(**body, extra_body=extra)
+            if not spec.stream:
+                return result.model_dump()
+            return [chunk.model_dump() async for chunk in result]
+
+    async def rejected(body: dict):
+        endpoint = client.chat.completions if "messages" in body else client.completions
+        async with gate:
+            try:
+                await endpoint.create(**body)
+            except APIStatusError as e:
+                return e.status_code
+            return "accepted"
+
+    async def everything():
+        return await asyncio.gather(asyncio.gather(*map(good, specs)), asyncio.gather(*map(rejected, bad)))
+
+    try:
+        answers, statuses = await asyncio.wait_for(everything(), timeout_s)
+    finally:
+        await client.close()
+    return list(answers), list(statuses)
+
+
 def greedy_tokens(response: dict) -> list[tuple[int, dict[int, float]]]:
     """(token id, top log-probabilities by id) per step of a completion made with ``return_tokens_as_token_ids``."""
     lp = response["choices"][0]["logprobs"]

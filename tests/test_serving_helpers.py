@@ -3,10 +3,13 @@ checkpoint and its conversion, the server test's request mix, and its answer and
 (each defect the checks exist for must be reported; a well-formed answer must pass)."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import socket
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -243,3 +246,111 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", port))
+
+
+# ---- the client plumbing against a fake OpenAI server (the SDK's answers are what the checks read) ----
+
+
+class _FakeVllm(BaseHTTPRequestHandler):
+    """Answers /v1/completions and /v1/chat/completions as vLLM's server does, as far as the checks look: exact
+    counts when ``ignore_eos`` arrives (else it stops early, as EOS would), 4xx for the server test's bad requests,
+    server-sent events for streams.  ``count_chat`` is the chat template's prompt length."""
+
+    count_chat = None
+    max_model_len = 256
+
+    def log_message(self, *args):  # keep pytest's output clean
+        pass
+
+    def _json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        chat = self.path.endswith("/chat/completions")
+        if body.get("model") != "m":
+            return self._json(404, {"error": {"message": "model does not exist", "type": "NotFoundError", "code": 404}})
+        prompt = body["messages"] if chat else body["prompt"]
+        n_prompt = type(self).count_chat(prompt) if chat else len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        ids = prompt if isinstance(prompt, list) and not chat else [n_prompt]
+        if body.get("max_tokens", 16) < 1 or n_prompt >= self.max_model_len or any(i >= VOCAB for i in ids):
+            return self._json(400, {"error": {"message": "bad request", "type": "BadRequestError", "code": 400}})
+        n = body["max_tokens"] if body.get("ignore_eos") else 1
+        tokens = [FIRST_WORD + (sum(ids) + k) % (VOCAB - FIRST_WORD) for k in range(n)]
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+        finish = "length" if n == body["max_tokens"] else "stop"
+        kind = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for k, t in enumerate(tokens):
+                piece = {"delta": {"content": f" w{t}"}} if chat else {"text": f" w{t}"}
+                choice = {"index": 0, **piece, "finish_reason": finish if k == n - 1 else None}
+                chunk = {"id": "x", "object": f"{kind}.chunk" if chat else kind, "created": 0, "model": "m",
+                         "choices": [choice]}  # fmt: skip
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            last = {"id": "x", "object": f"{kind}.chunk" if chat else kind, "created": 0, "model": "m", "choices": [],
+                    "usage": usage}  # fmt: skip
+            self.wfile.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+            return None
+        text = "".join(f" w{t}" for t in tokens)
+        choice = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            name = (lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids") else (lambda t: f"w{t}")
+            choice.update(text=text, logprobs=None if body.get("logprobs") is None else {
+                "tokens": [name(t) for t in tokens], "token_logprobs": [-1.0] * n, "text_offset": list(range(n)),
+                "top_logprobs": [{name(t): -1.0, name(t + 1): -1.5} for t in tokens]})  # fmt: skip
+        return self._json(200, {"id": "x", "object": kind, "created": 0, "model": "m", "choices": [choice], "usage": usage})
+
+
+@pytest.fixture
+def fake_server(tokenizer):
+    handler = type("Handler", (_FakeVllm,), {"count_chat": staticmethod(_count_chat(tokenizer))})
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_client_drives_a_server_and_the_checks_read_what_it_answers(fake_server, tokenizer):
+    """The server test's pipeline end to end on the CPU: the openai client's answers, turned into dicts, pass the
+    checks when the server is right; bad bodies come back as their status codes."""
+    pytest.importorskip("openai")
+    from helpers_engine import drive
+
+    url, _ = fake_server
+    specs = request_mix(48, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256,
+                        count_chat_tokens=_count_chat(tokenizer), seed=7)  # fmt: skip
+    bad = [{"model": "m", "prompt": list(range(10, 300)), "max_tokens": 4}, {"model": "m", "prompt": [10], "max_tokens": -1},
+           {"model": "nope", "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4},
+           {"model": "m", "prompt": [10, VOCAB + 7], "max_tokens": 4}]  # fmt: skip
+    answers, statuses = asyncio.run(drive(url, "m", specs, bad, concurrency=8, timeout_s=60))
+    assert statuses == [400, 400, 404, 400]
+    problems = [(s.index, p) for s, a in zip(specs, answers) for p in response_problems(s, a, vocab=VOCAB)]
+    assert problems == []
+    greedy = [a for s, a in zip(specs, answers) if s.group == "greedy0"]
+    assert len(greedy) == GREEDY_COPIES and all(greedy_divergence(greedy[0], g, tie=0.1) is None for g in greedy)
+
+
+def test_checks_catch_a_server_that_drops_vllm_fields(fake_server, tokenizer, monkeypatch):
+    """ignore_eos travels in extra_body; a server that never sees it stops early, and every answer says so."""
+    pytest.importorskip("openai")
+    import helpers_engine
+
+    url, _ = fake_server
+    real = helpers_engine.request_body
+    monkeypatch.setattr(helpers_engine, "request_body", lambda spec, model: {**real(spec, model), "ignore_eos": False})
+    specs = [s for s in request_mix(24, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256,
+                                    count_chat_tokens=_count_chat(tokenizer), seed=8) if s.max_tokens > 1]  # fmt: skip
+    answers, _ = asyncio.run(helpers_engine.drive(url, "m", specs, concurrency=4, timeout_s=60))
+    assert all(response_problems(s, a, vocab=VOCAB) for s, a in zip(specs, answers))

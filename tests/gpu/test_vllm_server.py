@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers_engine import (  # noqa: E402
     RequestSpec,
     VllmServer,
+    drive,
     free_port,
     greedy_divergence,
     log_problems,
-    request_body,
     request_mix,
     response_problems,
 )
@@ -83,51 +83,8 @@ def served(tmp_path_factory):
         yield server, tokenizer
 
 
-def _client(server: VllmServer):
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-async def _send(client, spec: RequestSpec) -> dict | list[dict]:
-    """One request through the SDK; vLLM's own fields go in extra_body.  A dict, or the stream's chunks."""
-    body = request_body(spec, MODEL_NAME)
-    extra = {k: body.pop(k) for k in ("ignore_eos", "return_tokens_as_token_ids") if k in body}
-    create = client.chat.completions.create if spec.endpoint == "chat" else client.completions.create
-    result = await create(**body, extra_body=extra)
-    if not spec.stream:
-        return result.model_dump()
-    return [chunk.model_dump() async for chunk in result]
-
-
-async def _run(server: VllmServer, specs: list[RequestSpec], bad: list[dict] = ()) -> tuple[list, list[int | str]]:
-    """Send ``specs`` (and the raw ``bad`` bodies), CONCURRENCY at a time; answers in order, bad statuses."""
-    from openai import APIStatusError
-
-    client = _client(server)
-    gate = asyncio.Semaphore(CONCURRENCY)
-
-    async def good(spec):
-        async with gate:
-            return await _send(client, spec)
-
-    async def rejected(body):
-        async with gate:
-            endpoint = client.chat.completions if "messages" in body else client.completions
-            try:
-                await endpoint.create(**body)
-            except APIStatusError as e:
-                return e.status_code
-            return "accepted"
-
-    async def everything():
-        return await asyncio.gather(asyncio.gather(*(good(s) for s in specs)), asyncio.gather(*(rejected(b) for b in bad)))
-
-    try:
-        answers, statuses = await asyncio.wait_for(everything(), LOAD_S)
-    finally:
-        await client.close()
-    return answers, statuses
+def _run(server: VllmServer, specs: list[RequestSpec], bad: list[dict] = ()) -> tuple[list, list]:
+    return asyncio.run(drive(server.base_url, MODEL_NAME, specs, bad, concurrency=CONCURRENCY, timeout_s=LOAD_S))
 
 
 def _mix(tokenizer, n: int, seed: int) -> list[RequestSpec]:
@@ -146,7 +103,7 @@ def test_mixed_load_is_well_formed_and_greedy_repeats(served):
 
     server, tokenizer = served
     specs = _mix(tokenizer, N_REQUESTS, seed=0)
-    answers, _ = asyncio.run(_run(server, specs))
+    answers, _ = _run(server, specs)
     problems = [f"request {s.index} ({s.endpoint}, stream={s.stream}): {p}"
                 for s, a in zip(specs, answers) for p in response_problems(s, a, vocab=VOCAB)]  # fmt: skip
     assert not problems, "\n".join(problems[:20])
@@ -176,13 +133,13 @@ def test_bad_requests_get_4xx_while_the_server_keeps_serving(served):
         {"model": MODEL_NAME, "prompt": [VOCAB * 1000], "max_tokens": 4},
     ]
     specs = _mix(tokenizer, BAD_LOAD, seed=1)
-    answers, statuses = asyncio.run(_run(server, specs, bad * 2))
+    answers, statuses = _run(server, specs, bad * 2)
     wrong = [(body, s) for body, s in zip(bad * 2, statuses) if not (isinstance(s, int) and 400 <= s < 500)]
     assert not wrong, f"bad requests not answered 4xx: {wrong}"
     problems = [p for s, a in zip(specs, answers) for p in response_problems(s, a, vocab=VOCAB)]
     assert not problems, "\n".join(problems[:20])
     assert server.healthy(), "the server is not healthy after the bad requests"
-    after, _ = asyncio.run(_run(server, specs[:4]))  # and it still answers
+    after, _ = _run(server, specs[:4])  # and it still answers
     assert not [p for s, a in zip(specs[:4], after) for p in response_problems(s, a, vocab=VOCAB)]
 
 
