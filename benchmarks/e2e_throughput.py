@@ -24,7 +24,7 @@ quant method's call minus what was allocated before it, next to one expert's and
 first MoE layer also autotunes and compiles (its activations count there), so the report gives it apart.
 
 Writes ``<out>/e2e_<model>_L<layers>.json`` and ``.md`` (``e2e_load_memory_...`` for ``--load-memory``) with
-device, versions and the command.  Expected on one H200: writing the checkpoint 1-3 min (once, reused), each path
+device, versions and the command; a path's rows replace its earlier ones there, other paths' stay.  Expected on one H200: writing the checkpoint 1-3 min (once, reused), each path
 3-5 min (engine start 1.5-3 min, 4 batch sizes x 4 generates); ``--load-memory`` 2-3 min a path.
 """
 from __future__ import annotations
@@ -388,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"e2e_load_memory_{args.model}_L{layers}.md").write_text(load_memory_markdown(report))
         print(load_memory_markdown(report))
         return 0 if all("rows" in r for r in report["load_memory"]) else 1
-    results = report["results"] = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
+    # Rows of earlier calls for other paths stay, so one path per call (each a few minutes) builds one table.
+    earlier = json.loads((args.out / f"{stem}.json").read_text())["results"] if (args.out / f"{stem}.json").exists() else []
+    fresh = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
+    results = report["results"] = [r for r in earlier if r["path"] not in args.paths] + fresh
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
