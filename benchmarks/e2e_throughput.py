@@ -1,21 +1,31 @@
-"""Offline vLLM generation throughput: nvfp4_grouped vs vLLM's own NVFP4 (Marlin on Hopper) vs BF16.
+"""Offline vLLM generation throughput: nvfp4_grouped vs vLLM's own NVFP4 (Marlin on Hopper) vs BF16, at full depth;
+and the GPU memory each NVFP4 path takes on top while it repacks the experts at load.
 
-    python benchmarks/e2e_throughput.py                       # 8 layers, batches 1 16 64 256, in 128 / out 128
-    python benchmarks/e2e_throughput.py --layers 48           # the full Qwen3-30B-A3B depth (~60 GB BF16 on disk)
-    python benchmarks/e2e_throughput.py --paths ours --batches 64
+    python benchmarks/e2e_throughput.py --model qwen3-30b-a3b            # 48 layers, batches 1 16 64 256, in/out 128
+    python benchmarks/e2e_throughput.py --model mixtral-8x7b --paths ours  # one path per call keeps a call short
+    python benchmarks/e2e_throughput.py --model qwen3-30b-a3b --load-memory --paths ours vllm_modelopt_fp4
+    python benchmarks/e2e_throughput.py --layers 4                       # a shallow model (minutes, small disk)
 
-Model: Qwen3-30B-A3B shapes (128 experts, top-8, hidden 2048, expert intermediate 768, 32 query / 4 KV heads
-of 128, vocab 151936) with random BF16 weights (std 0.02) and ``--layers`` decoder layers (default 8 rather
-than 48, so the three checkpoints fit a 64 GB disk and the run takes minutes; per-token cost is linear in the
-depth, so tokens/s at 48 layers is about 8/48 of the MoE+attention part).  The BF16 checkpoint is converted
-with moe_nvfp4's converter to ModelOpt NVFP4 (experts only, weight-only, separate gate/up scales); the same
-ModelOpt checkpoint runs as ``quantization="nvfp4_grouped"`` (ours) and ``quantization="modelopt_fp4"``
-(vLLM 0.26; on Hopper, with no FP4 tensor cores, its MoE backend selection lands on Marlin).
+Models (``--model``): Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert intermediate 768, 32 query /
+4 KV heads of 128, vocab 151936) and Mixtral-8x7B (32 layers, 8 experts, top-2, hidden 4096, intermediate 14336,
+vocab 32000) with random weights; ``--layers`` cuts the depth.  The NVFP4 checkpoint is written directly in our
+converter's ModelOpt layout (``write_nvfp4_checkpoint``: random codes, sane scales; 18 GB for Qwen3-30B-A3B, 27 GB
+for Mixtral-8x7B), so no BF16 copy has to fit the disk; it runs as ``quantization="nvfp4_grouped"`` (ours) and
+``quantization="modelopt_fp4"`` (vLLM 0.26; on Hopper its MoE backend selection lands on Marlin).  BF16 runs from a
+config-only directory with ``load_format="dummy"`` (vLLM's random weights).
 
 Per path, one LLM in a fresh subprocess (default CUDA-graph mode); per batch size B: B prompts of
 ``--input-len`` random token ids, ``max_tokens=--output-len``, ``ignore_eos``, greedy; one warm-up
 generate, then the median of ``--repeats`` timed generates; output tokens/s = B * output_len / seconds.
-Writes ``<out>/e2e_throughput.json`` and ``.md`` with device, versions and the command.
+
+``--load-memory``: per NVFP4 path, an engine in this process tree with vLLM's engine core in-process, whose
+``process_weights_after_loading`` is timed for memory: per layer, ``torch.cuda.max_memory_allocated`` during its
+quant method's call minus what was allocated before it, next to one expert's and one layer's NVFP4 bytes.  Our
+first MoE layer also autotunes and compiles (its activations count there), so the report gives it apart.
+
+Writes ``<out>/e2e_<model>_L<layers>.json`` and ``.md`` (``e2e_load_memory_...`` for ``--load-memory``) with
+device, versions and the command; a path's rows replace its earlier ones there, other paths' stay.  Expected on one H200: writing the checkpoint 1-3 min (once, reused), each path
+3-5 min (engine start 1.5-3 min, 4 batch sizes x 4 generates); ``--load-memory`` 2-3 min a path.
 """
 from __future__ import annotations
 
@@ -30,7 +40,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 151936  # Qwen3's vocabulary; prompts are random ids below it
+VOCAB = 151936  # Qwen3's vocabulary; profile_e2e.py's prompts are random ids below it
+WEIGHT_RMS = 0.02  # random weights resemble a trained checkpoint's range (HF initializer std)
+MODELS = {  # the shapes of the real models; weights are random
+    "qwen3-30b-a3b": {"layers": 48, "vocab": VOCAB, "kv_heads": 4, "architecture": "Qwen3MoeForCausalLM"},
+    "mixtral-8x7b": {"layers": 32, "vocab": 32000, "kv_heads": 8, "architecture": "MixtralForCausalLM"},
+}
 PATHS = {  # name -> (checkpoint kind, quantization argument)
     "ours": ("modelopt", "nvfp4_grouped"),
     "vllm_modelopt_fp4": ("modelopt", "modelopt_fp4"),
@@ -66,97 +81,159 @@ json.dump(rows, open(args["out"], "w"))
 """
 
 
-def qwen3_config(layers: int) -> dict:
-    from transformers import Qwen3MoeConfig
+def model_config(model: str, layers: int | None) -> dict:
+    """config.json of ``model`` (a key of MODELS) at ``layers`` decoder layers (None: the model's full depth)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=VOCAB,
-        max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
+    m = MODELS[model]
+    layers = layers or m["layers"]
+    common = dict(num_hidden_layers=layers, vocab_size=m["vocab"], num_key_value_heads=m["kv_heads"], head_dim=128,
+                  tie_word_embeddings=False, max_position_embeddings=4096)  # fmt: skip
+    if model == "qwen3-30b-a3b":
+        cfg = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                             num_experts_per_tok=8, num_attention_heads=32, norm_topk_prob=True, decoder_sparse_step=1,
+                             mlp_only_layers=[], **common)  # fmt: skip
+    else:
+        cfg = MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                            num_attention_heads=32, **common)  # fmt: skip
     d = cfg.to_dict()
-    d["architectures"] = ["Qwen3MoeForCausalLM"]
+    d["architectures"] = [m["architecture"]]
     d["torch_dtype"] = "bfloat16"
     return d
 
 
-def write_random_checkpoint(out: Path, layers: int) -> Path:
-    """Random BF16 Qwen3-MoE checkpoint with per-expert tensor names, one shard per layer (bounded memory)."""
+def _expert_names(model: str) -> tuple[str, dict[str, str]]:
+    """(MoE module under the layer, checkpoint projection name by role)."""
+    if model == "mixtral-8x7b":
+        return "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
+    return "mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def write_nvfp4_checkpoint(out: Path, model: str, layers: int | None) -> Path:
+    """A ModelOpt NVFP4 checkpoint written directly, as our converter lays it out (experts only, separate gate/up
+    global scales), one shard per layer so memory stays bounded: random FP4 codes over the whole e2m1 range, block
+    scales near 1 and a global scale of WEIGHT_RMS / (RMS of the codes), so a weight's RMS is about 0.02 like a
+    real checkpoint's; attention, router, embeddings and lm_head random BF16 of std 0.02.  No BF16 copy of the
+    experts is ever made (Mixtral-8x7B's would be 93 GB).  Reused if present."""
     import torch
     from safetensors.torch import save_file
 
+    from moe_nvfp4.convert.quant_config import QuantSettings, hf_quant_config, quantization_config
+    from moe_nvfp4.formats import NVFP4
+
     if (out / "config.json").exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = qwen3_config(layers)
+    cfg = model_config(model, layers)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(dev).manual_seed(0)
-    h, i, v = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["vocab_size"]
-    e = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 renamed it for some families
+    h, v, n_layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    e = cfg.get("num_experts") or cfg["num_local_experts"]
     q, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    moe, proj = _expert_names(model)
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    global_scale = torch.tensor(WEIGHT_RMS / float(e2m1.pow(2).mean().sqrt()), dtype=torch.float32)
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=g, device=dev) * 0.02).to(torch.bfloat16).cpu()
+        return (torch.randn(*shape, generator=g, device=dev) * WEIGHT_RMS).to(torch.bfloat16).cpu()
 
-    weight_map = {}
-    shards = [{"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}]
-    for layer in range(layers):
-        p = f"model.layers.{layer}"
-        t = {
-            f"{p}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            f"{p}.self_attn.q_proj.weight": rnd(q * hd, h), f"{p}.self_attn.k_proj.weight": rnd(kv * hd, h),
-            f"{p}.self_attn.v_proj.weight": rnd(kv * hd, h), f"{p}.self_attn.o_proj.weight": rnd(h, q * hd),
-            f"{p}.self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-            f"{p}.self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
-            f"{p}.mlp.gate.weight": rnd(e, h),
-        }
-        for x in range(e):
-            t[f"{p}.mlp.experts.{x}.gate_proj.weight"] = rnd(i, h)
-            t[f"{p}.mlp.experts.{x}.up_proj.weight"] = rnd(i, h)
-            t[f"{p}.mlp.experts.{x}.down_proj.weight"] = rnd(h, i)
-        shards.append(t)
-    total = 0
-    for n, t in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(t, str(out / name), metadata={"format": "pt"})
+    def nvfp4(rows: int, cols: int, prefix: str) -> dict[str, torch.Tensor]:
+        packed = torch.randint(0, 256, (rows, cols // 2), generator=g, device=dev, dtype=torch.uint8)
+        scale = (0.75 + 0.5 * torch.rand(rows, cols // NVFP4.block_size, generator=g, device=dev)).to(NVFP4.scale_dtype)
+        return {f"{prefix}.weight": packed.cpu(), f"{prefix}.weight_scale": scale.cpu(),
+                f"{prefix}.weight_scale_2": global_scale.clone()}  # fmt: skip
+
+    ignore = ["lm_head"]
+    weight_map, total = {}, 0
+    shards = n_layers + 1
+    for n in range(shards):
+        if n == n_layers:
+            t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
+                 "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
+        else:
+            p = f"model.layers.{n}"
+            t = {
+                f"{p}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                f"{p}.self_attn.q_proj.weight": rnd(q * hd, h), f"{p}.self_attn.k_proj.weight": rnd(kv * hd, h),
+                f"{p}.self_attn.v_proj.weight": rnd(kv * hd, h), f"{p}.self_attn.o_proj.weight": rnd(h, q * hd),
+                f"{p}.{moe}.gate.weight": rnd(e, h),
+            }
+            if model == "qwen3-30b-a3b":
+                t[f"{p}.self_attn.q_norm.weight"] = torch.ones(hd, dtype=torch.bfloat16)
+                t[f"{p}.self_attn.k_norm.weight"] = torch.ones(hd, dtype=torch.bfloat16)
+            ignore += [f"{p}.self_attn.{x}_proj" for x in "qkvo"] + [f"{p}.{moe}.gate"]
+            for x in range(e):
+                for role, (rows, cols) in {"gate": (i, h), "up": (i, h), "down": (h, i)}.items():
+                    t.update(nvfp4(rows, cols, f"{p}.{moe}.experts.{x}.{proj[role]}"))
+        name = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(t, str(tmp / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in t})
         total += sum(x.numel() * x.element_size() for x in t.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    settings = QuantSettings(separate_gate_up_scales=True)
+    cfg["quantization_config"] = quantization_config(settings, sorted(ignore))
+    (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(settings, sorted(ignore)), indent=2))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tmp.rename(out)
     return out
 
 
-def convert(src: Path, dst: Path) -> Path:
-    if (dst / "config.json").exists():
-        return dst
-    import torch
-
-    from moe_nvfp4.convert import ConvertOptions, QuantSettings, convert_checkpoint
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    convert_checkpoint(src, dst, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True), device=device),
-                       progress=False)
-    return dst
+def write_config_only(out: Path, model: str, layers: int | None) -> Path:
+    """A directory with only config.json (no quantization config): vLLM runs it with load_format="dummy"."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model_config(model, layers), indent=2))
+    return out
 
 
 def engine_kwargs(model: Path, quantization: str | None, batches: list[int], input_len: int, output_len: int,
                   mem: float) -> dict:
-    """``LLM(...)`` arguments shared by every path here and by profile_e2e.py (the same engine)."""
-    return dict(model=str(model), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
-                max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), gpu_memory_utilization=mem,
-                seed=0)
+    """``LLM(...)`` arguments shared by every path here and by profile_e2e.py (the same engine).  A directory
+    without weights runs with vLLM's random (dummy) weights."""
+    kwargs = dict(model=str(model), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
+                  max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), gpu_memory_utilization=mem,
+                  seed=0)  # fmt: skip
+    if not any(Path(model).glob("*.safetensors")):
+        kwargs["load_format"] = "dummy"
+    return kwargs
 
 
-def checkpoints(work_dir: Path, layers: int, paths: list[str]) -> dict[str, Path]:
-    """Checkpoint kind -> directory: the random BF16 model, and its ModelOpt conversion when a path needs it."""
-    bf16 = write_random_checkpoint(work_dir / f"qwen3-30b-a3b-shape-L{layers}-bf16", layers)
-    ckpts = {"bf16": bf16}
+def checkpoints(work_dir: Path, layers: int | None, paths: list[str], model: str = "qwen3-30b-a3b") -> dict[str, Path]:
+    """Checkpoint kind -> directory: the NVFP4 checkpoint (written directly) when a path needs it, and a
+    config-only BF16 directory (random weights at load)."""
+    depth = layers or MODELS[model]["layers"]
+    ckpts = {"bf16": write_config_only(work_dir / f"{model}-L{depth}-bf16-dummy", model, layers)}
     if any(PATHS[p][0] == "modelopt" for p in paths):
-        ckpts["modelopt"] = convert(bf16, work_dir / f"qwen3-30b-a3b-shape-L{layers}-modelopt")
+        ckpts["modelopt"] = write_nvfp4_checkpoint(work_dir / f"{model}-L{depth}-nvfp4", model, layers)
     return ckpts
+
+
+LOAD_RUNNER = r"""
+import contextlib, json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and its one worker here: the patch below reaches them
+args = json.loads(sys.argv[1])
+from importlib.metadata import entry_points
+if args["quantization"] == "nvfp4_grouped" and "nvfp4_grouped" not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+    from moe_nvfp4_vllm.plugin import register; register()
+import torch
+import vllm.model_executor.model_loader.utils as loader_utils
+inner = loader_utils.device_loading_context
+rows = []
+@contextlib.contextmanager
+def measured(module, target_device):  # wraps each layer's process_weights_after_loading (vLLM 0.26 loader)
+    torch.cuda.synchronize(); before = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+    with inner(module, target_device):
+        yield
+    torch.cuda.synchronize()
+    rows.append({"module": type(module).__name__, "before": before, "peak_extra": torch.cuda.max_memory_allocated() - before,
+                 "kept_extra": torch.cuda.memory_allocated() - before})
+loader_utils.device_loading_context = measured
+from vllm import LLM
+LLM(**args["engine"])
+json.dump(rows, open(args["out"], "w"))
+"""
 
 
 def run_runner(runner: str, spec: dict) -> subprocess.CompletedProcess:
@@ -167,11 +244,12 @@ def run_runner(runner: str, spec: dict) -> subprocess.CompletedProcess:
 
 
 def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Path) -> dict:
-    out = out_dir / f"e2e_{name}.rows.json"
+    out = out_dir / f"e2e_{args.model}_{name}.rows.json"
     spec = {"engine": engine_kwargs(model, quantization, args.batches, args.input_len, args.output_len,
                                     args.gpu_memory_utilization),
             "quantization": quantization, "batches": args.batches, "input_len": args.input_len,
-            "output_len": args.output_len, "repeats": args.repeats, "vocab": VOCAB, "out": str(out)}
+            "output_len": args.output_len, "repeats": args.repeats, "vocab": MODELS[args.model]["vocab"],
+            "out": str(out)}
     t0 = time.perf_counter()
     proc = run_runner(RUNNER, spec)
     result = {"path": name, "quantization": quantization, "checkpoint": str(model), "wall_s": time.perf_counter() - t0}
@@ -181,6 +259,50 @@ def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Pa
     else:
         result["rows"] = json.loads(out.read_text())
     return result
+
+
+def expert_bytes(model: str, layers: int | None) -> int:
+    """NVFP4 bytes of one expert (gate, up, down: codes, block scales, global scales)."""
+    cfg = model_config(model, layers)
+    h, i = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    return 3 * (i * h // 2 + i * h // 16 + 4)
+
+
+def run_load_memory(name: str, ckpt: Path, quantization: str, args, out_dir: Path) -> dict:
+    out = out_dir / f"e2e_load_memory_{name}.rows.json"
+    engine = engine_kwargs(ckpt, quantization, [8], args.input_len, args.output_len, args.gpu_memory_utilization)
+    engine["enforce_eager"] = True  # graph capture comes after loading and would only lengthen the run
+    proc = run_runner(LOAD_RUNNER, {"engine": engine, "quantization": quantization, "out": str(out)})
+    result = {"path": name, "quantization": quantization}
+    if proc.returncode != 0:
+        result["error"] = proc.stderr[-4000:]
+        print(f"{name} (load memory): FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return result
+    rows = json.loads(out.read_text())
+    moe = [r for r in rows if r["module"] == "RoutedExperts"]  # vLLM 0.26's MoE layer, which holds the quant method
+    result.update(rows=rows, first_moe_peak_extra=moe[0]["peak_extra"] if moe else None,
+                  other_moe_peak_extra_max=max((r["peak_extra"] for r in moe[1:]), default=None),
+                  any_layer_peak_extra_max=max((r["peak_extra"] for r in rows), default=None))  # fmt: skip
+    return result
+
+
+def load_memory_markdown(report: dict) -> str:
+    env, a = report["environment"], report["args"]
+    one = report["expert_bytes"]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f} MiB ({b / one:.1f} experts)"  # noqa: E731
+    lines = ["# Peak extra GPU memory while process_weights_after_loading repacks the experts", "",
+             f"Device {env['device']}; vLLM {env['vllm']}, torch {env['torch']}; moe_nvfp4 @ {env['git_commit']}; "
+             f"{env['date']}.", f"Model: {a['model']} shapes, {report['layers']} layers; one expert = {one / 2**20:.2f} MiB "
+             "NVFP4.  Per layer: max_memory_allocated during its call minus what was allocated before it.", "",
+             f"Command: `{report['command']}`", "",
+             "| path | first MoE layer | other MoE layers (max) | any layer (max) |", "|---|---|---|---|"]  # fmt: skip
+    for r in report["load_memory"]:
+        if "error" in r:
+            lines.append(f"| {r['path']} | failed | | |")
+            continue
+        lines.append(f"| {r['path']} | {mib(r['first_moe_peak_extra'])} | {mib(r['other_moe_peak_extra_max'])} | "
+                     f"{mib(r['any_layer_peak_extra_max'])} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def environment() -> dict:
@@ -210,7 +332,7 @@ def markdown(report: dict) -> str:
         "",
         f"Device {env['device']}; vLLM {env['vllm']}, torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, "
         f"moe_nvfp4 {env['moe_nvfp4']} @ {env['git_commit']}; {env['date']}.",
-        f"Model: Qwen3-30B-A3B shapes, {a['layers']} layers, random weights; input {a['input_len']}, "
+        f"Model: {a['model']} shapes, {report['layers']} layers, random weights; input {a['input_len']}, "
         f"output {a['output_len']} tokens, ignore_eos, greedy, median of {a['repeats']}.",
         "",
         f"Command: `{report['command']}`",
@@ -236,7 +358,8 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's full depth)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -245,18 +368,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/moe_nvfp4_e2e"), help="checkpoints (reused if present)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--load-memory", action="store_true", help="measure the repack's peak extra memory instead")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    ckpts = checkpoints(args.work_dir, args.layers, args.paths)
-    results = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
+    layers = args.layers or MODELS[args.model]["layers"]
+    ckpts = checkpoints(args.work_dir, args.layers, args.paths, model=args.model)
     report = {
         "environment": environment(),
         "command": "python " + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:])),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "results": results,
+        "layers": layers,
     }
-    (args.out / "e2e_throughput.json").write_text(json.dumps(report, indent=2))
-    (args.out / "e2e_throughput.md").write_text(markdown(report))
+    stem = f"e2e_{args.model}_L{layers}"
+    if args.load_memory:
+        quantized = [p for p in args.paths if PATHS[p][1] is not None]
+        report["expert_bytes"] = expert_bytes(args.model, args.layers)
+        report["load_memory"] = [run_load_memory(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in quantized]
+        (args.out / f"e2e_load_memory_{args.model}_L{layers}.json").write_text(json.dumps(report, indent=2))
+        (args.out / f"e2e_load_memory_{args.model}_L{layers}.md").write_text(load_memory_markdown(report))
+        print(load_memory_markdown(report))
+        return 0 if all("rows" in r for r in report["load_memory"]) else 1
+    # Rows of earlier calls for other paths stay, so one path per call (each a few minutes) builds one table.
+    earlier = json.loads((args.out / f"{stem}.json").read_text())["results"] if (args.out / f"{stem}.json").exists() else []
+    fresh = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
+    results = report["results"] = [r for r in earlier if r["path"] not in args.paths] + fresh
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
     return 0 if all("rows" in r for r in results) else 1
 

@@ -3,6 +3,7 @@
 Markers (declared in pyproject.toml):
   gpu   skipped when ``torch.cuda.is_available()`` is False; run them with ``-m gpu`` on a GPU machine.
   vllm  skipped when ``import vllm`` fails.
+  multigpu  skipped with fewer than ``MULTI_GPU`` CUDA devices (tensor / expert parallel engines).
   slow  never skipped; deselect with ``-m "not slow"`` when iterating.
 
 Every run draws a new session seed (so CPU tests see fresh random inputs each time) and prints it in the
@@ -21,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 SEED_ENV = "MOE_NVFP4_TEST_SEED"
+MULTI_GPU = 2
 
 # Deadlines flake on a loaded 2-core CI machine; the examples database would litter the work tree.
 settings.register_profile(
@@ -52,6 +54,11 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     needs_gpu = [item for item in items if "gpu" in item.keywords]
     needs_vllm = [item for item in items if "vllm" in item.keywords]
+    needs_gpus = [item for item in items if "multigpu" in item.keywords]
+    if needs_gpus and torch.cuda.device_count() < MULTI_GPU:
+        skip = pytest.mark.skip(reason=f"needs {MULTI_GPU} CUDA GPUs ({torch.cuda.device_count()} visible)")
+        for item in needs_gpus:
+            item.add_marker(skip)
     if needs_gpu and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
         for item in needs_gpu:

@@ -1,4 +1,5 @@
-"""Tiny random-weight HF MoE checkpoints (Mixtral, Qwen3-MoE) made with transformers, for converter/vLLM tests.
+"""Tiny random-weight HF MoE checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3) made with transformers, and a word-level
+tokenizer with a chat template made offline, for converter/vLLM tests.
 
 transformers 5.17 holds experts stacked in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, gate rows
 first, and ``mlp.experts.down_proj`` ``[E, H, I]``) but ``save_pretrained`` writes the classic per-expert names
@@ -13,7 +14,7 @@ from typing import Literal
 
 import torch
 
-Family = Literal["mixtral", "qwen3_moe"]
+Family = Literal["mixtral", "qwen3_moe", "deepseek_v3"]
 
 HIDDEN = 64
 EXPERT_INTERMEDIATE = 64
@@ -26,12 +27,23 @@ KV_HEADS = 2
 # head_dim threads per token, and its strided-heads path steps through heads by (threads // 32), so a rank
 # with fewer than 32 threads loops forever.  Head dim 16 did that at TP=2 (one KV head of 16 per rank).
 HEAD_DIM = 32
+# DeepSeek-V3: MLA with the real model's latent and per-head sizes (kv_lora_rank 512 and rope dim 64 are what
+# FlashMLA-class backends accept), 8 routed experts in 4 groups (noaux_tc: 2 groups kept, top-2 inside them), one
+# shared expert, a dense first layer and a routed scaling factor != 1; 3 layers so two MoE layers follow each other.
+DEEPSEEK_LAYERS = 3
+DEEPSEEK_EXPERTS = 8
+DEEPSEEK_GROUPS = 4
+DEEPSEEK_ROUTED_SCALING = 2.5
+# Router weights wide enough that sigmoid scores spread over (0, 1) (router logits of std ~1 on unit-RMS hidden
+# states), and a correction bias that reorders some of them: HF's init (std 0.02, bias 0) routes every token alike.
+DEEPSEEK_ROUTER_STD = 0.125
+DEEPSEEK_BIAS_STD = 0.1
 
 
 def tiny_config(family: Family):
     """The transformers config of the tiny model (hidden 64, 4 experts of intermediate 64, 2 layers, vocab 256,
-    4 attention heads and 2 KV heads of dim 32)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    4 attention heads and 2 KV heads of dim 32; DeepSeek-V3: see ``DEEPSEEK_*``, 8 MLA heads)."""
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=HIDDEN,
@@ -50,7 +62,19 @@ def tiny_config(family: Family):
         return Qwen3MoeConfig(
             intermediate_size=2 * EXPERT_INTERMEDIATE, moe_intermediate_size=EXPERT_INTERMEDIATE, num_experts=EXPERTS, **common
         )
-    raise ValueError(f"family must be 'mixtral' or 'qwen3_moe', got {family!r}")
+    if family == "deepseek_v3":
+        # topk_method and scoring_func are not DeepseekV3Config fields in transformers 5, but vLLM 0.26 reads them
+        # (without them it builds no correction bias and scores with softmax): they go to config.json as extras.
+        return DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * EXPERT_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE, num_hidden_layers=DEEPSEEK_LAYERS, num_attention_heads=8,
+            num_key_value_heads=8, n_routed_experts=DEEPSEEK_EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K,
+            n_group=DEEPSEEK_GROUPS, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+            routed_scaling_factor=DEEPSEEK_ROUTED_SCALING, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    raise ValueError(f"family must be 'mixtral', 'qwen3_moe' or 'deepseek_v3', got {family!r}")
 
 
 def kv_cache_threads_per_rank(config, tp: int) -> int:
@@ -64,19 +88,72 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a random BF16 model to ``out_dir`` (about ``shards`` safetensors shards) and return the path.
 
-    Weights are drawn with std 0.02 like the HF initializer, so they resemble a real checkpoint's range.
+    Weights are drawn with std 0.02 like the HF initializer, so they resemble a real checkpoint's range; DeepSeek's
+    routers get ``DEEPSEEK_ROUTER_STD`` and a random correction bias.
     """
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family)).to(torch.bfloat16)
+    if family == "deepseek_v3":
+        _spread_deepseek_routers(model, seed)
     if not stacked:
         total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
         model.save_pretrained(out, max_shard_size=max(total // shards, 1) if shards > 1 else "5GB")
         return out
     _save_state_dict(model, out, shards)
     return out
+
+
+def _spread_deepseek_routers(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("mlp.gate.weight"):
+                t.copy_(torch.randn(t.shape, generator=g) * DEEPSEEK_ROUTER_STD)
+            elif name.endswith("mlp.gate.e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape, generator=g) * DEEPSEEK_BIAS_STD)
+
+
+# A word-level tokenizer: id i < len(SPECIAL_TOKENS) is that special token, every other id i is the word f"w{i}",
+# split on whitespace only (so the chat template's role markers are single tokens).
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def word(token_id: int) -> str:
+    """The word of a non-special token id."""
+    if token_id < len(SPECIAL_TOKENS):
+        raise ValueError(f"token_id {token_id} is a special token ({SPECIAL_TOKENS[token_id]})")
+    return f"w{token_id}"
+
+
+def write_word_tokenizer(out_dir: str | Path, vocab_size: int):
+    """Save a ``PreTrainedTokenizerFast`` of ``vocab_size`` ids (``SPECIAL_TOKENS``, then words) with
+    ``CHAT_TEMPLATE`` into ``out_dir`` (beside a checkpoint, so ``vllm serve DIR`` finds it); return it.
+
+    No BOS/EOS is added on encode: a text of n words is n prompt tokens.  Decoding joins words with spaces."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({word(i): i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>",
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]), chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
+    tok.save_pretrained(str(out_dir))
+    return tok
 
 
 def _save_state_dict(model: torch.nn.Module, out: Path, shards: int) -> None:

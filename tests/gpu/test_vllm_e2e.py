@@ -1,4 +1,6 @@
-"""End-to-end vLLM 0.26 tests of ``--quantization nvfp4_grouped`` on tiny random Mixtral and Qwen3-MoE models.
+"""End-to-end vLLM 0.26 tests of ``--quantization nvfp4_grouped`` on tiny random Mixtral, Qwen3-MoE and DeepSeek-V3
+models (DeepSeek-V3: MLA, noaux_tc grouped top-k with a correction bias, a shared expert, a dense first layer and a
+routed scaling factor; see tests/helpers_checkpoints.py).
 
 Reference: the same model as a BF16 checkpoint whose expert weights are the dequantized NVFP4 values, run by
 vLLM's own BF16 path.  Both compute the same function up to activation rounding, so greedy tokens agree
@@ -27,6 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["mixtral", "qwen3_moe"]
+DEEPSEEK = "deepseek_v3"  # in the reference comparison only: each engine start of it costs a minute or more
 MAX_TOKENS = 24
 MIN_EQUAL_TOKENS = 8  # tokens that must agree before any tie is allowed
 ENGINE_TIMEOUT_S = 900  # engine start (torch.compile, CUDA graphs, our warm-up) and generation
@@ -45,8 +48,8 @@ RUNNER = textwrap.dedent(
         register()
         print("plugin registered by hand (package not installed)", file=sys.stderr)
     from vllm import LLM, SamplingParams
-    extra = {}
-    if args["tp"] > 1 and (os.environ.get("NCCL_NVLS_ENABLE") == "0"
+    extra = dict(args["engine"])  # what a test adds (expert parallel, compilation config, ...)
+    if args["tp"] > 1 and "compilation_config" not in extra and (os.environ.get("NCCL_NVLS_ENABLE") == "0"
                            or os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"):
         # vLLM's all-reduce + RMSNorm fusion (FlashInfer, mnnvl backend) needs NVLink multicast; on machines
         # that switch multicast off its TP=2 profile run hits an illegal address (vLLM 0.26.0, 2x H200).
@@ -77,18 +80,20 @@ _LOGS: dict[str, str] = {}  # each engine's stderr, by tag
 
 
 def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str,
-             env_extra: dict[str, str] | None = None) -> list[dict]:
-    key = (str(model), quantization, tp, tuple(sorted((env_extra or {}).items())))
+             env_extra: dict[str, str] | None = None, engine: dict | None = None) -> list[dict]:
+    """``engine``: extra ``LLM(...)`` keyword arguments (JSON-serialisable)."""
+    key = (str(model), quantization, tp, tuple(sorted((env_extra or {}).items())), json.dumps(engine, sort_keys=True))
     if key not in _RUNS:
-        _RUNS[key] = _start_llm(tmp_path, model, quantization, tp=tp, tag=tag, env_extra=env_extra or {})
+        _RUNS[key] = _start_llm(tmp_path, model, quantization, tp=tp, tag=tag, env_extra=env_extra or {},
+                                engine=engine or {})  # fmt: skip
     return _RUNS[key]
 
 
 def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int, tag: str,
-               env_extra: dict[str, str]) -> list[dict]:
+               env_extra: dict[str, str], engine: dict | None = None) -> list[dict]:
     out = tmp_path / f"{tag}.json"
     args = {"model": str(model), "quantization": quantization, "tp": tp, "mem": 0.3, "prompts": PROMPTS,
-            "max_tokens": MAX_TOKENS, "out": str(out)}
+            "max_tokens": MAX_TOKENS, "out": str(out), "engine": engine or {}}
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
     # Greedy decoding never samples; FlashInfer's top-k/top-p sampler would only be JIT-built (nvcc, a minute or
@@ -139,7 +144,7 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm_e2e")
     out = {}
-    for family in FAMILIES:
+    for family in FAMILIES + [DEEPSEEK]:
         src = make_tiny_checkpoint(family, root / f"{family}-bf16", seed=0)
         modelopt = root / f"{family}-modelopt"
         convert_checkpoint(src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False)
@@ -176,6 +181,15 @@ def test_greedy_tokens_match_dequantized_bf16(tmp_path, checkpoints, family, for
     ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
     ours = _run_llm(tmp_path, ckpt[form], "nvfp4_grouped", tag=f"{family}-{form}")
     _compare(ours, ref, f"{family} {form}")
+
+
+def test_deepseek_v3_greedy_tokens_match_dequantized_bf16(tmp_path, checkpoints):
+    """DeepSeek-V3 family through vLLM's MLA attention and grouped top-k router: our converter's ModelOpt form
+    against the dequantized-BF16 checkpoint on vLLM's BF16 MoE, same bounds as the other families."""
+    ckpt = checkpoints[DEEPSEEK]
+    ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{DEEPSEEK}-ref")
+    ours = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{DEEPSEEK}-modelopt")
+    _compare(ours, ref, f"{DEEPSEEK} modelopt")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -236,7 +250,7 @@ def test_autotune_at_load_logs_its_choice_and_a_second_start_reads_the_cache(tmp
     assert [o["tokens"] for o in second] == [o["tokens"] for o in first]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.multigpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_matches_tp1(tmp_path, checkpoints, family):
     ckpt = checkpoints[family]
