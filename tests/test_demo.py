@@ -139,6 +139,19 @@ def test_an_unsupported_gpu_is_refused_naming_what_is_supported(capsys, monkeypa
     assert main(["demo", "--device", "cpu", "--tokens", "2"]) == 0 and runs[0][0] == "cpu"  # the way out works
 
 
+def test_the_supported_gpus_are_those_the_registry_has_run_on(monkeypatch, runs):
+    """A backend's GPU tests passing on a new architecture (backends.Backend.ran_on) is what admits it here."""
+    import dataclasses
+
+    from moe_nvfp4 import backends
+
+    fake_gpu(monkeypatch, available=True, capability=(10, 0), name="NVIDIA B200")
+    assert main(["demo", "--device", "cuda"]) == 2
+    verified = dataclasses.replace(backends.TRITON, ran_on=frozenset({"sm_90", "sm_100"}))
+    monkeypatch.setitem(backends.DEFAULT_ORDER, "moe_w4a16", (verified,))
+    assert main(["demo", "--device", "cuda"]) == 0 and runs[-1][0] == "gpu"
+
+
 def test_kernel_demo_runs_the_bench_paths_it_can(monkeypatch):
     """The GPU demo's plumbing on the CPU: the bench's run_model and the ceilings replaced, the table and the
     verdict come from their row; without vLLM only ours and the torch loop run."""

@@ -31,7 +31,7 @@ def test_demo_runs_the_kernel_checks_it_and_times_it(capsys):
     assert main(["demo", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
     print(out)  # the lead's closing note quotes it
-    assert f"(sm_90): the fused kernel on Qwen3-30B-A3B's MoE layer, E=128 top-8 H=2048 I=768, T=16" in out, out
+    assert "(sm_90): the fused kernel on Qwen3-30B-A3B's MoE layer, E=128 top-8 H=2048 I=768, T=16" in out, out
     err = float(re.search(r"\|\|out-ref\|\|/\|\|ref\|\| = ([0-9.e+-]+) \(ok", out).group(1))
     assert 0 < err < REL_TOL
     times = dict(re.findall(r"^\| (.+?) +\| +([0-9.]+) \|", out, re.M))
