@@ -84,6 +84,7 @@ def run_kernel_demo(key: str, shape: MoEShape, *, tokens: int = 64, seed: int = 
     Returns (text, whether the kernel ran and agreed with the reference)."""
     from .bench import moe as bench
 
+    bench.quiet_vllm()
     has_vllm = importlib.util.find_spec("vllm") is not None
     paths = [name for name, _, vllm in _PATHS if has_vllm or not vllm]
     args = bench.finish_args(bench.build_parser().parse_args(

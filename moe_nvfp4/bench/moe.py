@@ -99,6 +99,11 @@ def add_ratios(row: dict) -> None:
         row[f"speedup_vs_{name}"] = ratio(row.get(f"{name}_us"), ours)
 
 
+def quiet_vllm() -> None:
+    """Keep vLLM's INFO lines out of the output: set before vLLM is first imported (the user's setting wins)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -580,7 +585,7 @@ def summary_lines(meta: dict, rows: list[dict]) -> list[str]:
 
 def measure(args: argparse.Namespace, log: Callable[[str], None] = log) -> tuple[dict, list[dict]]:
     """Every row of ``args`` (finish_args'): the ceilings, then each model's rows; returns (meta, rows)."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's INFO lines out of the output
+    quiet_vllm()
     import torch
 
     start = time.time()
@@ -611,7 +616,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None] = log) -> tuple
         "+ fp32 global scales + x read + out write) / copy bandwidth; compute = 2*T*k*3*I*H / bf16 rate"
     )
     meta["rel_tol"] = args.tol
-    meta["args"] = {k: v for k, v in vars(args).items() if k != "models"} | {"models": list(args.models)}
+    meta["args"] = {k: v for k, v in vars(args).items() if k != "models" and not callable(v)} | {
+        "models": list(args.models)}  # fmt: skip
     from .. import configs
 
     meta["config_dir"] = str(configs.CONFIG_DIR)
