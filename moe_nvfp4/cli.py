@@ -1,15 +1,87 @@
-"""Command line: ``moe-nvfp4 demo | convert | inspect``."""
+"""Command line: ``moe-nvfp4 demo | bench | convert | inspect``."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import DemoShape, run_demo
+def _fail(command: str, message: str) -> int:
+    """A refusal the user can act on: one line on stderr, exit status 2 (as argparse's own)."""
+    print(f"moe-nvfp4 {command}: error: {message}", file=sys.stderr)
+    return 2
 
-    print(run_demo(DemoShape(tokens=args.tokens), seed=args.seed, device=args.device))
+
+def _demo(args: argparse.Namespace) -> int:
+    from .bench.device import DeviceError, pick_device
+    from .bench.moe import DEFAULT_MODEL, parse_shape, resolve_models
+    from .demo import CPU_SHAPE, run_kernel_demo, run_reference_demo
+
+    try:
+        if args.model and args.shape:
+            raise ValueError("give --model or --shape, not both")
+        if args.tokens < 1:
+            raise ValueError(f"--tokens {args.tokens}: must be >= 1")
+        if args.shape:
+            chosen = {args.shape.replace(" ", ""): parse_shape(args.shape)}
+        else:
+            chosen = resolve_models(args.model or DEFAULT_MODEL)
+            if len(chosen) != 1:
+                raise ValueError(f"--model {args.model!r}: the demo runs one model (moe-nvfp4 bench runs several)")
+        (key, shape), = chosen.items()
+        device = pick_device(args.device)
+    except (ValueError, DeviceError) as e:
+        return _fail("demo", str(e))
+    if device == "cpu":  # a full-size layer only where asked for: its float64 reference takes minutes on a CPU
+        print(run_reference_demo(shape if args.model or args.shape else CPU_SHAPE, tokens=args.tokens, seed=args.seed))
+        return 0
+    text, ok = run_kernel_demo(key, shape, tokens=args.tokens, seed=args.seed)
+    print(text)
+    return 0 if ok else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.device import DeviceError, pick_device
+    from .bench.moe import finish_args, run
+
+    try:
+        finish_args(args)
+        pick_device(args.device)
+    except (ValueError, DeviceError) as e:
+        return _fail("bench", str(e))
+    run(args)
     return 0
+
+
+def _add_demo(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from .bench.device import DEVICES
+
+    p = sub.add_parser(
+        "demo",
+        help="run the fused NVFP4 MoE kernel on a real layer shape: accuracy and speed (CPU: the torch reference)",
+        description="On an sm_90 GPU: the fused kernel on one model's MoE layer (random weights), its error against "
+        "the torch reference, its time against the BF16 paths (torch; vLLM's Triton BF16 and Marlin NVFP4 when vLLM "
+        "is installed) and the HBM floor. On a CPU: the torch reference's accuracy against the BF16 layer.",
+    )
+    p.add_argument("--model", default=None, help="zoo shape key, e.g. qwen3-30b-a3b (the GPU default), mixtral-8x7b, kimi-k2-ep8")
+    p.add_argument("--shape", default=None, metavar="E,K,H,I", help="experts, top-k, hidden, intermediate of your own layer")
+    p.add_argument("--tokens", type=int, default=64, help="tokens in the batch (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto (default): the GPU where torch sees one")
+    p.set_defaults(func=_demo)
+
+
+def _add_bench(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from .bench.moe import HelpFormatter, add_arguments
+
+    p = sub.add_parser(
+        "bench",
+        help="time the fused kernel against vLLM's Marlin / BF16 paths and the HBM floor on this GPU",
+        description="One MoE layer per model (random weights) at each token count: ours, the baselines this machine "
+        "has, the measured floors; a table on stdout, --out for JSON or Markdown.",
+        formatter_class=HelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=_bench)
 
 
 def _size(text: str) -> int:
@@ -96,11 +168,8 @@ def _add_inspect(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-nvfp4", description="NVFP4 Mixture-of-Experts tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="quantize a random MoE layer and report accuracy against BF16")
-    demo.add_argument("--tokens", type=int, default=64)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--device", default="cpu")
-    demo.set_defaults(func=_demo)
+    _add_demo(sub)
+    _add_bench(sub)
     _add_convert(sub)
     _add_inspect(sub)
     return parser

@@ -1,4 +1,5 @@
-"""CPU tests of the benchmark harness: bytes/FLOPs declarations, floors, L2 rotation, report writers, CLI.
+"""CPU tests of the benchmark harness (moe_nvfp4.bench.harness): bytes/FLOPs declarations, floors, L2 rotation, report
+writers; and of benchmarks/bench_moe.py, the lab's user of the package's bench (moe_nvfp4.bench.moe).
 
 No GPU: the timing code itself is exercised only by the host-clock smoke run of bench_moe.py at the end.
 """
@@ -17,8 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 
-import harness  # noqa: E402
-from harness import Ceilings, MoEShape, floors, markdown_table, nvfp4_matrix_bytes, rotation_copies  # noqa: E402
+from moe_nvfp4.bench import harness  # noqa: E402
+from moe_nvfp4.bench.harness import (  # noqa: E402
+    Ceilings,
+    MoEShape,
+    floors,
+    markdown_table,
+    nvfp4_matrix_bytes,
+    rotation_copies,
+)
 
 MIXTRAL = MoEShape("Mixtral-8x7B", num_experts=8, top_k=2, hidden=4096, inter=14336)
 QWEN3 = MoEShape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, inter=768)
@@ -30,6 +38,21 @@ def _load_bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_the_scripts_use_the_package_harness_and_bench():
+    """benchmarks/harness.py and bench_moe.py hand out the package's objects, not copies of them."""
+    import harness as lab_harness
+
+    from moe_nvfp4.bench import moe, paths
+
+    assert set(lab_harness.__all__) == set(harness.__all__)
+    for name in harness.__all__:
+        assert getattr(lab_harness, name) is getattr(harness, name), name
+    bench = _load_bench()
+    for name in ("make_weights", "make_inputs", "copies_for", "resolve_models", "columns", "add_ratios"):
+        assert getattr(bench, name) is getattr(moe, name), name
+    assert bench.build_path is paths.build_path and bench.PATHS == paths.PATHS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,16 +269,18 @@ def test_columns_follow_the_paths_run():
     assert keys(list(bench.PATHS)) == [c[0] for c in bench.COLUMNS]
     assert set(humming) <= set(keys(list(bench.PATHS)))
     without = keys(["ours", "marlin", "bf16"])
-    assert not set(humming) & set(without)
+    assert not set(humming) & set(without) and "torch_us" not in without
     assert "marlin_us" in without and "speedup_vs_marlin" in without and "rel_err_marlin" in without
-    assert keys(["ours", "humming"]) == [k for k in keys(list(bench.PATHS)) if "marlin" not in k and "bf16" not in k]
+    others = ("marlin", "bf16", "torch")
+    assert keys(["ours", "humming"]) == [k for k in keys(list(bench.PATHS)) if not any(p in k for p in others)]
+    assert "torch_us" in keys(["ours", "torch"]) and "speedup_vs_torch" in keys(["ours", "torch"])
 
 
 def test_add_ratios_for_every_baseline():
     bench = _load_bench()
-    row = {"floor_us": 10.0, "ours_us": 5.0, "marlin_us": 10.0, "humming_us": 20.0}
+    row = {"floor_us": 10.0, "ours_us": 5.0, "marlin_us": 10.0, "humming_us": 20.0, "torch_us": 500.0}
     bench.add_ratios(row)
-    assert row["pct_of_floor"] == pytest.approx(200.0)
+    assert row["pct_of_floor"] == pytest.approx(200.0) and row["speedup_vs_torch"] == pytest.approx(100.0)
     assert row["marlin_pct_of_floor"] == pytest.approx(100.0) and row["humming_pct_of_floor"] == pytest.approx(50.0)
     assert row["speedup_vs_marlin"] == pytest.approx(2.0) and row["speedup_vs_humming"] == pytest.approx(4.0)
     assert row["bf16_pct_of_floor"] is None and row["speedup_vs_bf16"] is None  # not run
