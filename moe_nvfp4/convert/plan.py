@@ -220,7 +220,7 @@ def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_s
     ):
         raise _no_experts_error(src, kinds)
     shared = not separate_gate_up_scales
-    chosen = {n for n, k in kinds.items() if selection.wants(k)}
+    chosen = {n: k for n, k in kinds.items() if selection.wants(k)}  # source order: errors are deterministic
     if not chosen:
         raise ConversionError(f"{src.root}: the selection matches no quantizable tensor (include={selection.include}, exclude={selection.exclude})")
 
@@ -243,13 +243,12 @@ def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_s
     ignore: list[str] = []
     experts: list[ExpertWeight] = []
     stacked: dict[str, list[tuple[TensorInfo, StackedExperts]]] = defaultdict(list)
-    for name in chosen:
-        kind = kinds[name]
+    for name, kind in chosen.items():
         if isinstance(kind, StackedExperts):
             stacked[kind.prefix].append((src.tensors[name], kind))
     transposed = {prefix: _stacked_orientation(src, infos) for prefix, infos in stacked.items()}
-    for name in chosen:
-        kind, info = kinds[name], src.tensors[name]
+    for name, kind in chosen.items():
+        info = src.tensors[name]
         if isinstance(kind, StackedExperts):
             _check_float(info, info.shape[1 if transposed[kind.prefix] else 2])
             anchored[name] += _stacked_units(info, kind, shared, transposed[kind.prefix])

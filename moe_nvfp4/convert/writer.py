@@ -25,19 +25,23 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".c
 REWRITTEN = {INDEX_NAME, "config.json", "hf_quant_config.json"}
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise ConversionError("interrupted by SIGTERM; the partial output was removed")
-
-
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises (as SIGINT does) so the temp directory is removed; only the main thread can set handlers."""
+def _sigterm_raises() -> Iterator[list[int]]:
+    """SIGTERM raises (as SIGINT does) so the temp directory is removed; the yielded list records the signal
+    too, because a handler that fires inside a finalizer has its exception swallowed.  Only the main thread
+    can set handlers."""
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise ConversionError("interrupted by SIGTERM; the partial output was removed")
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -51,24 +55,26 @@ def atomic_output_dir(dst: str | Path) -> Iterator[Path]:
     if os.path.lexists(dst):
         what = "a dangling symbolic link" if not dst.exists() else "already exists"
         raise ConversionError(f"{dst}: output {what}; remove it or choose another path")
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    except OSError as e:
-        raise ConversionError(f"{dst}: cannot create the output directory ({e.strerror or e})") from e
-    try:
-        with _sigterm_raises():
+    tmp: Path | None = None
+    with _sigterm_raises() as received:
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
             umask = os.umask(0)
             os.umask(umask)
             tmp.chmod(0o777 & ~umask)
             yield tmp
+            if received:
+                raise ConversionError("interrupted by SIGTERM; the partial output was removed")
             tmp.rename(dst)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConversionError(f"{e.filename or dst}: cannot write ({e.strerror or e}); nothing was written") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        except OSError as e:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ConversionError(f"{e.filename or dst}: cannot write ({e.strerror or e}); nothing was written") from e
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def shard_metadata() -> dict[str, str]:
