@@ -179,9 +179,9 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
         packed_key = TENSOR_NAMES[convention][0]
         for role, proj in zip(Role, projections):
             first = next((projs[proj] for projs in experts.values() if packed_key in projs.get(proj, {})), None)
-            if first is not None:
-                n, half_k = src.tensors[first[packed_key]].shape[-2:]
-                shapes.setdefault(role.value, (n, 2 * half_k))
+            shape = () if first is None else src.tensors[first[packed_key]].shape
+            if len(shape) == 2:
+                shapes.setdefault(role.value, (shape[0], 2 * shape[1]))
     in_layers = {n for experts in layers.values() for projs in experts.values() for s in projs.values() for n in s.values()}
     modules = _modules(src, in_layers)
     with_input = without_input = 0
