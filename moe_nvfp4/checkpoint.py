@@ -29,7 +29,19 @@ __all__ = [
 
 
 class CheckpointError(ValueError):
-    """A checkpoint tensor is missing or wrong; the message names the tensor, the expert and the problem."""
+    """A checkpoint tensor is missing or wrong; the message names the tensor, the expert and the problem.
+
+    ``tensor`` (the full tensor name) and ``reason`` are set where one tensor is at fault.
+    """
+
+    def __init__(self, message: str, *, tensor: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.reason = reason or message
+
+
+def _error(tensor: str, expert: int | None, reason: str) -> CheckpointError:
+    return CheckpointError(f"{_where(tensor, expert)}: {reason}", tensor=tensor, reason=reason)
 
 
 class Convention(str, Enum):
@@ -65,11 +77,11 @@ def detect_convention(keys: Mapping[str, object] | set[str]) -> Convention:
     raise CheckpointError(f"not an NVFP4 layer: expected weight+weight_scale_2 or weight_packed, found {sorted(keys)}")
 
 
-def _scalar(t: torch.Tensor, what: str) -> torch.Tensor:
+def _scalar(t: torch.Tensor, tensor: str, expert: int | None) -> torch.Tensor:
     if t.numel() != 1 or t.dim() > 1:
-        raise CheckpointError(f"{what}: expected a scalar (0-dim or [1]), got shape {tuple(t.shape)}")
+        raise _error(tensor, expert, f"expected a scalar (0-dim or [1]), got shape {tuple(t.shape)}")
     if not t.dtype.is_floating_point:
-        raise CheckpointError(f"{what}: expected a floating-point scalar, got {t.dtype}")
+        raise _error(tensor, expert, f"expected a floating-point scalar, got {t.dtype}")
     return t.reshape(()).float()
 
 
@@ -80,22 +92,24 @@ def from_checkpoint(
     name: str = "layer",
     expert: int | None = None,
 ) -> NVFP4Linear:
-    """Read one layer's tensors (keyed by suffix: ``weight``, ``weight_scale``, ...) and validate them."""
+    """Read one layer's tensors (keyed by suffix: ``weight``, ``weight_scale``, ...) and validate them.
+
+    Scales are checked after conversion to multipliers (compressed-tensors stores reciprocals), so a stored
+    1e-45 fails as the inf it becomes.
+    """
     convention = convention or detect_convention(tensors)
     packed_key, scale_key, global_key, input_key, reciprocal = TENSOR_NAMES[convention]
     for key in (packed_key, scale_key, global_key):
         if key not in tensors:
-            raise CheckpointError(f"{_where(name + '.' + key, expert)}: missing (layer has {sorted(tensors)})")
-    global_scale = _scalar(tensors[global_key], _where(f"{name}.{global_key}", expert))
-    input_scale = None
-    if input_key in tensors:
-        input_scale = _scalar(tensors[input_key], _where(f"{name}.{input_key}", expert))
-    _check_positive(global_scale, _where(f"{name}.{global_key}", expert))
-    if input_scale is not None:
-        _check_positive(input_scale, _where(f"{name}.{input_key}", expert))
-    if reciprocal:
-        global_scale = 1.0 / global_scale
-        input_scale = None if input_scale is None else 1.0 / input_scale
+            raise _error(f"{name}.{key}", expert, f"missing (layer has {sorted(tensors)})")
+    scales = {global_key: tensors[global_key], **({input_key: tensors[input_key]} if input_key in tensors else {})}
+    for key, t in scales.items():
+        stored = _scalar(t, f"{name}.{key}", expert)
+        scales[key] = 1.0 / stored if reciprocal else stored
+        if not (bool(torch.isfinite(scales[key])) and float(scales[key]) > 0):
+            what = f"1 / {key} = {float(scales[key]):.4g}" if reciprocal else f"{float(stored):.4g}"
+            raise _error(f"{name}.{key}", expert, f"scale must be finite and positive as a multiplier, got {what}")
+    global_scale, input_scale = scales[global_key], scales.get(input_key)
     weight = NVFP4Tensor(tensors[packed_key], tensors[scale_key], global_scale)
     validate_nvfp4(weight, name=name, expert=expert, tensor_names=(packed_key, scale_key, global_key))
     return NVFP4Linear(weight, input_scale)
@@ -111,12 +125,6 @@ def to_checkpoint(layer: NVFP4Linear, convention: Convention = Convention.MODELO
         s = layer.input_scale.float().reshape(())
         out[input_key] = 1.0 / s if reciprocal else s
     return out
-
-
-def _check_positive(scale: torch.Tensor, what: str) -> None:
-    bad = ~torch.isfinite(scale) | (scale <= 0)
-    if bool(bad.any()):
-        raise CheckpointError(f"{what}: global scale must be finite and positive, got {scale.flatten()[:4].tolist()}")
 
 
 def validate_nvfp4(
@@ -136,47 +144,43 @@ def validate_nvfp4(
     packed, scale, gs = q.packed, q.block_scale, q.global_scale
     batch = packed.shape[:-2]
 
-    def where(key: str, bad: torch.Tensor | None = None) -> str:
+    def fail(key: str, reason: str, bad: torch.Tensor | None = None) -> CheckpointError:
         """Name the tensor and the expert: the caller's, or the first bad one of a stacked tensor."""
         e = expert
         if bad is not None and len(batch):
             e = int(bad.reshape(batch.numel(), -1).any(-1).nonzero()[0, 0])
-        return _where(f"{name}.{key}", e)
+        return _error(f"{name}.{key}", e, reason)
 
     if packed.dtype != NVFP4.packed_dtype:
-        raise CheckpointError(f"{where(packed_key)}: dtype {packed.dtype}, expected torch.uint8 (two FP4 per byte)")
+        raise fail(packed_key, f"dtype {packed.dtype}, expected torch.uint8 (two FP4 per byte)")
     if scale.dtype != NVFP4.scale_dtype:
-        raise CheckpointError(f"{where(scale_key)}: dtype {scale.dtype}, expected torch.float8_e4m3fn")
+        raise fail(scale_key, f"dtype {scale.dtype}, expected torch.float8_e4m3fn")
     if not gs.dtype.is_floating_point:
-        raise CheckpointError(f"{where(global_key)}: dtype {gs.dtype}, expected float32")
+        raise fail(global_key, f"dtype {gs.dtype}, expected float32")
     if packed.dim() < 2:
-        raise CheckpointError(f"{where(packed_key)}: expected [..., N, K/2], got shape {tuple(packed.shape)}")
+        raise fail(packed_key, f"expected [..., N, K/2], got shape {tuple(packed.shape)}")
     n, k = q.n, q.k
     if k % NVFP4.block_size:
-        raise CheckpointError(f"{where(packed_key)}: K={k} is not a multiple of {NVFP4.block_size}")
+        raise fail(packed_key, f"K={k} is not a multiple of {NVFP4.block_size}")
     if expected_shape is not None and (n, k) != tuple(expected_shape):
-        raise CheckpointError(
-            f"{where(packed_key)}: shape {tuple(packed.shape)} holds a [{n}, {k}] weight, expected {tuple(expected_shape)}"
-        )
+        raise fail(packed_key, f"shape {tuple(packed.shape)} holds a [{n}, {k}] weight, expected {tuple(expected_shape)}")
     sfk = k // NVFP4.block_size
     if q.scale_layout is ScaleLayout.LINEAR:
         want = (*packed.shape[:-2], n, sfk)
     else:
         want = (*packed.shape[:-2], -(-n // 128) * 128, -(-sfk // 4) * 4)
     if tuple(scale.shape) != want:
-        raise CheckpointError(f"{where(scale_key)}: shape {tuple(scale.shape)}, expected {want} for a [{n}, {k}] weight")
+        raise fail(scale_key, f"shape {tuple(scale.shape)}, expected {want} for a [{n}, {k}] weight")
     if not (gs.shape == batch or (gs.shape[:-1] == batch and gs.dim() > 0 and n % gs.shape[-1] == 0)):
-        raise CheckpointError(f"{where(global_key)}: shape {tuple(gs.shape)} does not fit batch {tuple(batch)}")
+        raise fail(global_key, f"shape {tuple(gs.shape)} does not fit batch {tuple(batch)}")
     bad_gs = ~torch.isfinite(gs) | (gs <= 0)
     if bool(bad_gs.any()):
-        raise CheckpointError(
-            f"{where(global_key, bad_gs)}: global scale must be finite and positive, "
-            f"got {gs[bad_gs].flatten()[:4].tolist()}"
-        )
+        got = gs[bad_gs].flatten()[:4].tolist()
+        raise fail(global_key, f"global scale must be finite and positive, got {got}", bad_gs)
     sf = scale.float()
     nonfinite = ~torch.isfinite(sf)
     if bool(nonfinite.any()):
-        raise CheckpointError(f"{where(scale_key, nonfinite)}: {int(nonfinite.sum())} block scales are NaN or inf")
+        raise fail(scale_key, f"{int(nonfinite.sum())} block scales are NaN or inf", nonfinite)
     negative = sf < 0
     if bool(negative.any()):
-        raise CheckpointError(f"{where(scale_key, negative)}: {int(negative.sum())} block scales are negative")
+        raise fail(scale_key, f"{int(negative.sum())} block scales are negative", negative)

@@ -112,13 +112,17 @@ def _convert(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_size,
         )
         print(convert_checkpoint(args.src, args.dst, options, progress=not args.quiet))
-    except (ConversionError, ValueError) as e:
+    except (ConversionError, ValueError) as e:  # ValueError: an option out of range (QuantSettings, Selection)
         print(f"moe-nvfp4 convert: error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
+INSPECT_EXIT_CODES = "exit status: 0 no problems; 1 errors, no NVFP4 tensors, or unreadable; 3 warnings only"
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
     from .convert import ConversionError, fix_checkpoint, inspect_checkpoint
 
     try:
@@ -127,10 +131,10 @@ def _inspect(args: argparse.Namespace) -> int:
         if args.fix is not None:
             report = fix_checkpoint(args.dir, args.fix)
             print(f"\nfixed copy written; its inspection:\n{report}")
-    except ConversionError as e:
+    except (ConversionError, CheckpointError) as e:
         print(f"moe-nvfp4 inspect: error: {e}", file=sys.stderr)
         return 1
-    return 0 if report.ok else 1
+    return report.exit_code
 
 
 def _add_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -138,7 +142,11 @@ def _add_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
         "convert",
         help="quantize a local HF checkpoint's MoE experts (or all linear layers) to NVFP4",
         description="Streams a local HF safetensors checkpoint (SRC) into an NVFP4 checkpoint (DST, must not exist). "
-        "Weight-only by default (quant_algo W4A16_NVFP4, no input scales); --input-amax makes it W4A4.",
+        "Weight-only by default (quant_algo W4A16_NVFP4, no input scales); --input-amax makes it W4A4. "
+        "Besides the weights and the rewritten configs, DST gets SRC's top-level regular files that hold no weights "
+        "(tokenizer, generation config, ...); subdirectories are not copied (the summary lists them). "
+        "The output is checked with inspect's validator before it appears.",
+        epilog="exit status: 0 converted (warnings are printed in the summary); 1 error (nothing written)",
     )
     p.add_argument("src", help="HF checkpoint directory (config.json + *.safetensors)")
     p.add_argument("dst", help="output directory (created; written beside it first, renamed at the end)")
@@ -157,11 +165,14 @@ def _add_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
 def _add_inspect(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser(
         "inspect",
-        help="report an NVFP4 checkpoint's format, layers and problems (exit 1 if any)",
-        description="Reads a ModelOpt or compressed-tensors NVFP4 checkpoint and validates every quantized module.",
+        help="report an NVFP4 checkpoint's format, layers and problems (exit 1 on errors, 3 on warnings only)",
+        description="Reads a ModelOpt or compressed-tensors NVFP4 checkpoint and validates every quantized module "
+        "with the validator the converter and the vLLM loader use.",
+        epilog=f"{INSPECT_EXIT_CODES}. With --fix, the status is that of the fixed copy's inspection.",
     )
     p.add_argument("dir", help="checkpoint directory")
-    p.add_argument("--fix", metavar="OUT", default=None, help="write a copy with fixable problems repaired (gate/up global scales)")
+    p.add_argument("--fix", metavar="OUT", default=None, help="write a copy with gate/up global scales shared (their max); "
+                   "refused, naming the expert, where requantizing costs a projection relative error > 0.25")
     p.set_defaults(func=_inspect)
 
 

@@ -6,8 +6,9 @@ Life of a layer (vLLM 0.26 ``RoutedExperts``):
    the intermediate dimension, global -> local expert ids for EP).  Each loader is wrapped: it rejects a
    tensor of the wrong dtype or shape (``copy_`` would silently convert or broadcast it) and records what
    arrived, so a tensor the checkpoint lacks is reported instead of leaving uninitialised memory.
-2. ``process_weights_after_loading``: every local expert's tensors are checked (never loaded, NaN/inf,
-   negative, non-positive global scale), gate and up keep their own global scales, BF16 experts are
+2. ``process_weights_after_loading``: every local expert's tensors are checked by ``moe_nvfp4.validate`` (the
+   validator ``inspect`` and the converter run: never loaded, NaN/inf, negative, zero block scales over data,
+   non-positive scales as multipliers, outlier W4A4 input scales), gate and up keep their own global scales, BF16 experts are
    quantized expert by expert, ``moe_nvfp4.prepare_moe_weights`` packs for the kernel and the checkpoint
    parameters are freed.
    Then, once per process and layer shape, ``moe_nvfp4.autotune.autotune_fused_moe`` times a few configs around
@@ -38,12 +39,13 @@ from vllm.model_executor.utils import set_weight_attrs
 
 import moe_nvfp4
 from moe_nvfp4.autotune import autotune_enabled, autotune_fused_moe
-from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention, validate_nvfp4
+from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.backends import TORCH
 from moe_nvfp4.dispatch import select_backends
+from moe_nvfp4.validate import check_moe_layer, raise_first_error
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
-__all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR"]
+__all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR", "validate_loaded_experts"]
 
 WEIGHTS_ATTR = "moe_nvfp4_weights"  # the packed MoEWeights on the layer after loading
 _WARMED: set[tuple] = set()  # (shape, dtype, top_k, expert map, tokens) already compiled in this process
@@ -212,11 +214,15 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         name = getattr(layer, "layer_name", "moe")
         n_local = getattr(layer, self.params[0].name).shape[0]
         global_ids = self._global_ids(layer, n_local)
-        has_input = self._check_loaded(layer, n_local, global_ids)
         if self.convention is None:
+            self._check_loaded(layer, n_local, global_ids)
             w13, w2 = self._quantize_dense(layer, name, global_ids)
         else:
-            w13, w2 = self._checkpoint_tensors(layer, name, global_ids, has_input)
+            params = {p.name: getattr(layer, p.name).data for p in self.params}
+            projections = tuple(self._proj(layer, shard) for shard in ("w1", "w3", "w2"))
+            has_input = validate_loaded_experts(name, params, self.loaded, global_ids, self.convention, projections,
+                                                require_input_scales=self.quant_config.input_scales)  # fmt: skip
+            w13, w2 = self._checkpoint_tensors(layer, has_input)
         for p in self.params:
             delattr(layer, p.name)  # the checkpoint copies; prepare_moe_weights makes the kernel's own
         self.loaded.clear()
@@ -257,41 +263,10 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
         p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))
         return getattr(layer, p.name).data
 
-    def _checkpoint_tensors(
-        self, layer: torch.nn.Module, name: str, global_ids: list[int], has_input: bool
-    ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        packed_key, scale_key, global_key, input_key, reciprocal = TENSOR_NAMES[self.convention]
+    def _checkpoint_tensors(self, layer: torch.nn.Module, has_input: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        reciprocal = TENSOR_NAMES[self.convention][4]
         get = lambda prefix, kind: self._by_kind(layer, prefix, kind)  # noqa: E731
-        i = get("w2", PACKED).shape[-1] * 2
-        halves = {  # shard -> (packed, block scale, global scale) of that projection, all local experts
-            "w1": (get("w13", PACKED)[:, :i], get("w13", BLOCK_SCALE)[:, :i], get("w13", GLOBAL_SCALE)[:, 0]),
-            "w3": (get("w13", PACKED)[:, i:], get("w13", BLOCK_SCALE)[:, i:], get("w13", GLOBAL_SCALE)[:, 1]),
-            "w2": (get("w2", PACKED), get("w2", BLOCK_SCALE), get("w2", GLOBAL_SCALE)),
-        }
-        for shard, (packed, scale, gs) in halves.items():
-            q = NVFP4Tensor(packed, scale, gs)
-            try:
-                validate_nvfp4(q, tensor_names=(packed_key, scale_key, global_key))
-            except CheckpointError:  # find the expert again, one at a time, to name its global id
-                for e, g in enumerate(global_ids):
-                    validate_nvfp4(
-                        NVFP4Tensor(packed[e], scale[e], gs[e]),
-                        name=f"{name}.{self._proj(layer, shard)}",
-                        expert=g,
-                        tensor_names=(packed_key, scale_key, global_key),
-                    )
-                raise
         if has_input:
-            for prefix, shards in (("w13", W13_SHARDS), ("w2", ("w2",))):
-                s = get(prefix, INPUT_SCALE)
-                bad = ~torch.isfinite(s) | (s <= 0)
-                if bool(bad.any()):
-                    e = int(bad.reshape(s.shape[0], -1).any(-1).nonzero()[0, 0])
-                    shard = shards[int(bad[e].reshape(-1).nonzero()[0, 0])] if s.dim() == 2 else shards[0]
-                    raise CheckpointError(
-                        f"{name}: expert {global_ids[e]} {self._proj(layer, shard)}.{input_key}: input scale must be "
-                        f"finite and positive, got {s[e].tolist()}"
-                    )
             a13, a2 = get("w13", INPUT_SCALE).clone(), get("w2", INPUT_SCALE).clone()
             self.w13_input_scale, self.w2_input_scale = (1.0 / a13, 1.0 / a2) if reciprocal else (a13, a2)
         g13, g2 = get("w13", GLOBAL_SCALE), get("w2", GLOBAL_SCALE)
@@ -357,6 +332,41 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
             topk_ids.to(torch.int32),
             expert_map=layer.expert_map,
         )
+
+
+def validate_loaded_experts(
+    layer_name: str,
+    params: dict[str, torch.Tensor],
+    loaded: set[tuple[str, int, str]],
+    global_ids: list[int],
+    convention: Convention,
+    projections: tuple[str, str, str],
+    *,
+    require_input_scales: bool,
+) -> bool:
+    """Run ``moe_nvfp4.validate.check_moe_layer`` (the validator ``inspect`` and the converter use) on what was
+    loaded; raise CheckpointError for its first error; return whether the layer has input scales.
+
+    params: ``w13_<suffix>`` / ``w2_<suffix>`` -> [local E, ...] (w13 rows: gate then up; its scalars [E, 2]);
+    loaded: (param name, local expert, shard id) that arrived; global_ids: local -> global expert id.
+    """
+    input_key = TENSOR_NAMES[convention][3]
+    experts: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for local, g in enumerate(global_ids):
+        for shard, proj in zip(("w1", "w3", "w2"), projections):
+            prefix = "w2" if shard == "w2" else "w13"
+            for name, t in params.items():
+                if not name.startswith(prefix + "_") or (name, local, shard) not in loaded:
+                    continue
+                t = t[local]
+                if prefix == "w13":
+                    half = W13_SHARDS.index(shard)
+                    t = t[half] if t.dim() == 1 else t.chunk(2, dim=0)[half]
+                experts.setdefault(g, {}).setdefault(proj, {})[name.removeprefix(prefix + "_")] = t
+    findings = check_moe_layer(layer_name, experts, convention=convention, expected_experts=global_ids,
+                               projections=projections, require_input_scales=require_input_scales)  # fmt: skip
+    raise_first_error(findings)
+    return require_input_scales or any(input_key in t for ex in experts.values() for t in ex.values())
 
 
 class _CheckedLoader:

@@ -15,12 +15,13 @@ from tqdm import tqdm
 
 from ..checkpoint import Convention, NVFP4Linear, to_checkpoint
 from ..formats import NVFP4Tensor, dequantize_nvfp4, global_scale_for, quantize_nvfp4
+from .inspect import checkpoint_problems
 from .plan import Plan, QuantUnit, Selection, make_plan
 from .quant_config import QuantSettings, hf_quant_config, quantization_config
 from .source import ConversionError, SourceCheckpoint, open_checkpoint
-from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, write_json
+from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, shard_metadata, write_json
 
-__all__ = ["ConvertOptions", "ConvertSummary", "convert_checkpoint", "quantize_group", "shard_metadata"]
+__all__ = ["ConvertOptions", "ConvertSummary", "convert_checkpoint", "quantize_group", "verify_output"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -47,6 +48,8 @@ class ConvertSummary:
     worst_relative_error: float  # max over modules of ||dequant - w|| / ||w||
     worst_module: str
     skipped: dict[str, str]
+    warnings: tuple[str, ...] = ()  # outliers that cost an expert most of its values, NaN in copied tensors
+    left_out: tuple[str, ...] = ()  # subdirectories of the source, not copied
 
     @property
     def gb_per_second(self) -> float:
@@ -63,13 +66,9 @@ class ConvertSummary:
             f"  worst rel. error:  {self.worst_relative_error:.4f} ({self.worst_module})",
         ]
         lines += [f"  left unquantized:  {name}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  not copied:        {name}/ (a subdirectory)" for name in self.left_out]
+        lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
-
-
-def shard_metadata() -> dict[str, str]:
-    """Shard header metadata: only ``format`` (transformers requires it).  A second key would make the bytes
-    non-deterministic (safetensors writes its metadata map in hash order); our metadata lives in config.json."""
-    return {"format": "pt"}
 
 
 def quantize_group(weights: list[torch.Tensor], *, share_global: bool) -> list[NVFP4Tensor]:
@@ -90,7 +89,25 @@ def _where(unit: QuantUnit) -> str:
     return unit.source if unit.expert is None else f"{unit.source} (expert {unit.expert})"
 
 
-def _run_unit(src: SourceCheckpoint, unit: QuantUnit, options: ConvertOptions, writer: ShardedWriter) -> float:
+# Warn when quantization zeroes more than this share of a module's non-zero weights (one huge outlier sets the
+# global scale, and every ordinary block's e4m3 scale underflows).
+ZEROED_WARNING_FRACTION = 0.5
+
+
+def _zeroed_warning(where: str, module: str, w: torch.Tensor, q: NVFP4Tensor, err: float) -> str | None:
+    nonzero = w != 0
+    count = int(nonzero.sum())
+    zeroed = int((nonzero & (dequantize_nvfp4(q) == 0)).sum())
+    if not count or zeroed <= ZEROED_WARNING_FRACTION * count:
+        return None
+    return (f"{where}: {module}: {zeroed / count:.0%} of its non-zero weights quantize to 0 (relative error "
+            f"{err:.3g}); the global scale {float(q.global_scale.max()):.4g} follows an outlier, largest |w| "
+            f"{float(w.abs().max()):.4g}")  # fmt: skip
+
+
+def _run_unit(
+    src: SourceCheckpoint, unit: QuantUnit, options: ConvertOptions, writer: ShardedWriter, warnings: list[str]
+) -> float:
     """Quantize one unit and hand its tensors to the writer; return its worst relative error."""
     weights = [w.to(options.device) for w in unit.load(src)]
     for module, w in zip(unit.modules, weights):
@@ -103,8 +120,38 @@ def _run_unit(src: SourceCheckpoint, unit: QuantUnit, options: ConvertOptions, w
     for module, w, q in zip(unit.modules, weights, quantize_group(weights, share_global=unit.share_global)):
         for suffix, t in to_checkpoint(NVFP4Linear(q, input_scale), settings.convention).items():
             writer.add(f"{module}.{suffix}", t)
-        worst = max(worst, _relative_error(w, q))
+        err = _relative_error(w, q)
+        warning = _zeroed_warning(_where(unit), module, w.float(), q, err)
+        if warning:
+            warnings.append(warning)
+        worst = max(worst, err)
     return worst
+
+
+def _copy(src: SourceCheckpoint, name: str, writer: ShardedWriter, warnings: list[str]) -> None:
+    t = src.load(name)
+    if t.is_floating_point():
+        nans = int(torch.isnan(t).sum())
+        if nans:
+            warnings.append(f"{name}: copied unchanged with {nans} NaN values")
+    writer.add(name, t)
+
+
+def verify_output(root: Path) -> None:
+    """The converter's self-check: the validator ``inspect`` runs (``checkpoint_problems``) over the written
+    checkpoint; ConversionError for its first error.  Warnings (separate gate/up scales asked for) pass."""
+    with open_checkpoint(root) as out:
+        report = checkpoint_problems(out)
+    errors = [p for p in report.problems if p.severity == "error"]
+    if errors:
+        raise ConversionError(f"self-check of the output failed ({len(errors)} errors): {errors[0].module}: {errors[0].message}")
+
+
+def _check_device(device: str) -> None:
+    try:
+        torch.empty(0, device=torch.device(device))
+    except (RuntimeError, AssertionError, ValueError, TypeError) as e:
+        raise ConversionError(f"--device {device}: not usable on this machine ({e})") from e
 
 
 def _write_configs(src: SourceCheckpoint, out: Path, settings: QuantSettings, plan: Plan) -> None:
@@ -125,6 +172,8 @@ def convert_checkpoint(
     """
     options = options or ConvertOptions()
     start = time.perf_counter()
+    _check_device(options.device)
+    warnings: list[str] = []
     with open_checkpoint(src_dir) as src:
         if not src.config:
             raise ConversionError(f"{src.root}: no config.json; the converter needs the model config to annotate it")
@@ -140,11 +189,11 @@ def convert_checkpoint(
             with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
                 for item in plan.work:
                     if isinstance(item, str):
-                        writer.add(item, src.load(item))
+                        _copy(src, item, writer, warnings)
                         copied += 1
                         bar.update(src.tensors[item].nbytes)
                         continue
-                    err = _run_unit(src, item, options, writer)
+                    err = _run_unit(src, item, options, writer, warnings)
                     if err >= worst:
                         worst, worst_module = err, _where(item)
                     modules += len(item.modules)
@@ -152,7 +201,8 @@ def convert_checkpoint(
                     bar.update(item.nbytes)
             writer.close()
             _write_configs(src, out, options.settings, plan)
-            copy_non_weight_files(src.root, out)
+            _, left_out = copy_non_weight_files(src.root, out)
+            verify_output(out)
             bytes_after = writer.total_bytes
     return ConvertSummary(
         output=Path(dst_dir),
@@ -165,4 +215,6 @@ def convert_checkpoint(
         worst_relative_error=worst,
         worst_module=worst_module,
         skipped=plan.skipped,
+        warnings=tuple(warnings),
+        left_out=tuple(left_out),
     )

@@ -1,8 +1,8 @@
 """Inspecting NVFP4 checkpoints (ModelOpt, compressed-tensors, ours) and repairing what can be repaired.
 
-Every quantized module is read (one at a time) and checked with ``checkpoint.from_checkpoint``; on top of
-that: block scales of zero over non-zero codes (weights lost), gate/up global scales that differ (engines
-fusing w13 use one), and missing input scales where the config declares W4A4.
+MoE layers go through ``moe_nvfp4.validate.check_moe_layer``, the validator the converter's self-check and
+the vLLM loader call too; other quantized modules through ``checkpoint.from_checkpoint``.  A directory with
+no NVFP4 tensor is an error.  Tensors are read one at a time from memory-mapped shards.
 """
 from __future__ import annotations
 
@@ -11,30 +11,36 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..checkpoint import TENSOR_NAMES, CheckpointError, Convention, NVFP4Linear, detect_convention, from_checkpoint, to_checkpoint
-from ..formats import NVFP4, dequantize_nvfp4, quantize_nvfp4, unpack_fp4
-from .convert import shard_metadata
-from .names import ExpertWeight, Role, classify
-from .quant_config import GATE_UP_SEPARATE, GATE_UP_SHARED, METADATA_KEY, read_settings
-from .source import SourceCheckpoint, open_checkpoint
-from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, write_json
+from ..formats import dequantize_nvfp4, quantize_nvfp4
+from ..validate import check_moe_layer, lost_blocks
+from .names import PROJECTION_ROLES, Role
+from .quant_config import GATE_UP_SHARED, METADATA_KEY, read_settings
+from .source import ConversionError, SourceCheckpoint, open_checkpoint
+from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, shard_metadata, write_json
 
-__all__ = ["Problem", "InspectReport", "inspect_checkpoint", "fix_checkpoint"]
+__all__ = ["FIX_MAX_RELATIVE_ERROR", "Problem", "InspectReport", "checkpoint_problems", "inspect_checkpoint", "fix_checkpoint"]
 
 _SUFFIXES = sorted({s for names in TENSOR_NAMES.values() for s in names[:4]}, key=len, reverse=True)
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-GATE_UP_MISMATCH = "gate/up global scales differ"
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<layer>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>[a-z0-9_]+)\.(?P<suffix>" + "|".join(_SUFFIXES) + ")$"
+)
+_QUANTIZED_MARKERS = ("weight_scale", "weight_scale_2", "weight_packed", "weight_global_scale")
+# --fix refuses a gate/up pair whose requantization to the shared (max) global scale moves a projection by
+# more than this (||requantized - stored|| / ||stored||); ordinary pairs move by about one e2m1 step (< 0.12).
+FIX_MAX_RELATIVE_ERROR = 0.25
+_NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
 class Problem:
-    module: str
+    module: str  # the tensor (or module) at fault
     message: str
-    severity: str = "error"  # "error" fails inspect; "warning" is reported only
+    severity: str = "error"  # "error" fails inspect; "warning" is reported (exit 3 when nothing else is)
     fixable: bool = False
 
     def __str__(self) -> str:
@@ -52,10 +58,16 @@ class InspectReport:
     experts_per_layer: dict[str, int]  # ``...experts`` prefix -> number of experts
     shapes: dict[str, tuple[int, int]]  # projection role -> unquantized [N, K] (first seen)
     problems: list[Problem] = field(default_factory=list)
+    gate_up_pairs: list[tuple[str, str, int]] = field(default_factory=list)  # (gate module, up module, expert) differing
 
     @property
     def ok(self) -> bool:
         return not any(p.severity == "error" for p in self.problems)
+
+    @property
+    def exit_code(self) -> int:
+        """0: no problems; 1: errors; 3: warnings only (as ``moe-nvfp4 inspect --help`` says)."""
+        return 0 if not self.problems else 3 if self.ok else 1
 
     def __str__(self) -> str:
         lines = [
@@ -71,103 +83,171 @@ class InspectReport:
         return "\n".join(lines)
 
 
-def _modules(src: SourceCheckpoint) -> dict[str, dict[str, str]]:
-    """Quantized module name -> {suffix: tensor name}, in file order."""
+class _LazyTensors(Mapping[str, torch.Tensor]):
+    """suffix -> tensor, read from the shard on each access (a layer's experts never sit in memory at once)."""
+
+    def __init__(self, src: SourceCheckpoint, names: dict[str, str]):
+        self.src, self.names = src, names
+
+    def __getitem__(self, suffix: str) -> torch.Tensor:
+        return self.src.load(self.names[suffix])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _num_experts(config: dict[str, Any]) -> int | None:
+    for holder in (config, config.get("text_config")):
+        if isinstance(holder, dict):
+            for key in _NUM_EXPERTS_KEYS:
+                if isinstance(holder.get(key), int) and not isinstance(holder.get(key), bool) and holder[key] > 0:
+                    return holder[key]
+    return None
+
+
+def _expert_layers(src: SourceCheckpoint) -> dict[str, dict[int, dict[str, dict[str, str]]]]:
+    """Quantized MoE layers: prefix -> expert -> projection -> suffix -> tensor name."""
+    layers: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for name in src.tensors:
+        m = _EXPERT_TENSOR.match(name)
+        if m and m["proj"] in PROJECTION_ROLES:
+            layers[m["layer"]][int(m["expert"])][m["proj"]][m["suffix"]] = name
+    quantized = lambda experts: any(  # noqa: E731
+        k in _QUANTIZED_MARKERS for projs in experts.values() for suffixes in projs.values() for k in suffixes
+    )
+    return {prefix: experts for prefix, experts in layers.items() if quantized(experts)}
+
+
+def _projections(experts: dict[int, dict[str, dict[str, str]]]) -> tuple[str, str, str]:
+    names = {p for projs in experts.values() for p in projs}
+    return ("gate_proj", "up_proj", "down_proj") if names & {"gate_proj", "up_proj", "down_proj"} else ("w1", "w3", "w2")
+
+
+def _convention(experts: dict[int, dict[str, dict[str, str]]]) -> Convention:
+    packed = any("weight_packed" in s for projs in experts.values() for s in projs.values())
+    return Convention.COMPRESSED_TENSORS if packed else Convention.MODELOPT
+
+
+def _modules(src: SourceCheckpoint, skip: set[str]) -> dict[str, dict[str, str]]:
+    """Quantized modules outside MoE layers: name -> {suffix: tensor name}, in file order."""
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for name in src.tensors:
+        if name in skip:
+            continue
         for suffix in _SUFFIXES:
             if name.endswith("." + suffix):
                 groups[name[: -len(suffix) - 1]][suffix] = name
                 break
-    markers = ("weight_scale_2", "weight_packed", "weight_global_scale")
-    return {m: g for m, g in groups.items() if any(k in g for k in markers)}
-
-
-def _expert_of(module: str) -> int | None:
-    m = _EXPERT.search(module + ".")
-    return int(m[1]) if m else None
+    return {m: g for m, g in groups.items() if any(k in g for k in _QUANTIZED_MARKERS)}
 
 
 def _read(src: SourceCheckpoint, module: str, names: dict[str, str]) -> tuple[Convention, NVFP4Linear]:
     tensors = {suffix: src.load(name) for suffix, name in names.items()}
     convention = detect_convention(tensors)
-    return convention, from_checkpoint(tensors, convention, name=module, expert=_expert_of(module))
+    return convention, from_checkpoint(tensors, convention, name=module)
 
 
-def _lost_blocks(layer: NVFP4Linear) -> int:
-    """Blocks whose scale is zero although their codes are not: their weights dequantize to zero."""
-    w = layer.weight
-    codes = unpack_fp4(w.packed) & 0x7
-    nonzero = codes.reshape(*codes.shape[:-1], -1, NVFP4.block_size).amax(-1) > 0
-    return int(((w.block_scale.float() == 0) & nonzero).sum())
+def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
+    """Every problem of an opened checkpoint: the check ``inspect`` prints and the converter runs on its output."""
+    algo, w4a4, ours = read_settings(src.config)
+    problems: list[Problem] = []
+    conventions: set[str] = set()
+    shapes: dict[str, tuple[int, int]] = {}
+    pairs: list[tuple[str, str, int]] = []
+    layers = _expert_layers(src)
+    n_experts = _num_experts(src.config)
+    quantized = 0
+    for prefix, experts in layers.items():
+        convention = _convention(experts)
+        conventions.add(convention.value)
+        projections = _projections(experts)
+        lazy = {e: {p: _LazyTensors(src, names) for p, names in projs.items()} for e, projs in experts.items()}
+        expected = range(n_experts if n_experts is not None else max(experts) + 1)
+        for f in check_moe_layer(prefix, lazy, convention=convention, expected_experts=expected,
+                                 projections=projections, require_input_scales=bool(w4a4)):  # fmt: skip
+            gate_up = f.severity == "warning"
+            problems.append(Problem(f.tensor, f.message, f.severity, fixable=gate_up))
+            if gate_up:
+                pairs.append((f"{prefix}.{f.expert}.{projections[0]}", f"{prefix}.{f.expert}.{projections[1]}", f.expert))
+        extra = sorted(set(experts) - set(expected))
+        if extra:
+            problems.append(Problem(f"{prefix}.{extra[0]}", f"expert id outside the config's {len(expected)} experts"))
+        quantized += sum(len(projs) for projs in experts.values())
+        packed_key = TENSOR_NAMES[convention][0]
+        for role, proj in zip(Role, projections):
+            first = next((projs[proj] for projs in experts.values() if packed_key in projs.get(proj, {})), None)
+            shape = () if first is None else src.tensors[first[packed_key]].shape
+            if len(shape) == 2:
+                shapes.setdefault(role.value, (shape[0], 2 * shape[1]))
+    in_layers = {n for experts in layers.values() for projs in experts.values() for s in projs.values() for n in s.values()}
+    modules = _modules(src, in_layers)
+    with_input = without_input = 0
+    for module, names in modules.items():
+        try:
+            convention, layer = _read(src, module, names)
+        except CheckpointError as e:
+            problems.append(Problem(e.tensor or module, e.reason))
+            continue
+        conventions.add(convention.value)
+        lost = lost_blocks(layer)
+        if lost:
+            problems.append(Problem(f"{module}.{TENSOR_NAMES[convention][1]}",
+                                    f"{lost} block scales are zero over non-zero codes (those weights would read as 0)"))
+        if layer.input_scale is None:
+            without_input += 1
+            if w4a4:
+                problems.append(Problem(module, f"missing input scale, required by quant_algo {algo} (W4A4)"))
+        else:
+            with_input += 1
+        shapes.setdefault("linear", (layer.weight.n, layer.weight.k))
+    if w4a4 is None and with_input and without_input:
+        problems.append(Problem(str(src.root), f"missing input scales: {without_input} of {with_input + without_input} layers have none"))
+    quantized += len(modules)
+    if not quantized:
+        problems.append(Problem(str(src.root), "no NVFP4 tensors (no weight_scale / weight_scale_2 / weight_packed); not an NVFP4 checkpoint"))
+    return InspectReport(
+        root=src.root,
+        conventions=tuple(sorted(conventions)),
+        quant_algo=algo,
+        metadata=ours,
+        quantized_modules=quantized,
+        experts_per_layer={p: len(es) for p, es in layers.items()},
+        shapes=shapes,
+        problems=problems,
+        gate_up_pairs=pairs,
+    )
 
 
 def inspect_checkpoint(root: str | Path) -> InspectReport:
     """Read every quantized module of the checkpoint in ``root`` and list every problem found."""
-    root = Path(root)
     with open_checkpoint(root) as src:
-        algo, w4a4, ours = read_settings(src.config)
-        problems: list[Problem] = []
-        conventions: set[str] = set()
-        experts: dict[str, set[int]] = defaultdict(set)
-        shapes: dict[str, tuple[int, int]] = {}
-        gate_up: dict[tuple[str, int], dict[Role, tuple[str, float]]] = defaultdict(dict)
-        with_input = without_input = 0
-        modules = _modules(src)
-        for module, names in modules.items():
-            try:
-                convention, layer = _read(src, module, names)
-            except CheckpointError as e:
-                problems.append(Problem(module, str(e)))
-                continue
-            conventions.add(convention.value)
-            lost = _lost_blocks(layer)
-            if lost:
-                problems.append(Problem(module, f"{lost} block scales are zero over non-zero codes (those weights read as 0)"))
-            if layer.input_scale is None:
-                without_input += 1
-                if w4a4:
-                    problems.append(Problem(module, f"missing input scale, required by quant_algo {algo} (W4A4)"))
-            else:
-                with_input += 1
-            kind = classify(module + ".weight", (layer.weight.n, layer.weight.k))
-            role = kind.role.value if isinstance(kind, ExpertWeight) else "linear"
-            shapes.setdefault(role, (layer.weight.n, layer.weight.k))
-            if isinstance(kind, ExpertWeight):
-                experts[kind.prefix].add(kind.expert)
-                if kind.role is not Role.DOWN:
-                    gate_up[(kind.prefix, kind.expert)][kind.role] = (module, float(layer.weight.global_scale))
-        if w4a4 is None and with_input and without_input:
-            problems.append(Problem(str(root), f"missing input scales: {without_input} of {with_input + without_input} layers have none"))
-        declared_separate = (ours or {}).get("gate_up_global_scale") == GATE_UP_SEPARATE
-        for (prefix, e), pair in gate_up.items():
-            if len(pair) == 2 and pair[Role.GATE][1] != pair[Role.UP][1]:
-                g, u = pair[Role.GATE][1], pair[Role.UP][1]
-                problems.append(Problem(
-                    f"{prefix}.{e}",
-                    f"{GATE_UP_MISMATCH} (gate {g:.6g}, up {u:.6g}); engines fusing w13 use one scale",
-                    "warning" if declared_separate else "error",
-                    fixable=True,
-                ))  # fmt: skip
-        return InspectReport(
-            root=root,
-            conventions=tuple(sorted(conventions)),
-            quant_algo=algo,
-            metadata=ours,
-            quantized_modules=len(modules),
-            experts_per_layer={p: len(es) for p, es in experts.items()},
-            shapes=shapes,
-            problems=problems,
-        )
+        return checkpoint_problems(src)
 
 
-def _shared_pair(src: SourceCheckpoint, gate: str, up: str, modules: dict[str, dict[str, str]]) -> dict[str, torch.Tensor]:
-    """Gate and up requantized exactly: dequantize both, requantize with the max of their global scales."""
-    out = {}
-    read = {m: _read(src, m, modules[m]) for m in (gate, up)}
+def _relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    norm = float(torch.linalg.vector_norm(old))
+    return float(torch.linalg.vector_norm(new - old)) / norm if norm > 0 else 0.0
+
+
+def _shared_pair(src: SourceCheckpoint, gate: str, up: str, expert: int) -> dict[str, torch.Tensor]:
+    """Gate and up requantized with the max of their global scales; refused past ``FIX_MAX_RELATIVE_ERROR``."""
+    names = {m: {s: f"{m}.{s}" for s in _SUFFIXES if f"{m}.{s}" in src.tensors} for m in (gate, up)}
+    read = {m: _read(src, m, names[m]) for m in (gate, up)}
     shared = torch.maximum(read[gate][1].weight.global_scale, read[up][1].weight.global_scale)
+    out = {}
     for module, (convention, layer) in read.items():
-        q = quantize_nvfp4(dequantize_nvfp4(layer.weight), shared)
+        stored = dequantize_nvfp4(layer.weight)
+        q = quantize_nvfp4(stored, shared)
+        err = _relative_change(dequantize_nvfp4(q), stored)
+        if err > FIX_MAX_RELATIVE_ERROR:
+            raise ConversionError(
+                f"{module} (expert {expert}): requantizing to the shared global scale {float(shared):.4g} would cost "
+                f"relative error {err:.3g} (bound {FIX_MAX_RELATIVE_ERROR}); not fixed: the two scales are too far "
+                "apart (an outlier?), reconvert the expert from its source weights"
+            )
         for suffix, t in to_checkpoint(NVFP4Linear(q, layer.input_scale), convention).items():
             out[f"{module}.{suffix}"] = t
     return out
@@ -184,38 +264,31 @@ def _fixed_config(path: Path) -> dict[str, Any]:
 def fix_checkpoint(root: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 5 * 10**9) -> InspectReport:
     """Write ``root`` to ``out_dir`` with every fixable problem repaired; return the report of the output.
 
-    Gate/up pairs with different global scales get the shared max scale.  Other problems are carried over
+    Gate/up pairs with different global scales get the shared max scale, unless that costs a projection more
+    than ``FIX_MAX_RELATIVE_ERROR`` (ConversionError naming the expert).  Other problems are carried over
     unchanged (the returned report still lists them).  The output appears atomically or not at all.
     """
     report = inspect_checkpoint(root)
     root = Path(root)
-    pairs = [p.module for p in report.problems if p.fixable and p.message.startswith(GATE_UP_MISMATCH)]
     with open_checkpoint(root) as src, atomic_output_dir(out_dir) as out:
-        modules = _modules(src)
-        by_expert: dict[str, dict[Role, str]] = defaultdict(dict)
-        for m in modules:
-            kind = classify(m + ".weight", (1, 1))
-            if isinstance(kind, ExpertWeight):
-                by_expert[f"{kind.prefix}.{kind.expert}"][kind.role] = m
         order = {name: i for i, name in enumerate(src.tensors)}
-        fixes: dict[str, tuple[str, str]] = {}  # first tensor of the pair -> (gate module, up module)
+        fixes: dict[str, tuple[str, str, int]] = {}  # first tensor of the pair -> (gate, up, expert)
         owned: set[str] = set()
-        for expert_module in pairs:
-            gate, up = by_expert[expert_module][Role.GATE], by_expert[expert_module][Role.UP]
-            names = [*modules[gate].values(), *modules[up].values()]
-            fixes[min(names, key=order.__getitem__)] = (gate, up)
+        for gate, up, expert in report.gate_up_pairs:
+            names = [n for n in src.tensors if n.startswith((gate + ".", up + "."))]
+            fixes[min(names, key=order.__getitem__)] = (gate, up, expert)
             owned.update(names)
         writer = ShardedWriter(out, max_shard_bytes=max_shard_bytes, metadata=shard_metadata())
         for name in src.tensors:
             if name in fixes:
-                for n, t in _shared_pair(src, *fixes[name], modules).items():
+                for n, t in _shared_pair(src, *fixes[name]).items():
                     writer.add(n, t)
             elif name not in owned:
                 writer.add(name, src.load(name))
         writer.close()
         for config_name in ("config.json", "hf_quant_config.json"):
             if (root / config_name).exists():
-                config = _fixed_config(root / config_name) if pairs else json.loads((root / config_name).read_text())
+                config = _fixed_config(root / config_name) if fixes else json.loads((root / config_name).read_text())
                 write_json(out / config_name, config)
         copy_non_weight_files(root, out)
     return inspect_checkpoint(out_dir)

@@ -7,7 +7,8 @@ Recognised expert layouts (HF names, as the files hold them):
 * stacked, transformers 5 in memory:   ``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, then
   up) and ``<prefix>.experts.down_proj`` ``[E, H, I]``; no ``.weight`` suffix.  ``save_pretrained`` of
   transformers 5.17 writes the per-expert names for Mixtral and Qwen3-MoE, but a raw ``state_dict`` dump
-  holds these.
+  holds these.  The transposed ``[E, H, 2I]`` / ``[E, I, H]`` (transformers' Llama-4) is told apart by
+  ``plan.py`` from config.json's sizes.
 
 Shared experts (``shared_expert.`` in Qwen2-MoE, ``shared_experts.`` in DeepSeek) are not routed experts: the
 pattern needs ``.experts.`` right after a dot, so they only count as plain linear layers.

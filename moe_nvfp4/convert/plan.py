@@ -94,8 +94,56 @@ def _load_pair(gate: str, up: str) -> Callable[[SourceCheckpoint], list[torch.Te
     return lambda src: [src.load(gate), src.load(up)]
 
 
-def _load_stacked(name: str, expert: int, parts: int) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
-    return lambda src: list(src.load_expert(name, expert).chunk(parts, dim=0))
+def _load_stacked(name: str, expert: int, parts: int, transposed: bool) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
+    def load(src: SourceCheckpoint) -> list[torch.Tensor]:
+        w = src.load_expert(name, expert)
+        return list((w.T if transposed else w).chunk(parts, dim=0))
+
+    return load
+
+
+def _model_dims(config: dict) -> tuple[int, int] | None:
+    """(hidden size H, expert intermediate size I) from config.json (or its text_config), or None."""
+    for holder in (config, config.get("text_config")):
+        if not isinstance(holder, dict):
+            continue
+        h = holder.get("hidden_size")
+        i = holder.get("moe_intermediate_size", holder.get("intermediate_size"))
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (h, i)):
+            return h, i
+    return None
+
+
+def _stacked_orientation(src: SourceCheckpoint, infos: list[tuple[TensorInfo, StackedExperts]]) -> bool:
+    """Whether one layer's stacked tensors are ``[E, K, N]`` (transformers' Llama-4 / gpt-oss layout) rather than
+    ``[E, N, K]``, decided from the config's H and I: gate_up is ``[E, 2I, H]`` or ``[E, H, 2I]``, down
+    ``[E, H, I]`` or ``[E, I, H]``.  Refused where the config lacks the sizes or the shapes fit neither."""
+    dims = _model_dims(src.config)
+    names = [info.name for info, _ in infos]
+    if dims is None:
+        raise ConversionError(
+            f"{names[0]}: stacked experts {infos[0][0].shape}, but config.json has no hidden_size and "
+            "(moe_)intermediate_size to tell [E, 2I, H] from [E, H, 2I]"
+        )
+    if src.config.get("model_type") == "gpt_oss":
+        raise ConversionError(f"{names[0]}: gpt-oss experts (interleaved gate/up columns, biases) are not supported")
+    h, i = dims
+    votes = set()
+    for info, kind in infos:
+        rows = i * len(kind.roles) if kind.roles[0] is not Role.DOWN else h
+        cols = h if kind.roles[0] is not Role.DOWN else i
+        fits = {o for o, shape in ((False, (rows, cols)), (True, (cols, rows))) if info.shape[1:] == shape}
+        if not fits:
+            raise ConversionError(
+                f"{info.name}: shape {info.shape} fits neither [E, {rows}, {cols}] nor [E, {cols}, {rows}] "
+                f"(hidden_size {h}, intermediate size {i} in config.json)"
+            )
+        if len(fits) == 1:
+            votes |= fits
+    if len(votes) != 1:
+        why = "disagree" if votes else "are square, so their orientation is ambiguous"
+        raise ConversionError(f"{names}: the stacked expert tensors {why}; cannot tell [E, N, K] from [E, K, N]")
+    return votes.pop()
 
 
 def _no_experts_error(src: SourceCheckpoint, kinds: dict[str, TensorKind]) -> ConversionError:
@@ -106,6 +154,19 @@ def _no_experts_error(src: SourceCheckpoint, kinds: dict[str, TensorKind]) -> Co
         f"or stacked '<prefix>.experts.gate_up_proj|down_proj'); linear weights found: {weights}. "
         "Use --all-linear or --include REGEX to choose tensors explicitly."
     )
+
+
+def _check_not_transposed(src: SourceCheckpoint, gate: TensorInfo, down: TensorInfo) -> None:
+    """Per-expert weights are ``[N, K]`` (gate ``[I, H]``, down ``[H, I]``); a ``[K, N]`` copy would quantize along
+    the wrong axis and still load, so it is refused where the config gives H and I."""
+    dims = _model_dims(src.config)
+    if dims is None or dims[0] == dims[1]:
+        return
+    h, i = dims
+    for info, want in ((gate, (i, h)), (down, (h, i))):
+        if info.shape == want[::-1]:
+            raise ConversionError(f"{info.name}: shape {info.shape} is the transpose of [N, K] = {list(want)} "
+                                  f"(hidden_size {h}, intermediate size {i}); store experts as [out, in]")  # fmt: skip
 
 
 def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bool) -> list[tuple[str, QuantUnit]]:
@@ -121,6 +182,7 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
         gate, up, down = info[Role.GATE], info[Role.UP], info[Role.DOWN]
         if gate.shape != up.shape:
             raise ConversionError(f"{prefix}.{e}: gate {gate.name} {gate.shape} and up {up.name} {up.shape} differ in shape")
+        _check_not_transposed(src, gate, down)
         if shared:
             gu = [QuantUnit((roles[Role.GATE].module, roles[Role.UP].module), f"{gate.name}, {up.name}", e,
                             gate.nbytes + up.nbytes, True, _load_pair(gate.name, up.name))]  # fmt: skip
@@ -132,8 +194,12 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
     return units
 
 
-def _stacked_units(info: TensorInfo, kind: StackedExperts, shared: bool) -> list[QuantUnit]:
-    n_experts, rows, _ = info.shape
+def _stacked_units(info: TensorInfo, kind: StackedExperts, shared: bool, transposed: bool) -> list[QuantUnit]:
+    n_experts, rows, cols = info.shape
+    if transposed:
+        rows, cols = cols, rows
+    if n_experts == 0:
+        raise ConversionError(f"{info.name}: shape {info.shape} holds zero experts")
     parts = len(kind.roles)
     if rows % parts:
         raise ConversionError(f"{info.name}: {rows} rows do not split into {[r.value for r in kind.roles]}")
@@ -141,7 +207,8 @@ def _stacked_units(info: TensorInfo, kind: StackedExperts, shared: bool) -> list
     units = []
     for e in range(n_experts):
         modules = tuple(stacked_output_name(kind.prefix, e, r) for r in kind.roles)
-        units.append(QuantUnit(modules, info.name, e, per_expert, shared or parts == 1, _load_stacked(info.name, e, parts)))
+        load = _load_stacked(info.name, e, parts, transposed)
+        units.append(QuantUnit(modules, info.name, e, per_expert, shared or parts == 1, load))
     return units
 
 
@@ -153,7 +220,7 @@ def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_s
     ):
         raise _no_experts_error(src, kinds)
     shared = not separate_gate_up_scales
-    chosen = {n for n, k in kinds.items() if selection.wants(k)}
+    chosen = {n: k for n, k in kinds.items() if selection.wants(k)}  # source order: errors are deterministic
     if not chosen:
         raise ConversionError(f"{src.root}: the selection matches no quantizable tensor (include={selection.include}, exclude={selection.exclude})")
 
@@ -175,14 +242,21 @@ def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_s
     skipped: dict[str, str] = {}
     ignore: list[str] = []
     experts: list[ExpertWeight] = []
-    for name in chosen:
-        kind, info = kinds[name], src.tensors[name]
+    stacked: dict[str, list[tuple[TensorInfo, StackedExperts]]] = defaultdict(list)
+    for name, kind in chosen.items():
+        if isinstance(kind, StackedExperts):
+            stacked[kind.prefix].append((src.tensors[name], kind))
+    transposed = {prefix: _stacked_orientation(src, infos) for prefix, infos in stacked.items()}
+    for name, kind in chosen.items():
+        info = src.tensors[name]
+        if isinstance(kind, StackedExperts):
+            _check_float(info, info.shape[1 if transposed[kind.prefix] else 2])
+            anchored[name] += _stacked_units(info, kind, shared, transposed[kind.prefix])
+            continue
         if not isinstance(kind, LinearWeight):
             _check_float(info, info.shape[-1])
         if isinstance(kind, ExpertWeight):
             experts.append(kind)
-        elif isinstance(kind, StackedExperts):
-            anchored[name] += _stacked_units(info, kind, shared)
         elif info.dtype not in FLOAT_DTYPES or info.shape[-1] % NVFP4.block_size:
             skipped[name] = f"dtype {info.dtype}, K={info.shape[-1]}: not a float weight with K a multiple of 16"
         else:

@@ -130,12 +130,12 @@ def read_settings(config: dict[str, Any]) -> tuple[str | None, bool | None, dict
         return None, None, None
     ours = qc.get(METADATA_KEY) if isinstance(qc.get(METADATA_KEY), dict) else None
     if qc.get("quant_method") == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
+        groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
         w4a4 = any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
         return "NVFP4" if w4a4 else ALGO_WEIGHT_ONLY, w4a4, ours
     nested = qc.get("quantization")
     algo = (nested if isinstance(nested, dict) else qc).get("quant_algo")
-    if algo is None:
+    if not isinstance(algo, str):
         return None, None, ours
     algo = str(algo).upper()
     return algo, algo == ALGO_W4A4, ours

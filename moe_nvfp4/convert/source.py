@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,10 +12,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["ConversionError", "SourceCheckpoint", "TensorInfo", "open_checkpoint", "DTYPE_BYTES"]
+__all__ = ["ConversionError", "SourceCheckpoint", "TensorInfo", "open_checkpoint", "regular_file", "DTYPE_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+# What reading a shard can raise besides SafetensorError (a header the library accepts but torch cannot map).
+_READ_ERRORS = (SafetensorError, OSError, RuntimeError, TypeError, ValueError, OverflowError)
 
 # safetensors dtype string -> bytes per element
 DTYPE_BYTES: dict[str, int] = {
@@ -72,7 +77,7 @@ class SourceCheckpoint:
         info = self.tensors[name]
         try:
             return self._handle(info.shard).get_tensor(name)
-        except SafetensorError as e:
+        except _READ_ERRORS as e:
             raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name} ({e})") from e
 
     def load_expert(self, name: str, expert: int) -> torch.Tensor:
@@ -80,57 +85,112 @@ class SourceCheckpoint:
         info = self.tensors[name]
         try:
             return self._handle(info.shard).get_slice(name)[expert]
-        except SafetensorError as e:
+        except _READ_ERRORS as e:
             raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name}[{expert}] ({e})") from e
 
 
+def regular_file(path: Path) -> bool:
+    """Whether ``path`` exists as a regular file (symlinks followed); ConversionError for anything else there.
+
+    Only regular files are ever opened: a FIFO would block forever, a symlink loop or a device fails oddly.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise ConversionError(f"{path}: dangling symbolic link") from None
+        return False
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot stat ({e.strerror}); a symlink loop?") from e
+    if not stat.S_ISREG(mode):
+        raise ConversionError(f"{path}: not a regular file (a directory, FIFO, socket or device); only regular files are read")
+    return True
+
+
 def _open_shard(path: Path) -> Any:
+    if not regular_file(path):
+        raise ConversionError(f"{path}: shard is missing")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
+    except _READ_ERRORS as e:
         raise ConversionError(f"{path}: cannot read safetensors shard ({e}); the file may be truncated or corrupt") from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: cannot read JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    weight_map = _read_json(path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConversionError(f"{path}: no 'weight_map' with tensor names")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str) or not v or "/" in v or v.startswith(".")]
+    if bad:
+        raise ConversionError(f"{path}: weight_map entry {bad[0]!r} -> {weight_map[bad[0]]!r} is not a shard file name")
+    return weight_map
+
+
+def _headers(root: Path, shards: list[str]) -> dict[str, TensorInfo]:
+    """Every tensor of every shard; a name in two shards is refused (which copy is meant is ambiguous)."""
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shards:
+        path = root / shard
+        with _open_shard(path) as f:
+            try:
+                entries = [(name, f.get_slice(name)) for name in f.keys()]
+                infos = [TensorInfo(name, shard, sl.get_dtype(), tuple(sl.get_shape())) for name, sl in entries]
+            except _READ_ERRORS as e:
+                raise ConversionError(f"{path}: cannot read safetensors header ({e})") from e
+        for info in infos:
+            if info.name in tensors:
+                raise ConversionError(
+                    f"{info.name}: in two shards, {tensors[info.name].shard} and {shard}; remove the stale copy"
+                )
+            tensors[info.name] = info
+    return tensors
 
 
 def open_checkpoint(root: str | Path) -> SourceCheckpoint:
     """Read config.json (if any), the shard index (or the single ``model.safetensors``) and every header.
 
-    Every header is read up front, so a truncated or missing shard fails before anything is written.
+    Every header is read up front, so a truncated or missing shard fails before anything is written.  With
+    an index, each tensor must be in the shard the index names, and in no other.
     """
     root = Path(root)
-    if not root.is_dir():
+    try:
+        is_dir = stat.S_ISDIR(os.stat(root).st_mode)
+    except OSError as e:
+        raise ConversionError(f"{root}: cannot read ({e.strerror}); pass a local HF checkpoint directory") from e
+    if not is_dir:
         raise ConversionError(f"{root}: not a directory; pass a local HF checkpoint directory")
-    config = _read_json(root / "config.json") if (root / "config.json").exists() else {}
-    if (root / INDEX_NAME).exists():
-        weight_map = _read_json(root / INDEX_NAME).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConversionError(f"{root / INDEX_NAME}: no 'weight_map' with tensor names")
+    config = _read_json(root / "config.json") if regular_file(root / "config.json") else {}
+    if regular_file(root / INDEX_NAME):
+        weight_map: dict[str, str] | None = _weight_map(root / INDEX_NAME)
         shards = sorted(set(weight_map.values()))
-    elif (root / SINGLE_NAME).exists():
+    elif regular_file(root / SINGLE_NAME):
         weight_map, shards = None, [SINGLE_NAME]
     else:
         found = sorted(p.name for p in root.iterdir())
         raise ConversionError(
             f"{root}: no {INDEX_NAME} or {SINGLE_NAME} (found {found[:12]}); only safetensors checkpoints are read"
         )
-    tensors: dict[str, TensorInfo] = {}
     for shard in shards:
-        path = root / shard
-        if not path.exists():
-            raise ConversionError(f"{path}: shard listed in {INDEX_NAME} is missing")
-        with _open_shard(path) as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                tensors[name] = TensorInfo(name, shard, sl.get_dtype(), tuple(sl.get_shape()))
+        if not regular_file(root / shard):
+            raise ConversionError(f"{root / shard}: shard listed in {INDEX_NAME} is missing")
+    tensors = _headers(root, shards)
     if weight_map is not None:
         missing = [n for n in weight_map if n not in tensors]
         if missing:
             raise ConversionError(f"{root}: {len(missing)} tensors of {INDEX_NAME} are in no shard, e.g. {missing[:3]}")
+        moved = [n for n, shard in weight_map.items() if tensors[n].shard != shard]
+        if moved:
+            n = moved[0]
+            raise ConversionError(f"{n}: {INDEX_NAME} names shard {weight_map[n]}, but it is in {tensors[n].shard}")
         tensors = {n: tensors[n] for n in tensors if n in weight_map}
     return SourceCheckpoint(root, config, tensors)

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import stat
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .source import INDEX_NAME, ConversionError
+from .source import INDEX_NAME, ConversionError, regular_file
 
-__all__ = ["ShardedWriter", "atomic_output_dir", "copy_non_weight_files", "write_json"]
+__all__ = ["ShardedWriter", "atomic_output_dir", "copy_non_weight_files", "shard_metadata", "write_json"]
 
 # Files that hold weights (or their index / the configs we rewrite): never copied from the source.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
@@ -21,37 +26,86 @@ REWRITTEN = {INDEX_NAME, "config.json", "hf_quant_config.json"}
 
 
 @contextmanager
-def atomic_output_dir(dst: str | Path) -> Iterator[Path]:
-    """Yield a fresh temp directory beside ``dst``; rename it to ``dst`` on success, delete it on any error."""
-    dst = Path(dst)
-    if dst.exists():
-        raise ConversionError(f"{dst}: output already exists; remove it or choose another path")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+def _sigterm_raises() -> Iterator[list[int]]:
+    """SIGTERM raises (as SIGINT does) so the temp directory is removed; the yielded list records the signal
+    too, because a handler that fires inside a finalizer has its exception swallowed.  Only the main thread
+    can set handlers."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise ConversionError("interrupted by SIGTERM; the partial output was removed")
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield tmp
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def atomic_output_dir(dst: str | Path) -> Iterator[Path]:
+    """Yield a fresh temp directory beside ``dst``; rename it to ``dst`` on success, delete it on any error,
+    SIGINT or SIGTERM.  The directory gets the umask's permissions (mkdtemp's 0700 would hide it from others);
+    a write error (a full disk) becomes a ConversionError naming the file."""
+    dst = Path(dst)
+    if os.path.lexists(dst):
+        what = "a dangling symbolic link" if not dst.exists() else "already exists"
+        raise ConversionError(f"{dst}: output {what}; remove it or choose another path")
+    tmp: Path | None = None
+    with _sigterm_raises() as received:
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)
+            yield tmp
+            if received:
+                raise ConversionError("interrupted by SIGTERM; the partial output was removed")
+            tmp.rename(dst)
+        except OSError as e:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ConversionError(f"{e.filename or dst}: cannot write ({e.strerror or e}); nothing was written") from e
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def shard_metadata() -> dict[str, str]:
+    """Shard header metadata: only ``format`` (transformers requires it).  A second key would make the bytes
+    non-deterministic (safetensors writes its metadata map in hash order); our metadata lives in config.json."""
+    return {"format": "pt"}
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation config and every other non-weight file; return the names copied."""
-    copied = []
+def copy_non_weight_files(src: Path, dst: Path) -> tuple[list[str], list[str]]:
+    """Copy the top-level regular files that hold no weights (tokenizer, generation config, chat template...);
+    return (names copied, subdirectories left out).  Subdirectories are never copied: they may hold weights
+    or anything else, and the output is a checkpoint, not a copy of the source tree."""
+    copied, left_out = [], []
     for path in sorted(src.iterdir()):
         if path.name in REWRITTEN or path.name.startswith(".") or path.name.endswith(WEIGHT_SUFFIXES):
             continue
-        if path.is_dir():
-            shutil.copytree(path, dst / path.name)
-        else:
-            shutil.copy2(path, dst / path.name)
-        copied.append(path.name)
-    return copied
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except OSError:
+            is_dir = False  # regular_file names the problem
+        if is_dir:
+            left_out.append(path.name)
+            continue
+        if regular_file(path):
+            shutil.copyfile(path, dst / path.name)
+            copied.append(path.name)
+    return copied, left_out
 
 
 class ShardedWriter:
@@ -85,7 +139,11 @@ class ShardedWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        save_file(self._pending, str(self.out_dir / f"shard-{len(self._shards):05d}.tmp"), metadata=self.metadata)
+        path = self.out_dir / f"shard-{len(self._shards):05d}.tmp"
+        try:
+            save_file(self._pending, str(path), metadata=self.metadata)
+        except SafetensorError as e:  # I/O errors (a full disk) may come back as SafetensorError
+            raise OSError(None, str(e), str(path)) from e
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
