@@ -361,14 +361,13 @@ class Torch(Path):
 def build_path(name: str, shape: MoEShape, weights: tuple, copies: int) -> Path:
     """Path ``name`` on make_weights' (w13_q, w2_q, w13_deq, w2_deq), holding ``copies`` weight copies."""
     w13_q, w2_q, w13_deq, w2_deq = weights
-    if name == "ours":
-        return Ours(w13_q, w2_q, copies)
-    if name == "marlin":
-        return Marlin(shape, w13_q, w2_q, copies)
-    if name == "humming":
-        return Humming(shape, w13_q, w2_q, copies)
-    if name == "bf16":
-        return BF16(shape, w13_deq, w2_deq, copies)
-    if name == "torch":
-        return Torch(shape, w13_deq, w2_deq, copies)
-    raise ValueError(f"unknown path {name!r}; choose from {list(PATHS)}")
+    builders = {  # a path name, not a kernel backend (those live in moe_nvfp4.backends)
+        "ours": lambda: Ours(w13_q, w2_q, copies),
+        "marlin": lambda: Marlin(shape, w13_q, w2_q, copies),
+        "humming": lambda: Humming(shape, w13_q, w2_q, copies),
+        "bf16": lambda: BF16(shape, w13_deq, w2_deq, copies),
+        "torch": lambda: Torch(shape, w13_deq, w2_deq, copies),
+    }
+    if name not in builders:
+        raise ValueError(f"unknown path {name!r}; choose from {list(PATHS)}")
+    return builders[name]()
