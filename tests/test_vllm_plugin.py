@@ -593,6 +593,21 @@ def test_installed_vllm_is_a_supported_release():
     assert _release() in ((0, 26), (0, 33)) and compat.is_supported()
 
 
+def test_pyproject_admits_exactly_the_supported_releases():
+    """pip install 'moe-nvfp4[vllm]' must resolve to a release compat supports, and to every one of them."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    from moe_nvfp4_vllm import compat
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    (req,) = [Requirement(r) for r in project["optional-dependencies"]["vllm"]]
+    admitted = {(0, minor) for minor in range(20, 40) for patch in (0, 3) if f"0.{minor}.{patch}" in req.specifier}
+    assert admitted == set(compat.RELEASES)
+
+
 def test_unsupported_release_is_refused_by_name(plugin, monkeypatch, caplog):
     """Another release: building the config raises an error naming the supported ones; the entry point (run in
     every vLLM process, asked for nvfp4_grouped or not) logs that and registers nothing instead of raising."""
@@ -644,7 +659,7 @@ def test_layer_gets_our_method_through_vllms_own_lookup(plugin, convention):
         assert type(again).__name__ == "NVFP4GroupedMoEMethod"
 
 
-@pytest.mark.skipif(_release() != (0, 33), reason="vLLM 0.26 has no online requantization (0.33's resolve_quant_method)")
+@pytest.mark.skipif(_release() != (0, 33), reason="vLLM 0.26 has no online requantization (resolve_quant_method)")
 def test_online_requantization_is_refused(plugin):
     """0.33 would make our method the source of an online requantization (it needs dequantize_weight, which
     NVFP4 experts have no business offering); the config refuses by name instead of failing at load."""
@@ -653,7 +668,8 @@ def test_online_requantization_is_refused(plugin):
     from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
 
     qc = _config(plugin, "modelopt")
-    qc.online_quantization_config = OnlineQuantizationConfig(QuantizationConfigArgs(linear="fp8_per_tensor_dynamic", moe="fp8_per_tensor_dynamic"))
+    fp8 = "fp8_per_tensor_dynamic"
+    qc.online_quantization_config = OnlineQuantizationConfig(QuantizationConfigArgs(linear=fp8, moe=fp8))
     layer_prefix = "model.layers.0.self_attn.o_proj"
     with pytest.raises(ValueError, match=rf"{layer_prefix}: nvfp4_grouped does not combine with online quantization"):
         resolve_quant_method(qc, torch.nn.Linear(2, 2), layer_prefix)
@@ -769,8 +785,12 @@ def _moe_layer(qc):
 
 
 def _bf16_tensors(ex):
-    return {f"{e}.{p}.weight": w for e in range(E) for p, w in
-            (("gate_proj", ex.dense13[e, :I]), ("up_proj", ex.dense13[e, I:]), ("down_proj", ex.dense2[e]))}  # fmt: skip
+    tensors = {}
+    for e in range(E):
+        tensors[f"{e}.gate_proj.weight"] = ex.dense13[e, :I]
+        tensors[f"{e}.up_proj.weight"] = ex.dense13[e, I:]
+        tensors[f"{e}.down_proj.weight"] = ex.dense2[e]
+    return tensors
 
 
 @pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", None], ids=["modelopt", "ct", "bf16"])

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import vllm
 
-__all__ = ["SUPPORTED", "VLLM_RELEASE", "MoEMethodCompat", "check_supported", "is_supported", "keep_finalized",
-           "online_quantization"]  # fmt: skip
+__all__ = [
+    "RELEASES", "SUPPORTED", "VLLM_RELEASE", "MoEMethodCompat",
+    "check_supported", "is_supported", "keep_finalized", "online_quantization",
+]  # fmt: skip
 
 SUPPORTED = "vLLM 0.26.x (verified on H100/H200) or 0.33.x (CPU tests only)"
-_RELEASES = ((0, 26), (0, 33))
+RELEASES = ((0, 26), (0, 33))  # (major, minor); pyproject.toml's [vllm] extra admits the same
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -39,7 +41,7 @@ VLLM_RELEASE = _release(vllm.__version__)  # (major, minor) of the vLLM this pro
 
 
 def is_supported() -> bool:
-    return VLLM_RELEASE in _RELEASES
+    return VLLM_RELEASE in RELEASES
 
 
 def check_supported() -> None:

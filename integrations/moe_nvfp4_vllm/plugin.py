@@ -23,7 +23,9 @@ def register() -> None:
 
     if not compat.is_supported():
         init_logger(f"vllm.{__name__}").error(
-            "nvfp4_grouped is not registered: it supports %s, this is vLLM %s", compat.SUPPORTED, compat.vllm.__version__
+            "nvfp4_grouped is not registered: it supports %s, this is vLLM %s",
+            compat.SUPPORTED,
+            compat.vllm.__version__,
         )
         return
     from vllm.model_executor.layers.quantization import (
