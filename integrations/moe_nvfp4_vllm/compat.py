@@ -3,7 +3,7 @@
 Supported: vLLM 0.26.x (verified end to end on H100/H200) and 0.33.x (CPU tests only: 0.33 pins torch 2.14 and
 the GPU image has torch 2.11).  Both build ``RoutedExperts`` the same way, load through the same weight loader
 and call ``apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)`` from the MoE runner;
-what 0.33 changed on our paths is listed here, and nowhere else in the plugin:
+what 0.33 changed on our paths is handled here, and nowhere else in the plugin looks at the release:
 
 ==========================================  ================================  =====================================
 path                                        vLLM 0.26                         vLLM 0.33
