@@ -1,9 +1,13 @@
-"""CPU tests of the vLLM 0.26 plugin (``--quantization nvfp4_grouped``).
+"""CPU tests of the vLLM plugin (``--quantization nvfp4_grouped``) on whichever supported vLLM is installed.
 
+CI runs this file twice, under vLLM 0.26.0 and under 0.33.0, each in its own environment (.ci/run); tests of a
+path only one release has say so in their skip reason, and ``moe_nvfp4_vllm.compat`` names every difference.
 The MoE method is tested on a real vLLM ``RoutedExperts`` built on CPU (FusedMoEConfig with an explicit
 FusedMoEParallelConfig for each TP / EP rank, ExpertMapManager, and a VllmConfig on device "cpu"), loaded
 through ``RoutedExperts.load_weights`` with checkpoint tensor names: the same weight loader, TP slicing and
-expert mapping vLLM uses.  Without a GPU vLLM cannot build a whole model, so LLM(...) runs in tests/gpu.
+expert mapping vLLM uses.  The MoE runner is tested whole: vLLM's own factory builds the layer (router,
+runner, RoutedExperts) and its forward calls our ``apply``.  Without a GPU vLLM cannot build a whole model, so
+LLM(...) runs in tests/gpu (vLLM 0.26 only: the GPU image's torch 2.11 cannot run 0.33).
 """
 from __future__ import annotations
 
@@ -117,7 +121,7 @@ def test_from_config(plugin, case):
 
 
 def test_bf16_config_constructs_without_arguments(plugin):
-    """vLLM 0.26 calls quant_cls() when the checkpoint has no quantization config (get_config_filenames is [])."""
+    """vLLM calls quant_cls() when the checkpoint has no quantization config (get_config_filenames is [])."""
     assert plugin.NVFP4GroupedConfig.get_config_filenames() == []
     assert plugin.NVFP4GroupedConfig().convention is None
 
@@ -153,7 +157,7 @@ def test_override_quantization_method(plugin, cfg, user, expected):
 
 
 def test_custom_overrides_are_probed_before_vllms(plugin):
-    """vLLM 0.26's _verify_quantization puts custom methods first; modelopt_fp4 would otherwise claim it."""
+    """vLLM's _verify_quantization (0.26 and 0.33) puts custom methods first; modelopt_fp4 would otherwise claim it."""
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
     assert "nvfp4_grouped" in QUANTIZATION_METHODS
@@ -579,3 +583,256 @@ def test_excluded_experts_stay_unquantized(plugin):
     qc = plugin.NVFP4GroupedConfig.from_config(cfg)
     assert qc._experts_excluded(None, LAYER)
     assert not qc._experts_excluded(None, "model.layers.1.mlp.experts")
+
+
+# ---------------------------------------------------------------- what differs between vLLM releases
+
+
+def _release():
+    from moe_nvfp4_vllm import compat
+
+    return compat.VLLM_RELEASE
+
+
+def test_installed_vllm_is_a_supported_release():
+    """CI installs exactly the releases compat names; a third one would run these tests against untested paths."""
+    from moe_nvfp4_vllm import compat
+
+    assert _release() in ((0, 26), (0, 33)) and compat.is_supported()
+
+
+def test_pyproject_admits_exactly_the_supported_releases():
+    """pip install 'moe-nvfp4[vllm]' must resolve to a release compat supports, and to every one of them."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    from moe_nvfp4_vllm import compat
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    (req,) = [Requirement(r) for r in project["optional-dependencies"]["vllm"]]
+    admitted = {(0, minor) for minor in range(20, 40) for patch in (0, 3) if f"0.{minor}.{patch}" in req.specifier}
+    assert admitted == set(compat.RELEASES)
+
+
+def test_unsupported_release_is_refused_by_name(plugin, monkeypatch, caplog):
+    """Another release: building the config raises an error naming the supported ones; the entry point (run in
+    every vLLM process, asked for nvfp4_grouped or not) logs that and registers nothing instead of raising."""
+    import logging
+
+    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
+
+    from moe_nvfp4_vllm import compat
+    from moe_nvfp4_vllm.plugin import register
+
+    monkeypatch.setattr(compat, "VLLM_RELEASE", (0, 31))
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.26\.x .* or 0\.33\.x .*; this is vLLM"):
+        plugin.NVFP4GroupedConfig()
+    with pytest.raises(RuntimeError, match=r"0\.26\.x"):
+        plugin.NVFP4GroupedConfig.from_config(dict(MODELOPT_W4A16))
+    monkeypatch.delitem(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG, "nvfp4_grouped")
+    logging.getLogger("vllm").addHandler(caplog.handler)  # vLLM's logger does not propagate to the root
+    try:
+        register()
+    finally:
+        logging.getLogger("vllm").removeHandler(caplog.handler)
+    assert "nvfp4_grouped" not in _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
+    assert "nvfp4_grouped is not registered: it supports vLLM 0.26.x" in caplog.text
+
+
+def test_is_mxfp4_quant_is_not_ours_to_answer(plugin):
+    """0.26's MoE layer asks QuantizationConfig.is_mxfp4_quant before rounding the hidden size (the base says
+    False, which is right for us); 0.33 removed the hook, so an override of ours would be dead code."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    assert "is_mxfp4_quant" not in vars(plugin.NVFP4GroupedConfig)
+    if _release() == (0, 26):
+        assert plugin.NVFP4GroupedConfig().is_mxfp4_quant(LAYER, None) is False
+    else:
+        assert not hasattr(QuantizationConfig, "is_mxfp4_quant")
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", None], ids=["modelopt", "ct", "bf16"])
+def test_layer_gets_our_method_through_vllms_own_lookup(plugin, convention):
+    """RoutedExperts asks the config for its method: 0.26 calls get_quant_method directly, 0.33 through
+    resolve_quant_method (which keeps the checkpoint's method when no online quantization is configured)."""
+    layer = _routed_experts(_config(plugin, convention))
+    assert type(layer.quant_method).__name__ == "NVFP4GroupedMoEMethod"
+    assert not layer.quant_method.is_monolithic  # the runner routes first, then calls apply
+    if _release() == (0, 33):
+        from vllm.model_executor.layers.quantization.base_config import resolve_quant_method
+
+        again = resolve_quant_method(layer.quant_config, layer, LAYER)
+        assert type(again).__name__ == "NVFP4GroupedMoEMethod"
+
+
+@pytest.mark.skipif(_release() != (0, 33), reason="vLLM 0.26 has no online requantization (resolve_quant_method)")
+def test_online_requantization_is_refused(plugin):
+    """0.33 would make our method the source of an online requantization (it needs dequantize_weight, which
+    NVFP4 experts have no business offering); the config refuses by name instead of failing at load."""
+    from vllm.config.quantization import QuantizationConfigArgs
+    from vllm.model_executor.layers.quantization.base_config import resolve_quant_method
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+
+    qc = _config(plugin, "modelopt")
+    fp8 = "fp8_per_tensor_dynamic"
+    qc.online_quantization_config = OnlineQuantizationConfig(QuantizationConfigArgs(linear=fp8, moe=fp8))
+    layer_prefix = "model.layers.0.self_attn.o_proj"
+    with pytest.raises(ValueError, match=rf"{layer_prefix}: nvfp4_grouped does not combine with online quantization"):
+        resolve_quant_method(qc, torch.nn.Linear(2, 2), layer_prefix)
+
+
+def test_dense_layers_get_vllms_modelopt_linear_method_of_this_release(plugin):
+    """Non-expert NVFP4 layers are delegated to ModelOptNvFp4Config, whose linear methods 0.33 replaced with the
+    generic ModelOptLinearMethod(spec, ctx, format_scheme); excluded layers stay unquantized in both."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    class FakeLinear(LinearBase):  # get_quant_method only looks at the type
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    for cfg, w4a4 in ((MODELOPT_W4A16, False), (MODELOPT_W4A4, True)):
+        qc = plugin.NVFP4GroupedConfig.from_config(dict(cfg))
+        assert isinstance(qc.get_quant_method(FakeLinear(), "lm_head"), UnquantizedLinearMethod)
+        if _release() == (0, 26):  # the 0.26 classes pick a GPU kernel in __init__: check which class it is
+            want = "ModelOptNvFp4LinearMethod" if w4a4 else "ModelOptNvFp4W4A16LinearMethod"
+            assert qc.delegate.LinearMethodCls.__name__ == want
+            continue
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Static
+
+        method = qc.get_quant_method(FakeLinear(), "model.layers.0.self_attn.o_proj")
+        assert type(method).__name__ == "ModelOptLinearMethod"
+        assert method.spec.weight == kNvfp4Static and (method.spec.activation is not None) == w4a4
+
+
+def test_no_prepare_finalize_for_all2all_backends(plugin, monkeypatch):
+    """0.26's runner asks the method for a prepare/finalize after loading and wraps it in FusedMoEModularMethod;
+    under DP + EP with DeepEP the base method would build one around modular experts we do not have, so ours
+    answers None (the runner then keeps its naive dispatch/combine).  0.33 removed the hook and the wrapping."""
+    import dataclasses
+
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    layer = _routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=0)
+    method = layer.quant_method
+    if _release() == (0, 33):
+        assert not hasattr(FusedMoEMethodBase, "maybe_make_prepare_finalize")
+        assert not hasattr(method, "maybe_make_prepare_finalize") and not hasattr(method, "select_gemm_impl")
+        return
+    deepep = dataclasses.replace(method.moe.moe_parallel_config, dp_size=2, all2all_backend="deepep_low_latency")
+    monkeypatch.setattr(method.moe, "moe_parallel_config", deepep)
+    assert method.moe.use_deepep_ll_kernels
+    assert method.maybe_make_prepare_finalize(routing_tables=None) is None
+
+
+def test_expert_map_is_the_local_slot_map(plugin, gen):
+    """Under EP our kernel takes the -1 / local-slot expert map.  0.33's RoutedExperts.expert_map hands a 0/1
+    mask instead to experts that set consumes_expert_mask; ours have no moe_kernel, so they get the map."""
+    layer = _routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=1)
+    assert layer.expert_map.tolist() == [-1, -1, 0, 1]
+    assert layer.quant_method.moe_kernel is None
+
+
+@pytest.mark.skipif(_release() != (0, 33), reason="vLLM 0.26 has no deferred MoE finalize")
+def test_deferred_finalize_is_declined(plugin, gen):
+    """0.33 lets a model ask for an UnfinalizedMoEOutput (defer_moe_finalize) and then trust
+    should_defer_moe_finalize for each call; our apply always returns the finished sum, so the answer is no."""
+    import moe_nvfp4
+
+    ex = _experts(gen)
+    layer = _routed_experts(_config(plugin, "modelopt"), tp=2, tp_rank=0)
+    layer.moe_config.defer_moe_finalize(64)
+    assert layer.moe_config.use_deferred_moe_finalize  # a TP-only layer: vLLM would defer for TRTLLM experts
+    assert not any(layer.moe_config.should_defer_moe_finalize(n) for n in (1, T, 64, 4096))
+    _load(layer, ex.tensors)
+    x, tw, ids = _routing(gen)
+    out = layer.quant_method.apply(layer, x, tw, ids, None, None)
+    assert type(out) is torch.Tensor  # finished, not an UnfinalizedMoEOutput
+    rows = torch.cat([torch.arange(I // 2), I + torch.arange(I // 2)])  # rank 0: the first half of gate and of up
+    w13 = moe_nvfp4.NVFP4Tensor(ex.w13.packed[:, rows], ex.w13.block_scale[:, rows], ex.w13.global_scale)
+    w2 = moe_nvfp4.NVFP4Tensor(ex.w2.packed[..., : I // 4], ex.w2.block_scale[..., : I // 32], ex.w2.global_scale)
+    ref = moe_nvfp4.fused_moe_torch(x, w13, w2, tw, ids)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+# ---------------------------------------------------------------- the whole MoE layer: vLLM's factory and runner
+
+
+@pytest.fixture(scope="module")
+def single_process_group(tmp_path_factory):
+    """vLLM's MoE factory reads the TP / EP / DP groups: one CPU process of world size 1 (gloo)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        init = f"file://{tmp_path_factory.mktemp('dist') / 'init'}"
+        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+            parallel_state.init_distributed_environment(1, 0, init, 0, "gloo")
+            parallel_state.initialize_model_parallel(1, 1)
+    yield
+
+
+def _moe_layer(qc):
+    """vLLM's own MoE layer (0.26 ``FusedMoE``, 0.33 ``FusedMoEFactory``: the same factory, renamed): router,
+    MoERunner and RoutedExperts, with a torch softmax top-k router (vLLM's fused top-k is a CUDA op)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import layer as moe_layer
+
+    factory = moe_layer.FusedMoE if _release() == (0, 26) else moe_layer.FusedMoEFactory
+
+    def route(hidden_states, gating_output, topk, renormalize):
+        tw, ids = torch.topk(gating_output.float().softmax(-1), topk, dim=-1)
+        return tw / tw.sum(-1, keepdim=True), ids.int()
+
+    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(vllm_config):
+        layer = factory(num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                        renormalize=True, custom_routing_function=route, quant_config=qc, prefix=LAYER)  # fmt: skip
+    return layer, vllm_config
+
+
+def _bf16_tensors(ex):
+    tensors = {}
+    for e in range(E):
+        tensors[f"{e}.gate_proj.weight"] = ex.dense13[e, :I]
+        tensors[f"{e}.up_proj.weight"] = ex.dense13[e, I:]
+        tensors[f"{e}.down_proj.weight"] = ex.dense2[e]
+    return tensors
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", None], ids=["modelopt", "ct", "bf16"])
+def test_moe_runner_forward_calls_our_apply(plugin, gen, single_process_group, convention, monkeypatch):
+    """The path a served model takes: the runner's load_weights, process_weights_after_loading, then forward
+    (router -> RoutedExperts.forward_modular -> our apply, not apply_monolithic) inside a forward context; the
+    output equals fused_moe_torch on the checkpoint's NVFP4 values (BF16: the same values quantized on load).
+    0.26 also runs its legacy modular-kernel setup, which must leave our method in place."""
+    import moe_nvfp4
+    from vllm.forward_context import set_forward_context
+
+    monkeypatch.setenv("MOE_NVFP4_AUTOTUNE", "0")
+    ex = _experts(gen, convention or "modelopt")
+    layer, vllm_config = _moe_layer(_config(plugin, convention))
+    method = layer.routed_experts.quant_method
+    assert type(method).__name__ == "NVFP4GroupedMoEMethod"
+    list(layer.load_weights(iter(sorted((ex.tensors if convention else _bf16_tensors(ex)).items()))))
+    method.process_weights_after_loading(layer.routed_experts)
+    if _release() == (0, 26):
+        layer.maybe_init_modular_kernel()
+        assert layer.routed_experts.quant_method is method  # no FusedMoEModularMethod wrapped around it
+    calls = []
+    monkeypatch.setattr(method, "apply", lambda *a, **k: calls.append(k or a) or type(method).apply(method, *a, **k))
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    logits = torch.randn(T, E, generator=gen)
+    with set_forward_context({}, vllm_config):
+        out = layer(x, logits)
+    assert len(calls) == 1
+    tw, ids = torch.topk(logits.softmax(-1), TOPK, dim=-1)
+    if convention:
+        w13, w2 = ex.w13, ex.w2
+    else:
+        w13 = moe_nvfp4.quantize_nvfp4(ex.dense13.float(), segments=2)
+        w2 = moe_nvfp4.quantize_nvfp4(ex.dense2.float())
+    ref = moe_nvfp4.fused_moe_torch(x, w13, w2, (tw / tw.sum(-1, keepdim=True)).float(), ids.int())
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)

@@ -1,4 +1,4 @@
-"""``NVFP4GroupedConfig``: vLLM 0.26 ``QuantizationConfig`` for ``--quantization nvfp4_grouped``.
+"""``NVFP4GroupedConfig``: vLLM ``QuantizationConfig`` for ``--quantization nvfp4_grouped``.
 
 What a checkpoint declares decides where its tensors come from; MoE experts always go to our method:
 
@@ -24,6 +24,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from moe_nvfp4.checkpoint import Convention
 
+from . import compat
 from .plugin import QUANTIZATION_NAME
 
 __all__ = ["NVFP4GroupedConfig", "is_modelopt_nvfp4", "is_compressed_tensors_nvfp4"]
@@ -80,8 +81,9 @@ class NVFP4GroupedConfig(QuantizationConfig):
     convention: ``Convention.MODELOPT`` / ``Convention.COMPRESSED_TENSORS`` for an NVFP4 checkpoint (tensor
     names of that convention), None for a BF16 checkpoint quantized on load.  ``delegate`` is vLLM's config
     for the same checkpoint (non-expert layers, KV cache); ``input_scales`` says whether the checkpoint is
-    W4A4 and so must carry expert input scales.  ``NVFP4GroupedConfig()`` is the BF16 form: vLLM 0.26
-    constructs it with no arguments when the checkpoint has no quantization config.
+    W4A4 and so must carry expert input scales.  ``NVFP4GroupedConfig()`` is the BF16 form: vLLM constructs it
+    with no arguments when the checkpoint has no quantization config.  Every construction checks that this vLLM
+    is a supported release (``compat.check_supported``).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class NVFP4GroupedConfig(QuantizationConfig):
         delegate: QuantizationConfig | None = None,
         input_scales: bool = False,
     ) -> None:
+        compat.check_supported()
         super().__init__()
         if convention is not None and delegate is None:
             raise ValueError("NVFP4GroupedConfig: an NVFP4 checkpoint convention needs vLLM's config as delegate")
@@ -156,7 +159,7 @@ class NVFP4GroupedConfig(QuantizationConfig):
     ) -> str | None:
         """Take over ModelOpt / compressed-tensors NVFP4 checkpoints when the user asked for nvfp4_grouped.
 
-        vLLM 0.26 (``ModelConfig._verify_quantization``) probes custom configs first, so without the user's
+        vLLM 0.26 and 0.33 (``ModelConfig._verify_quantization``) probe custom configs first, so without the user's
         request this returns None and vLLM's own ``modelopt_fp4`` / ``compressed-tensors`` keep the checkpoint.
         """
         if user_quant != QUANTIZATION_NAME:
@@ -168,6 +171,13 @@ class NVFP4GroupedConfig(QuantizationConfig):
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if compat.online_quantization(self) is not None:
+            # vLLM 0.33 would wrap our method as the source of an online requantization, which needs a
+            # dequantize_weight we do not have (and would undo the NVFP4 experts this config exists for).
+            raise ValueError(
+                f"{prefix}: nvfp4_grouped does not combine with online quantization (--quantization-config); "
+                "drop that option"
+            )
         if isinstance(layer, RoutedExperts):
             if self._experts_excluded(layer, prefix):
                 return UnquantizedFusedMoEMethod(layer.moe_config)

@@ -1,6 +1,6 @@
-"""``NVFP4GroupedMoEMethod``: vLLM 0.26 ``FusedMoEMethodBase`` running routed experts on ``moe_nvfp4.fused_moe``.
+"""``NVFP4GroupedMoEMethod``: vLLM ``FusedMoEMethodBase`` running routed experts on ``moe_nvfp4.fused_moe``.
 
-Life of a layer (vLLM 0.26 ``RoutedExperts``):
+Life of a layer (``RoutedExperts``, the same in vLLM 0.26 and 0.33; ``compat`` holds what differs):
 
 1. ``create_weights``: checkpoint-shaped parameters, loaded by ``RoutedExperts.weight_loader`` (TP slicing of
    the intermediate dimension, global -> local expert ids for EP).  Each loader is wrapped: it rejects a
@@ -17,7 +17,7 @@ Life of a layer (vLLM 0.26 ``RoutedExperts``):
    kernel variant up to that budget, so no request ever waits on a Triton compile.
 3. ``apply``: ``moe_nvfp4.fused_moe`` with the router's ``topk_weights`` / ``topk_ids`` (the MoE runner calls
    ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map.
-   No host synchronisation, so vLLM's CUDA graphs capture it.
+   No host synchronisation, so vLLM's CUDA graphs capture it.  The output is always finalized (the top-k sum).
 
 Activations stay in BF16/FP16 on Hopper: a W4A4 checkpoint's input scales are loaded and validated, not used.
 On sm_100/sm_103 (``moe_nvfp4.dispatch.select_backends`` has a W4A4 MoE backend there: FlashInfer's fused MoE,
@@ -45,6 +45,8 @@ from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.validate import check_moe_layer, raise_first_error
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
+from .compat import MoEMethodCompat, keep_finalized
+
 __all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR", "validate_loaded_experts"]
 
 WEIGHTS_ATTR = "moe_nvfp4_weights"  # the packed MoEWeights on the layer after loading
@@ -66,7 +68,7 @@ class _Param:
     suffix: str  # the checkpoint tensor suffix, e.g. "weight_scale_2"
 
 
-class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
+class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
     """Routed experts as NVFP4 (ModelOpt or compressed-tensors tensors, or BF16 quantized on load).
 
     quant_config: the ``NVFP4GroupedConfig`` (convention None = BF16 checkpoint); moe: the layer's
@@ -75,6 +77,7 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, quant_config, moe) -> None:
         super().__init__(moe)
+        keep_finalized(moe)
         self.quant_config = quant_config
         self.convention: Convention | None = quant_config.convention
         self.params: list[_Param] = []
@@ -303,11 +306,6 @@ class NVFP4GroupedMoEMethod(FusedMoEMethodBase):
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # no vLLM modular kernel: apply() calls moe_nvfp4 directly
-
-    def maybe_make_prepare_finalize(self, routing_tables=None):
-        # No vLLM prepare/finalize: with DP + EP the runner falls back to its naive dispatch/combine,
-        # and with TP the runner all-reduces our partial sums.
-        return None
 
     def apply(
         self,
