@@ -72,7 +72,8 @@ def test_round_trip_and_padding(gen, e, h, i) -> None:
 def _flashinfer_helpers() -> dict:
     """FlashInfer's pure-torch row-permutation helpers, executed from its installed source files."""
     spec = importlib.util.find_spec("flashinfer")
-    assert spec is not None, "FlashInfer (a dependency of vLLM 0.26) is not installed"
+    if spec is None:  # .ci/run's vLLM 0.26 environment has it (vLLM's deps list); the 0.33 one leaves GPU packages out
+        pytest.skip("FlashInfer's sources are not installed (vLLM 0.26's CPU environment of .ci/run has them)")
     root = pathlib.Path(spec.origin).parent
     wanted = {"utils.py": {"srcToDstBlk16RowMap", "srcToDstBlk32RowMap", "get_shuffle_block_size",
                            "get_shuffle_matrix_a_row_indices", "get_shuffle_matrix_sf_a_row_indices"},
