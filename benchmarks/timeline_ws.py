@@ -73,8 +73,8 @@ _EDITS = [
             _stamp(3, GATED, 1)
     last = slots - K_GROUPS + GROUP  # this group's last slot of the tile
 """),
-    ("""        tiles_done += 1
-""", """        tiles_done += 1
+    ("""        tiles_done += _has_rows(row0, row_end, PAIR_TILES)
+""", """        tiles_done += _has_rows(row0, row_end, PAIR_TILES)
     if GROUP == 0:
         _stamp(4, GATED, tiles_done)
 """),

@@ -153,8 +153,11 @@ def _check_global_scale(name: str, scale: torch.Tensor, device: torch.device) ->
                          f"on {scale.device}")  # fmt: skip
 
 
-def _check_inputs(x: torch.Tensor, hidden: int, weights_device: torch.device, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> None:
+def _check_inputs(x: torch.Tensor, hidden: int, num_experts: int, weights_device: torch.device,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> None:
+    """Metadata checks only (no host synchronisation): the values of topk_ids and expert_map are never read here.
+    Ids outside [0, E_global) and map entries outside [0, E) are not errors: they route the pair nowhere
+    (routing.routed_pairs), masked in the kernels, so a corrupt id costs its pair, never memory safety."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != hidden:
@@ -167,11 +170,32 @@ def _check_inputs(x: torch.Tensor, hidden: int, weights_device: torch.device, to
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     if not topk_weights.dtype.is_floating_point:
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"expert_map must be a 1-D int32 tensor, got {expert_map.dtype} {tuple(expert_map.shape)}")
     devices = {t.device for t in (x, topk_weights, topk_ids)} | {weights_device}
     if len(devices) != 1:
         raise ValueError(f"x, weights and routing tensors must be on one device, got {devices}")
+    if expert_map is None:
+        return
+    if expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_map must be a 1-D int32 or int64 tensor, got {expert_map.dtype} "
+                         f"{tuple(expert_map.shape)}")  # fmt: skip
+    if expert_map.device != topk_ids.device:
+        raise ValueError(f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}: they must share a device")
+    # Its length is the global expert count the ids index: one entry per global expert, so at least the local ones.
+    if expert_map.numel() < num_experts:
+        raise ValueError(f"expert_map has {expert_map.numel()} entries but the weights hold {num_experts} local "
+                         "experts: it needs one entry per global expert (the ids' range)")  # fmt: skip
+
+
+def _kernel_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   expert_map: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What the kernels read, checked inputs in their forms: x with unit stride along H, topk_weights float32,
+    topk_ids int32, expert_map contiguous int32.  A strided x (``x[:, ::2]``) is a valid tensor, so it is copied,
+    not refused: the kernels address a row's values as consecutive (any row stride is fine), and the copy of
+    [T, H] costs little beside the expert weights every forward streams; it has a fixed shape, so it captures
+    in a CUDA graph like the rest."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
+    return x, topk_weights.float(), topk_ids.to(torch.int32), emap
 
 
 def fused_moe(
@@ -185,25 +209,17 @@ def fused_moe(
     """NVFP4 MoE forward: sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]) -> [T, H] in x.dtype.
 
     topk_ids are global expert ids; with ``expert_map`` (int32 [E_global], -1 = not on this rank) only
-    local experts contribute.  No host synchronisation: capturable in a CUDA graph.  On CUDA this runs
-    the Triton kernels (one launch per GEMM over all experts); on CPU the torch reference.
+    local experts contribute.  A pair whose id is outside [0, E_global) (E_global = E without a map) or whose
+    map entry is outside [0, E) contributes nothing (``routing.routed_pairs``).  No host synchronisation:
+    capturable in a CUDA graph.  On CUDA this runs the Triton kernels (one launch per GEMM over all
+    experts); on CPU the torch reference.
     """
-    _check_inputs(x, weights.hidden, weights.w13_packed.device, topk_weights, topk_ids, expert_map)
+    _check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids,
+                  expert_map)  # fmt: skip
     from .ops import fused_moe_op
 
-    return fused_moe_op(
-        x,
-        weights.w13_packed,
-        weights.w13_scale,
-        weights.w13_global,
-        weights.w2_packed,
-        weights.w2_scale,
-        weights.w2_global,
-        topk_weights.float(),
-        topk_ids.to(torch.int32),
-        None if expert_map is None else expert_map.to(torch.int32),
-        weights.intermediate,
-    )
+    x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
+    return fused_moe_op(x, *weights.tensors, topk_weights, topk_ids, expert_map, weights.intermediate)
 
 
 def prepare_moe_weights_w4a4(
@@ -246,8 +262,10 @@ def fused_moe_w4a4(
     """
     from .flashinfer_moe import MoEWeightsFlashInfer
 
-    device = weights.w2.device if isinstance(weights, MoEWeightsFlashInfer) else weights.w2.packed.device
-    _check_inputs(x, weights.hidden, device, topk_weights, topk_ids, expert_map)
+    flashinfer = isinstance(weights, MoEWeightsFlashInfer)
+    device, num_experts = (weights.w2.device, weights.num_experts) if flashinfer else (weights.w2.packed.device,
+                                                                                      weights.w2.packed.shape[0])
+    _check_inputs(x, weights.hidden, num_experts, device, topk_weights, topk_ids, expert_map)
     _check_global_scale("w13_input_scale", w13_input_scale, x.device)
     _check_global_scale("w2_input_scale", w2_input_scale, x.device)
     if select_backends(x.device).moe_w4a4 is None:
@@ -255,21 +273,18 @@ def fused_moe_w4a4(
                          "use fused_moe (16-bit activations)")  # fmt: skip
     from .ops import fused_moe_w4a4_flashinfer_op, fused_moe_w4a4_op
 
-    if isinstance(weights, MoEWeightsFlashInfer):
+    x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
+    if flashinfer:
         global_experts = weights.num_experts if expert_map is None else expert_map.numel()
         if weights.expert_offset + weights.num_experts > global_experts:
             raise ValueError(f"experts {weights.expert_offset}..{weights.expert_offset + weights.num_experts - 1} "
                              f"are local, but expert_map has only {global_experts} entries")  # fmt: skip
         return fused_moe_w4a4_flashinfer_op(
-            x, weights.tensors(), topk_weights.float(), topk_ids.to(torch.int32), weights.hidden, weights.intermediate,
+            x, weights.tensors(), topk_weights, topk_ids, weights.hidden, weights.intermediate,
             weights.expert_offset, global_experts, w13_input_scale.reshape(1), w2_input_scale.reshape(1),
         )  # fmt: skip
-
-    return fused_moe_w4a4_op(
-        x, weights.tensors(), topk_weights.float(), topk_ids.to(torch.int32),
-        None if expert_map is None else expert_map.to(torch.int32), weights.intermediate,
-        w13_input_scale.reshape(1), w2_input_scale.reshape(1),
-    )  # fmt: skip
+    return fused_moe_w4a4_op(x, weights.tensors(), topk_weights, topk_ids, expert_map, weights.intermediate,
+                             w13_input_scale.reshape(1), w2_input_scale.reshape(1))  # fmt: skip
 
 
 def warmup_fused_moe(
@@ -414,6 +429,9 @@ def _check_grouped(
             if t.packed.dim() != 2 or t.packed.dtype != torch.uint8:
                 raise ValueError(f"group {g}: {name} must be one packed uint8 [rows, K/2] matrix, got "
                                  f"{t.packed.dtype} {tuple(t.packed.shape)}")  # fmt: skip
+            if t.block_scale.dtype != NVFP4.scale_dtype:  # a float32 / bf16 / uint8 view would be read as e4m3 bytes
+                raise TypeError(f"group {g}: {name}.block_scale must be {NVFP4.scale_dtype} (e4m3 block scales), got "
+                                f"{t.block_scale.dtype}")  # fmt: skip
             if t.global_scale.numel() != 1:
                 raise ValueError(f"group {g}: {name} needs one global scale, got shape {tuple(t.global_scale.shape)}")
             if {t.packed.device, t.block_scale.device, t.global_scale.device} != {device}:

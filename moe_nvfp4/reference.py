@@ -1,7 +1,8 @@
 """Pure-torch twins of the public ops, float32 math (or float64 when asked): the ground truth for tests.
 
 Shapes: x [T, H]; w13 NVFP4Tensor [E, 2I, H] (gate rows first, then up; global scale [E] or [E, 2]);
-w2 NVFP4Tensor [E, H, I]; topk_weights [T, k]; topk_ids [T, k] (global expert ids).
+w2 NVFP4Tensor [E, H, I]; topk_weights [T, k]; topk_ids [T, k] (global expert ids).  A pair whose id is
+outside [0, E_global) or whose expert-map entry is outside [0, E) contributes nothing (``routing.routed_pairs``).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Sequence
 import torch
 
 from .formats import NVFP4Tensor, dequantize_nvfp4, quantize_activations_nvfp4
+from .routing import routed_pairs
 
 __all__ = ["moe_dense_torch", "fused_moe_torch", "grouped_gemm_nvfp4_torch", "fake_quantize_activations"]
 
@@ -43,14 +45,13 @@ def moe_dense_torch(
     out[t] = sum_j w[t, j] * W2_e (SiLU(x W1_e^T) * (x W3_e^T)), e = topk_ids[t, j].  W4A16 by default;
     W4A4 when input scales ([E] or scalar multipliers) are given: the activations entering each GEMM
     are quantized to NVFP4 with that scale first.  With an expert map, pairs whose expert maps to -1
-    contribute nothing (another rank owns them).
+    contribute nothing (another rank owns them); so do pairs with an id or map entry out of range.
     """
     t, hidden = x.shape
     inter = w2.shape[-1]
     out = torch.zeros(t, hidden, dtype=compute_dtype, device=x.device)
-    ids = topk_ids.long()
-    if expert_map is not None:
-        ids = expert_map.to(ids.device).long()[ids]
+    local, routed = routed_pairs(topk_ids, w13.shape[0], expert_map)
+    ids = torch.where(routed, local, -1).view(topk_ids.shape)
     xf = x.to(compute_dtype)
     for e in range(w13.shape[0]):
         token, slot = torch.nonzero(ids == e, as_tuple=True)

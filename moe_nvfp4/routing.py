@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RoutingPlan", "max_tiles", "plan_routing", "topk_softmax", "topk_sigmoid_grouped"]
+__all__ = ["RoutingPlan", "max_tiles", "plan_routing", "routed_pairs", "topk_softmax", "topk_sigmoid_grouped"]
 
 
 def topk_softmax(
@@ -66,6 +66,24 @@ def topk_sigmoid_grouped(
     return weights * scaling_factor, ids.to(torch.int32)
 
 
+def routed_pairs(
+    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The meaning of routing data every path shares (kernels, plan_routing, the reference): flat pair p goes to
+    local expert ``local[p]`` where ``routed[p]``; otherwise it contributes nothing.  A pair is routed when its id
+    lies in [0, E_global) (E_global: the map's length, else ``num_experts``) and, with an expert map, its entry in
+    [0, num_experts): vLLM's -1 for experts of other ranks, and any corrupt id or entry, selects no weights.
+    Returns (local int64 [P], 0 where not routed; routed bool [P]); no host synchronisation."""
+    ids = topk_ids.reshape(-1).long()
+    n_global = num_experts if expert_map is None else expert_map.numel()
+    routed = (ids >= 0) & (ids < n_global)
+    local = torch.where(routed, ids, 0)
+    if expert_map is not None:
+        local = expert_map.to(device=ids.device, dtype=torch.long)[local]
+        routed &= (local >= 0) & (local < num_experts)
+    return torch.where(routed, local, 0), routed
+
+
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on sum_e ceil(count_e / block_m) over all routings of ``num_pairs`` pairs."""
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
@@ -75,8 +93,8 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 class RoutingPlan:
     """Pairs grouped by local expert, with a tile map for one block size. All tensors int32, fixed size.
 
-    sorted_pairs:   [P] flat pair indices ``t * top_k + j`` in expert order; pairs of experts not on this
-                    rank (expert map -1) come last, after ``expert_offsets[E]``.
+    sorted_pairs:   [P] flat pair indices ``t * top_k + j`` in expert order; pairs routed nowhere
+                    (``routed_pairs``) come last, after ``expert_offsets[E]``.
     expert_counts:  [E] pairs per local expert.
     expert_offsets: [E + 1] start of each expert's run in ``sorted_pairs``.
     tile_expert:    [max_tiles] local expert of each tile of ``block_m`` rows, -1 past ``num_tiles``.
@@ -108,7 +126,8 @@ def plan_routing(
     """Group the (token, k) pairs of ``topk_ids`` [T, top_k] by local expert.
 
     expert_map: int32 [E_global], global expert id -> local id on this rank or -1 (expert parallelism);
-    ``num_experts`` is then the number of local experts.
+    ``num_experts`` is then the number of local experts.  Pairs that ``routed_pairs`` rejects (an id or a
+    map entry out of range) belong to no expert and contribute nothing.
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, top_k], got shape {tuple(topk_ids.shape)}")
@@ -116,10 +135,9 @@ def plan_routing(
         raise ValueError(f"block_m and num_experts must be positive, got {block_m} and {num_experts}")
     device = topk_ids.device
     top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).long()
-    num_pairs = ids.numel()
-    local = ids if expert_map is None else expert_map.to(device=device, dtype=torch.long)[ids]
-    key = torch.where(local >= 0, local, torch.full_like(local, num_experts))
+    num_pairs = topk_ids.numel()
+    local, routed = routed_pairs(topk_ids, num_experts, expert_map)
+    key = torch.where(routed, local, torch.full_like(local, num_experts))
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     counts = counts[:num_experts]

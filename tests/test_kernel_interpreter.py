@@ -180,3 +180,67 @@ def test_warmup_runs_one_forward_per_kernel_variant() -> None:
     proc = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[1, 3, 10, 20, 40, 65, 97, 193, 513]"
+
+
+# Poisoned routing: ids and expert-map entries out of range route their pair nowhere (routing.routed_pairs), in
+# every kernel that reads them (routing, combine) and in the reference; the interpreter turns an out-of-bounds
+# access into garbage or a crash, so a kernel that trusted the values fails here.
+POISON_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, moe_nvfp4 as m
+    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
+    e, k, h, i, t, seed, use_map, block_m, low, via_api = map(int, sys.argv[1:])
+    g = torch.Generator().manual_seed(seed)
+    q13 = m.quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) / h**0.5, segments=2)
+    q2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=g) / i**0.5)
+    w = m.prepare_moe_weights(q13, q2)
+    n_global = e + 3 if use_map else e
+    tw, ti = m.topk_softmax(torch.randn(t, n_global, generator=g), k, renormalize=True)
+    poison = torch.tensor([-1, n_global, 1000, -1000, 2**31 - 1], dtype=torch.int32)
+    bad = torch.rand(t, k, generator=g) < 0.4
+    ti = torch.where(bad, poison[torch.randint(0, len(poison), (t, k), generator=g)], ti)
+    ti[0] = poison[:k]  # a token with no routed pair: its output is exactly zero
+    emap = None
+    if use_map:  # global experts 0 and e + 1 on another rank (-1), e + 2 a corrupt entry past the local experts
+        emap = torch.tensor([-1] + list(range(e)) + [-1, e + 5], dtype=torch.int32)
+    ws = block_m == 8
+    cfg = MoEKernelConfig(block_m, GemmConfig(64, warp_specialized=ws), GemmConfig(64, warp_specialized=ws),
+                          partials_in_x_dtype=bool(low))
+    x = torch.randn(t, h, generator=g).half()
+    if via_api:  # x with a row stride of 2H and unit stride along H, and a copy-needing view (stride 2 along H)
+        wide = torch.randn(t, 2 * h, generator=g).half()
+        x = wide[:, ::2]
+        out = m.fused_moe(x, w, tw, ti, expert_map=emap)
+    else:
+        out = torch.full_like(x, float("nan"))
+        fused_moe_sm90(x, *w.tensors, tw, ti, emap, i, cfg, out=out)
+    ref = m.fused_moe_torch(x.contiguous(), q13, q2, tw, ti, expert_map=emap, compute_dtype=torch.float64)
+    assert not out.isnan().any(), "unwritten output"
+    assert torch.equal(out[0], torch.zeros_like(out[0])), "a token with no routed pair got output"
+    plan = m.plan_routing(ti, e, block_m, expert_map=emap)
+    got = route(ti, e, block_m, emap)
+    for a, b in zip(got[1:], (plan.expert_counts, plan.expert_offsets, plan.tile_expert, plan.tile_row_start,
+                              plan.tile_row_end, plan.num_tiles)):
+        assert torch.equal(a, b), (a, b)
+    print(((out.double() - ref).norm() / ref.norm()).item())
+    """
+)
+
+
+@pytest.mark.parametrize("e,k,h,i,t,use_map,block_m,low,via_api", [
+    pytest.param(4, 2, 128, 128, 9, 0, 16, 0, 0, id="ids -1, E, 1000, int32 extremes"),
+    pytest.param(5, 3, 144, 80, 11, 1, 16, 1, 0, id="expert map: -1 entries, an entry past the local experts"),
+    pytest.param(6, 2, 128, 128, 13, 1, 8, 0, 0, id="8-token tiles, expert map"),
+    pytest.param(4, 2, 256, 128, 600, 0, 32, 0, 0, id="1200 pairs: the counted routing path"),
+    pytest.param(4, 2, 128, 128, 7, 1, 16, 0, 1, id="through fused_moe: strided x, expert map"),
+])  # fmt: skip
+def test_poisoned_routing_contributes_nothing(e, k, h, i, t, use_map, block_m, low, via_api, seed: int) -> None:
+    """Same bound as the clean cases (REL_TOL against the float64 reference, which drops the same pairs); a token
+    whose pairs are all poisoned gets exactly zero; route() equals plan_routing exactly."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
+    args = [str(v) for v in (e, k, h, i, t, seed % 2**31, use_map, block_m, low, via_api)]
+    proc = subprocess.run([sys.executable, "-c", POISON_SCRIPT, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL

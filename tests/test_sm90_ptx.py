@@ -30,7 +30,7 @@ GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128
 ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
                        counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
                        tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32", num_pairs="i32",
-                       chunk="i32", num_chunks="i32", num_experts="i32", max_tiles="i32")
+                       chunk="i32", num_chunks="i32", num_global="i32", num_experts="i32", max_tiles="i32")
 # COUNTED goes first (the kernel's argument order)
 ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128)
 
@@ -38,10 +38,10 @@ KERNELS = {
     "route": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=False), 8),
     "route counted": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=True, BLOCK_P=256), 8),
     "count": (K._count_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", num_pairs="i32",
-              chunk="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
+              chunk="i32", num_global="i32", num_experts="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
-                hidden="i32"), dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
+                hidden="i32", num_global="i32", num_experts="i32"), dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
 }  # fmt: skip
 
 
@@ -114,7 +114,8 @@ def test_register_cap_bounds_the_gemm_registers() -> None:
 
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False):
+                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False,
+                has_map: bool = False):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
     from moe_nvfp4.configs import GemmConfig
@@ -131,16 +132,17 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
-                     ids_ptr="*i32", num_pairs="i32", topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
+                     ids_ptr="*i32", num_pairs="i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
+                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, DTYPE=W.gl.bfloat16,
                       PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
                       MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
-                      PAIR_TILES=pair_tiles)  # fmt: skip
+                      PAIR_TILES=pair_tiles, HAS_MAP=has_map)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
-    attrs = _divisibility(signature, unaligned=("ids_ptr",))  # topk_ids: do_not_specialize_on_alignment
+    attrs = _divisibility(signature, unaligned=("ids_ptr", "expert_map_ptr"))  # do_not_specialize_on_alignment
     src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
                          attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
@@ -204,7 +206,7 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
 
 @pytest.mark.parametrize("gated,k_groups,maxnreg,stages,pairs", [
     (True, 1, 128, 4, False), (False, 1, 128, 4, False), (False, 2, 160, 2, False), (True, 2, 168, 4, False),
-    (True, 2, 168, 4, True), (False, 1, 128, 4, True)])
+    (True, 2, 168, 4, True), (False, 1, 128, 4, True), (False, 1, 128, 4, "map")])
 def test_warp_specialized_partitions_wait_for_the_previous_kernel(gated: bool, k_groups: int, maxnreg: int,
                                                                   stages: int, pairs: bool) -> None:
     """Programmatic dependent launch in the Gluon GEMM: every partition (each MMA warp group, the loader) waits
@@ -216,11 +218,11 @@ def test_warp_specialized_partitions_wait_for_the_previous_kernel(gated: bool, k
     stores come after the waits."""
     from moe_nvfp4.triton import moe_sm90_ws as W
 
-    ptx = _compile_ws(gated, 64, 4, maxnreg, 1, k_groups, stages, pair_tiles=pairs)["ptx"]
+    ptx = _compile_ws(gated, 64, 4, maxnreg, 1, k_groups, stages, pair_tiles=bool(pairs), has_map=pairs == "map")["ptx"]
     # With pair tiles the tile count is an argument, so ptxas knows a GEMM2 loader with no first tile has no tile
     # at all: it gets a block of its own that only waits, lets the next kernel launch and ends (nothing to check)
     ptx, idle = IDLE_EXIT.subn("", ptx)
-    assert idle == (pairs and not gated)
+    assert idle == (bool(pairs) and not gated)
     waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
     triggers = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
     assert len(waits) == len(triggers) == k_groups + 1  # the MMA groups and the loader
@@ -288,19 +290,23 @@ def test_loader_warps_issue_the_token_rows(loader_warps: int, block_m: int) -> N
 @pytest.mark.parametrize("gated,block_n,maxnreg,chunks,k_groups,stages,block_m,narrow,loader_warps", [
     (True, 64, 168, 2, 2, 4, 8, 0, 4), (False, 64, 128, 2, 1, 2, 8, 0, 2), (True, 128, 128, 2, 1, 2, 16, 1, 1),
     (False, 64, 168, 4, 2, 4, 16, 0, 4)])  # fmt: skip
+@pytest.mark.parametrize("has_map", [False, True], ids=["no map", "expert map"])
 def test_pair_tiles_read_topk_ids_not_the_tile_map(gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int,
-                                                   stages: int, block_m: int, narrow: int, loader_warps: int) -> None:
-    """MoEKernelConfig.pair_tiles: token tile m is pair m, its expert topk_ids[m], so the kernel reads none of the
+                                                   stages: int, block_m: int, narrow: int, loader_warps: int,
+                                                   has_map: bool) -> None:
+    """MoEKernelConfig.pair_tiles: token tile m is pair m, its expert topk_ids[m] (checked against the global expert
+    count, and with an expert map mapped and checked against the local count), so the kernel reads none of the
     routing kernel's buffers (its five tile-map parameters go unloaded) and no sorted pair ids; a tile of one row
     runs the narrowest MMAs the config allows (8 tokens wide here); the shipped T=1 shapes (Qwen3: 8-token tiles,
     2 K groups; Mixtral: 16-token tiles, narrow 1, one loader warp) spill nothing the routed builds do not."""
     asm = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow,
-                      loader_warps=loader_warps, pair_tiles=True)  # fmt: skip
+                      loader_warps=loader_warps, pair_tiles=True, has_map=has_map)  # fmt: skip
     routed = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow,
                          loader_warps=loader_warps)  # fmt: skip
     params = re.compile(r"ld\.param\.\w+\s+%\w+, \[_moe_gemm_ws_kernel_param_(\d+)\]")
     loaded, routed_loaded = set(params.findall(asm["ptx"])), set(params.findall(routed["ptx"]))
-    assert len(routed_loaded - loaded) == 5 and len(loaded - routed_loaded) == 2  # the tile map out; topk_ids, count in
+    # the tile map out; in: topk_ids, their count, the global expert count (with a map also the map, the local count)
+    assert len(routed_loaded - loaded) == 5 and len(loaded - routed_loaded) == (5 if has_map else 3)
     widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", asm["ptx"])}
     assert widths == {block_m >> narrow}  # a tile holds one row: only the narrowest K loop is built
     # no spill the routed build lacks (Mixtral's narrow-1 GEMM1 spills one register a tile in both, outside the K loop)
@@ -309,8 +315,9 @@ def test_pair_tiles_read_topk_ids_not_the_tile_map(gated: bool, block_n: int, ma
 
 def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     """The host's side of pair tiles (kernels stubbed, CPU tensors taken for rows the Gluon kernel can run): both
-    Gluon GEMMs get topk_ids and pair_tiles, and in place of the tile map one 16-byte aligned int32 stand-in, and
-    no routing kernel runs.  Any of an expert map, rows the Gluon kernel cannot run or the field off routes."""
+    Gluon GEMMs get topk_ids, pair_tiles and the expert map (or None), and in place of the tile map one 16-byte
+    aligned int32 stand-in, and no routing kernel runs, with an expert map as without.  Rows the Gluon kernel cannot
+    run or the field off route."""
     import moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton import moe_sm90_ws as W
@@ -337,14 +344,16 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     def forward(config: MoEKernelConfig, expert_map: torch.Tensor | None = None) -> None:
         K.fused_moe_sm90(x, *w.tensors, tw, ti, expert_map, i, config)
 
+    emap = torch.arange(e, dtype=torch.int32)
     forward(cfg)
-    assert len(launches) == 2
-    for args in launches:  # (a, stride_a, w, scales, global scales, out, stride_out, tile_map, topk_ids, pair_tiles, ..)
-        tile_map, ids, pairs = args[7:10]
-        assert pairs is True and torch.equal(ids, ti.reshape(-1))
+    forward(cfg, emap)
+    assert len(launches) == 4
+    for n, args in enumerate(launches):  # (a, stride_a, w, scales, global, out, stride_out, tile_map, ids, pairs, map, ..)
+        tile_map, ids, pairs, expert_map = args[7:11]
+        assert pairs is True and torch.equal(ids, ti.reshape(-1)) and expert_map is (None if n < 2 else emap)
         assert len({id(p) for p in tile_map}) == 1 and tile_map[0].dtype == torch.int32
         assert tile_map[0].data_ptr() % 16 == 0 and tile_map[0].data_ptr() != ids.data_ptr()
-    for config, expert_map, rows in ((cfg, torch.arange(e, dtype=torch.int32), True), (cfg, None, False),
+    for config, expert_map, rows in ((cfg, emap, False), (cfg, None, False),
                                      (dataclasses.replace(cfg, pair_tiles=False), None, True)):
         gluon_rows = rows
         with pytest.raises(Routed):

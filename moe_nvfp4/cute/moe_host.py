@@ -265,5 +265,5 @@ def fused_moe_w4a4_sm100(
     alpha2 = (weights.w2.global_scale * w2_input_scale.reshape(()))[:, None]
     launch_grouped_w4a4_sm100(_gemm_plan(MoeDownVariant(tile_n), a2, weights.w2.packed, weights.w2.block_scale,
                                          partial, rows, alpha2, (rows.row_pairs, rows.row_weights), num_ctas))  # fmt: skip
-    combine(partial, topk_ids, expert_map, out)
+    combine(partial, topk_ids, expert_map, experts, out)
     return out

@@ -35,14 +35,26 @@ from ..dispatch import sm_count
 from ..layouts import FragmentLayout
 
 @triton.jit
-def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Pairs p0 .. p0+BLOCK_P: their local expert and whether they count (in range, on this rank)."""
-    offs = p0 + tl.arange(0, BLOCK_P)
-    valid = offs < num_pairs
-    e = tl.load(ids_ptr + offs, mask=valid, other=0)
+def _routed(e, ok, expert_map_ptr, num_global, num_experts, HAS_MAP: tl.constexpr):
+    """Global expert ids e (where ok) -> (local expert, routed), routing.routed_pairs' meaning: an id outside
+    [0, num_global) or a map entry outside [0, num_experts) routes the pair nowhere, and nothing is read through
+    it.  Without a map num_global is num_experts, and the ids are the local experts."""
+    ok = ok & (e >= 0) & (e < num_global)
     if HAS_MAP:
-        e = tl.load(expert_map_ptr + e, mask=valid, other=-1)
-    return offs, e, valid & (e >= 0)
+        e = tl.load(expert_map_ptr + e, mask=ok, other=-1)
+        ok = ok & (e >= 0) & (e < num_experts)
+    return e, ok
+
+
+@triton.jit
+def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP: tl.constexpr,
+                   BLOCK_P: tl.constexpr):
+    """Pairs p0 .. p0+BLOCK_P: their local expert and whether they count (in range, routed to this rank)."""
+    offs = p0 + tl.arange(0, BLOCK_P)
+    in_range = offs < num_pairs
+    e, valid = _routed(tl.load(ids_ptr + offs, mask=in_range, other=-1), in_range, expert_map_ptr, num_global,
+                       num_experts, HAS_MAP)
+    return offs, e, valid
 
 
 @triton.jit
@@ -65,26 +77,27 @@ def _after_previous_kernel(PDL: tl.constexpr):
 
 
 @triton.jit
-def _count_pairs(ids_ptr, expert_map_ptr, start, end, num_pairs, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr,
-                 E_POW2: tl.constexpr):
+def _count_pairs(ids_ptr, expert_map_ptr, start, end, num_pairs, num_global, num_experts, HAS_MAP: tl.constexpr,
+                 BLOCK_P: tl.constexpr, E_POW2: tl.constexpr):
     """Pairs per local expert among pairs start .. end (end - start a multiple of BLOCK_P, or the last pairs)."""
     counts = tl.zeros([E_POW2], dtype=tl.int32)
     for p0 in range(start, end, BLOCK_P):
-        _, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP, BLOCK_P)
+        _, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP,
+                                     BLOCK_P)
         counts += tl.histogram(tl.where(valid, e, 0), E_POW2, mask=valid)
     return counts
 
 
 # The pair and chunk counts change with T: not specialized on, so a new T never compiles a new variant.
 @triton.jit(do_not_specialize=["num_pairs", "chunk"])
-def _count_kernel(ids_ptr, expert_map_ptr, hist_ptr, num_pairs, chunk, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr,
-                  E_POW2: tl.constexpr, PDL: tl.constexpr):
+def _count_kernel(ids_ptr, expert_map_ptr, hist_ptr, num_pairs, chunk, num_global, num_experts, HAS_MAP: tl.constexpr,
+                  BLOCK_P: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
     """Routing, first of two launches past ROUTE_ONE_PROGRAM pairs: program c counts chunk c's pairs per
     expert into row c of hist (E_POW2 wide), which _route_kernel turns into each chunk's first rows."""
     _after_previous_kernel(PDL)
     c = tl.program_id(0)
     counts = _count_pairs(ids_ptr, expert_map_ptr, c * chunk, tl.minimum(c * chunk + chunk, num_pairs), num_pairs,
-                          HAS_MAP, BLOCK_P, E_POW2)  # fmt: skip
+                          num_global, num_experts, HAS_MAP, BLOCK_P, E_POW2)  # fmt: skip
     tl.store(hist_ptr + c * E_POW2 + tl.arange(0, E_POW2), counts)
 
 
@@ -105,6 +118,7 @@ def _route_kernel(
     num_pairs,
     chunk,
     num_chunks,
+    num_global,
     num_experts,
     max_tiles,
     COUNTED: tl.constexpr,
@@ -129,7 +143,8 @@ def _route_kernel(
         counts = tl.sum(hist, 0)
         before = tl.sum(tl.where((chunks < c)[:, None], hist, 0), 0)  # this expert's pairs in earlier chunks
     else:
-        counts = _count_pairs(ids_ptr, expert_map_ptr, 0, num_pairs, num_pairs, HAS_MAP, BLOCK_P, E_POW2)
+        counts = _count_pairs(ids_ptr, expert_map_ptr, 0, num_pairs, num_pairs, num_global, num_experts, HAS_MAP,
+                              BLOCK_P, E_POW2)
         before = tl.zeros([E_POW2], dtype=tl.int32)
     starts, tiles, tile_ends = _expert_runs(counts, BLOCK_M)
     # Scatter: the order inside a chunk's part of an expert's run may vary between runs, which changes no
@@ -138,7 +153,8 @@ def _route_kernel(
     tl.store(cursor, starts + before)
     tl.debug_barrier()
     for p0 in range(c * chunk, tl.minimum(c * chunk + chunk, num_pairs), BLOCK_P):
-        offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, HAS_MAP, BLOCK_P)
+        offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP,
+                                        BLOCK_P)
         pos = tl.atomic_add(cursor_ptr + c * E_POW2 + e, 1, mask=valid)
         tl.store(sorted_pairs_ptr + pos, offs, mask=valid)
     if c == 0:
@@ -457,13 +473,16 @@ def _combine_kernel(
     expert_map_ptr,
     out_ptr,
     hidden,
+    num_global,
+    num_experts,
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[t] = the sum over k of partial[t * TOP_K + k], in k order."""
+    """out[t] = the sum over k of partial[t * TOP_K + k], in k order, over the pairs routed somewhere (_routed):
+    the GEMMs never wrote the rows of the others."""
     _after_previous_kernel(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -471,12 +490,9 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        pair_mask = mask
-        if HAS_MAP:  # pairs routed to another rank were never written
-            local = tl.load(expert_map_ptr + tl.load(ids_ptr + pair) + tl.zeros([BLOCK_H], tl.int32))
-            pair_mask = mask & (local >= 0)
+        _, routed = _routed(tl.load(ids_ptr + pair), True, expert_map_ptr, num_global, num_experts, HAS_MAP)
         row = partial_ptr + pair.to(tl.int64) * hidden
-        acc += tl.load(row + offs, mask=pair_mask, other=0.0).to(tl.float32)
+        acc += tl.load(row + offs, mask=mask & routed, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * hidden + offs, acc.to(DTYPE), mask=mask)
 
 
@@ -563,23 +579,26 @@ def route(
     )
     ids = topk_ids.reshape(-1)
     emap = ids if expert_map is None else expert_map
+    num_global = num_experts if expert_map is None else expert_map.numel()
     block_p = ROUTE_BLOCK if counted else ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else ROUTE_ONE_PROGRAM
     launch = _dependent_launch(topk_ids.device)
     if counted:
-        _count_kernel[(num_chunks,)](ids, emap, hist, num_pairs, chunk, HAS_MAP=expert_map is not None,
+        _count_kernel[(num_chunks,)](ids, emap, hist, num_pairs, chunk, num_global, num_experts,
+                                     HAS_MAP=expert_map is not None,
                                      BLOCK_P=block_p, E_POW2=e_pow2, num_warps=4, **launch)  # fmt: skip
     _route_kernel[(num_chunks,)](
         ids, emap, hist if counted else ints, sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end,
-        num_tiles, num_pairs, chunk, num_chunks, num_experts, n_tiles,
+        num_tiles, num_pairs, chunk, num_chunks, num_global, num_experts, n_tiles,
         COUNTED=counted, MAX_CHUNKS=_route_max_chunks(e_pow2), HAS_MAP=expert_map is not None,
         BLOCK_M=block_m, BLOCK_P=block_p, E_POW2=e_pow2, num_warps=8, **launch,
     )  # fmt: skip
     return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles
 
 
-def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out[t] = the fixed-order sum of partial[t * top_k + k] over k (one launch); pairs whose expert maps to -1
-    are skipped (their rows were never written)."""
+def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
+            out: torch.Tensor) -> None:
+    """out[t] = the fixed-order sum of partial[t * top_k + k] over k (one launch); pairs routed nowhere (an id or
+    map entry out of range, routing.routed_pairs) are skipped: their rows were never written."""
     t, hidden = out.shape
     ids = topk_ids.reshape(-1)
     # 512 columns a program (4 per thread): at decode, more programs for the few token rows.  H200, forward by graph
@@ -588,7 +607,7 @@ def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Ten
     block_h = min(512, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
         partial, ids, ids if expert_map is None else expert_map, out, hidden,
-        TOP_K=topk_ids.shape[1], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
+        num_experts if expert_map is None else expert_map.numel(), num_experts, TOP_K=topk_ids.shape[1], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
         DTYPE=_TL_DTYPES[out.dtype], num_warps=4, **_dependent_launch(out.device),
     )  # fmt: skip
 
@@ -616,7 +635,8 @@ def fused_moe_sm90(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels, three with
-    pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized and no expert map): no routing."""
+    pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized): no routing.  Pairs routed nowhere
+    (routing.routed_pairs: ids or expert-map entries out of range) contribute nothing on every path."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]
@@ -632,8 +652,9 @@ def fused_moe_sm90(
     programs1, programs2 = sms * g1.programs_per_sm, sms * g2.programs_per_sm
     ws_ok = _gluon_rows_ok(x, intermediate)
     ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
-    # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids, and both GEMMs must number rows alike
-    pair_tiles = config.pair_tiles and ws1 and ws2 and expert_map is None
+    # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids (and the expert map), and both GEMMs must
+    # number rows alike
+    pair_tiles = config.pair_tiles and ws1 and ws2
     if pair_tiles:
         # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
         # are), so which variant compiles never depends on topk_ids' alignment
@@ -652,8 +673,8 @@ def fused_moe_sm90(
     pdl = shared["PDL"]
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), tile_map, ids,
-                       pair_tiles, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m, programs1,
-                       pdl)  # fmt: skip
+                       pair_tiles, expert_map, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m,
+                       programs1, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs1,)](
             x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), *tile_map, topk_weights,
@@ -665,8 +686,8 @@ def fused_moe_sm90(
     partial = torch.empty(num_pairs, hidden, dtype=partial_dtype, device=x.device)
     if ws2:
         launch_gemm_ws(act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), tile_map,
-                       ids, pair_tiles, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False, g2,
-                       config.block_m, programs2, pdl)  # fmt: skip
+                       ids, pair_tiles, expert_map, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False,
+                       g2, config.block_m, programs2, pdl)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](
             act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), *tile_map,
@@ -674,5 +695,5 @@ def fused_moe_sm90(
             GATED=False, BLOCK_N=g2.block_n, EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages,
             NARROW=g2.narrow_tiles, **shared, **g2.launch_options(),
         )  # fmt: skip
-    combine(partial, topk_ids, expert_map, out)
+    combine(partial, topk_ids, expert_map, num_experts, out)
     return out

@@ -26,7 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..configs import GemmConfig
 from ..layouts import FragmentLayout
 from .moe_sm90 import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words, _grouped_tile,
-                       _silu_times)
+                       _routed, _silu_times)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -67,7 +67,8 @@ def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units,
 @gluon.jit
 def _token_tiles(tile_map, PAIR_TILES: gl.constexpr):
     """How many token tiles: the routing kernel's count, or with PAIR_TILES one per (token, k) pair (tile_map is
-    the kernel's (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles, topk_ids, num_pairs))."""
+    the kernel's (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles, topk_ids, num_pairs, expert_map,
+    num_global, num_experts))."""
     if PAIR_TILES:
         return tile_map[6]
     else:
@@ -75,17 +76,32 @@ def _token_tiles(tile_map, PAIR_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES: gl.constexpr):
+def _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr):
     """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and end of rows, three loads side
-    by side.  With PAIR_TILES token tile m is pair m, one row (row m), its expert read from topk_ids.  Loader and
-    MMA warps walk the same tiles."""
-    sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs = tile_map
+    by side.  With PAIR_TILES token tile m is pair m, one row (row m), its expert read from topk_ids (through the
+    expert map with HAS_MAP); a pair routed nowhere (moe_sm90._routed: an id or map entry out of range, another
+    rank's expert) has no row and expert 0, and loader and MMA warps skip it (_has_rows).  Loader and MMA warps
+    walk the same tiles."""
+    (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
+     expert_map_ptr, num_global, num_experts) = tile_map
     m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
     if PAIR_TILES:
-        return n_tile, gl.load(ids_ptr + m_tile).to(gl.int32), m_tile, m_tile + 1
+        expert, routed = _routed(gl.load(ids_ptr + m_tile).to(gl.int32), True, expert_map_ptr, num_global, num_experts,
+                                 HAS_MAP)
+        return n_tile, gl.where(routed, expert, 0), m_tile, m_tile + routed.to(gl.int32)
     else:
         return (n_tile, gl.load(tile_expert_ptr + m_tile), gl.load(tile_row_ptr + m_tile),
                 gl.load(tile_row_end_ptr + m_tile))
+
+
+@gluon.jit
+def _has_rows(row0, row_end, PAIR_TILES: gl.constexpr):
+    """1 where tile (row0, row_end) has rows, else 0: every routed tile has, a pair tile of a pair routed nowhere
+    (_tile) has none.  Loader and MMA warps skip such a tile alike (no stage, no barrier phase)."""
+    if PAIR_TILES:
+        return row_end - row0
+    else:
+        return 1
 
 
 @gluon.jit
@@ -108,7 +124,7 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 @gluon.jit
 def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
             STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-            PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+            PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr, PDL: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -125,8 +141,8 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         # with PAIR_TILES, come from a kernel before GEMM1 too)
         num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
         if pid < num_m_tiles * num_n_tiles:
-            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES)
-            early = gl.minimum(steps, STAGES)
+            n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES, HAS_MAP)
+            early = gl.minimum(steps, STAGES) * _has_rows(row0, row_end, PAIR_TILES)
             for step in range(early):  # the ring's first uses: every stage is free
                 _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
                                expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
@@ -134,7 +150,7 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES)
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES, HAS_MAP)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
         if GATED:
@@ -145,8 +161,8 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexp
         a_ptrs = a_ptr + a_rows.to(gl.int64)[:, None] * stride_a + kk[None, :]
         unit0 = expert * matrices + n_tile * UNITS
         # a padding slot (step >= steps) loads nothing (its token rows' copies are all masked off) and only
-        # passes its stage on
-        for step in range(slots):
+        # passes its stage on; a tile without rows has no slots
+        for step in range(slots * _has_rows(row0, row_end, PAIR_TILES)):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
@@ -189,7 +205,7 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 @gluon.jit
 def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr, K_GROUPS: gl.constexpr,
-              NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, PDL: gl.constexpr):
+              NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     group 1's sums (from shared memory, in the same order wherever the tile runs: the same bits) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
@@ -208,13 +224,14 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
     EARLY: gl.constexpr = NARROW < 2 or not GATED
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
-        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES)
+        n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES, HAS_MAP)
         tile = (n_tile, expert, row0, row_end, tiles_done * slots, tiles_done & 1, steps, slots)
         rows = row_end - row0
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES)
+            if rows > 0:
+                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
+                           EARLY, PAIR_TILES)
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
                        EARLY, PAIR_TILES)
@@ -224,7 +241,7 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
         else:
             _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
                        PAIR_TILES)
-        tiles_done += 1
+        tiles_done += _has_rows(row0, row_end, PAIR_TILES)
 
 
 @gluon.jit
@@ -351,15 +368,15 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
 
 # the pair count changes with T, and topk_ids come from the caller at any alignment: not specialized on, so
 # neither a new T nor a new topk_ids allocation compiles a new variant
-@gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
+@gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
                         tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
-                        topk_weights_ptr, n_out, k, kp,
+                        expert_map_ptr, num_global, num_experts, topk_weights_ptr, n_out, k, kp,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        PAIR_TILES: gl.constexpr):
+                        PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     HALVES: gl.constexpr = 2 if GATED else 1
@@ -384,8 +401,10 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
         mbarrier.init(sums_free.index(g), count=1)
     # partitions: MMA group 0 in the launch's warps, group 1 (K_GROUPS 2) and the loader in worker warps.
     # Constexprs are spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
-    # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat) and their count (the map goes unread)
-    tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs)
+    # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat), their count and what routes them (the
+    # expert map with HAS_MAP, the global and local expert counts); the other part goes unread
+    tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
+                expert_map_ptr, num_global, num_experts)
     shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
               tile_map, topk_weights_ptr, n_out, kp)
     loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
@@ -394,14 +413,19 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     gl.static_assert(K_GROUPS == 1 or K_GROUPS == 2, "GemmConfig.k_groups is 1 or 2")
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, HAS_MAP,
+                         PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES,
+                       HAS_MAP, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES, PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, HAS_MAP,
+                         PDL)),
+            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, HAS_MAP,
+                         PDL)),
+            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES,
+                       HAS_MAP, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
@@ -446,6 +470,7 @@ def launch_gemm_ws(
     tile_map: tuple[torch.Tensor, ...],
     topk_ids: torch.Tensor,
     pair_tiles: bool,
+    expert_map: torch.Tensor | None,
     topk_weights: torch.Tensor,
     n_out: int,
     k: int,
@@ -459,15 +484,19 @@ def launch_gemm_ws(
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel: tile_map is
     (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With ``pair_tiles`` each (token,
-    k) pair of ``topk_ids`` (flat, global expert ids) is a token tile of its own and its row is the pair's: tile_map
-    goes unread and no routing kernel needs to run."""
+    k) pair of ``topk_ids`` (flat, global expert ids; through ``expert_map`` where given) is a token tile of its own
+    and its row is the pair's: tile_map goes unread and no routing kernel needs to run.  A pair routed nowhere
+    (routing.routed_pairs) is skipped: its output row is not written."""
     w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
+    num_experts = w_packed.shape[0]
+    has_map = pair_tiles and expert_map is not None  # routed tiles hold local experts already
     _moe_gemm_ws_kernel[(programs,)](
-        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(), topk_weights,
+        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(),
+        expert_map if has_map else topk_ids, expert_map.numel() if has_map else num_experts, num_experts, topk_weights,
         n_out, k, kp,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, STAGES=gemm.num_stages,
         DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        PAIR_TILES=pair_tiles, launch_pdl=pdl, **gemm.launch_options(),
+        PAIR_TILES=pair_tiles, HAS_MAP=has_map, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip
