@@ -126,3 +126,67 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_90", None))
     with pytest.raises(ValueError, match="use fused_moe"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
+
+
+def test_expert_map_is_checked_before_launch(gen: torch.Generator) -> None:
+    """Metadata only (no values read): dtype and rank, the device of topk_ids, one entry per global expert."""
+    weights = m.prepare_moe_weights(*_layer(gen))  # 4 local experts
+    x = torch.randn(3, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(3, 6, generator=gen), 2)
+    cases = [
+        (torch.arange(6.0), "1-D int32 or int64"),
+        (torch.zeros(2, 3, dtype=torch.int32), "1-D int32 or int64"),
+        (torch.arange(6, dtype=torch.int32, device="meta"), "expert_map is on meta, topk_ids on cpu"),
+        (torch.arange(3, dtype=torch.int32), "expert_map has 3 entries but the weights hold 4 local experts"),
+    ]
+    for emap, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            m.fused_moe(x, weights, tw, ti, expert_map=emap)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_out_of_range_routing_contributes_nothing(with_map: bool, gen: torch.Generator) -> None:
+    """Ids outside [0, E_global) and map entries outside [0, E) are no error: their pairs contribute nothing, the
+    output equals the one where those pairs carry weight 0 on a valid expert (exactly: the same float32 sums with
+    zero terms), and a token with only such pairs gets zeros."""
+    w13, w2 = _layer(gen)
+    weights = m.prepare_moe_weights(w13, w2)
+    t, n_global = 6, 7 if with_map else 4
+    x = torch.randn(t, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(t, n_global, generator=gen), 3)
+    # map: global 0 and 5 on another rank, global 6 a corrupt entry past the local experts
+    emap = torch.tensor([-1, 0, 1, 2, 3, -1, 9], dtype=torch.int32) if with_map else None
+    ti[0] = torch.tensor([-1, n_global, 1000])
+    ti[1, 1] = -(2**31)
+    routed = (ti >= 0) & (ti < n_global)
+    if with_map:
+        routed &= emap[ti.clamp(0, n_global - 1).long()] >= 0
+        routed &= emap[ti.clamp(0, n_global - 1).long()] < 4
+    clean_id = 1  # a routed expert with and without the map
+    out = m.fused_moe(x, weights, tw, ti, expert_map=emap)
+    want = m.fused_moe(x, weights, torch.where(routed, tw, 0.0), torch.where(routed, ti, clean_id), expert_map=emap)
+    assert torch.equal(out, want) and not routed[0].any() and bool((out[0] == 0).all())
+    assert torch.equal(out, m.fused_moe_torch(x, w13, w2, tw, ti, expert_map=emap))
+
+
+def test_strided_x_is_copied_not_misread(gen: torch.Generator) -> None:
+    """x with a non-unit stride along H (x[:, ::2]) is copied to unit stride before any kernel: the same output as
+    the contiguous copy (the kernels address a row's values as consecutive)."""
+    weights = m.prepare_moe_weights(*_layer(gen))
+    wide = torch.randn(5, 96, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
+    assert wide[:, ::2].stride() == (96, 2)
+    assert torch.equal(m.fused_moe(wide[:, ::2], weights, tw, ti), m.fused_moe(wide[:, ::2].contiguous(), weights, tw, ti))
+
+
+def test_grouped_gemm_refuses_block_scales_that_are_not_e4m3(gen: torch.Generator) -> None:
+    """float32, bf16 or a uint8 view of block scales would be read as e4m3 bytes (garbage): refused by name."""
+    a = m.quantize_nvfp4(torch.randn(8, 32, generator=gen))
+    b = m.quantize_nvfp4(torch.randn(16, 32, generator=gen))
+    for dtype in (torch.float32, torch.bfloat16):
+        bad = m.NVFP4Tensor(b.packed, b.block_scale.to(dtype), b.global_scale)
+        with pytest.raises(TypeError, match=rf"group 0: B\.block_scale must be torch\.float8_e4m3fn .*got {dtype}"):
+            m.grouped_gemm_nvfp4([a], [bad])
+    raw = m.NVFP4Tensor(a.packed, a.block_scale.view(torch.uint8), a.global_scale)
+    with pytest.raises(TypeError, match=r"group 1: A\.block_scale must be torch\.float8_e4m3fn"):
+        m.plan_grouped_gemm_nvfp4([a, raw], [b, b])

@@ -267,3 +267,29 @@ def test_grouped_gemm_bad_arguments(gen):
         grouped_gemm_nvfp4_torch([qa, qa], [qa])
     with pytest.raises(ValueError, match="K="):
         grouped_gemm_nvfp4_torch([qa], [qb])
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_out_of_range_routing_contributes_nothing(gen, with_map):
+    """The reference's meaning of bad routing data (routing.routed_pairs), which the kernels are compared with: a
+    pair whose id is outside [0, E_global) or whose map entry is outside [0, E) adds nothing, exactly as if its
+    weight were 0 on a valid expert (float64: the sums are the same up to the order of exact zeros)."""
+    case = Case("poisoned", tokens=9, experts=12 if with_map else 4, top_k=3, local_experts=4 if with_map else 0)
+    x, q13, q2, weights, ids, emap, _, _ = build(gen, case)
+    n_global = case.experts
+    if with_map:
+        emap[torch.nonzero(emap < 0)[0]] = 4  # one entry past the local experts (a corrupt map)
+    ids[0] = torch.tensor([-1, n_global, 1000], dtype=ids.dtype)
+    ids[1, 0] = -(2**31)
+    local = ids.clamp(0, n_global - 1).long()
+    routed = (ids >= 0) & (ids < n_global)
+    if with_map:
+        routed &= (emap[local] >= 0) & (emap[local] < case.local_experts)
+        valid_id = int(torch.nonzero((emap >= 0) & (emap < case.local_experts))[0])
+    else:
+        valid_id = 0
+    got = fused_moe_torch(x.double(), q13, q2, weights, ids, expert_map=emap, compute_dtype=torch.float64)
+    want = fused_moe_torch(x.double(), q13, q2, torch.where(routed, weights, 0.0), torch.where(routed, ids, valid_id),
+                           expert_map=emap, compute_dtype=torch.float64)
+    assert_close_rel(got, want, 1e-12)
+    assert bool((got[0] == 0).all())

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_nvfp4.routing import RoutingPlan, max_tiles, plan_routing, topk_sigmoid_grouped, topk_softmax
+from moe_nvfp4.routing import RoutingPlan, max_tiles, plan_routing, routed_pairs, topk_sigmoid_grouped, topk_softmax
 
 # Tolerance bounds of this file.
 TOL = {
@@ -298,3 +298,35 @@ def test_plan_routing_invariants_hold_for_any_routing(seed, tokens, experts, top
     ids, emap, _ = make_ids(torch.Generator().manual_seed(seed), case)
     plan = plan_routing(ids, local, block_m, expert_map=emap)
     check_plan(plan, ids, local, block_m, emap)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_out_of_range_ids_and_map_entries_route_nowhere(with_map: bool, gen: torch.Generator) -> None:
+    """routed_pairs' meaning, checked against a loop: an id outside [0, E_global) or a map entry outside [0, E)
+    (vLLM's -1, or corrupt) routes its pair nowhere; the plan counts and tiles only the routed pairs, exactly, and
+    lists the others last (no index is ever taken through an out-of-range value)."""
+    e, k, t, block_m = 5, 3, 40, 8
+    n_global = 8 if with_map else e
+    emap = torch.tensor([-1, 0, 1, 2, 3, 4, 7, -5], dtype=torch.int32) if with_map else None
+    poison = torch.tensor([-1, n_global, 1000, -(2**31), 2**31 - 1], dtype=torch.int32)
+    ids = torch.randint(0, n_global, (t, k), generator=gen, dtype=torch.int32)
+    bad = torch.rand(t, k, generator=gen) < 0.3
+    ids = torch.where(bad, poison[torch.randint(0, len(poison), (t, k), generator=gen)], ids)
+    want: list[int | None] = []
+    for i in ids.reshape(-1).tolist():
+        local = i if 0 <= i < n_global else None
+        if local is not None and emap is not None:
+            local = emap.tolist()[local]
+        want.append(local if local is not None and 0 <= local < e else None)
+    local, routed = routed_pairs(ids, e, emap)
+    assert routed.tolist() == [w is not None for w in want]
+    assert local.tolist() == [0 if w is None else w for w in want]
+    plan = plan_routing(ids, e, block_m, expert_map=emap)
+    counts = [sum(w == x for w in want) for x in range(e)]
+    assert plan.expert_counts.tolist() == counts
+    assert plan.num_tiles.item() == sum(-(-c // block_m) for c in counts)
+    n_routed = sum(counts)
+    for x in range(e):
+        run = plan.sorted_pairs[plan.expert_offsets[x] : plan.expert_offsets[x + 1]].tolist()
+        assert sorted(run) == [p for p, w in enumerate(want) if w == x]
+    assert sorted(plan.sorted_pairs[n_routed:].tolist()) == [p for p, w in enumerate(want) if w is None]
