@@ -168,8 +168,9 @@ class MoEKernelConfig:
     pair is a token tile of its own, its expert read from topk_ids, so no routing kernel runs (one launch and its
     latency less).  A pair then streams its expert's weights alone: meant for one token, whose k pairs hit k
     distinct experts, and wasteful where pairs share experts.  It needs both GEMMs warp-specialized (the Triton
-    kernel reads the routing kernel's map); with an expert map, or where the Gluon kernel cannot run (rows not
-    16-byte aligned), the forward routes as usual."""
+    kernel reads the routing kernel's map); where the Gluon kernel cannot run (rows not 16-byte aligned), the
+    forward routes as usual.  Under an expert map the Gluon GEMMs map each pair's expert themselves and skip the
+    pairs of other ranks."""
 
     block_m: int = 16
     gemm1: GemmConfig = field(default_factory=GemmConfig)

@@ -366,7 +366,7 @@ def test_pair_tiles_match_reference_and_routed_tiles(case, block_m, fields, dtyp
     read from topk_ids.  Against the float64 reference with outputs and scratch poisoned (the full FP4 code
     range), bit-identical over runs, and the same sums as the routed tiles of the same config to within
     rounding; pairs that share an expert (each streams the weights again) are still right.  With an expert map
-    the forward routes as usual."""
+    (the identity here) the pair tiles map each pair's expert themselves: the same bits as without."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
@@ -381,7 +381,7 @@ def test_pair_tiles_match_reference_and_routed_tiles(case, block_m, fields, dtyp
     routed = fused_moe_sm90(x, *args, None, case.inter, dataclasses.replace(cfg, pair_tiles=False))
     assert _rel(out, routed) < REL_TOL[dtype] / 4
     identity = torch.arange(case.experts, dtype=torch.int32, device="cuda")  # every expert on this rank
-    assert torch.equal(fused_moe_sm90(x, *args, identity, case.inter, cfg), routed)
+    assert torch.equal(fused_moe_sm90(x, *args, identity, case.inter, cfg), out)
 
 
 def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:

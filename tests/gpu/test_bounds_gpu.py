@@ -1,0 +1,177 @@
+"""GPU tier: poisoned routing on every kernel family the configs choose (issue 40, item 1).
+
+Ids outside [0, E_global) (-1, E_global, 1000, the int32 extremes) and expert-map entries outside [0, E) (vLLM's -1
+for other ranks, and corrupt ones) must contribute nothing (routing.routed_pairs) and never be read through: each
+family is forced by an explicit config (pair tiles, the warp-specialized Gluon decode tiles, two-group 64-token
+tiles, the Triton prefill tiles) and run eagerly and under a CUDA graph whose ids change between replays.  Bound:
+||out - ref|| / ||ref|| < REL_TOL against the float32 reference on the same NVFP4 weights, which drops the same
+pairs; a token whose pairs are all poisoned gets exactly zero; the output and the scratch the combine reads start
+as NaN, so a row summed but never written fails.
+
+Memory errors are what compute-sanitizer sees; shapes named "small" keep that run short (its kernels run ~100x
+slower), and graph tests are left out of it (the caching allocator, off under the sanitizer, is needed to capture):
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python -m pytest -q -m gpu tests/gpu/test_bounds_gpu.py -k "small and not graph"
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+from moe_nvfp4.configs import TRITON_PREFILL, WS_DECODE, WS_TWO_GROUPS, LayerShape, MoEKernelConfig, default_config, fit_gemm
+from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+SHAPES = [
+    Shape("small", 16, 4, 512, 256),  # for the sanitizer run
+    Shape("qwen3-30b-a3b", 128, 8, 2048, 768),
+    Shape("mixtral-8x7b-tp4", 8, 2, 4096, 3584),  # Mixtral's I = 14336 over 4 ranks
+]
+
+# family -> token counts it runs (pair tiles are a one- and two-token config)
+FAMILY_TOKENS = {"pair": (1, 2), "ws-decode": (1, 37), "ws-64": (150,), "triton-prefill": (5, 700)}
+
+
+def _config(family: str, shape: Shape, n_global: int) -> MoEKernelConfig:
+    k1, k2 = LayerShape(shape.experts, shape.top_k, shape.hidden, shape.inter).padded_k
+    if family == "pair":  # the default at one token: pair tiles, both GEMMs Gluon
+        cfg = default_config(1, shape.experts, shape.top_k, shape.hidden, shape.inter, global_experts=n_global)
+        assert cfg.pair_tiles
+    elif family == "ws-decode":
+        cfg = MoEKernelConfig(8, fit_gemm(WS_DECODE, k1, 8, True, loader_warps=2),
+                              fit_gemm(WS_DECODE, k2, 8, False, loader_warps=2))  # fmt: skip
+    elif family == "ws-64":
+        cfg = MoEKernelConfig(64, fit_gemm(WS_TWO_GROUPS, k1, 64, True, narrow_tiles=2),
+                              fit_gemm(WS_TWO_GROUPS, k2, 64, False, narrow_tiles=2), partials_in_x_dtype=True)  # fmt: skip
+    else:
+        cfg = MoEKernelConfig(128, fit_gemm(TRITON_PREFILL, k1, 128, True), fit_gemm(TRITON_PREFILL, k2, 128, False))
+    assert cfg.is_valid(k1, k2), cfg
+    return cfg
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = secrets.randbelow(2**31)
+    print(f"seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _layer(shape: Shape, gen: torch.Generator):
+    w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, generator=gen, device="cuda") / shape.hidden**0.5
+    w2 = torch.randn(shape.experts, shape.hidden, shape.inter, generator=gen, device="cuda") / shape.inter**0.5
+    q13, q2 = m.quantize_nvfp4(w13, segments=2), m.quantize_nvfp4(w2)
+    return q13, q2, m.prepare_moe_weights(q13, q2)
+
+
+def _expert_map(shape: Shape) -> torch.Tensor:
+    """Twice as many global experts: the odd ones on another rank (-1), one entry past the local experts and one
+    negative other than -1 (a corrupt map)."""
+    emap = torch.full((2 * shape.experts,), -1, dtype=torch.int32)
+    emap[0::2] = torch.arange(shape.experts, dtype=torch.int32)
+    emap[1], emap[3] = shape.experts + 3, -7
+    return emap.cuda()
+
+
+def _poisoned_routing(t: int, k: int, n_global: int, gen: torch.Generator):
+    """Softmax top-k over n_global experts with about a third of the pairs' ids poisoned; from two tokens on,
+    token 0 has only poisoned pairs; pair (0, 0) stays valid at one token (the reference must not be all zero)."""
+    tw, ti = m.topk_softmax(torch.randn(t, n_global, generator=gen, device="cuda"), k, renormalize=True)
+    poison = torch.tensor([-1, n_global, 1000, -(2**31), 2**31 - 1], dtype=torch.int32, device="cuda")
+    bad = torch.rand(t, k, generator=gen, device="cuda") < 0.35
+    which = torch.randint(0, len(poison), (t, k), generator=gen, device="cuda")
+    if t >= 2:
+        bad[0] = True
+    else:
+        bad[0, 0], bad[0, -1] = False, True
+    return tw, torch.where(bad, poison[which], ti)
+
+
+def _check(out: torch.Tensor, x, q13, q2, tw, ti, emap) -> None:
+    assert not out.isnan().any(), "unwritten output (or a summed row never written)"
+    ref = m.fused_moe_torch(x.float(), q13, q2, tw, ti, expert_map=emap)  # float32, not rounded to x's dtype
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel < REL_TOL[x.dtype], rel
+    if x.shape[0] >= 2:
+        assert bool((out[0] == 0).all()), "a token with only poisoned pairs got output"
+
+
+def _nan_scratch() -> None:
+    """Freed blocks the forward's scratch (activations, partial rows) will reuse hold NaN."""
+    torch.empty(256 << 20, device="cuda").fill_(float("nan"))
+
+
+@pytest.mark.parametrize("with_map", [False, True], ids=["no-map", "expert-map"])
+@pytest.mark.parametrize("family", list(FAMILY_TOKENS))
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+def test_poisoned_routing_eager(shape: Shape, family: str, with_map: bool, gen: torch.Generator) -> None:
+    q13, q2, w = _layer(shape, gen)
+    emap = _expert_map(shape) if with_map else None
+    n_global = 2 * shape.experts if with_map else shape.experts
+    cfg = _config(family, shape, n_global)
+    for t in FAMILY_TOKENS[family]:
+        x = torch.randn(t, shape.hidden, generator=gen, device="cuda").bfloat16()
+        tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+        _nan_scratch()
+        out = torch.full_like(x, float("nan"))
+        fused_moe_sm90(x, *w.tensors, tw, ti, emap, shape.inter, cfg, out=out)
+        _check(out, x, q13, q2, tw, ti, emap)
+
+
+@pytest.mark.parametrize("family", ["pair", "ws-decode", "triton-prefill"])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=[s.name for s in SHAPES[1:]])
+def test_poisoned_routing_graph(shape: Shape, family: str, gen: torch.Generator) -> None:
+    """One capture per family (expert map on), replayed with fresh poisoned ids, weights and x each time."""
+    q13, q2, w = _layer(shape, gen)
+    emap = _expert_map(shape)
+    n_global = 2 * shape.experts
+    cfg = _config(family, shape, n_global)
+    t = FAMILY_TOKENS[family][-1]
+    x = torch.randn(t, shape.hidden, generator=gen, device="cuda").bfloat16()
+    tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+    out = torch.empty_like(x)
+    fused_moe_sm90(x, *w.tensors, tw, ti, emap, shape.inter, cfg, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_sm90(x, *w.tensors, tw, ti, emap, shape.inter, cfg, out=out)
+    for _ in range(3):
+        new_tw, new_ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+        tw.copy_(new_tw)
+        ti.copy_(new_ti)
+        x.copy_(torch.randn(t, shape.hidden, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, q13, q2, tw, ti, emap)
+
+
+@pytest.mark.parametrize("t", [1, 2, 9])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]], ids=[SHAPES[0].name, SHAPES[1].name])
+def test_public_api_with_expert_map_and_strided_x(shape: Shape, t: int, gen: torch.Generator) -> None:
+    """fused_moe as vLLM calls it under expert parallelism (the default config: pair tiles at one or two tokens),
+    with x a strided view (copied by the API) and poisoned ids."""
+    q13, q2, w = _layer(shape, gen)
+    emap = _expert_map(shape)
+    n_global = 2 * shape.experts
+    wide = torch.randn(t, 2 * shape.hidden, generator=gen, device="cuda").bfloat16()
+    tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+    _nan_scratch()
+    out = m.fused_moe(wide[:, ::2], w, tw, ti, expert_map=emap)
+    _check(out, wide[:, ::2].contiguous(), q13, q2, tw, ti, emap)
