@@ -192,10 +192,15 @@ def _kernel_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     topk_ids int32, expert_map contiguous int32.  A strided x (``x[:, ::2]``) is a valid tensor, so it is copied,
     not refused: the kernels address a row's values as consecutive (any row stride is fine), and the copy of
     [T, H] costs little beside the expert weights every forward streams; it has a fixed shape, so it captures
-    in a CUDA graph like the rest."""
+    in a CUDA graph like the rest.  int64 ids and entries past int32 saturate (to -1 or int32's max, both out of
+    range) instead of wrapping onto a valid expert."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    emap = None if expert_map is None else expert_map.to(torch.int32).contiguous()
-    return x, topk_weights.float(), topk_ids.to(torch.int32), emap
+    emap = None if expert_map is None else _int32_saturated(expert_map).contiguous()
+    return x, topk_weights.float(), _int32_saturated(topk_ids), emap
+
+
+def _int32_saturated(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.clamp(-1, 2**31 - 1).to(torch.int32)
 
 
 def fused_moe(

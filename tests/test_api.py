@@ -190,3 +190,22 @@ def test_grouped_gemm_refuses_block_scales_that_are_not_e4m3(gen: torch.Generato
     raw = m.NVFP4Tensor(a.packed, a.block_scale.view(torch.uint8), a.global_scale)
     with pytest.raises(TypeError, match=r"group 1: A\.block_scale must be torch\.float8_e4m3fn"):
         m.plan_grouped_gemm_nvfp4([a, raw], [b, b])
+
+
+def test_int64_routing_past_int32_does_not_wrap_onto_an_expert(gen: torch.Generator) -> None:
+    """An int64 id (or map entry) of 2^32 + 1 is out of range, not expert 1: the kernels take int32, and the cast
+    saturates instead of wrapping."""
+    weights = m.prepare_moe_weights(*_layer(gen))
+    x = torch.randn(3, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(3, 4, generator=gen), 2)
+    wrapped = ti.long()
+    wrapped[:, 0] = 2**32 + 1
+    dropped = ti.clone()
+    dropped[:, 0] = -1
+    assert torch.equal(m.fused_moe(x, weights, tw, wrapped), m.fused_moe(x, weights, tw, dropped))
+    emap = torch.arange(4, dtype=torch.int64)
+    emap[2] = 2**32 + 2
+    ids = torch.tensor([[2, 1], [2, 3], [0, 2]], dtype=torch.int32)
+    no_expert_2 = torch.tensor([0, 1, -1, 3], dtype=torch.int32)
+    assert torch.equal(m.fused_moe(x, weights, tw, ids, expert_map=emap),
+                       m.fused_moe(x, weights, tw, ids, expert_map=no_expert_2))

@@ -251,3 +251,16 @@ def test_layer_shape_normalizes_dtype_and_global_experts() -> None:
     assert s.dtype == "float16" and s.global_experts == 8
     assert s.entry_key == (8, 8, 2, 256, 256, "float16")
     assert math.isclose(LayerShape(128, 8, 256, 256).rows_per_active_expert(16), 128 / (128 * (1 - (15 / 16) ** 16)))
+
+
+def test_expert_parallel_shapes_take_pair_tiles_at_one_and_two_tokens(fresh_process) -> None:
+    """The Gluon pair tiles map each pair's expert through the expert map and skip other ranks' pairs (issue 40), so
+    under expert parallelism the default chooses them at T <= 2 exactly as without, and routed tiles from T = 3
+    (the forward keeps them with a map: test_sm90_ptx.test_pair_tiles_launch_no_routing_kernel)."""
+    ep = [layer(s) for s in ZOO if s.global_experts != s.experts]
+    assert ep
+    for s in ep:
+        whole = dataclasses.replace(s, global_experts=0)
+        for t in (1, 2):
+            assert select_config(t, s, H200).pair_tiles and select_config(t, whole, H200).pair_tiles, (s, t)
+        assert not select_config(3, s, H200).pair_tiles

@@ -190,7 +190,7 @@ POISON_SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
     from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
-    e, k, h, i, t, seed, use_map, block_m, low, via_api = map(int, sys.argv[1:])
+    e, k, h, i, t, seed, use_map, block_m, low, via_api, pair = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     q13 = m.quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) / h**0.5, segments=2)
     q2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=g) / i**0.5)
@@ -206,7 +206,7 @@ POISON_SCRIPT = textwrap.dedent(
         emap = torch.tensor([-1] + list(range(e)) + [-1, e + 5], dtype=torch.int32)
     ws = block_m == 8
     cfg = MoEKernelConfig(block_m, GemmConfig(64, warp_specialized=ws), GemmConfig(64, warp_specialized=ws),
-                          partials_in_x_dtype=bool(low))
+                          partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     x = torch.randn(t, h, generator=g).half()
     if via_api:  # x with a row stride of 2H and unit stride along H, and a copy-needing view (stride 2 along H)
         wide = torch.randn(t, 2 * h, generator=g).half()
@@ -228,18 +228,21 @@ POISON_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("e,k,h,i,t,use_map,block_m,low,via_api", [
-    pytest.param(4, 2, 128, 128, 9, 0, 16, 0, 0, id="ids -1, E, 1000, int32 extremes"),
-    pytest.param(5, 3, 144, 80, 11, 1, 16, 1, 0, id="expert map: -1 entries, an entry past the local experts"),
-    pytest.param(6, 2, 128, 128, 13, 1, 8, 0, 0, id="8-token tiles, expert map"),
-    pytest.param(4, 2, 256, 128, 600, 0, 32, 0, 0, id="1200 pairs: the counted routing path"),
-    pytest.param(4, 2, 128, 128, 7, 1, 16, 0, 1, id="through fused_moe: strided x, expert map"),
+@pytest.mark.parametrize("e,k,h,i,t,use_map,block_m,low,via_api,pair", [
+    pytest.param(4, 2, 128, 128, 9, 0, 16, 0, 0, 0, id="ids -1, E, 1000, int32 extremes"),
+    pytest.param(5, 3, 144, 80, 11, 1, 16, 1, 0, 0, id="expert map: -1 entries, an entry past the local experts"),
+    pytest.param(6, 2, 128, 128, 13, 1, 8, 0, 0, 0, id="8-token tiles, expert map"),
+    pytest.param(4, 2, 256, 128, 600, 0, 32, 0, 0, 0, id="1200 pairs: the counted routing path"),
+    pytest.param(4, 2, 128, 128, 7, 1, 16, 0, 1, 0, id="through fused_moe: strided x, expert map"),
+    pytest.param(6, 3, 128, 128, 2, 1, 8, 1, 0, 1,
+                 id="pair tiles asked for with an expert map, two tokens: the interpreter routes"),
 ])  # fmt: skip
-def test_poisoned_routing_contributes_nothing(e, k, h, i, t, use_map, block_m, low, via_api, seed: int) -> None:
+def test_poisoned_routing_contributes_nothing(e, k, h, i, t, use_map, block_m, low, via_api, pair, seed: int) -> None:
     """Same bound as the clean cases (REL_TOL against the float64 reference, which drops the same pairs); a token
-    whose pairs are all poisoned gets exactly zero; route() equals plan_routing exactly."""
+    whose pairs are all poisoned gets exactly zero; route() equals plan_routing exactly.  The Gluon pair tiles
+    cannot run here: tests/gpu/test_bounds_gpu.py runs them, test_sm90_ptx checks their PTX."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    args = [str(v) for v in (e, k, h, i, t, seed % 2**31, use_map, block_m, low, via_api)]
+    args = [str(v) for v in (e, k, h, i, t, seed % 2**31, use_map, block_m, low, via_api, pair)]
     proc = subprocess.run([sys.executable, "-c", POISON_SCRIPT, *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
