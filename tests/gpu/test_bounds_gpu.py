@@ -82,8 +82,8 @@ def _layer(shape: Shape, gen: torch.Generator):
 
 
 def _expert_map(shape: Shape) -> torch.Tensor:
-    """Twice as many global experts: the odd ones on another rank (-1), one entry past the local experts and one
-    negative other than -1 (a corrupt map)."""
+    """Twice as many global experts: the even ones local, the odd ones on another rank (-1), one entry past the
+    local experts and one negative other than -1 (a corrupt map)."""
     emap = torch.full((2 * shape.experts,), -1, dtype=torch.int32)
     emap[0::2] = torch.arange(shape.experts, dtype=torch.int32)
     emap[1], emap[3] = shape.experts + 3, -7
@@ -92,15 +92,15 @@ def _expert_map(shape: Shape) -> torch.Tensor:
 
 def _poisoned_routing(t: int, k: int, n_global: int, gen: torch.Generator):
     """Softmax top-k over n_global experts with about a third of the pairs' ids poisoned; from two tokens on,
-    token 0 has only poisoned pairs; pair (0, 0) stays valid at one token (the reference must not be all zero)."""
+    token 0 has only poisoned pairs; the last token's first pair stays on an even expert, which every map here
+    keeps local (the reference must not be all zero); at one token that is its only routed pair."""
     tw, ti = m.topk_softmax(torch.randn(t, n_global, generator=gen, device="cuda"), k, renormalize=True)
     poison = torch.tensor([-1, n_global, 1000, -(2**31), 2**31 - 1], dtype=torch.int32, device="cuda")
     bad = torch.rand(t, k, generator=gen, device="cuda") < 0.35
     which = torch.randint(0, len(poison), (t, k), generator=gen, device="cuda")
-    if t >= 2:
-        bad[0] = True
-    else:
-        bad[0, 0], bad[0, -1] = False, True
+    bad[0] = True
+    bad[-1, 0] = False
+    ti[-1, 0] = ti[-1, 0] // 2 * 2
     return tw, torch.where(bad, poison[which], ti)
 
 
