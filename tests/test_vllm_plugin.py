@@ -589,6 +589,12 @@ def test_excluded_experts_stay_unquantized(plugin):
 
 
 def _release():
+    """The installed vLLM's (major, minor); None without vLLM (the module's tests then skip, but skipif
+    conditions are evaluated at collection, before that)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
     from moe_nvfp4_vllm import compat
 
     return compat.VLLM_RELEASE
