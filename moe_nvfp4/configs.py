@@ -387,8 +387,11 @@ def default_config(
             preset = WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
             return fit_gemm(preset, k, block_m, gated, loader_warps=2)
 
+        # Under expert parallelism the same presets run on routed 8-row tiles: pair tiles through the expert map
+        # were slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 84 routed,
+        # Kimi-K2 EP8 49 against 35; H200, design 004), though the kernel runs them (an explicit config).
         cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, True), pair_gemm(hidden, k2, False),
-                              partials_in_x_dtype=top_k > 2, pair_tiles=True)  # fmt: skip
+                              partials_in_x_dtype=top_k > 2, pair_tiles=shape.global_experts == experts)  # fmt: skip
     else:
         block_m = _first(TILE_BY_ROWS, rows, 128)
         narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]

@@ -253,14 +253,18 @@ def test_layer_shape_normalizes_dtype_and_global_experts() -> None:
     assert math.isclose(LayerShape(128, 8, 256, 256).rows_per_active_expert(16), 128 / (128 * (1 - (15 / 16) ** 16)))
 
 
-def test_expert_parallel_shapes_take_pair_tiles_at_one_and_two_tokens(fresh_process) -> None:
-    """The Gluon pair tiles map each pair's expert through the expert map and skip other ranks' pairs (issue 40), so
-    under expert parallelism the default chooses them at T <= 2 exactly as without, and routed tiles from T = 3
-    (the forward keeps them with a map: test_sm90_ptx.test_pair_tiles_launch_no_routing_kernel)."""
+def test_expert_parallel_shapes_keep_the_pair_presets_on_routed_tiles(fresh_process) -> None:
+    """Under expert parallelism the default at T <= 2 is the pair-tile config of the whole layer with pair_tiles off:
+    the same presets on routed 8-row tiles (pair tiles through the map measured slower, design 004); the kernel
+    still takes pair tiles with a map when a config asks (test_sm90_ptx.test_pair_tiles_launch_no_routing_kernel)."""
     ep = [layer(s) for s in ZOO if s.global_experts != s.experts]
     assert ep
     for s in ep:
         whole = dataclasses.replace(s, global_experts=0)
         for t in (1, 2):
-            assert select_config(t, s, H200).pair_tiles and select_config(t, whole, H200).pair_tiles, (s, t)
+            local, full = select_config(t, s, H200), select_config(t, whole, H200)
+            assert full.pair_tiles and not local.pair_tiles, (s, t)
+            assert local.block_m == 8 and local.gemm1.warp_specialized and local.gemm2.warp_specialized
         assert not select_config(3, s, H200).pair_tiles
+
+
