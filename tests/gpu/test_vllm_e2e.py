@@ -248,12 +248,3 @@ def test_autotune_at_load_logs_its_choice_and_a_second_start_reads_the_cache(tmp
     again = [line for line in _LOGS[f"{family}-autotune-again"].splitlines() if "nvfp4_grouped: autotune" in line]
     assert again and "configs from cache" in again[0], _LOGS[f"{family}-autotune-again"][-3000:]
     assert [o["tokens"] for o in second] == [o["tokens"] for o in first]
-
-
-@pytest.mark.multigpu
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_matches_tp1(tmp_path, checkpoints, family):
-    ckpt = checkpoints[family]
-    tp1 = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=1, tag=f"{family}-tp1")
-    tp2 = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=2, tag=f"{family}-tp2")
-    _compare(tp2, tp1, f"{family} TP=2 vs TP=1")
