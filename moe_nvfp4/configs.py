@@ -288,8 +288,8 @@ class LayerShape:
 
     def busy_experts(self, tokens: int) -> float:
         """Expected local experts that get any (token, k) pair, with uniform routing: E (1 - (1 - k/E_g)^T)."""
-        k = min(self.top_k, self.global_experts)
-        return self.experts * (1.0 if k == self.global_experts else -math.expm1(tokens * math.log1p(-k / self.global_experts)))
+        e, k = self.global_experts, min(self.top_k, self.global_experts)
+        return self.experts * (1.0 if k == e else -math.expm1(tokens * math.log1p(-k / e)))
 
     def decode_tiles(self, tokens: int, n: int, block_m: int, block_n: int) -> float:
         """Expected output tiles of a GEMM with N = ``n`` at ``tokens`` (busy experts x token tiles x N tiles)."""
@@ -388,8 +388,8 @@ def default_config(
             return fit_gemm(preset, k, block_m, gated, loader_warps=2)
 
         # Under expert parallelism the same presets run on routed 8-row tiles: pair tiles through the expert map
-        # were slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 84 routed,
-        # Kimi-K2 EP8 49 against 35; H200, design 004), though the kernel runs them (an explicit config).
+        # were slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 99 routed,
+        # Kimi-K2 EP8 49 against 36; H200, design 004), though the kernel runs them (an explicit config).
         cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, True), pair_gemm(hidden, k2, False),
                               partials_in_x_dtype=top_k > 2, pair_tiles=shape.global_experts == experts)  # fmt: skip
     else:
