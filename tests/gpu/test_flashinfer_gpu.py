@@ -33,31 +33,31 @@ def _flashinfer():
 TIE_FRACTION = 1e-3
 
 
-# An open finding (design 005): on an H200 (FlashInfer 0.6.14 of the vLLM 0.26 bundle) most bytes differ, not ties
-# (8 x 64: 270 of 512 scale bytes, 476 of 512 codes), so the two quantizers disagree on a convention.  Strict: the
-# day they agree this fails and the mark goes.
-@pytest.mark.xfail(strict=True, reason="fp4_quantize on sm_90 differs from ours in most bytes (design 005, open)")
 @pytest.mark.parametrize(("rows", "k"), [(8, 64), (300, 2048), (129, 7168)])
 def test_quantizer_bytes_match_flashinfer(rows: int, k: int, gen) -> None:
     """Normal activations with per-row magnitudes 2^-8..2^4 and a calibrated global scale (amax / (6 * 448)):
-    the same block-scale and code bytes as ``flashinfer.fp4_quantize``, but for rounding ties (TIE_FRACTION),
-    each one e4m3 step or one e2m1 code away."""
+    the same block-scale and code bytes as ``flashinfer.fp4_quantize``, but for rounding ties (TIE_FRACTION), each
+    one e4m3 step or one e2m1 code away.  sm_100+ only: FlashInfer 0.6.14 builds its quantizer for sm_90 but
+    compiles the conversion out below sm_100 (quantization_utils.cuh, ``#if __CUDA_ARCH__ >= 1000``), and on an
+    H200 it returned its output buffers unwritten (design 005)."""
     flashinfer = _flashinfer()
     x = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-8, 5, (rows, 1), generator=gen).float())
     x = x.bfloat16().cuda()
     gs = (x.float().abs().amax() / (6 * 448)).reshape(1)
-    ours = m.quantize_activations(x, gs)
+    if torch.cuda.get_device_capability(x.device) < (10, 0):
+        pytest.skip("FlashInfer 0.6.14's fp4_quantize computes nothing below sm_100 (design 005): no bytes to compare")
     packed, scales = flashinfer.fp4_quantize(x, 1.0 / gs, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True)
+    ours = m.quantize_activations(x, gs)
     theirs_scales, ours_scales = scales.view(torch.uint8).reshape(-1), ours.block_scale.view(torch.uint8).reshape(-1)
     assert theirs_scales.numel() == ours_scales.numel()
-    scale_steps = (theirs_scales.int() - ours_scales.int()).abs()  # positive e4m3 bytes order as their values
+    # the swizzled positions of real rows and scale columns (FlashInfer leaves the padding unwritten)
+    real = m.swizzle_scales_128x4(torch.ones(1, rows, k // 16, dtype=torch.uint8, device=x.device)).reshape(-1).bool()
+    scale_steps = (theirs_scales.int() - ours_scales.int()).abs()[real]  # positive e4m3 bytes order as their values
     theirs_codes = torch.stack((packed.view(torch.uint8) & 15, packed.view(torch.uint8) >> 4), -1).int()
     ours_codes = torch.stack((ours.packed & 15, ours.packed >> 4), -1).int()
     mag_t, mag_o = theirs_codes & 7, ours_codes & 7
     sign_flip = (((theirs_codes ^ ours_codes) & 8) > 0) & ((mag_t + mag_o) > 0)  # -0 against +0 is no difference
     code_steps = (mag_t - mag_o).abs() + sign_flip.int() * 8
-    print(f"rows={rows} k={k}: scale bytes differing {int((scale_steps > 0).sum())}/{scale_steps.numel()}, "
-          f"codes differing {int((code_steps > 0).sum())}/{code_steps.numel()}")
     assert int(scale_steps.max()) <= 1 and (scale_steps > 0).float().mean() <= TIE_FRACTION
     assert int(code_steps.max()) <= 1 and (code_steps > 0).float().mean() <= TIE_FRACTION
 
