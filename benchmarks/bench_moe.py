@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(_HERE))  # the repository's moe_nvfp4, even w
 sys.path.insert(0, _HERE)  # plot.py beside this file
 
 from moe_nvfp4.bench import moe  # noqa: E402
-from moe_nvfp4.bench.moe import (  # noqa: E402,F401  (power_moe.py and the tests use them from here)
+from moe_nvfp4.bench.moe import (  # noqa: E402,F401  (tools/power_moe.py and the tests use them from here)
     ALIASES,
     COLUMNS,
     QUICK_TOKENS,

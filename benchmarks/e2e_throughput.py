@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 151936  # Qwen3's vocabulary; profile_e2e.py's prompts are random ids below it
+VOCAB = 151936  # Qwen3's vocabulary; tools/profile_e2e.py's prompts are random ids below it
 WEIGHT_RMS = 0.02  # random weights resemble a trained checkpoint's range (HF initializer std)
-MODELS = {  # the shapes of the real models; weights are random
+MODELS = {  # what a full model adds to its MoE layer (whose shape is moe_nvfp4/zoo.py's); weights are random
     "qwen3-30b-a3b": {"layers": 48, "vocab": VOCAB, "kv_heads": 4, "architecture": "Qwen3MoeForCausalLM"},
     "mixtral-8x7b": {"layers": 32, "vocab": 32000, "kv_heads": 8, "architecture": "MixtralForCausalLM"},
 }
@@ -85,17 +85,18 @@ def model_config(model: str, layers: int | None) -> dict:
     """config.json of ``model`` (a key of MODELS) at ``layers`` decoder layers (None: the model's full depth)."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    m = MODELS[model]
+    from moe_nvfp4.zoo import zoo_shape
+
+    m, moe = MODELS[model], zoo_shape(model)
     layers = layers or m["layers"]
     common = dict(num_hidden_layers=layers, vocab_size=m["vocab"], num_key_value_heads=m["kv_heads"], head_dim=128,
+                  hidden_size=moe.hidden, num_experts_per_tok=moe.top_k, num_attention_heads=32,
                   tie_word_embeddings=False, max_position_embeddings=4096)  # fmt: skip
-    if model == "qwen3-30b-a3b":
-        cfg = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                             num_experts_per_tok=8, num_attention_heads=32, norm_topk_prob=True, decoder_sparse_step=1,
-                             mlp_only_layers=[], **common)  # fmt: skip
+    if model == "qwen3-30b-a3b":  # its dense intermediate_size (6144) is unused: every layer is MoE
+        cfg = Qwen3MoeConfig(intermediate_size=6144, moe_intermediate_size=moe.intermediate, num_experts=moe.experts,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)  # fmt: skip
     else:
-        cfg = MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
-                            num_attention_heads=32, **common)  # fmt: skip
+        cfg = MixtralConfig(intermediate_size=moe.intermediate, num_local_experts=moe.experts, **common)
     d = cfg.to_dict()
     d["architectures"] = [m["architecture"]]
     d["torch_dtype"] = "bfloat16"
@@ -190,7 +191,7 @@ def write_config_only(out: Path, model: str, layers: int | None) -> Path:
 
 def engine_kwargs(model: Path, quantization: str | None, batches: list[int], input_len: int, output_len: int,
                   mem: float) -> dict:
-    """``LLM(...)`` arguments shared by every path here and by profile_e2e.py (the same engine).  A directory
+    """``LLM(...)`` arguments shared by every path here and by tools/profile_e2e.py (the same engine).  A directory
     without weights runs with vLLM's random (dummy) weights."""
     kwargs = dict(model=str(model), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), gpu_memory_utilization=mem,

@@ -1,4 +1,4 @@
-"""benchmarks/loader_rate.py's arithmetic and variant handling, and the read ceiling it compares with (CPU)."""
+"""tools/loader_rate.py's arithmetic and variant handling, and the read ceiling it compares with (CPU)."""
 from __future__ import annotations
 
 import sys
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from harness import MoEShape, measure_copy_bandwidth, measure_read_bandwidth  # noqa: E402
+from moe_nvfp4.bench.harness import MoEShape, measure_copy_bandwidth, measure_read_bandwidth  # noqa: E402
 from loader_rate import gemm_bytes, timed_gemms  # noqa: E402
 
 

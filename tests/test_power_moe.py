@@ -1,4 +1,4 @@
-"""benchmarks/power_moe.py's reading of nvidia-smi samples and their join with the timed rounds (CPU)."""
+"""tools/power_moe.py's reading of nvidia-smi samples and their join with the timed rounds (CPU)."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from power_moe import parse_samples, reason_names, summarize  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""benchmarks/profile_moe.py's --ncu mode (CPU: the CUDA calls are recorded, not made)."""
+"""tools/profile_moe.py's --ncu mode (CPU: the CUDA calls are recorded, not made)."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from profile_moe import one_forward_for_ncu  # noqa: E402
 

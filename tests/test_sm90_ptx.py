@@ -438,11 +438,11 @@ def test_decode_instruction_budget() -> None:
 
 @pytest.mark.parametrize("ablation", ["full", "no_decode", "no_mma", "loads_only", "no_fence", "stages_only"])
 def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path) -> None:
-    """benchmarks/ablate_ws.py's kernels (the GPU times in design 002 come from them) still apply to the
+    """tools/ablate_ws.py's kernels (the GPU times in design 002 come from them) still apply to the
     current source and compile for sm_90, each without exactly the work it names: the decode PTX's packed
     multiplies, the wgmma, the proxy fence; stages_only all of the stage's reads, decode and MMAs, keeping its waits
     and frees."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ablate_ws
 
     from moe_nvfp4.triton import moe_sm90_ws as W
@@ -460,10 +460,10 @@ def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path)
 @pytest.mark.parametrize("gated,pair_tiles,k_groups", [(True, True, 2), (False, True, 1), (True, False, 1)])
 def test_timeline_probes_compile_into_the_gluon_gemm(gated: bool, pair_tiles: bool, k_groups: int, monkeypatch,
                                                      tmp_path) -> None:
-    """benchmarks/timeline_ws.py's probed kernel (the timelines in design 002): every edit applies to the current
+    """tools/timeline_ws.py's probed kernel (the timelines in design 002): every edit applies to the current
     source, and the sm_90 build reads the global timer and the cycle counter at each point (MMA group 0's five,
     the loader's one) and stores both to the buffer's address."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ablate_ws
     import timeline_ws
 
@@ -481,9 +481,9 @@ def test_timeline_probes_compile_into_the_gluon_gemm(gated: bool, pair_tiles: bo
 
 
 def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path) -> None:
-    """benchmarks/ab_moe.py's ``ws=PATH`` variant (the A/B timings in design 002): a copy of moe_sm90_ws loads as a
+    """tools/ab_moe.py's ``ws=PATH`` variant (the A/B timings in design 002): a copy of moe_sm90_ws loads as a
     module of its own, beside the package's, and its kernel compiles for sm_90 as the package's does."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
     from moe_nvfp4.triton import moe_sm90_ws as W
@@ -496,12 +496,12 @@ def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path)
 
 
 def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
-    """benchmarks/ab_moe.py's ``pkg=DIR`` variant: a copy of the package (as ``git archive REV moe_nvfp4`` writes
+    """tools/ab_moe.py's ``pkg=DIR`` variant: a copy of the package (as ``git archive REV moe_nvfp4`` writes
     it) imports under a name of its own, its sm_90 host and Gluon module its own, not the installed package's; a
     tuned config reaches it as its own config class (an older copy may lack fields the installed one has)."""
     import shutil
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
     from moe_nvfp4.triton import moe_sm90
@@ -527,13 +527,13 @@ def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
 
 
 def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
-    """benchmarks/ab_moe.py's ``configs=DIR`` variant: select_config reads DIR's tuned files for it (a copy of
+    """tools/ab_moe.py's ``configs=DIR`` variant: select_config reads DIR's tuned files for it (a copy of
     configs/ taken before a tuner run), and the package's own files again after."""
     import json
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
     from moe_nvfp4 import configs
@@ -559,9 +559,9 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
 
 
 def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
-    """benchmarks/ab_moe.py's ``gemm1:field=value/...`` variant (A/Bs of one GEMM's fields in design 002): those
+    """tools/ab_moe.py's ``gemm1:field=value/...`` variant (A/Bs of one GEMM's fields in design 002): those
     fields of one GEMM (``gemms:``: both) changed, the rest of the config kept; ``none`` for None."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig

@@ -1,4 +1,4 @@
-"""benchmarks/timeline_ws.py's summary of the probes' stamps (the GPU run writes them; here they are made up)."""
+"""tools/timeline_ws.py's summary of the probes' stamps (the GPU run writes them; here they are made up)."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import timeline_ws  # noqa: E402
 
 

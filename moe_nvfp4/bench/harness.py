@@ -337,7 +337,7 @@ def time_graph(
     N is a multiple of len(fns), sized from an eager estimate so one replay takes about
     ``target_graph_ms``.  The callables must already be warm (JIT compiled, configs cached).
     ``replay_log``: each timed replay's (wall-clock start, µs per call) is appended to it; ``idle_s``: seconds the
-    GPU idles before the timed replays (power_moe.py: how the time moves as a cool GPU heats up).
+    GPU idles before the timed replays (tools/power_moe.py: how the time moves as a cool GPU heats up).
     """
     import torch
 

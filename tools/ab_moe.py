@@ -1,14 +1,14 @@
 """Our forward under several variants in one process, timed interleaved (the machines drift by several
 percent within the hour, so only same-run comparisons decide a kernel change).
 
-    python benchmarks/ab_moe.py --cases qwen3-30b-a3b:1,mixtral-8x7b:16 --variants shipped,partials_in_x_dtype
+    python tools/ab_moe.py --cases qwen3-30b-a3b:1,mixtral-8x7b:16 --variants shipped,partials_in_x_dtype
     git show HEAD~1:moe_nvfp4/triton/moe_sm90_ws.py > /tmp/old.py
-    python benchmarks/ab_moe.py --variants ws=/tmp/old.py,shipped
+    python tools/ab_moe.py --variants ws=/tmp/old.py,shipped
     mkdir /tmp/old && git archive HEAD~1 moe_nvfp4 | tar -x -C /tmp/old
-    python benchmarks/ab_moe.py --variants pkg=/tmp/old,shipped
+    python tools/ab_moe.py --variants pkg=/tmp/old,shipped
 
     cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
-        python benchmarks/ab_moe.py --variants configs=/tmp/before,shipped
+        python tools/ab_moe.py --variants configs=/tmp/before,shipped
 
 A variant is ``shipped`` (the tuned config), ``ws=PATH`` (the tuned config launched through another version of
 the warp-specialized module, the file at PATH, whose launch_gemm_ws takes the installed host's arguments: for a
@@ -30,9 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 from ablate_ws import _IMPORTS, module_from_source  # noqa: E402
 

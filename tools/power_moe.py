@@ -3,10 +3,10 @@ BF16) on bench_moe's weights, inputs and rotated copies, timed in rounds of CUDA
 with ``nvidia-smi`` sampling the GPU alongside; per round its time and what the samples inside it saw (SM clock,
 power, throttle reasons).
 
-    python benchmarks/power_moe.py --model mixtral --tokens 16 --rounds 25 --out benchmarks/results/power/ours.json
-    python benchmarks/power_moe.py --model mixtral --tokens 16 --path marlin --rounds 25
-    python benchmarks/power_moe.py --model mixtral --tokens 16 --rounds 10 --cool-s 5     # rounds from a cool GPU
-    python benchmarks/power_moe.py --model mixtral --tokens 16 --replays 150 --cool-s 8   # every replay, from idle on
+    python tools/power_moe.py --model mixtral --tokens 16 --rounds 25 --out benchmarks/results/power/ours.json
+    python tools/power_moe.py --model mixtral --tokens 16 --path marlin --rounds 25
+    python tools/power_moe.py --model mixtral --tokens 16 --rounds 10 --cool-s 5     # rounds from a cool GPU
+    python tools/power_moe.py --model mixtral --tokens 16 --replays 150 --cool-s 8   # every replay, from idle on
 
 A forward that keeps the GPU at its power limit runs at lower SM clocks after its first rounds (throttle reason
 "sw_power_cap"); ``--cool-s`` idles between rounds, so each starts cool; ``--replays`` times each replay of one
@@ -29,9 +29,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 import bench_moe as B  # noqa: E402  (no torch at import: its paths import it when built)
 

@@ -3,7 +3,7 @@ profile_moe.kernel_times) with the stages alone (ablate_ws's ``stages_only``: th
 arrive and the MMA warps free each stage unread) and in full, over ring shapes, against a plain read of 2 GiB on
 the same GPU (harness.measure_read_bandwidth: the read ceiling).
 
-    python benchmarks/loader_rate.py --cases mixtral-8x7b:1,mixtral-8x7b:16 \\
+    python tools/loader_rate.py --cases mixtral-8x7b:1,mixtral-8x7b:16 \\
         --variants shipped,gemm1:num_stages=3,gemm1:chunks_per_stage=2/num_stages=4 --out benchmarks/results/loader
 
 A variant is ``shipped`` (the tuned config) or ab_moe's ``gemm1:field=value[/...]`` (or ``gemm2:``), applied to
@@ -18,9 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 from ab_moe import gemm_variant  # noqa: E402
 from harness import nvfp4_matrix_bytes  # noqa: E402

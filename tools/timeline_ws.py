@@ -1,7 +1,7 @@
 """When each program of the warp-specialized GEMMs reaches each point of its work, inside one forward.
 
-    python benchmarks/timeline_ws.py --case qwen3-30b-a3b:1
-    python benchmarks/timeline_ws.py --case mixtral-8x7b:1 --out benchmarks/results/timeline_mixtral_t1.json
+    python tools/timeline_ws.py --case qwen3-30b-a3b:1
+    python tools/timeline_ws.py --case mixtral-8x7b:1 --out benchmarks/results/timeline_mixtral_t1.json
 
 Nsight Compute times a kernel alone, with the caches flushed and no programmatic dependent launch; the forward
 as served overlaps its kernels.  This edits moe_sm90_ws's source (every edit must apply once, or the run stops,
@@ -22,9 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 from ablate_ws import _IMPORTS, KERNEL_SOURCE, module_from_source  # noqa: E402
 
@@ -36,7 +35,7 @@ _STAMP = '''
 
 @gluon.jit
 def _stamp(EVENT: gl.constexpr, GATED: gl.constexpr, tiles):
-    """Timeline probe (benchmarks/timeline_ws.py): this program's global timer, SM cycle counter and SM at EVENT,
+    """Timeline probe (tools/timeline_ws.py): this program's global timer, SM cycle counter and SM at EVENT,
     and ``tiles`` (the tiles it has run)."""
     t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
     c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)

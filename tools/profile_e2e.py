@@ -1,6 +1,6 @@
 """Where a vLLM generate step spends its time: per-kernel GPU time and host-side op counts, per path.
 
-    python benchmarks/profile_e2e.py --layers 4 --batches 1 64 --paths ours vllm_modelopt_fp4
+    python tools/profile_e2e.py --layers 4 --batches 1 64 --paths ours vllm_modelopt_fp4
 
 Same checkpoints as e2e_throughput.py.  Each path runs in a fresh subprocess, the engine in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the torch profiler sees the model runner) or, with ``--multiprocess``,
@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 from e2e_throughput import PATHS, VOCAB, checkpoints, engine_kwargs, run_runner  # noqa: E402
 

@@ -2,15 +2,15 @@
 launched without programmatic dependent launch (with it, a kernel's time also holds its wait for the one
 before: the routing kernel read 129 us at Qwen3 T=4096 that way).
 
-    python benchmarks/profile_moe.py --model qwen3-30b-a3b --tokens 1
-    python benchmarks/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
+    python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1
+    python tools/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
 
 --ncu runs one forward (after three unprofiled ones, programmatic dependent launch as shipped) between
 cudaProfilerStart and cudaProfilerStop, for Nsight Compute (which flushes the caches before each kernel, so
 the weights come from HBM):
 
     ncu --profile-from-start off --set full --clock-control none -o moe \
-        python benchmarks/profile_moe.py --model qwen3-30b-a3b --tokens 1 --ncu
+        python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1 --ncu
     ncu -i moe.ncu-rep --page details; ncu -i moe.ncu-rep --page source --print-source sass --csv
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 from tune_moe import MODELS, packed_layer  # noqa: E402
 

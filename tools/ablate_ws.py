@@ -1,7 +1,7 @@
 """Where the warp-specialized GEMM's time goes: the same forward with parts of moe_sm90_ws taken out.
 
-    python benchmarks/ablate_ws.py --out benchmarks/results        # ablate_ws.json and ablate_ws.md
-    python benchmarks/ablate_ws.py --cases mixtral-8x7b:16 --ablations full,no_decode
+    python tools/ablate_ws.py --out benchmarks/results        # ablate_ws.json and ablate_ws.md
+    python tools/ablate_ws.py --cases mixtral-8x7b:16 --ablations full,no_decode
 
 Each ablation edits the kernel's source (every edit must apply, or the run stops), loads it as a module of
 its own and runs the shipped config of each case with it.  Its outputs are wrong where it takes work out
@@ -29,8 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 KERNEL_SOURCE = ROOT / "moe_nvfp4" / "triton" / "moe_sm90_ws.py"
 # relative imports made absolute, so an edited copy loads from anywhere
@@ -157,7 +157,6 @@ def main() -> int:
     p.add_argument("--ablations", default=",".join(ABLATIONS), help=f"from {', '.join(ABLATIONS)}")
     p.add_argument("--out", type=Path, default=None, help="directory for ablate_ws.json and ablate_ws.md")
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from harness import environment
 
     with tempfile.TemporaryDirectory() as tmp:
