@@ -1,4 +1,5 @@
-"""The design records and the results index point at files that exist (CPU, no torch).
+"""The design records, the results index and the benchmarks' and tools' READMEs point at files that exist (CPU,
+no torch).
 
 A record's measurement is only as good as the pointer to its raw numbers: a result file renamed, moved to an
 archive or deleted must fail here, not leave a dangling name in docs/design/.  Every backticked path-like token
@@ -17,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BASES = (ROOT, ROOT / "benchmarks" / "results", ROOT / "benchmarks", ROOT / "moe_nvfp4", ROOT / "docs" / "design")
 DOCS = sorted((ROOT / "docs" / "design").glob("*.md")) + [ROOT / "benchmarks" / "results" / name
-                                                         for name in ("README.md", "probes_2026-11.md")]
+                                                         for name in ("README.md", "probes_2026-11.md")] + [
+    ROOT / "benchmarks" / "README.md", ROOT / "tools" / "README.md"]
 DATA_ENDINGS = (".gz", ".jsonl", ".json", ".md", ".csv", ".txt", ".png", ".log")
 CONFIG_FILES = sorted((ROOT / "configs").glob("*/*.json"))
 DATE = re.compile(r"^2026-\d\d-\d\d$")
