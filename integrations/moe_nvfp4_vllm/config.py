@@ -25,7 +25,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from moe_nvfp4.checkpoint import Convention
 
 from . import compat
-from .plugin import QUANTIZATION_NAME
+from .names import QUANTIZATION_NAME
 
 __all__ = ["NVFP4GroupedConfig", "is_modelopt_nvfp4", "is_compressed_tensors_nvfp4"]
 

@@ -6,7 +6,7 @@ so ``register`` must be idempotent: the second call finds the name registered an
 """
 from __future__ import annotations
 
-QUANTIZATION_NAME = "nvfp4_grouped"
+from .names import QUANTIZATION_NAME
 
 __all__ = ["QUANTIZATION_NAME", "register"]
 
