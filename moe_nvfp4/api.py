@@ -10,18 +10,18 @@ separate global scales.  Everything is checked before any kernel launches.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .activations import _check_global_scale, quantize_activations
 from .checkpoint import validate_nvfp4
-from .configs import LayerShape
 from .backends import CUTE, FLASHINFER, TORCH
 from .dispatch import select_backends
-from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
-from .layouts import FragmentLayout, padded_scale_shape
+from .formats import NVFP4, NVFP4Tensor
+from .layouts import padded_scale_shape
 from .reference import grouped_gemm_nvfp4_torch
+from .weights import LAYOUT, MoEWeights
 
 if TYPE_CHECKING:
     from .cute.host import GroupedW4A4Sm100Plan
@@ -37,59 +37,6 @@ __all__ = [
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
-LAYOUT = FragmentLayout()
-
-
-@dataclass(frozen=True)
-class MoEWeights:
-    """Expert weights in the kernel's layout (``layouts.FragmentLayout``; padN pads to 64, padK to 128).
-
-    w13_packed uint8 [E, 2 padN(I), padK(H)/2] (gate rows, then up rows), w13_scale uint8
-    [E, 2 padN(I), padK(H)/16], w13_global fp32 [E, 2] (gate, up); w2_packed [E, padN(H), padK(I)/2],
-    w2_scale [E, padN(H), padK(I)/16], w2_global fp32 [E].
-    """
-
-    w13_packed: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_global: torch.Tensor
-    w2_packed: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_global: torch.Tensor
-    hidden: int
-    intermediate: int
-    layout: FragmentLayout = LAYOUT
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13_packed.shape[0]
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global): the kernels' weight arguments."""
-        return self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global
-
-    def layer_shape(self, top_k: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> LayerShape:
-        """What configs are chosen for when these weights run with ``top_k``, ``dtype`` activations and
-        ``expert_map`` (its length is the routing's expert count)."""
-        n_global = 0 if expert_map is None else expert_map.numel()
-        return LayerShape(self.num_experts, top_k, self.hidden, self.intermediate, dtype, n_global)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
-
-        def unpack(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-            pairs = [self.layout.unpack(v, s, n, k) for v, s in zip(values, scales)]
-            return torch.stack([p for p, _ in pairs]), torch.stack([s for _, s in pairs])
-
-        h, i, ip = self.hidden, self.intermediate, self.layout.padded_n(self.intermediate)
-        gate = unpack(self.w13_packed[:, :ip], self.w13_scale[:, :ip], i, h)
-        up = unpack(self.w13_packed[:, ip:], self.w13_scale[:, ip:], i, h)
-        w13 = NVFP4Tensor(torch.cat((gate[0], up[0]), 1), torch.cat((gate[1], up[1]), 1), self.w13_global)
-        w2 = NVFP4Tensor(*unpack(self.w2_packed, self.w2_scale, h, i), self.w2_global)
-        return w13, w2
 
 
 def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor, NVFP4Tensor]:
@@ -144,13 +91,6 @@ def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
     return MoEWeights(
         w13_packed, w13_scale, w13.global_scale, w2_packed, w2_scale, w2.global_scale.float().contiguous(), h, i
     )
-
-
-def _check_global_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
-    """An activation global scale argument: one float32 value on the activations' device."""
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
-        raise ValueError(f"{name} must be one float32 value on {device}, got {scale.dtype} {tuple(scale.shape)} "
-                         f"on {scale.device}")  # fmt: skip
 
 
 def _check_inputs(x: torch.Tensor, hidden: int, num_experts: int, weights_device: torch.device,
@@ -323,28 +263,6 @@ def warmup_fused_moe(
         ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
         fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map)
     return counts
-
-
-def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
-    """Activations [M, K] (bf16, fp16 or fp32; K a multiple of 16) -> NVFP4 with 128x4-swizzled e4m3 scales,
-    the layout block-scaled MMAs read.  ``input_global_scale``: one float32 value, ModelOpt's ``input_scale``
-    (amax / (6 * 448), a multiplier; values past the calibrated range saturate at 6).
-
-    CUDA: one Triton launch, no host synchronisation; CPU: the reference (``quantize_activations_nvfp4``,
-    then ``swizzled_scales``).  Both give the same bytes.
-    """
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] % NVFP4.block_size:
-        raise ValueError(f"x must be [M, K] with K a multiple of {NVFP4.block_size}, got {tuple(x.shape)}")
-    _check_global_scale("input_global_scale", input_global_scale, x.device)
-    gs = input_global_scale.reshape(())
-    if select_backends(x.device).quantize is TORCH:
-        return quantize_activations_nvfp4(x, gs).swizzled_scales()
-    from .triton.quant_act import quantize_activations_sm90
-
-    packed, scales = quantize_activations_sm90(x.contiguous(), gs.reshape(1))
-    return NVFP4Tensor(packed, scales, gs, ScaleLayout.SWIZZLED_128x4)
 
 
 def grouped_gemm_nvfp4(

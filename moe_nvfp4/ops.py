@@ -23,10 +23,10 @@ def fused_moe_op(
     expert_map: torch.Tensor | None,
     intermediate: int,
 ) -> torch.Tensor:
-    """Tensors as in api.MoEWeights; inputs already checked by api.fused_moe."""
+    """Tensors as in weights.MoEWeights; inputs already checked by api.fused_moe."""
     hidden = x.shape[1]
     if select_backends(x.device).moe_w4a16 is TORCH:
-        from .api import MoEWeights
+        from .weights import MoEWeights
         from .reference import fused_moe_torch
 
         weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, hidden, intermediate)

@@ -239,7 +239,7 @@ def fused_moe_w4a4_sm100(
     value each, ModelOpt's ``input_scale``) quantize the activations entering each GEMM, as ``reference.moe_dense_torch(..., w13_input_scale=,
     w2_input_scale=)``.  Launches: routing, gather, quantize, GEMM1 (SiLU * up), quantize, GEMM2 (top-k
     weight, one row per pair), combine (fixed order); no host synchronisation."""
-    from ..api import quantize_activations
+    from ..activations import quantize_activations
     from ..triton.moe_sm90 import combine, route
 
     w13_input_scale, w2_input_scale = input_scales

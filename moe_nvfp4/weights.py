@@ -1,0 +1,67 @@
+"""``MoEWeights``: the 16-bit-activation MoE's expert weights in the kernel's layout.  A module of its own so the
+op layer builds them (its CPU path) without importing the API that packs them; ``api`` re-exports it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .configs import LayerShape
+from .formats import NVFP4Tensor
+from .layouts import FragmentLayout
+
+__all__ = ["MoEWeights", "LAYOUT"]
+
+LAYOUT = FragmentLayout()
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Expert weights in the kernel's layout (``layouts.FragmentLayout``; padN pads to 64, padK to 128).
+
+    w13_packed uint8 [E, 2 padN(I), padK(H)/2] (gate rows, then up rows), w13_scale uint8
+    [E, 2 padN(I), padK(H)/16], w13_global fp32 [E, 2] (gate, up); w2_packed [E, padN(H), padK(I)/2],
+    w2_scale [E, padN(H), padK(I)/16], w2_global fp32 [E].
+    """
+
+    w13_packed: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_global: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_global: torch.Tensor
+    hidden: int
+    intermediate: int
+    layout: FragmentLayout = LAYOUT
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_packed.shape[0]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global): the kernels' weight arguments."""
+        return self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global
+
+    def layer_shape(self, top_k: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> LayerShape:
+        """What configs are chosen for when these weights run with ``top_k``, ``dtype`` activations and
+        ``expert_map`` (its length is the routing's expert count)."""
+        n_global = 0 if expert_map is None else expert_map.numel()
+        return LayerShape(self.num_experts, top_k, self.hidden, self.intermediate, dtype, n_global)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
+
+        def unpack(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs = [self.layout.unpack(v, s, n, k) for v, s in zip(values, scales)]
+            return torch.stack([p for p, _ in pairs]), torch.stack([s for _, s in pairs])
+
+        h, i, ip = self.hidden, self.intermediate, self.layout.padded_n(self.intermediate)
+        gate = unpack(self.w13_packed[:, :ip], self.w13_scale[:, :ip], i, h)
+        up = unpack(self.w13_packed[:, ip:], self.w13_scale[:, ip:], i, h)
+        w13 = NVFP4Tensor(torch.cat((gate[0], up[0]), 1), torch.cat((gate[1], up[1]), 1), self.w13_global)
+        w2 = NVFP4Tensor(*unpack(self.w2_packed, self.w2_scale, h, i), self.w2_global)
+        return w13, w2
