@@ -13,7 +13,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from .grouped_w4a4_sm100 import _OUT_DTYPES, SF_VEC, TILE_K, TILE_M, GroupedW4A4Variant
+from .tiles import _OUT_DTYPES, SF_VEC, TILE_K, TILE_M
 
 _OUT = {"Float16": cutlass.Float16, "BFloat16": cutlass.BFloat16, "Float32": cutlass.Float32}
 _AB = cutlass.Float4E2M1FN
@@ -29,9 +29,11 @@ _DESCRIPTORS = 4  # A, B, SFA, SFB
 
 class GroupedW4A4Sm100:
     """``__call__`` builds the TMA templates and launches; ``kernel`` is the device code; ``store_tile`` is
-    the epilogue of one output tile (the MoE forms override it)."""
+    the epilogue of one output tile (the MoE forms override it).  ``variant``: the
+    ``grouped_w4a4_sm100.GroupedW4A4Variant`` that builds this object (not imported here: that host module
+    imports this one when it builds a kernel)."""
 
-    def __init__(self, variant: GroupedW4A4Variant):
+    def __init__(self, variant):
         self.variant = variant
         self.out_dtype = _OUT[_OUT_DTYPES[variant.out_dtype]]
         self.tile_n = variant.tile_n

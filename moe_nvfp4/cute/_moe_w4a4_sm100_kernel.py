@@ -10,8 +10,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ._grouped_w4a4_sm100_kernel import _ACC, GroupedW4A4Sm100, epilogue_view, load_accumulators, store_masked
-from .grouped_w4a4_sm100 import TILE_M
-from .moe_w4a4_sm100 import GATE_UP_BLOCK
+from .tiles import GATE_UP_BLOCK, TILE_M
 
 _LOG2E = math.log2(math.e)
 

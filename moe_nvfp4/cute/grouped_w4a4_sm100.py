@@ -29,12 +29,9 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["GroupedW4A4Variant", "VARIANTS", "dump_ptx", "TILE_M", "TILE_K", "SF_VEC", "kernel_arguments", "compile_variant", "compiled_kernel"]
+from .tiles import _OUT_DTYPES, SF_VEC, TILE_K, TILE_M
 
-TILE_M = 128  # rows of A per tile: one CTA's tcgen05 MMA M (cta_group::1)
-TILE_K = 256  # FP4 elements of K per smem stage: 4 MMAs of K = 64
-SF_VEC = 16  # NVFP4: one e4m3 scale per 16 K-elements
-_OUT_DTYPES = {torch.float16: "Float16", torch.bfloat16: "BFloat16", torch.float32: "Float32"}
+__all__ = ["GroupedW4A4Variant", "VARIANTS", "dump_ptx", "TILE_M", "TILE_K", "SF_VEC", "kernel_arguments", "compile_variant", "compiled_kernel"]
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ from typing import Any, ClassVar
 import torch
 
 from .grouped_w4a4_sm100 import GroupedW4A4Variant, dump_ptx
+from .tiles import GATE_UP_BLOCK
 
 __all__ = ["GATE_UP_BLOCK", "MoeGateUpVariant", "MoeDownVariant", "MOE_VARIANTS"]
-
-GATE_UP_BLOCK = 32  # rows of gate, then of up, per interleaved block of w13: one 128 x 32 epilogue subtile
 
 
 @dataclass(frozen=True)
