@@ -16,6 +16,8 @@ from enum import Enum
 
 import torch
 
+from .layouts import pack_fp4, swizzle_scales_128x4, unpack_fp4, unswizzle_scales_128x4
+
 __all__ = [
     "NVFP4",
     "NVFP4Format",
@@ -82,21 +84,6 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] codes -> [..., K/2] bytes, even K index in the low nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"pack_fp4: last dimension must be even, got {codes.shape[-1]}")
-    codes = codes.to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] bytes -> [..., K] codes."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
-
-
 @dataclass(frozen=True)
 class NVFP4Tensor:
     """A quantized matrix (or a stack of them, one per expert).
@@ -137,8 +124,6 @@ class NVFP4Tensor:
         """The same tensor with LINEAR block scales."""
         if self.scale_layout is ScaleLayout.LINEAR:
             return self
-        from .layouts import unswizzle_scales_128x4
-
         linear = unswizzle_scales_128x4(self.block_scale, self.n, self.k // NVFP4.block_size)
         return NVFP4Tensor(self.packed, linear, self.global_scale, ScaleLayout.LINEAR)
 
@@ -146,8 +131,6 @@ class NVFP4Tensor:
         """The same tensor with SWIZZLED_128x4 block scales."""
         if self.scale_layout is ScaleLayout.SWIZZLED_128x4:
             return self
-        from .layouts import swizzle_scales_128x4
-
         return NVFP4Tensor(
             self.packed, swizzle_scales_128x4(self.block_scale), self.global_scale, ScaleLayout.SWIZZLED_128x4
         )

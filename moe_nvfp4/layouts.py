@@ -1,4 +1,5 @@
-"""Scale layouts: the 128x4 blocked layout of cuBLASLt, CUTLASS and FlashInfer.
+"""Memory layouts: FP4 codes two per byte (``pack_fp4``), and the scale layouts: the 128x4 blocked layout of
+cuBLASLt, CUTLASS and FlashInfer.
 
 For row i and scale column j of an [N, SFK] scale matrix the byte sits at
 ``((i // 128) * ceil(SFK / 4) + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4``,
@@ -10,9 +11,24 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "encode_scale_e5m3", "decode_scale_e5m3", "SCALE_LAYOUT_VERSION", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset"]
+__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "encode_scale_e5m3", "decode_scale_e5m3", "SCALE_LAYOUT_VERSION", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4"]
 
 SCALE_LAYOUT_VERSION = 1
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] bytes, even K index in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dimension must be even, got {codes.shape[-1]}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes -> [..., K] codes."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
 
 
 def _ceil_to(x: int, m: int) -> int:
@@ -156,8 +172,6 @@ class FragmentLayout:
     def pack(self, packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One matrix: standard packing [N, K/2] + linear e4m3 scales [N, K/16] ->
         (values uint8 [NP, KP/2], scales uint8 [NP, KP/16]) in this layout."""
-        from .formats import unpack_fp4
-
         n, k = packed.shape[0], packed.shape[1] * 2
         np_, kp = self.padded_n(n), self.padded_k(k)
         codes = torch.zeros(np_, kp, dtype=torch.uint8, device=packed.device)
@@ -178,8 +192,6 @@ class FragmentLayout:
     def unpack(self, values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of ``pack`` (zero-scale blocks come back with zero codes): -> (packed [N, K/2] uint8,
         e4m3 scales [N, K/16])."""
-        from .formats import pack_fp4
-
         np_, kp = self.padded_n(n), self.padded_k(k)
         if tuple(values.shape) != (np_, kp // 2) or tuple(scales.shape) != (np_, kp // 16):
             raise ValueError(
