@@ -80,7 +80,7 @@ class GemmConfig:
     one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage cost
     Mixtral's long-K GEMM2 9 us of 78 (H200).
 
-    Every GEMM takes whole K per tile, its tiles in the kernels' fixed grouped order (moe_sm90._grouped_tile).
+    Every GEMM takes whole K per tile, its tiles in the kernels' fixed grouped order (sm90_common._grouped_tile).
     Config version 3 removed the fields of modes no tuned or default config chose: the tile group (always 8, now
     the fixed order), K splits (fp32 partials) and stream-K (equal runs of K steps per program)."""
 

@@ -35,12 +35,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # too
 
 from ablate_ws import _IMPORTS, module_from_source  # noqa: E402
 
+# a moe_sm90_ws from before sm90_common took the shared helpers from moe_sm90, which still has them
+_OLDER_IMPORTS = [("from .moe_sm90 import", "from moe_nvfp4.triton.moe_sm90 import")]
+
 
 def load_ws_module(path: Path, directory: Path, name: str):
     """Another version of moe_sm90_ws (the file at ``path``) as a module of its own, its relative imports made
     absolute."""
     src = path.read_text()
-    for old, new in _IMPORTS:
+    for old, new in _IMPORTS + _OLDER_IMPORTS:
         src = src.replace(old, new)
     return module_from_source(src, directory, name)
 

@@ -36,7 +36,7 @@ KERNEL_SOURCE = ROOT / "moe_nvfp4" / "triton" / "moe_sm90_ws.py"
 # relative imports made absolute, so an edited copy loads from anywhere
 _IMPORTS = [("from ..configs import", "from moe_nvfp4.configs import"),
             ("from ..layouts import", "from moe_nvfp4.layouts import"),
-            ("from .moe_sm90 import", "from moe_nvfp4.triton.moe_sm90 import")]  # fmt: skip
+            ("from .sm90_common import", "from moe_nvfp4.triton.sm90_common import")]  # fmt: skip
 _DECODE = ("    lo, hi = _decode_words(p, s8, DTYPE)\n",
            "    lo = p.to(gl.int16).to(DTYPE, bitcast=True)\n    hi = lo\n")  # fmt: skip
 # the wgmma replaced by an xor of each operand register into a sink the tile then stores where it equals a value

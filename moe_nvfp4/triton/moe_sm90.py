@@ -32,18 +32,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..configs import MoEKernelConfig
 from ..dispatch import sm_count
-from ..layouts import FragmentLayout
-
-@triton.jit
-def _routed(e, ok, expert_map_ptr, num_global, num_experts, HAS_MAP: tl.constexpr):
-    """Global expert ids e (where ok) -> (local expert, routed), routing.routed_pairs' meaning: an id outside
-    [0, num_global) or a map entry outside [0, num_experts) routes the pair nowhere, and nothing is read through
-    it.  Without a map num_global is num_experts, and the ids are the local experts."""
-    ok = ok & (e >= 0) & (e < num_global)
-    if HAS_MAP:
-        e = tl.load(expert_map_ptr + e, mask=ok, other=-1)
-        ok = ok & (e >= 0) & (e < num_experts)
-    return e, ok
+from .sm90_common import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words,
+                          _grouped_tile, _routed, _silu_times)
 
 
 @triton.jit
@@ -177,49 +167,6 @@ def _route_kernel(
             tl.store(tile_row_end_ptr + t, tl.zeros([BLOCK_P], tl.int32), mask=t < max_tiles)
 
 
-# Bytes of one 64-row unit and 128-wide K chunk in layouts.FragmentLayout: values, then (separately) scales
-BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().block_bytes)
-SCALE_BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().scale_block_bytes)
-
-# FP4 -> 16-bit decode of two 32-bit words of layouts.FragmentLayout (eight values each, bits
-# FRAGMENT_WORD_BITS) and their block scales: bytes 2 w and 2 w + 1 of $10 are word w's (rows R and R + 8),
-# the four scale bytes of a word pair as loaded, so no instruction builds a per-word scale operand ($11
-# repeats $10: inline asm takes as many scale bytes as value bytes).  Per word, four masked
-# shifts/multiplies put each value pair into the exponent LSBs / first mantissa bit of a bf16x2 register
-# (code * 2^-126), one packed multiply applies the scale.  fp16 moves the three magnitude bits up by three
-# (code * 2^-14).  Outputs: $0..$3 rows R (word 0, then 1), $4..$7 rows R + 8.
-_DECODE_WORD = """
-prmt.b32 x, $10, 0, {select};
-mad.lo.u32 s, x, {scale_mul}, {scale_add};
-mov.b32 {{s0, s1}}, s;
-mov.b32 lo, {{s0, s0}};
-mov.b32 hi, {{s1, s1}};
-and.b32 x, ${word}, 0x81C081C0;{fix}
-mul.rn.{ty}x2 ${lo0}, x, lo;
-shl.b32 x, ${word}, 3; and.b32 x, x, 0x81C081C0;{fix}
-mul.rn.{ty}x2 ${lo1}, x, lo;
-and.b32 x, ${word}, 0x40074007; mul.lo.u32 x, x, 66; and.b32 x, x, 0x81C081C0;{fix}
-mul.rn.{ty}x2 ${hi0}, x, hi;
-shr.b32 x, ${word}, 3; and.b32 x, x, 0x05C005C0; mul.lo.u32 x, x, 33; and.b32 x, x, 0x81C081C0;{fix}
-mul.rn.{ty}x2 ${hi1}, x, hi;"""
-_FP16_FIX = "\nshl.b32 t, x, 3; and.b32 t, t, 0x0E000E00; and.b32 x, x, 0x80008000; or.b32 x, x, t;"
-
-
-def _decode_asm(scale_mul: int, scale_add: str, fix: str, ty: str) -> str:
-    words = (_DECODE_WORD.format(select=select, word=8 + w, lo0=2 * w, lo1=2 * w + 1, hi0=4 + 2 * w, hi1=5 + 2 * w,
-                                 scale_mul=scale_mul, scale_add=scale_add, fix=fix, ty=ty)
-             for w, select in enumerate(("0x4140", "0x4342")))  # fmt: skip
-    return "{\n.reg .b32 s, x, t, lo, hi;\n.reg .b16 s0, s1;" + "".join(words) + "\n}"
-
-
-DECODE_BF16: tl.constexpr = tl.constexpr(_decode_asm(16, "0x70007000", "", "bf16"))
-DECODE_FP16: tl.constexpr = tl.constexpr(_decode_asm(128, "0x14001400", _FP16_FIX, "f16"))
-# The decoded scale is block_scale * 2^107 (bf16) or block_scale (fp16), the decoded code value * 2^-126 or
-# value * 2^-14: every product is exact, and the epilogue multiplies by EPILOGUE_FIX.
-BF16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**19)
-FP16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**14)
-
-
 @triton.jit
 def _lanes_portable(r, scale, DTYPE: tl.constexpr):
     """Plain-Triton twin of the PTX: a bf16x2-pattern word -> its two values times the scale (float32)."""
@@ -260,21 +207,6 @@ def _decode_portable(p, s, SLOTS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _decode_words(p, s8, DTYPE: tl.constexpr):
-    """The decode PTX on packed bytes: p eight FP4 bytes (two words) per call, s8 their four scale bytes
-    (word 0 rows R, R + 8, word 1 the same) twice; returns the lo / hi rows' values.  Shared by the Triton and
-    the Gluon (moe_sm90_ws) kernels."""
-    constraints: tl.constexpr = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r"
-    if DTYPE == tl.bfloat16:
-        lo, hi = tl.inline_asm_elementwise(DECODE_BF16, constraints, [p, s8], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=8)
-    else:
-        lo, hi = tl.inline_asm_elementwise(DECODE_FP16, constraints, [p, s8], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=8)
-    return lo, hi
-
-
-@triton.jit
 def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
     """FragmentLayout slots -> the [ROWS, 128] weight tile in natural (row, k) order, DTYPE, each value
     code * block_scale / EPILOGUE_FIX exactly.  p: uint8 [2 ROWS, 32]; s: uint8 [2 ROWS, 16] (per slot)."""
@@ -303,21 +235,6 @@ def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.co
 
 
 @triton.jit
-def _silu_times(gate, up, USE_ASM: tl.constexpr):
-    """The gated activation SiLU(gate) * up = gate / (1 + 2^(-gate log2 e)) * up, in fp32 (GEMM1's epilogue).
-    On the GPU the reciprocal is rcp.approx (1 ulp; its argument is >= 1, so
-    no subnormals): about 5 instructions a value against 12 for tl.exp and the `/` (div.full's range fix-ups), in
-    an epilogue that is on a decode forward's critical path.  Large negative gates give 2^x = inf, r = 0, 0."""
-    denom = 1.0 + tl.exp2(gate * -1.4426950408889634)
-    if USE_ASM:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True,
-                                      pack=1)  # fmt: skip
-    else:
-        r = 1.0 / denom
-    return gate * r * up
-
-
-@triton.jit
 def _load_a(a_base, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """A^T for K columns k0 .. k0 + BLOCK_K: [BLOCK_K, BLOCK_M] (a_base: the tile's rows, [1, BLOCK_M])."""
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -325,20 +242,6 @@ def _load_a(a_base, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=(kk < k)[:, None], other=0.0)
-
-
-@triton.jit
-def _grouped_tile(mn, num_m_tiles, num_n_tiles):
-    """Tile mn's (token tile, weight tile) in grouped order: GROUP token tiles share each weight tile while it is
-    hot in L2.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels.  Which program runs a tile never changes
-    its sums (whole K per tile), so the order is a matter of speed only.  GROUP is 8, what every tuned config ran
-    with while it was a GemmConfig field (until config version 3): the order their timings saw."""
-    GROUP: tl.constexpr = 8
-    group = mn // (GROUP * num_n_tiles)
-    first_m = group * GROUP
-    tiles_in_group = tl.minimum(num_m_tiles - first_m, GROUP)
-    in_group = mn % (GROUP * num_n_tiles)
-    return first_m + in_group % tiles_in_group, in_group // tiles_in_group
 
 
 @triton.jit
@@ -669,7 +572,7 @@ def fused_moe_sm90(
     k2p = w2_packed.shape[-1] * 2
     act = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)  # the gated activation
     if ws1 or ws2:
-        from .moe_sm90_ws import launch_gemm_ws  # imports moe_sm90's decode and tile helpers
+        from .moe_sm90_ws import launch_gemm_ws  # at each call: tools/ab_moe.py swaps it
     pdl = shared["PDL"]
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), tile_map, ids,

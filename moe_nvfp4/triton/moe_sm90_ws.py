@@ -25,8 +25,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..configs import GemmConfig
 from ..layouts import FragmentLayout
-from .moe_sm90 import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words, _grouped_tile,
-                       _routed, _silu_times)
+from .sm90_common import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words,
+                          _grouped_tile, _routed, _silu_times)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
