@@ -85,7 +85,9 @@ def test_every_kernel_waits_for_the_previous_one_before_touching_memory(name: st
 def test_launch_options_follow_the_device() -> None:
     import torch
 
-    assert K._dependent_launch(torch.device("cpu")) == dict(PDL=False)
+    from moe_nvfp4.triton.sm90_common import _dependent_launch
+
+    assert _dependent_launch(torch.device("cpu")) == dict(PDL=False)
 
 
 def test_register_cap_bounds_the_gemm_registers() -> None:

@@ -2,7 +2,7 @@
 row map, the per-expert pointer/size arrays (device tensors: no host synchronisation, CUDA-graph safe), and
 ``fused_moe_w4a4_sm100``, the Hopper path's ``fused_moe_sm90`` with input scales and this kernel.
 
-Rows: the routing of ``triton/moe_sm90.route`` with block_m = TILE_M numbers each expert's tiles
+Rows: the routing of ``triton/routing_kernels.route`` with block_m = TILE_M numbers each expert's tiles
 consecutively, so padded row ``128 * tile + i`` is sorted pair ``tile_row[tile] + i`` (or padding), and
 expert e's rows start at ``128 * (its first tile)``: the padded offsets are multiples of 128 by construction.
 The number of padded rows is ``128 * max_tiles(T * top_k, E, 128)``, fixed by the shapes.
@@ -137,7 +137,7 @@ def padded_rows(
     tile_row: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> PaddedRows:
-    """Routing metadata for block_m = TILE_M (``moe_sm90.route`` or ``routing.plan_routing``) -> PaddedRows.
+    """Routing metadata for block_m = TILE_M (``routing_kernels.route`` or ``routing.plan_routing``) -> PaddedRows.
     Vectorised torch on the routing's device: no host synchronisation."""
     rows = torch.arange(tile_expert.numel() * TILE_M, device=tile_expert.device)
     tile = rows // TILE_M
@@ -240,7 +240,8 @@ def fused_moe_w4a4_sm100(
     w2_input_scale=)``.  Launches: routing, gather, quantize, GEMM1 (SiLU * up), quantize, GEMM2 (top-k
     weight, one row per pair), combine (fixed order); no host synchronisation."""
     from ..activations import quantize_activations
-    from ..triton.moe_sm90 import combine, route
+    from ..triton.combine import combine
+    from ..triton.routing_kernels import route
 
     w13_input_scale, w2_input_scale = input_scales
     t, hidden = x.shape
