@@ -4,8 +4,8 @@ no torch).
 A record's measurement is only as good as the pointer to its raw numbers: a result file renamed, moved to an
 archive or deleted must fail here, not leave a dangling name in docs/design/.  Every backticked path-like token
 (one with a '/' or a data-file ending, no spaces or placeholders) must name an existing file or folder, or match
-one as a glob, relative to one of the bases below (records write `ab_x.jsonl.gz` for benchmarks/results/ab_x...)
-or to a folder named before it in the same record (`zoo/` then `models/`).
+one as a glob, relative to one of the bases below (records write `ab_x.jsonl.gz` for
+benchmarks/results/archive/ab_x...) or to a folder named before it in the same record (`zoo/` then `models/`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASES = (ROOT, ROOT / "benchmarks" / "results", ROOT / "benchmarks", ROOT / "moe_nvfp4", ROOT / "docs" / "design")
+BASES = (ROOT, ROOT / "benchmarks" / "results", ROOT / "benchmarks" / "results" / "archive", ROOT / "benchmarks",
+         ROOT / "moe_nvfp4", ROOT / "docs" / "design")
 DOCS = sorted((ROOT / "docs" / "design").glob("*.md")) + [ROOT / "benchmarks" / "results" / name
                                                          for name in ("README.md", "probes_2026-11.md")] + [
     ROOT / "benchmarks" / "README.md", ROOT / "tools" / "README.md"]

@@ -4,7 +4,7 @@ arrive and the MMA warps free each stage unread) and in full, over ring shapes, 
 the same GPU (harness.measure_read_bandwidth: the read ceiling).
 
     python tools/loader_rate.py --cases mixtral-8x7b:1,mixtral-8x7b:16 \\
-        --variants shipped,gemm1:num_stages=3,gemm1:chunks_per_stage=2/num_stages=4 --out benchmarks/results/loader
+        --variants shipped,gemm1:num_stages=3,gemm1:chunks_per_stage=2/num_stages=4 --out benchmarks/results/archive/loader
 
 A variant is ``shipped`` (the tuned config) or ab_moe's ``gemm1:field=value[/...]`` (or ``gemm2:``), applied to
 the tuned config; the GEMM it names is the one timed (``shipped``: each of --gemms).  Rates count the touched experts'

@@ -3,7 +3,7 @@ BF16) on bench_moe's weights, inputs and rotated copies, timed in rounds of CUDA
 with ``nvidia-smi`` sampling the GPU alongside; per round its time and what the samples inside it saw (SM clock,
 power, throttle reasons).
 
-    python tools/power_moe.py --model mixtral --tokens 16 --rounds 25 --out benchmarks/results/power/ours.json
+    python tools/power_moe.py --model mixtral --tokens 16 --rounds 25 --out benchmarks/results/archive/power/ours.json
     python tools/power_moe.py --model mixtral --tokens 16 --path marlin --rounds 25
     python tools/power_moe.py --model mixtral --tokens 16 --rounds 10 --cool-s 5     # rounds from a cool GPU
     python tools/power_moe.py --model mixtral --tokens 16 --replays 150 --cool-s 8   # every replay, from idle on

@@ -1,7 +1,7 @@
 """When each program of the warp-specialized GEMMs reaches each point of its work, inside one forward.
 
     python tools/timeline_ws.py --case qwen3-30b-a3b:1
-    python tools/timeline_ws.py --case mixtral-8x7b:1 --out benchmarks/results/timeline_mixtral_t1.json
+    python tools/timeline_ws.py --case mixtral-8x7b:1 --out benchmarks/results/archive/timeline/timeline_mixtral-8x7b_1.json
 
 Nsight Compute times a kernel alone, with the caches flushed and no programmatic dependent launch; the forward
 as served overlaps its kernels.  This edits moe_sm90_ws's source (every edit must apply once, or the run stops,
