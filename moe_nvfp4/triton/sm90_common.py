@@ -1,6 +1,7 @@
 """What the sm_90 MoE GEMMs share, the Triton one (moe_sm90) and the Gluon one (moe_sm90_ws): the FP4 decode PTX and
-its constants, the tile order, the routing predicate and the gated activation.  A module of its own so the two
-kernel modules import it, not each other.
+its constants, the tile order, the routing predicate and the gated activation; and what every Triton kernel of the
+forward (routing_kernels, the GEMM, combine) shares: programmatic dependent launch and the dtype map.  A module of
+its own so the kernel modules import it, not each other.
 """
 from __future__ import annotations
 
