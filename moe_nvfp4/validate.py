@@ -100,23 +100,26 @@ def check_moe_layer(
     *,
     convention: Convention,
     expected_experts: Iterable[int],
-    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj"),
     require_input_scales: bool = False,
 ) -> list[Finding]:
     """Every finding for one MoE layer, errors first per expert (see the module docstring).
 
     layer: the experts' prefix (``model.layers.0.mlp.experts``); experts: expert id -> projection name (as
-    the checkpoint spells it, ``projections`` = gate, up, down) -> tensor suffix -> raw checkpoint tensor.
+    the checkpoint spells it, ``projections`` = gate, up, down; or up, down for non-gated experts such as
+    Nemotron-H's) -> tensor suffix -> raw checkpoint tensor.
     Input scales are required when ``require_input_scales`` or when any expert has one.
     """
-    gate, up, down = projections
+    if len(projections) not in (2, 3):
+        raise ValueError(f"projections must name gate, up, down or up, down; got {projections}")
+    gate, up, down = projections if len(projections) == 3 else (None, *projections)
     packed_key, _, global_key, input_key, _ = TENSOR_NAMES[convention]
     need_input = require_input_scales or any(input_key in t for ex in experts.values() for t in ex.values())
     findings: list[Finding] = []
     inputs: dict[str, dict[tuple[int, str], float]] = {"w13": {}, "w2": {}}
     for e in expected_experts:
         if e not in experts:
-            findings.append(Finding(f"{layer}.{e}", f"missing (no {gate}/{up}/{down} tensors)", e))
+            findings.append(Finding(f"{layer}.{e}", f"missing (no {'/'.join(projections)} tensors)", e))
             continue
         read: dict[str, NVFP4Linear] = {}
         for proj in projections:

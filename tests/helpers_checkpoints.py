@@ -1,5 +1,5 @@
-"""Tiny random-weight HF MoE checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3) made with transformers, and a word-level
-tokenizer with a chat template made offline, for converter/vLLM tests.
+"""Tiny random-weight HF MoE checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3, NemotronH, Llama-4 text, gpt-oss) made with
+transformers, and a word-level tokenizer with a chat template made offline, for converter/vLLM tests.
 
 transformers 5.17 holds experts stacked in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, gate rows
 first, and ``mlp.experts.down_proj`` ``[E, H, I]``) but ``save_pretrained`` writes the classic per-expert names
@@ -14,7 +14,8 @@ from typing import Literal
 
 import torch
 
-Family = Literal["mixtral", "qwen3_moe", "deepseek_v3"]
+Family = Literal["mixtral", "qwen3_moe", "deepseek_v3", "nemotron_h", "llama4_text", "gpt_oss"]
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "nemotron_h", "llama4_text", "gpt_oss")
 
 HIDDEN = 64
 EXPERT_INTERMEDIATE = 64
@@ -38,12 +39,21 @@ DEEPSEEK_ROUTED_SCALING = 2.5
 # states), and a correction bias that reorders some of them: HF's init (std 0.02, bias 0) routes every token alike.
 DEEPSEEK_ROUTER_STD = 0.125
 DEEPSEEK_BIAS_STD = 0.1
+# NemotronH: ReLU² experts without a gate, sigmoid routing with a correction bias (spread like DeepSeek's), a shared
+# expert; layers "*E" (attention, then MoE): no Mamba layer, the config allows none and vLLM then needs no Mamba
+# kernels.  Small Mamba sizes all the same: vLLM sizes the attention page from the (unused) Mamba state.
+NEMOTRON_LAYERS = ("full_attention", "moe")
+# gpt-oss: head dim 64 (its attention sinks run on backends that take 64, not 32); expert biases drawn like the
+# weights (HF initializes them to zero, which would test nothing).
+GPT_OSS_HEAD_DIM = 64
+GPT_OSS_BIAS_STD = 0.02
 
 
 def tiny_config(family: Family):
     """The transformers config of the tiny model (hidden 64, 4 experts of intermediate 64, 2 layers, vocab 256,
-    4 attention heads and 2 KV heads of dim 32; DeepSeek-V3: see ``DEEPSEEK_*``, 8 MLA heads)."""
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    4 attention heads and 2 KV heads of dim 32; DeepSeek-V3: see ``DEEPSEEK_*``, 8 MLA heads; NemotronH:
+    ``NEMOTRON_LAYERS``; Llama-4: top-1, router weight on the input, a shared expert; gpt-oss: ``GPT_OSS_*``)."""
+    from transformers import DeepseekV3Config, GptOssConfig, Llama4TextConfig, MixtralConfig, NemotronHConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=HIDDEN,
@@ -74,7 +84,22 @@ def tiny_config(family: Family):
             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=512,
             tie_word_embeddings=False,
         )  # fmt: skip
-    raise ValueError(f"family must be 'mixtral', 'qwen3_moe' or 'deepseek_v3', got {family!r}")
+    if family == "nemotron_h":
+        return NemotronHConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, layers_block_type=list(NEMOTRON_LAYERS), num_attention_heads=4,
+            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
+            moe_intermediate_size=EXPERT_INTERMEDIATE, moe_shared_expert_intermediate_size=EXPERT_INTERMEDIATE,
+            n_shared_experts=1, intermediate_size=2 * EXPERT_INTERMEDIATE, n_group=1, topk_group=1, norm_topk_prob=True,
+            mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    if family == "llama4_text":
+        return Llama4TextConfig(intermediate_size=EXPERT_INTERMEDIATE, intermediate_size_mlp=2 * EXPERT_INTERMEDIATE,
+                                num_local_experts=EXPERTS, **{**common, "num_experts_per_tok": 1})  # fmt: skip
+    if family == "gpt_oss":
+        return GptOssConfig(intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=EXPERTS,
+                            **{**common, "head_dim": GPT_OSS_HEAD_DIM})  # fmt: skip
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
 def kv_cache_threads_per_rank(config, tp: int) -> int:
@@ -96,8 +121,10 @@ def make_tiny_checkpoint(
     out = Path(out_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family)).to(torch.bfloat16)
-    if family == "deepseek_v3":
-        _spread_deepseek_routers(model, seed)
+    if family in ("deepseek_v3", "nemotron_h"):
+        _spread_routers(model, seed)
+    if family == "gpt_oss":
+        _draw_expert_biases(model, seed)
     if not stacked:
         total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
         model.save_pretrained(out, max_shard_size=max(total // shards, 1) if shards > 1 else "5GB")
@@ -106,14 +133,23 @@ def make_tiny_checkpoint(
     return out
 
 
-def _spread_deepseek_routers(model: torch.nn.Module, seed: int) -> None:
+def _spread_routers(model: torch.nn.Module, seed: int) -> None:
+    """Sigmoid routers (DeepSeek-V3's ``mlp.gate``, NemotronH's ``mixer.gate``) with spread scores and a bias."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith((".mlp.gate.weight", ".mixer.gate.weight")):
                 t.copy_(torch.randn(t.shape, generator=g) * DEEPSEEK_ROUTER_STD)
-            elif name.endswith("mlp.gate.e_score_correction_bias"):
+            elif name.endswith("gate.e_score_correction_bias"):
                 t.copy_(torch.randn(t.shape, generator=g) * DEEPSEEK_BIAS_STD)
+
+
+def _draw_expert_biases(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                t.copy_(torch.randn(t.shape, generator=g) * GPT_OSS_BIAS_STD)
 
 
 # A word-level tokenizer: id i < len(SPECIAL_TOKENS) is that special token, every other id i is the word f"w{i}",

@@ -1,4 +1,5 @@
-"""Offline converter: tiny random Mixtral / Qwen3-MoE checkpoints made with transformers, converted to NVFP4."""
+"""Offline converter: tiny random Mixtral / Qwen3-MoE / NemotronH / Llama-4 / gpt-oss checkpoints made with transformers,
+converted to NVFP4."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers_checkpoints import EXPERTS, LAYERS, make_tiny_checkpoint
+from helpers_checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, LAYERS, make_tiny_checkpoint, tiny_config
 from moe_nvfp4.checkpoint import Convention
 from moe_nvfp4.cli import main
 from moe_nvfp4.convert import (
@@ -47,6 +48,8 @@ def sources(tmp_path_factory) -> dict[tuple[str, bool], Path]:
 
 
 def read_all(root: Path) -> dict[str, torch.Tensor]:
+    if not (root / "model.safetensors.index.json").exists():
+        return load_file(str(root / "model.safetensors"))  # a single-file source
     index = json.loads((root / "model.safetensors.index.json").read_text())
     out = {}
     for shard in sorted(set(index["weight_map"].values())):
@@ -312,6 +315,89 @@ def test_cli_convert(sources, tmp_path, capsys):
     assert main(["convert", str(src_dir), str(tmp_path / "out"), "--quiet"]) == 1
     assert "already exists" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "out")]) == 0
+
+
+# ---------------------------------------------------------------- NemotronH, Llama-4, gpt-oss
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_tiny_checkpoint(f, root / f) for f in ("nemotron_h", "llama4_text", "gpt_oss")}
+
+
+@pytest.mark.parametrize("convention", [Convention.MODELOPT, Convention.COMPRESSED_TENSORS], ids=["modelopt", "ct"])
+def test_nemotron_h_non_gated_experts(family_sources, tmp_path, convention):
+    """NemotronH's experts are up_proj + down_proj (ReLU², no gate), per expert under backbone.layers.N.mixer: each
+    is quantized on its own, the shared expert, Mamba-free attention and the router stay BF16."""
+    src_dir = family_sources["nemotron_h"]
+    options = ConvertOptions(settings=QuantSettings(convention=convention))
+    summary = convert_checkpoint(src_dir, tmp_path / "out", options, progress=False)
+    src, out = read_all(src_dir), read_all(tmp_path / "out")
+    moe_layers = [n for n, kind in enumerate(tiny_config("nemotron_h").layers_block_type) if kind == "moe"]
+    assert summary.quantized_modules == len(moe_layers) * EXPERTS * 2
+    names = ("weight_packed", "weight_scale", "weight_global_scale") if convention is Convention.COMPRESSED_TENSORS else (
+        "weight", "weight_scale", "weight_scale_2")
+    for layer in moe_layers:
+        for e in range(EXPERTS):
+            for proj in ("up_proj", "down_proj"):
+                module = f"backbone.layers.{layer}.mixer.experts.{e}.{proj}"
+                gs = out[f"{module}.{names[2]}"]
+                q = NVFP4Tensor(out[f"{module}.{names[0]}"], out[f"{module}.{names[1]}"],
+                                1.0 / gs if convention is Convention.COMPRESSED_TENSORS else gs)  # fmt: skip
+                assert_within_bound(src[f"{module}.weight"], q, module)
+            assert not any(".gate_proj" in n for n in out)
+        shared = f"backbone.layers.{layer}.mixer.shared_experts.up_proj.weight"
+        assert torch.equal(out[shared], src[shared])
+    report = inspect_checkpoint(tmp_path / "out")
+    assert report.ok and report.shapes == {"up": (EXPERT_INTERMEDIATE, HIDDEN), "down": (HIDDEN, EXPERT_INTERMEDIATE)}
+
+
+def _edit(src: Path, dst: Path, fn) -> Path:
+    """A copy of the checkpoint ``src`` whose tensors ``fn`` rewrote (a dict in, a dict out)."""
+    dst = _copy(src, dst)
+    save_file(fn(load_file(str(dst / "model.safetensors"))), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_nemotron_h_expert_with_a_gate_or_without_up_is_refused(family_sources, tmp_path):
+    src_dir = family_sources["nemotron_h"]
+    expert = "backbone.layers.1.mixer.experts.2"
+    gated = _edit(src_dir, tmp_path / "gated", lambda t: {**t, f"{expert}.gate_proj.weight": t[f"{expert}.up_proj.weight"].clone()})
+    with pytest.raises(ConversionError, match=rf"{expert}: {expert}.gate_proj.weight: model_type nemotron_h has non-gated"):
+        convert_checkpoint(gated, tmp_path / "out", progress=False)
+    no_up = _edit(src_dir, tmp_path / "no-up", lambda t: {k: v for k, v in t.items() if k != f"{expert}.up_proj.weight"})
+    with pytest.raises(ConversionError, match=rf"{expert}: expert has no \['up'\] projection"):
+        convert_checkpoint(no_up, tmp_path / "out", progress=False)
+
+
+def test_llama4_stacked_transposed_experts(family_sources, tmp_path):
+    """Llama-4 text stores experts stacked and transposed, gate_up_proj [E, H, 2I] (gate columns first) and
+    down_proj [E, I, H]; the config's sizes give the orientation.  Written per expert under the names vLLM's
+    Llama-4 loader (and ModelOpt's own Llama-4 FP4 checkpoints) use; the shared expert and router stay BF16."""
+    src_dir = family_sources["llama4_text"]
+    convert_checkpoint(src_dir, tmp_path / "out", progress=False)
+    src, out = read_all(src_dir), read_all(tmp_path / "out")
+    for layer in range(LAYERS):
+        prefix = f"model.layers.{layer}.feed_forward.experts"
+        gate_up, down = src[f"{prefix}.gate_up_proj"], src[f"{prefix}.down_proj"]
+        assert gate_up.shape == (EXPERTS, HIDDEN, 2 * EXPERT_INTERMEDIATE) and f"{prefix}.gate_up_proj" not in out
+        for e in range(EXPERTS):
+            gate, up = gate_up[e].T.chunk(2)
+            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e].T)):
+                assert_within_bound(w, modelopt_tensor(out, f"{prefix}.{e}.{proj}"), f"{prefix}.{e}.{proj}")
+        shared = f"model.layers.{layer}.feed_forward.shared_expert.gate_proj"
+        assert torch.equal(out[f"{shared}.weight"], src[f"{shared}.weight"])
+        ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+        assert {shared, f"model.layers.{layer}.feed_forward.router"} <= set(ignore)
+    assert inspect_checkpoint(tmp_path / "out").ok
+
+
+def test_gpt_oss_is_refused_with_the_reason(family_sources, tmp_path):
+    with pytest.raises(ConversionError, match=r"mlp.experts.*vLLM \(0.26, 0.33\) loads gpt-oss experts only as BF16.*"
+                                              r"--quantization nvfp4_grouped"):  # fmt: skip
+        convert_checkpoint(family_sources["gpt_oss"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.vllm

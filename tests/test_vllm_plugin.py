@@ -186,8 +186,14 @@ def test_linear_layers_are_delegated(plugin):
 # ---------------------------------------------------------------- a real RoutedExperts on CPU
 
 
-def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation="silu"):
+def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation="silu", top_k=TOPK, has_bias=False,
+                    router_weight_on_input=False, swiglu=None):
+    """A RoutedExperts layer as vLLM's models build it.  A non-gated activation (``*_no_mul``) gets NemotronH's
+    checkpoint names (its ``up_proj`` is shard w1, no up shard); ``swiglu``: (limit, alpha, beta) of the config."""
+    from unittest import mock
+
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import config as moe_config_module
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
     from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
@@ -199,17 +205,26 @@ def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation
         pcp_rank=0, dp_rank=0, ep_rank=ep_rank, sp_size=1, use_ep=use_ep,
         all2all_backend="allgather_reducescatter", enable_eplb=False,
     )
-    cfg = FusedMoEConfig(
-        num_experts=E, experts_per_token=TOPK, hidden_dim=H, intermediate_size=inter, num_local_experts=E // ep,
-        num_logical_experts=E, activation=MoEActivation.from_str(activation), device="cpu",
-        routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc, in_dtype=torch.bfloat16,
-    )
+    act = MoEActivation.from_str(activation)
+    limit, alpha, beta = swiglu or (None, None, None)
+    # vLLM builds non-gated MoE configs only on CUDA/ROCm/XPU platforms; the layer itself is platform-free.
+    with mock.patch.object(moe_config_module.current_platform, "is_cuda_alike", return_value=True):
+        cfg = FusedMoEConfig(
+            num_experts=E, experts_per_token=top_k, hidden_dim=H, intermediate_size=inter, num_local_experts=E // ep,
+            num_logical_experts=E, activation=act, device="cpu", routing_method=RoutingMethodType.Renormalize,
+            moe_parallel_config=pc, in_dtype=torch.bfloat16, has_bias=has_bias, swiglu_limit=limit,
+            swiglu_alpha=alpha, swiglu_beta=beta,
+        )  # fmt: skip
+    # NemotronH's names: vLLM 0.26 spells "no up projection" "", 0.33 None (and checks it against the activation)
+    no_up = "" if _release() == (0, 26) else None
+    names = {} if act.is_gated else {"ckpt_gate_proj_name": "up_proj", "ckpt_up_proj_name": no_up}
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         emm = ExpertMapManager(
-            max_num_batched_tokens=256, top_k=TOPK, global_num_experts=E, num_redundant_experts=0,
+            max_num_batched_tokens=256, top_k=top_k, global_num_experts=E, num_redundant_experts=0,
             num_expert_group=None, moe_parallel_config=pc, placement_strategy="linear", enable_eplb=False,
         )
-        return RoutedExperts(LAYER, torch.bfloat16, cfg, qc, emm)
+        return RoutedExperts(LAYER, torch.bfloat16, cfg, qc, emm, apply_router_weight_on_input=router_weight_on_input,
+                             **names)  # fmt: skip
 
 
 @dataclass
@@ -474,6 +489,208 @@ def test_zero_tokens(plugin, gen):
     assert layer.quant_method.apply(layer, x, tw, ids, None, None).shape == (0, H)
 
 
+# ---------------------------------------------------------------- families: NemotronH, Llama-4, gpt-oss
+
+# An fp32 reference from the dequantized experts, written out here rather than taken from moe_nvfp4: the kernel's
+# intermediate activation is rounded to bf16, so ||out - ref|| / ||ref|| stays near 2^-8; FAMILY_REL_TOL is 4x that.
+FAMILY_REL_TOL = 1.6e-2
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's, vLLM's swigluoai_and_mul defaults
+
+
+def _moe_reference(x, w13, w2, tw, ids, activation, *, b13=None, b2=None, on_input=False):
+    """x [T, H]; w13 [E, S*I, H] float (gate rows then up rows, or one projection), w2 [E, H, I]; biases [E, S*I] / [E, H]."""
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, w = int(ids[t, j]), float(tw[t, j])
+            xi = x[t].float() * (w if on_input else 1.0)
+            h = w13[e] @ xi + (0 if b13 is None else b13[e].float())
+            if activation == "relu2":
+                a = torch.relu(h) ** 2
+            else:
+                g, u = h.chunk(2)
+                if activation == "silu":
+                    a = torch.nn.functional.silu(g) * u
+                else:  # swiglu_oai, as vLLM's swigluoai_and_mul on de-interleaved halves
+                    g, u = g.clamp(max=SWIGLU_LIMIT), u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+                    a = (u + 1) * g * torch.sigmoid(SWIGLU_ALPHA * g)
+            y = w2[e] @ a + (0 if b2 is None else b2[e].float())
+            out[t] += y * (1.0 if on_input else w)
+    return out
+
+
+def _rel(out, ref):
+    return float(torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref))
+
+
+def _checkpoint_names(convention):
+    if convention == "compressed-tensors":
+        return "weight_packed", "weight_scale", "weight_global_scale"
+    return ("weight", "weight_scale", "weight_scale_2") if convention == "modelopt" else ("weight",)
+
+
+def _projection_tensors(gen, convention, projections: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Per-expert checkpoint tensors of each projection name -> dense [E, N, K]; returns (tensors, dequantized
+    [E, N, K] float per projection).  BF16 checkpoints: the dense values themselves (quantized on load)."""
+    import moe_nvfp4
+
+    names = _checkpoint_names(convention)
+    tensors, deq = {}, {}
+    for proj, dense in projections.items():
+        if convention is None:
+            tensors.update({f"{e}.{proj}.weight": dense[e].bfloat16() for e in range(E)})
+            deq[proj] = moe_nvfp4.dequantize_nvfp4(moe_nvfp4.quantize_nvfp4(dense.bfloat16().float()))
+            continue
+        q = moe_nvfp4.quantize_nvfp4(dense)
+        for e in range(E):
+            gs = q.global_scale[e]
+            tensors[f"{e}.{proj}.{names[0]}"] = q.packed[e].clone()
+            tensors[f"{e}.{proj}.{names[1]}"] = q.block_scale[e].clone()
+            tensors[f"{e}.{proj}.{names[2]}"] = (1.0 / gs if convention == "compressed-tensors" else gs).reshape(())
+        deq[proj] = moe_nvfp4.dequantize_nvfp4(q)
+    return tensors, deq
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", None], ids=["modelopt", "ct", "bf16"])
+def test_nemotron_h_non_gated_relu2_experts(plugin, gen, convention):
+    """NemotronH: relu2_no_mul, w13 is the one up_proj (vLLM's shard w1, I rows), loaded by its checkpoint names."""
+    from moe_nvfp4.expert_activation import RELU2
+
+    up = torch.randn(E, I, H, generator=gen) * 0.05
+    down = torch.randn(E, H, I, generator=gen) * 0.05
+    tensors, deq = _projection_tensors(gen, convention, {"up_proj": up, "down_proj": down})
+    layer = _routed_experts(_config(plugin, convention), activation="relu2_no_mul")
+    w13_rows = {n: p.shape[1] for n, p in layer.named_parameters() if n.startswith("w13_") and p.dim() == 3}
+    assert w13_rows and set(w13_rows.values()) == {I}  # one projection of I rows, not gate + up
+    _load(layer, tensors)
+    weights = layer.moe_nvfp4_weights
+    assert weights.activation == RELU2
+    x, tw, ids = _routing(gen)
+    out = layer.quant_method.apply(layer, x, tw, ids, None, None)
+    ref = _moe_reference(x, deq["up_proj"], deq["down_proj"], tw, ids, "relu2")
+    assert out.shape == (T, H) and _rel(out, ref) <= FAMILY_REL_TOL
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", None], ids=["modelopt", "ct", "bf16"])
+def test_llama4_router_weight_applied_to_the_input(plugin, gen, convention):
+    """Llama-4: top-1 sigmoid routing, the router weight scales the expert's input (not its output).  The BF16
+    form loads as vLLM's Llama-4 loader hands over its stacked [E, H, 2I] / [E, I, H] tensors: transposed, gate
+    and up chunks, all experts in one call."""
+    gate, upp = torch.randn(E, I, H, generator=gen) * 0.05, torch.randn(E, I, H, generator=gen) * 0.05
+    down = torch.randn(E, H, I, generator=gen) * 0.05
+    tensors, deq = _projection_tensors(gen, convention, {"gate_proj": gate, "up_proj": upp, "down_proj": down})
+    layer = _routed_experts(_config(plugin, convention), top_k=1, router_weight_on_input=True)
+    if convention is None:
+        stacked_gate_up = torch.cat([gate, upp], 1).transpose(1, 2).bfloat16()  # Llama-4's [E, H, 2I]
+        w13 = stacked_gate_up.transpose(-1, -2).chunk(2, dim=-2)  # what Llama4Model.load_moe_expert_weights passes
+        for shard, t in zip(("w1", "w3"), w13):
+            layer.w13_weight.weight_loader(layer.w13_weight, t, "w13_weight", shard_id=shard, expert_id=0)
+        layer.w2_weight.weight_loader(layer.w2_weight, down.transpose(1, 2).bfloat16().transpose(-1, -2), "w2_weight",
+                                      shard_id="w2", expert_id=0)  # fmt: skip
+        layer.quant_method.process_weights_after_loading(layer)
+    else:
+        _load(layer, tensors)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    tw, ids = torch.topk(torch.randn(T, E, generator=gen).sigmoid(), 1, dim=-1)  # not renormalized: weights < 1
+    out = layer.quant_method.apply(layer, x, tw.float(), ids.int(), None, None)
+    w13_deq = torch.cat([deq["gate_proj"], deq["up_proj"]], 1)
+    ref = _moe_reference(x, w13_deq, deq["down_proj"], tw, ids, "silu", on_input=True)
+    on_output = _moe_reference(x, w13_deq, deq["down_proj"], tw, ids, "silu")
+    assert _rel(on_output, ref) > 10 * FAMILY_REL_TOL  # the test tells input from output weighting
+    assert _rel(out, ref) <= FAMILY_REL_TOL
+
+
+def _interleave(gate_rows, up_rows):
+    """[E, I, ...] gate and up -> [E, 2I, ...] with row 2i gate i, row 2i + 1 up i (vLLM's swigluoai layout)."""
+    return torch.stack([gate_rows, up_rows], 2).flatten(1, 2)
+
+
+def _gpt_oss_layer(plugin, gen, *, tp=1, tp_rank=0):
+    """A gpt-oss expert layer loaded as GptOssForCausalLM._load_weights_other does: its stacked BF16 tensors and
+    biases copied into the parameters (interleaved gate/up, this rank's columns), past every weight loader."""
+    gate, upp = torch.randn(E, I, H, generator=gen) * 0.05, torch.randn(E, I, H, generator=gen) * 0.05
+    down = torch.randn(E, H, I, generator=gen) * 0.05
+    b_gate, b_up, b_down = (torch.randn(E, n, generator=gen) * 0.5 for n in (I, I, H))
+    layer = _routed_experts(_config(plugin, None), activation="swigluoai", has_bias=True, tp=tp, tp_rank=tp_rank)
+    cols = slice(tp_rank * I // tp, (tp_rank + 1) * I // tp)
+    with torch.no_grad():
+        layer.w13_weight.copy_(_interleave(gate[:, cols], upp[:, cols]).bfloat16())
+        layer.w13_bias.copy_(_interleave(b_gate[:, cols], b_up[:, cols]).bfloat16())
+        layer.w2_weight.copy_(down[:, :, cols].bfloat16())
+        layer.w2_bias.copy_(b_down.bfloat16() if tp_rank == 0 else torch.zeros(E, H))  # rank 0 adds it
+    dense = {"gate": gate[:, cols], "up": upp[:, cols], "down": down[:, :, cols]}
+    biases = {"gate": b_gate[:, cols].bfloat16(), "up": b_up[:, cols].bfloat16(), "down": b_down.bfloat16()}
+    return layer, dense, biases
+
+
+def test_gpt_oss_experts_deinterleaved_with_biases(plugin, gen):
+    """gpt-oss (BF16 checkpoint quantized on load): interleaved w13 rows and biases land gate-then-up, biases on
+    both GEMMs, swigluoai's clamp active (inputs large enough that |gate| > 7 occurs)."""
+    import moe_nvfp4
+
+    layer, dense, biases = _gpt_oss_layer(plugin, gen)
+    layer.quant_method.process_weights_after_loading(layer)
+    weights = layer.moe_nvfp4_weights
+    assert weights.activation.name == "swiglu_oai"
+    w13, w2 = weights.to_nvfp4()
+    want13 = moe_nvfp4.quantize_nvfp4(torch.cat([dense["gate"], dense["up"]], 1).bfloat16().float(), segments=2)
+    assert torch.equal(w13.packed, want13.packed) and torch.equal(w13.global_scale, want13.global_scale)
+    assert torch.equal(weights.w13_bias.float(), torch.cat([biases["gate"], biases["up"]], 1).float())
+    assert torch.equal(weights.w2_bias.float(), biases["down"].float())
+    x = (torch.randn(T, H, generator=gen) * 40).bfloat16()
+    _, tw, ids = _routing(gen)
+    out = layer.quant_method.apply(layer, x, tw, ids, None, None)
+    w13_deq = moe_nvfp4.dequantize_nvfp4(want13)
+    w2_deq = moe_nvfp4.dequantize_nvfp4(moe_nvfp4.quantize_nvfp4(dense["down"].bfloat16().float()))
+    b13 = torch.cat([biases["gate"], biases["up"]], 1)
+    h = torch.einsum("th,enh->ten", x.float(), w13_deq)[:, :, :I] + biases["gate"].float()
+    assert bool((h > SWIGLU_LIMIT).any()), "the clamp never engages; the test would not see it"
+    ref = _moe_reference(x, w13_deq, w2_deq, tw, ids, "swiglu_oai", b13=b13, b2=biases["down"])
+    assert _rel(out, ref) <= FAMILY_REL_TOL
+
+
+def test_gpt_oss_tensor_parallel_ranks_sum_to_reference(plugin, gen):
+    """TP=2: each rank holds its interleaved columns; only rank 0 holds the down bias; the sum is the model."""
+    import moe_nvfp4
+
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    x, tw, ids = _routing(gen)
+    total, refs = 0, 0
+    for rank in range(2):
+        # both ranks draw the same full model and keep their columns of it
+        layer, dense, biases = _gpt_oss_layer(plugin, torch.Generator().manual_seed(seed), tp=2, tp_rank=rank)
+        layer.quant_method.process_weights_after_loading(layer)
+        total = total + layer.quant_method.apply(layer, x, tw, ids, None, None).float()
+        w13_deq = moe_nvfp4.dequantize_nvfp4(
+            moe_nvfp4.quantize_nvfp4(torch.cat([dense["gate"], dense["up"]], 1).bfloat16().float(), segments=2))
+        w2_deq = moe_nvfp4.dequantize_nvfp4(moe_nvfp4.quantize_nvfp4(dense["down"].bfloat16().float()))
+        refs = refs + _moe_reference(x, w13_deq, w2_deq, tw, ids, "swiglu_oai",
+                                     b13=torch.cat([biases["gate"], biases["up"]], 1),
+                                     b2=biases["down"] if rank == 0 else None)  # fmt: skip
+    assert _rel(total, refs) <= FAMILY_REL_TOL
+
+
+def test_gpt_oss_bias_never_written_is_named(plugin, gen):
+    from moe_nvfp4.checkpoint import CheckpointError
+
+    layer, _, _ = _gpt_oss_layer(plugin, gen)
+    with torch.no_grad():
+        layer.w2_bias[2].fill_(float("nan"))  # expert 2's down bias never arrived
+    with pytest.raises(CheckpointError, match=rf"{LAYER}: expert 2 down_proj.bias was never loaded"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize(("activation", "swiglu", "match"), [
+    ("gelu", None, "activation gelu"),
+    ("silu_no_mul", None, "activation silu_no_mul"),
+    ("silu", (7.0, None, None), "activation silu with swiglu limit/alpha/beta 7.0/None/None"),
+    ("swigluoai", (7.0, 1.702, 1.0), "activation swigluoai with swiglu limit/alpha/beta 7.0/1.702/1.0"),
+], ids=["gelu", "non-gated-silu", "clamped-silu", "swiglu-beta"])  # fmt: skip
+def test_unsupported_activations_are_rejected_naming_the_layer(plugin, activation, swiglu, match):
+    with pytest.raises(NotImplementedError, match=rf"{LAYER}: nvfp4_grouped does not support {match}"):
+        _routed_experts(_config(plugin, "modelopt"), activation=activation, swiglu=swiglu)
+
+
 # ---------------------------------------------------------------- validation errors
 
 
@@ -571,11 +788,6 @@ def test_tp_that_splits_a_scale_block_is_rejected_at_create_weights(plugin, tp, 
         return
     with pytest.raises(ValueError, match=r"intermediate size 48 split over tensor parallel size 2 gives 24 per rank.*multiple of 16"):
         _routed_experts(qc, tp=tp, inter=inter)
-
-
-def test_unsupported_activation_is_rejected(plugin):
-    with pytest.raises(NotImplementedError, match="activation gelu"):
-        _routed_experts(_config(plugin, "modelopt"), activation="gelu")
 
 
 def test_excluded_experts_stay_unquantized(plugin):

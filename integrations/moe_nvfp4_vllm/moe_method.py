@@ -42,6 +42,7 @@ from moe_nvfp4.autotune import autotune_enabled, autotune_fused_moe
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.backends import TORCH
 from moe_nvfp4.dispatch import select_backends
+from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
 from moe_nvfp4.validate import check_moe_layer, raise_first_error
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
@@ -55,7 +56,38 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm", whose handlers vLLM co
 
 # Parameter kinds.
 PACKED, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE, DENSE = "packed", "block_scale", "global_scale", "input_scale", "dense"
+BIAS = "bias"
 W13_SHARDS = ("w1", "w3")  # gate, up (vLLM's shard ids)
+W13_NON_GATED = ("w1",)  # a non-gated layer's one w13 projection (Nemotron-H's up_proj) loads as shard w1
+# gpt-oss's defaults for vLLM's swigluoai_and_mul (vllm.model_executor.layers.activation.SwigluOAIAndMul)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def expert_activation(moe) -> ExpertActivation | str:
+    """The ``moe_nvfp4`` activation computing the layer's ``FusedMoEConfig`` activation, or why there is none.
+
+    vLLM's ``swigluoai`` takes gate/up interleaved in w13 (gpt-oss); the method de-interleaves at load, so the
+    kernel's ``swiglu_oai`` sees gate rows then up rows like every other gated activation."""
+    act = moe.activation
+    clamped = moe.swiglu_limit is not None or moe.swiglu_alpha is not None or moe.swiglu_beta is not None
+    if act is MoEActivation.SILU and not clamped:
+        return SILU
+    if act is MoEActivation.RELU2_NO_MUL and not clamped:
+        return RELU2
+    if act is MoEActivation.SWIGLUOAI and moe.swiglu_beta is None:
+        alpha = SWIGLU_OAI_ALPHA if moe.swiglu_alpha is None else moe.swiglu_alpha
+        limit = SWIGLU_OAI_LIMIT if moe.swiglu_limit is None else moe.swiglu_limit
+        return ExpertActivation("swiglu_oai", alpha=alpha, limit=limit)
+    if clamped:
+        return (f"activation {act.value} with swiglu limit/alpha/beta {moe.swiglu_limit}/{moe.swiglu_alpha}/"
+                f"{moe.swiglu_beta} (implemented: gated silu, swigluoai with limit and alpha, relu2_no_mul)")  # fmt: skip
+    return f"activation {act.value} (implemented: gated silu, swigluoai, relu2_no_mul)"
+
+
+def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, ...]`` with gate/up rows interleaved (row 2i gate i, row 2i+1 up i: vLLM's swigluoai layout) ->
+    gate rows then up rows (the layout ``prepare_moe_weights`` takes)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
 
 @dataclass(frozen=True)
@@ -72,7 +104,9 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
     """Routed experts as NVFP4 (ModelOpt or compressed-tensors tensors, or BF16 quantized on load).
 
     quant_config: the ``NVFP4GroupedConfig`` (convention None = BF16 checkpoint); moe: the layer's
-    ``FusedMoEConfig``.
+    ``FusedMoEConfig``.  Gated SiLU, gpt-oss's swigluoai with expert biases, and Nemotron-H's non-gated
+    relu2_no_mul (w13 then holds one projection of I rows); the router weight on the input where the layer asks
+    (Llama-4).
     """
 
     def __init__(self, quant_config, moe) -> None:
@@ -81,6 +115,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         self.quant_config = quant_config
         self.convention: Convention | None = quant_config.convention
         self.params: list[_Param] = []
+        self.activation = expert_activation(moe)  # a str says why the layer is refused (in create_weights)
+        self.w13_shards = W13_SHARDS if moe.is_act_and_mul else W13_NON_GATED
         self.loaded: set[tuple[str, int, str]] = set()  # (param name, local expert, shard id)
         self.w13_input_scale: torch.Tensor | None = None  # validated multipliers [E, 2], unused on Hopper
         self.w2_input_scale: torch.Tensor | None = None
@@ -95,12 +131,13 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         return self.convention is Convention.MODELOPT
 
     def _layout(self) -> list[_Param]:
+        bias = [_Param("w13_bias", BIAS, self.w13_shards, "bias"), _Param("w2_bias", BIAS, ("w2",), "bias")]
+        out = bias if self.moe.has_bias else []
         if self.convention is None:
-            return [_Param("w13_weight", DENSE, W13_SHARDS, "weight"), _Param("w2_weight", DENSE, ("w2",), "weight")]
+            return out + [_Param("w13_weight", DENSE, self.w13_shards, "weight"), _Param("w2_weight", DENSE, ("w2",), "weight")]
         packed, scale, global_, input_, _ = TENSOR_NAMES[self.convention]
-        out = []
         for kind, suffix in ((PACKED, packed), (BLOCK_SCALE, scale), (GLOBAL_SCALE, global_), (INPUT_SCALE, input_)):
-            out.append(_Param(f"w13_{suffix}", kind, W13_SHARDS, suffix))
+            out.append(_Param(f"w13_{suffix}", kind, self.w13_shards, suffix))
             out.append(_Param(f"w2_{suffix}", kind, ("w2",), suffix))
         return out
 
@@ -116,18 +153,21 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         name = getattr(layer, "layer_name", "moe")
         self._check_supported(layer, name, hidden_size, intermediate_size_per_partition)
         e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        s = len(self.w13_shards)  # w13 projections: gate and up, or one for a non-gated layer
         block = NVFP4.block_size
         shapes = {
-            ("w13", PACKED): ((e, 2 * i, h // 2), torch.uint8, 0),
+            ("w13", PACKED): ((e, s * i, h // 2), torch.uint8, 0),
             ("w2", PACKED): ((e, h, i // 2), torch.uint8, 0),
-            ("w13", BLOCK_SCALE): ((e, 2 * i, h // block), NVFP4.scale_dtype, float("nan")),
+            ("w13", BLOCK_SCALE): ((e, s * i, h // block), NVFP4.scale_dtype, float("nan")),
             ("w2", BLOCK_SCALE): ((e, h, i // block), NVFP4.scale_dtype, float("nan")),
-            ("w13", GLOBAL_SCALE): ((e, 2), torch.float32, float("nan")),
+            ("w13", GLOBAL_SCALE): ((e, s), torch.float32, float("nan")),
             ("w2", GLOBAL_SCALE): ((e,), torch.float32, float("nan")),
-            ("w13", INPUT_SCALE): ((e, 2), torch.float32, float("nan")),
+            ("w13", INPUT_SCALE): ((e, s), torch.float32, float("nan")),
             ("w2", INPUT_SCALE): ((e,), torch.float32, float("nan")),
-            ("w13", DENSE): ((e, 2 * i, h), params_dtype, float("nan")),
+            ("w13", DENSE): ((e, s * i, h), params_dtype, float("nan")),
             ("w2", DENSE): ((e, h, i), params_dtype, float("nan")),
+            ("w13", BIAS): ((e, s * i), params_dtype, float("nan")),
+            ("w2", BIAS): ((e, h), params_dtype, float("nan")),
         }
         scale_kind = {
             BLOCK_SCALE: FusedMoeWeightScaleSupported.BLOCK.value,
@@ -147,22 +187,15 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
             if p.kind in scale_kind:
                 attrs["quant_method"] = scale_kind[p.kind]
-            attrs["weight_loader"] = _CheckedLoader(self, layer, p, vllm_loader)
+            # Biases keep vLLM's loader, as its unquantized method does: gpt-oss's model copies them (and its BF16
+            # w13/w2) into the parameters itself, stacked; the NaN fill tells what it never wrote.
+            attrs["weight_loader"] = vllm_loader if p.kind == BIAS else _CheckedLoader(self, layer, p, vllm_loader)
             set_weight_attrs(param, attrs)
 
     def _check_supported(self, layer: torch.nn.Module, name: str, hidden: int, inter: int) -> None:
         moe = self.moe
-        problems = []
-        if moe.activation is not MoEActivation.SILU:
-            problems.append(f"activation {moe.activation.value} (only gated SiLU, silu(gate) * up, is implemented)")
-        if moe.has_bias:
-            problems.append("expert biases")
-        if moe.swiglu_limit is not None or moe.swiglu_alpha is not None or moe.swiglu_beta is not None:
-            problems.append("a clamped/scaled SwiGLU")
-        if getattr(layer, "apply_router_weight_on_input", False):
-            problems.append("router weights applied on the input")
-        if problems:
-            raise NotImplementedError(f"{name}: nvfp4_grouped does not support {', '.join(problems)}")
+        if isinstance(self.activation, str):
+            raise NotImplementedError(f"{name}: nvfp4_grouped does not support {self.activation}")
         block = NVFP4.block_size
         if inter % block or inter % 2:
             tp = moe.tp_size
@@ -195,17 +228,27 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         }
         return names[shard]
 
+    def _written(self, layer: torch.nn.Module, p: _Param, expert: int, shard: str) -> bool:
+        """Whether a float parameter's rows of one expert and shard lost their NaN fill: gpt-oss's model loader
+        copies its stacked BF16 experts and biases into the parameters itself, past every weight loader."""
+        if p.kind not in (DENSE, BIAS):
+            return False
+        rows = getattr(layer, p.name).data[expert]
+        rows = rows.chunk(len(p.shards), dim=0)[p.shards.index(shard)]
+        return not bool(torch.isnan(rows).any())
+
     def _check_loaded(self, layer: torch.nn.Module, n_local: int, global_ids: list[int]) -> bool:
-        """Raise for any expert tensor that never arrived; return whether input scales were loaded."""
+        """Raise for any expert tensor that never arrived (NVFP4 checkpoints: biases only, the validator checks the
+        rest); return whether input scales were loaded."""
         name = getattr(layer, "layer_name", "moe")
         has_input = any(p == inp.name for p, _, _ in self.loaded for inp in self.params if inp.kind == INPUT_SCALE)
         need_input = self.quant_config.input_scales or has_input
         for p in self.params:
-            if p.kind == INPUT_SCALE and not need_input:
+            if (p.kind == INPUT_SCALE and not need_input) or (self.convention is not None and p.kind != BIAS):
                 continue
             for e in range(n_local):
                 for shard in p.shards:
-                    if (p.name, e, shard) not in self.loaded:
+                    if (p.name, e, shard) not in self.loaded and not self._written(layer, p, e, shard):
                         why = " (a W4A4 checkpoint needs input scales for every expert)" if p.kind == INPUT_SCALE else ""
                         raise CheckpointError(
                             f"{name}: expert {global_ids[e]} {self._proj(layer, shard)}.{p.suffix} was never loaded: "
@@ -217,19 +260,27 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         name = getattr(layer, "layer_name", "moe")
         n_local = getattr(layer, self.params[0].name).shape[0]
         global_ids = self._global_ids(layer, n_local)
+        # vLLM's swigluoai takes w13 rows interleaved, as gpt-oss's model copies its stacked tensors in; rows that
+        # came through the weight loader as w1/w3 shards are gate then up already.
+        interleaved = self.activation.name == "swiglu_oai" and not any(p.startswith("w13_") for p, _, _ in self.loaded)
+        self._check_loaded(layer, n_local, global_ids)
+        biases = {p.name: getattr(layer, p.name).data for p in self.params if p.kind == BIAS}
         if self.convention is None:
-            self._check_loaded(layer, n_local, global_ids)
-            w13, w2 = self._quantize_dense(layer, name, global_ids)
+            w13, w2 = self._quantize_dense(layer, name, global_ids, interleaved)
         else:
-            params = {p.name: getattr(layer, p.name).data for p in self.params}
-            projections = tuple(self._proj(layer, shard) for shard in ("w1", "w3", "w2"))
+            params = {p.name: getattr(layer, p.name).data for p in self.params if p.kind != BIAS}
+            projections = tuple(self._proj(layer, shard) for shard in (*self.w13_shards, "w2"))
             has_input = validate_loaded_experts(name, params, self.loaded, global_ids, self.convention, projections,
                                                 require_input_scales=self.quant_config.input_scales)  # fmt: skip
-            w13, w2 = self._checkpoint_tensors(layer, has_input)
+            w13, w2 = self._checkpoint_tensors(layer, has_input, interleaved)
+        w13_bias, w2_bias = biases.get("w13_bias"), biases.get("w2_bias")
+        if w13_bias is not None and interleaved:
+            w13_bias = deinterleave_rows(w13_bias)
         for p in self.params:
             delattr(layer, p.name)  # the checkpoint copies; prepare_moe_weights makes the kernel's own
         self.loaded.clear()
-        if self.w13_input_scale is not None and select_backends(w13.packed.device).moe_w4a4 not in (None, TORCH):
+        plain = self.activation == SILU and not self.moe.has_bias and not layer.apply_router_weight_on_input
+        if plain and self.w13_input_scale is not None and select_backends(w13.packed.device).moe_w4a4 not in (None, TORCH):
             if global_ids != list(range(global_ids[0], global_ids[0] + n_local)):
                 raise ValueError(f"{name}: the W4A4 MoE takes this rank's experts as one contiguous range of global "
                                  f"ids, got {global_ids}; use the linear expert placement")  # fmt: skip
@@ -237,8 +288,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                                       self.w2_input_scale.max().reshape(1).float())  # fmt: skip
             setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2, expert_offset=global_ids[0]))
             return
-        weights = moe_nvfp4.prepare_moe_weights(w13, w2)
-        del w13, w2
+        weights = moe_nvfp4.prepare_moe_weights(w13, w2, activation=self.activation, w13_bias=w13_bias, w2_bias=w2_bias)
+        del w13, w2, w13_bias, w2_bias
         setattr(layer, WEIGHTS_ATTR, weights)
         self._warmup(layer, weights)
 
@@ -247,7 +298,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         compiles lazily, per config)."""
         dtype, top_k, expert_map = self.moe.in_dtype, self.moe.experts_per_token, layer.expert_map
         key = (weights.w13_packed.shape, weights.w2_packed.shape, weights.w13_packed.device, dtype, top_k,
-               None if expert_map is None else expert_map.numel(), self.max_tokens)  # fmt: skip
+               None if expert_map is None else expert_map.numel(), self.max_tokens, self.activation,
+               self.moe.has_bias)  # fmt: skip
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
         if autotune_enabled():
@@ -266,7 +318,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))
         return getattr(layer, p.name).data
 
-    def _checkpoint_tensors(self, layer: torch.nn.Module, has_input: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    def _checkpoint_tensors(self, layer: torch.nn.Module, has_input: bool, interleaved: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         reciprocal = TENSOR_NAMES[self.convention][4]
         get = lambda prefix, kind: self._by_kind(layer, prefix, kind)  # noqa: E731
         if has_input:
@@ -275,25 +327,32 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         g13, g2 = get("w13", GLOBAL_SCALE), get("w2", GLOBAL_SCALE)
         if reciprocal:  # compressed-tensors stores 1 / multiplier
             g13, g2 = 1.0 / g13, 1.0 / g2
-        w13 = NVFP4Tensor(get("w13", PACKED), get("w13", BLOCK_SCALE), g13.contiguous())  # [E, 2]: gate, up exact
+        if len(self.w13_shards) == 1:
+            g13 = g13.reshape(-1)  # one projection: one scale per expert
+        packed13, scale13 = get("w13", PACKED), get("w13", BLOCK_SCALE)
+        if interleaved:
+            packed13, scale13 = deinterleave_rows(packed13), deinterleave_rows(scale13)
+        w13 = NVFP4Tensor(packed13, scale13, g13.contiguous())  # [E, 2]: gate, up exact
         w2 = NVFP4Tensor(get("w2", PACKED), get("w2", BLOCK_SCALE), g2.contiguous())
         return w13, w2
 
-    def _quantize_dense(self, layer: torch.nn.Module, name: str, global_ids: list[int]) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    def _quantize_dense(self, layer: torch.nn.Module, name: str, global_ids: list[int],
+                        interleaved: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """BF16 experts -> NVFP4, one expert at a time (gate and up get separate global scales)."""
-        dense = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
+        w13 = layer.w13_weight.data
+        dense = {"w13": deinterleave_rows(w13) if interleaved else w13, "w2": layer.w2_weight.data}
         out = {}
         for prefix, w in dense.items():
             e, n, k = w.shape
             packed = torch.empty(e, n, k // 2, dtype=torch.uint8, device=w.device)
             scale = torch.empty(e, n, k // NVFP4.block_size, dtype=NVFP4.scale_dtype, device=w.device)
-            segments = 2 if prefix == "w13" else 1
-            gs = torch.empty((e, 2) if segments == 2 else (e,), dtype=torch.float32, device=w.device)
+            segments = len(self.w13_shards) if prefix == "w13" else 1
+            gs = torch.empty((e, segments) if segments > 1 else (e,), dtype=torch.float32, device=w.device)
             for expert in range(e):
                 if not bool(torch.isfinite(w[expert]).all()):
                     rows = n // segments
                     bad_row = int((~torch.isfinite(w[expert])).any(-1).nonzero()[0, 0])
-                    shard = ("w1", "w3")[bad_row // rows] if segments == 2 else "w2"
+                    shard = self.w13_shards[bad_row // rows] if prefix == "w13" else "w2"
                     raise CheckpointError(
                         f"{name}: expert {global_ids[expert]} {self._proj(layer, shard)}.weight holds NaN or inf"
                     )
@@ -329,6 +388,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             topk_weights.to(torch.float32),
             topk_ids.to(torch.int32),
             expert_map=layer.expert_map,
+            apply_router_weight_on_input=layer.apply_router_weight_on_input,
         )
 
 
@@ -345,21 +405,24 @@ def validate_loaded_experts(
     """Run ``moe_nvfp4.validate.check_moe_layer`` (the validator ``inspect`` and the converter use) on what was
     loaded; raise CheckpointError for its first error; return whether the layer has input scales.
 
-    params: ``w13_<suffix>`` / ``w2_<suffix>`` -> [local E, ...] (w13 rows: gate then up; its scalars [E, 2]);
-    loaded: (param name, local expert, shard id) that arrived; global_ids: local -> global expert id.
+    params: ``w13_<suffix>`` / ``w2_<suffix>`` -> [local E, ...] (w13 rows: gate then up; its scalars [E, 2]; a
+    non-gated layer's w13 is its one projection, scalars [E, 1]); projections: the checkpoint's names of gate, up,
+    down, or of w13 and down for a non-gated layer; loaded: (param name, local expert, shard id) that arrived;
+    global_ids: local -> global expert id.
     """
     input_key = TENSOR_NAMES[convention][3]
+    w13_shards = W13_SHARDS if len(projections) == 3 else W13_NON_GATED
     experts: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     for local, g in enumerate(global_ids):
-        for shard, proj in zip(("w1", "w3", "w2"), projections):
+        for shard, proj in zip((*w13_shards, "w2"), projections):
             prefix = "w2" if shard == "w2" else "w13"
             for name, t in params.items():
                 if not name.startswith(prefix + "_") or (name, local, shard) not in loaded:
                     continue
                 t = t[local]
                 if prefix == "w13":
-                    half = W13_SHARDS.index(shard)
-                    t = t[half] if t.dim() == 1 else t.chunk(2, dim=0)[half]
+                    part = w13_shards.index(shard)
+                    t = t[part] if t.dim() == 1 else t.chunk(len(w13_shards), dim=0)[part]
                 experts.setdefault(g, {}).setdefault(proj, {})[name.removeprefix(prefix + "_")] = t
     findings = check_moe_layer(layer_name, experts, convention=convention, expected_experts=global_ids,
                                projections=projections, require_input_scales=require_input_scales)  # fmt: skip

@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import TENSOR_NAMES, CheckpointError, Convention, NVFP4Linear, detect_convention, from_checkpoint, to_checkpoint
 from ..formats import dequantize_nvfp4, quantize_nvfp4
 from ..validate import check_moe_layer, lost_blocks
-from .names import PROJECTION_ROLES, Role
+from .names import PROJECTION_ROLES, Role, gated_experts
 from .quant_config import GATE_UP_SHARED, METADATA_KEY, read_settings
 from .source import ConversionError, SourceCheckpoint, open_checkpoint
 from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, shard_metadata, write_json
@@ -121,7 +121,10 @@ def _expert_layers(src: SourceCheckpoint) -> dict[str, dict[int, dict[str, dict[
     return {prefix: experts for prefix, experts in layers.items() if quantized(experts)}
 
 
-def _projections(experts: dict[int, dict[str, dict[str, str]]]) -> tuple[str, str, str]:
+def _projections(experts: dict[int, dict[str, dict[str, str]]], gated: bool) -> tuple[str, ...]:
+    """The layer's gate, up, down names (up, down where the config's experts are non-gated, as NemotronH's)."""
+    if not gated:
+        return "up_proj", "down_proj"
     names = {p for projs in experts.values() for p in projs}
     return ("gate_proj", "up_proj", "down_proj") if names & {"gate_proj", "up_proj", "down_proj"} else ("w1", "w3", "w2")
 
@@ -163,7 +166,7 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
     for prefix, experts in layers.items():
         convention = _convention(experts)
         conventions.add(convention.value)
-        projections = _projections(experts)
+        projections = _projections(experts, gated_experts(src.config))
         lazy = {e: {p: _LazyTensors(src, names) for p, names in projs.items()} for e, projs in experts.items()}
         expected = range(n_experts if n_experts is not None else max(experts) + 1)
         for f in check_moe_layer(prefix, lazy, convention=convention, expected_experts=expected,
@@ -177,7 +180,7 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
             problems.append(Problem(f"{prefix}.{extra[0]}", f"expert id outside the config's {len(expected)} experts"))
         quantized += sum(len(projs) for projs in experts.values())
         packed_key = TENSOR_NAMES[convention][0]
-        for role, proj in zip(Role, projections):
+        for role, proj in zip(Role if len(projections) == 3 else (Role.UP, Role.DOWN), projections):
             first = next((projs[proj] for projs in experts.values() if packed_key in projs.get(proj, {})), None)
             shape = () if first is None else src.tensors[first[packed_key]].shape
             if len(shape) == 2:

@@ -4,11 +4,16 @@ Recognised expert layouts (HF names, as the files hold them):
 
 * per-expert, Mixtral:                 ``<prefix>.experts.<E>.w1|w3|w2.weight`` (w1 = gate, w3 = up, w2 = down)
 * per-expert, Qwen2/3-MoE, DeepSeek:   ``<prefix>.experts.<E>.gate_proj|up_proj|down_proj.weight``
+* per-expert, non-gated, NemotronH:    ``backbone.layers.N.mixer.experts.<E>.up_proj|down_proj.weight`` (ReLU²
+  experts: no gate; vLLM loads ``up_proj`` as its w13).  Only for ``NON_GATED_MODEL_TYPES``: elsewhere a missing
+  gate is an error.
 * stacked, transformers 5 in memory:   ``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, then
   up) and ``<prefix>.experts.down_proj`` ``[E, H, I]``; no ``.weight`` suffix.  ``save_pretrained`` of
   transformers 5.17 writes the per-expert names for Mixtral and Qwen3-MoE, but a raw ``state_dict`` dump
-  holds these.  The transposed ``[E, H, 2I]`` / ``[E, I, H]`` (transformers' Llama-4) is told apart by
-  ``plan.py`` from config.json's sizes.
+  holds these.  The transposed ``[E, H, 2I]`` / ``[E, I, H]`` (Llama-4's ``feed_forward.experts``, as its
+  checkpoints store them) is told apart by ``plan.py`` from config.json's sizes.  Written per expert
+  (``<prefix>.<E>.gate_proj|up_proj|down_proj``), the names vLLM's Llama-4 loader and ModelOpt use.
+* gpt-oss (``model_type`` ``gpt_oss``) is refused, see ``plan.GPT_OSS_REFUSAL``.
 
 Shared experts (``shared_expert.`` in Qwen2-MoE, ``shared_experts.`` in DeepSeek) are not routed experts: the
 pattern needs ``.experts.`` right after a dot, so they only count as plain linear layers.
@@ -27,6 +32,7 @@ __all__ = [
     "Other",
     "TensorKind",
     "classify",
+    "gated_experts",
     "stacked_output_name",
 ]
 
@@ -62,6 +68,9 @@ NOT_LINEAR: dict[str, str] = {
     r"(^|\.)(gate|router)\.weight$": "router",
     r"shared_expert_gate\.weight$": "router",
 }
+
+# Model types whose experts have no gate projection (vLLM builds them with a ``*_no_mul`` activation).
+NON_GATED_MODEL_TYPES = ("nemotron_h",)
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>[a-z0-9_]+)\.weight$")
 _STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
@@ -126,6 +135,12 @@ def classify(name: str, shape: tuple[int, ...]) -> TensorKind:
         if re.search(pattern, name):
             return Other(name, reason)
     return LinearWeight(name)
+
+
+def gated_experts(config: dict) -> bool:
+    """Whether config.json's model (or its text_config) has gate + up experts rather than one up projection."""
+    holders = [h for h in (config, config.get("text_config")) if isinstance(h, dict)]
+    return not any(h.get("model_type") in NON_GATED_MODEL_TYPES for h in holders if isinstance(h.get("model_type"), str))
 
 
 def stacked_output_name(prefix: str, expert: int, role: Role) -> str:

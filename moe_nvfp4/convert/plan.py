@@ -14,13 +14,24 @@ from typing import Callable
 import torch
 
 from ..formats import NVFP4
-from .names import ExpertWeight, LinearWeight, Other, Role, StackedExperts, TensorKind, classify, stacked_output_name
+from .names import (ExpertWeight, LinearWeight, Other, Role, StackedExperts, TensorKind, classify, gated_experts,
+                    stacked_output_name)  # fmt: skip
 from .source import ConversionError, SourceCheckpoint, TensorInfo
 
 __all__ = ["Selection", "QuantUnit", "Plan", "make_plan"]
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 ROLE_ORDER = (Role.GATE, Role.UP, Role.DOWN)
+NON_GATED_ROLES = (Role.UP, Role.DOWN)
+# Why gpt-oss is refused: vLLM 0.26 and 0.33 cannot load NVFP4 gpt-oss experts in any layout.  GptOssForCausalLM.
+# load_weights sends every checkpoint that is not MXFP4 or Quark to its BF16 loader, which copies the stacked
+# gate_up_proj / down_proj and their biases into the layer's parameters itself (transposed, past every weight
+# loader: NVFP4 scales are never read), and vLLM's ModelOpt NVFP4 MoE method creates no bias parameters.
+GPT_OSS_REFUSAL = (
+    "gpt-oss experts are not converted: vLLM (0.26, 0.33) loads gpt-oss experts only as BF16 stacked tensors, "
+    "MXFP4 or Quark, so no NVFP4 gpt-oss checkpoint would load. Serve the BF16 checkpoint with "
+    "--quantization nvfp4_grouped instead: its experts (interleaved gate/up, biases) are quantized on load"
+)
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,7 @@ def _stacked_orientation(src: SourceCheckpoint, infos: list[tuple[TensorInfo, St
             "(moe_)intermediate_size to tell [E, 2I, H] from [E, H, 2I]"
         )
     if src.config.get("model_type") == "gpt_oss":
-        raise ConversionError(f"{names[0]}: gpt-oss experts (interleaved gate/up columns, biases) are not supported")
+        raise ConversionError(f"{names[0]}: {GPT_OSS_REFUSAL}")
     h, i = dims
     votes = set()
     for info, kind in infos:
@@ -173,13 +184,25 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
     by_expert: dict[tuple[str, int], dict[Role, ExpertWeight]] = defaultdict(dict)
     for w in experts:
         by_expert[(w.prefix, w.expert)][w.role] = w
+    gated = gated_experts(src.config)
+    wanted = ROLE_ORDER if gated else NON_GATED_ROLES
     units = []
     for (prefix, e), roles in by_expert.items():
-        missing = [r.value for r in ROLE_ORDER if r not in roles]
+        found = [w.name for w in roles.values()]
+        missing = [r.value for r in wanted if r not in roles]
         if missing:
-            raise ConversionError(f"{prefix}.{e}: expert has no {missing} projection (found {[w.name for w in roles.values()]})")
-        info = {r: src.tensors[roles[r].name] for r in ROLE_ORDER}
-        gate, up, down = info[Role.GATE], info[Role.UP], info[Role.DOWN]
+            raise ConversionError(f"{prefix}.{e}: expert has no {missing} projection (found {found})")
+        if not gated and Role.GATE in roles:
+            raise ConversionError(f"{prefix}.{e}: {roles[Role.GATE].name}: model_type {src.config.get('model_type')} "
+                                  f"has non-gated experts (up and down only), yet this expert has a gate")  # fmt: skip
+        info = {r: src.tensors[roles[r].name] for r in wanted}
+        up, down = info[Role.UP], info[Role.DOWN]
+        if not gated:
+            _check_not_transposed(src, up, down)
+            units += [(info[r].name, QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False,
+                                               _load_one(info[r].name))) for r in wanted]  # fmt: skip
+            continue
+        gate = info[Role.GATE]
         if gate.shape != up.shape:
             raise ConversionError(f"{prefix}.{e}: gate {gate.name} {gate.shape} and up {up.name} {up.shape} differ in shape")
         _check_not_transposed(src, gate, down)
