@@ -1054,3 +1054,41 @@ def test_moe_runner_forward_calls_our_apply(plugin, gen, single_process_group, c
     ref = moe_nvfp4.fused_moe_torch(x, w13, w2, (tw / tw.sum(-1, keepdim=True)).float(), ids.int())
     assert out.dtype == torch.bfloat16 and out.shape == (T, H)
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+# ---------------------------------------------------------------- converted families in vLLM's own modelopt_fp4 path
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "llama4_text"])
+def test_converted_family_loads_in_vllms_own_modelopt_method(plugin, single_process_group, tmp_path, family):
+    """The converter's NemotronH / Llama-4 experts load through vLLM's own ModelOptNvFp4FusedMoE (``modelopt_fp4``
+    without nvfp4_grouped) into exactly the checkpoint's bytes: non-gated up_proj as w13 of I rows (NemotronH),
+    per-expert gate/up/down from Llama-4's stacked transposed source.  vLLM picks no NVFP4 MoE kernel on CPU, so
+    its backend choice is stubbed: only loading is under test here."""
+    import json as json_module
+    from unittest import mock
+
+    from helpers_checkpoints import make_tiny_checkpoint
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.quantization import modelopt
+
+    from moe_nvfp4.convert import convert_checkpoint
+
+    out = tmp_path / "nvfp4"
+    convert_checkpoint(make_tiny_checkpoint(family, tmp_path / "bf16"), out, progress=False)
+    qc = modelopt.ModelOptNvFp4Config.from_config(json_module.loads((out / "config.json").read_text())["quantization_config"])
+    tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    gated = family != "nemotron_h"
+    prefix = "model.layers.0.feed_forward.experts" if gated else "backbone.layers.1.mixer.experts"
+    with mock.patch.object(modelopt, "select_nvfp4_moe_backend", return_value=(None, None)):
+        layer = _routed_experts(qc, activation="silu" if gated else "relu2_no_mul")
+    assert type(layer.quant_method).__name__ == "ModelOptNvFp4FusedMoE"
+    list(layer.load_weights(iter(sorted((k.removeprefix(prefix + "."), v) for k, v in tensors.items()
+                                        if k.startswith(prefix + ".")))))  # fmt: skip
+    w13_projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    for e in range(E):
+        want13 = torch.cat([tensors[f"{prefix}.{e}.{p}.weight"] for p in w13_projs])
+        assert torch.equal(layer.w13_weight[e], want13) and torch.equal(layer.w2_weight[e], tensors[f"{prefix}.{e}.down_proj.weight"])
+        scale13 = torch.cat([tensors[f"{prefix}.{e}.{p}.weight_scale"].view(torch.uint8) for p in w13_projs])
+        assert torch.equal(layer.w13_weight_scale[e].view(torch.uint8), scale13)
+        assert layer.w13_weight_scale_2[e].tolist() == [float(tensors[f"{prefix}.{e}.{p}.weight_scale_2"]) for p in w13_projs]
