@@ -249,7 +249,7 @@ def test_a_file_entry_without_top_k_is_refused(tmp_path) -> None:
 def test_layer_shape_normalizes_dtype_and_global_experts() -> None:
     s = LayerShape(8, 2, 256, 256, torch.float16)
     assert s.dtype == "float16" and s.global_experts == 8
-    assert s.entry_key == (8, 8, 2, 256, 256, "float16")
+    assert s.entry_key == (8, 8, 2, 256, 256, "float16", True)  # gated: GEMM1 has gate and up rows
     assert math.isclose(LayerShape(128, 8, 256, 256).rows_per_active_expert(16), 128 / (128 * (1 - (15 / 16) ** 16)))
 
 
