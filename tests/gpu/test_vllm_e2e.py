@@ -248,3 +248,119 @@ def test_autotune_at_load_logs_its_choice_and_a_second_start_reads_the_cache(tmp
     again = [line for line in _LOGS[f"{family}-autotune-again"].splitlines() if "nvfp4_grouped: autotune" in line]
     assert again and "configs from cache" in again[0], _LOGS[f"{family}-autotune-again"][-3000:]
     assert [o["tokens"] for o in second] == [o["tokens"] for o in first]
+
+
+# ---- issue 42's families: non-gated ReLU² (NemotronH), router weight on the input (Llama-4), biases + swigluoai (gpt-oss)
+
+_FAMILY_CHECKPOINTS: dict[str, dict[str, Path]] = {}  # built on first use, so `-k nemotron` builds only NemotronH
+
+
+def _dequantize_stacked(src_tensors: dict, q: dict, prefix: str) -> dict:
+    """Llama-4's stacked, transposed experts (gate_up_proj [E, H, 2I], down_proj [E, I, H]) rebuilt from the
+    converter's per-expert NVFP4 modules ``<prefix>.<e>.gate_proj|up_proj|down_proj``."""
+    from moe_nvfp4 import NVFP4Tensor, dequantize_nvfp4
+
+    def deq(module):
+        return dequantize_nvfp4(NVFP4Tensor(q[f"{module}.weight"], q[f"{module}.weight_scale"],
+                                            q[f"{module}.weight_scale_2"].float().reshape(())), torch.bfloat16)  # fmt: skip
+
+    experts = src_tensors[f"{prefix}.gate_up_proj"].shape[0]
+    gate_up = torch.stack([torch.cat([deq(f"{prefix}.{e}.gate_proj"), deq(f"{prefix}.{e}.up_proj")]).T for e in range(experts)])
+    down = torch.stack([deq(f"{prefix}.{e}.down_proj").T for e in range(experts)])
+    return {f"{prefix}.gate_up_proj": gate_up.contiguous(), f"{prefix}.down_proj": down.contiguous()}
+
+
+def _rewrite_tensors(src: Path, dst: Path, fn) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` with each shard's tensors passed through ``fn`` (dict -> replacements)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    replaced = 0
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        new = fn(tensors)
+        replaced += len(new)
+        save_file({**tensors, **new}, str(f), metadata={"format": "pt"})
+    assert replaced > 0, f"{src}: no expert tensors replaced"
+    return dst
+
+
+def _llama4_reference(src: Path, quantized: Path, dst: Path) -> Path:
+    from safetensors import safe_open
+
+    q = {}
+    for f in sorted(quantized.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            q.update({k: h.get_tensor(k) for k in h.keys()})
+
+    def replace(tensors):
+        out = {}
+        for name in tensors:
+            if name.endswith(".experts.gate_up_proj"):
+                out.update(_dequantize_stacked(tensors, q, name.removesuffix(".gate_up_proj")))
+        return out
+
+    return _rewrite_tensors(src, dst, replace)
+
+
+def _gpt_oss_reference(src: Path, dst: Path) -> Path:
+    """gpt-oss's experts as nvfp4_grouped quantizes them on load: gate/up de-interleaved, each expert's gate and up
+    with their own global scale, down per expert; dequantized and written back in gpt-oss's layout."""
+    from moe_nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    def replace(tensors):
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I], column 2i gate i, 2i + 1 up i
+                rows = t.transpose(1, 2)
+                w13 = torch.cat([rows[:, 0::2], rows[:, 1::2]], 1)
+                deq = dequantize_nvfp4(quantize_nvfp4(w13, segments=2), torch.bfloat16)
+                gate, up = deq.chunk(2, dim=1)
+                out[name] = torch.stack([gate, up], 2).flatten(1, 2).transpose(1, 2).contiguous()
+            elif name.endswith(".experts.down_proj"):  # [E, I, H]
+                deq = dequantize_nvfp4(quantize_nvfp4(t.transpose(1, 2)), torch.bfloat16)
+                out[name] = deq.transpose(1, 2).contiguous()
+        return out
+
+    return _rewrite_tensors(src, dst, replace)
+
+
+def _family_checkpoint(tmp_path_factory, family: str) -> dict[str, Path]:
+    """NemotronH / Llama-4: BF16 source, our ModelOpt conversion, its dequantized-BF16 reference; gpt-oss (which the
+    converter refuses, see moe_nvfp4.convert.plan.GPT_OSS_REFUSAL): BF16 source and the reference of its online
+    quantization."""
+    if family not in _FAMILY_CHECKPOINTS:
+        sys.path.insert(0, str(REPO / "tests"))
+        from helpers_checkpoints import make_tiny_checkpoint
+
+        from moe_nvfp4.convert import ConvertOptions, QuantSettings, convert_checkpoint
+
+        root = tmp_path_factory.mktemp(f"vllm_e2e_{family}")
+        src = make_tiny_checkpoint(family, root / "bf16", seed=0)
+        if family == "gpt_oss":
+            _FAMILY_CHECKPOINTS[family] = {"bf16": src, "ref": _gpt_oss_reference(src, root / "dequantized-bf16")}
+        else:
+            modelopt = root / "modelopt"
+            convert_checkpoint(src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)),
+                               progress=False)  # fmt: skip
+            reference = _llama4_reference if family == "llama4_text" else _dequantized_bf16
+            _FAMILY_CHECKPOINTS[family] = {"bf16": src, "modelopt": modelopt,
+                                           "ref": reference(src, modelopt, root / "dequantized-bf16")}  # fmt: skip
+    return _FAMILY_CHECKPOINTS[family]
+
+
+@pytest.mark.parametrize(("family", "form"), [("nemotron_h", "modelopt"), ("llama4_text", "modelopt"), ("gpt_oss", "bf16")],
+                         ids=["nemotron_h-relu2", "llama4-router-weight-on-input", "gpt_oss-biases-swigluoai"])  # fmt: skip
+def test_issue42_family_greedy_tokens_match_dequantized_bf16(tmp_path, tmp_path_factory, family, form):
+    """One engine of ours and one of vLLM's BF16 path per family, same bounds as the families above: NemotronH
+    (relu2_no_mul, no Mamba layer, sigmoid grouped top-k with correction bias, shared expert) and Llama-4 text (top-1
+    sigmoid routing, router weight applied to the expert input, shared expert) from the converter's ModelOpt form;
+    gpt-oss (swigluoai with clamp, expert biases, interleaved gate/up) quantized on load from its BF16 checkpoint."""
+    ckpt = _family_checkpoint(tmp_path_factory, family)
+    ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
+    ours = _run_llm(tmp_path, ckpt[form], "nvfp4_grouped", tag=f"{family}-{form}")
+    _compare(ours, ref, f"{family} {form}")
