@@ -260,8 +260,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         name = getattr(layer, "layer_name", "moe")
         n_local = getattr(layer, self.params[0].name).shape[0]
         global_ids = self._global_ids(layer, n_local)
-        # vLLM's swigluoai takes w13 rows interleaved, as gpt-oss's model copies its stacked tensors in; rows that
-        # came through the weight loader as w1/w3 shards are gate then up already.
+        # vLLM's swigluoai takes w13 rows interleaved, as gpt-oss's model copies its stacked BF16 tensors in; rows
+        # that came through the weight loader as w1/w3 shards (every NVFP4 checkpoint's) are gate then up already.
         interleaved = self.activation.name == "swiglu_oai" and not any(p.startswith("w13_") for p, _, _ in self.loaded)
         self._check_loaded(layer, n_local, global_ids)
         biases = {p.name: getattr(layer, p.name).data for p in self.params if p.kind == BIAS}
@@ -272,7 +272,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             projections = tuple(self._proj(layer, shard) for shard in (*self.w13_shards, "w2"))
             has_input = validate_loaded_experts(name, params, self.loaded, global_ids, self.convention, projections,
                                                 require_input_scales=self.quant_config.input_scales)  # fmt: skip
-            w13, w2 = self._checkpoint_tensors(layer, has_input, interleaved)
+            w13, w2 = self._checkpoint_tensors(layer, has_input)
         w13_bias, w2_bias = biases.get("w13_bias"), biases.get("w2_bias")
         if w13_bias is not None and interleaved:
             w13_bias = deinterleave_rows(w13_bias)
@@ -318,7 +318,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))
         return getattr(layer, p.name).data
 
-    def _checkpoint_tensors(self, layer: torch.nn.Module, has_input: bool, interleaved: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    def _checkpoint_tensors(self, layer: torch.nn.Module, has_input: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         reciprocal = TENSOR_NAMES[self.convention][4]
         get = lambda prefix, kind: self._by_kind(layer, prefix, kind)  # noqa: E731
         if has_input:
@@ -329,10 +329,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             g13, g2 = 1.0 / g13, 1.0 / g2
         if len(self.w13_shards) == 1:
             g13 = g13.reshape(-1)  # one projection: one scale per expert
-        packed13, scale13 = get("w13", PACKED), get("w13", BLOCK_SCALE)
-        if interleaved:
-            packed13, scale13 = deinterleave_rows(packed13), deinterleave_rows(scale13)
-        w13 = NVFP4Tensor(packed13, scale13, g13.contiguous())  # [E, 2]: gate, up exact
+        w13 = NVFP4Tensor(get("w13", PACKED), get("w13", BLOCK_SCALE), g13.contiguous())  # [E, 2]: gate, up exact
         w2 = NVFP4Tensor(get("w2", PACKED), get("w2", BLOCK_SCALE), g2.contiguous())
         return w13, w2
 
