@@ -1092,3 +1092,50 @@ def test_converted_family_loads_in_vllms_own_modelopt_method(plugin, single_proc
         scale13 = torch.cat([tensors[f"{prefix}.{e}.{p}.weight_scale"].view(torch.uint8) for p in w13_projs])
         assert torch.equal(layer.w13_weight_scale[e].view(torch.uint8), scale13)
         assert layer.w13_weight_scale_2[e].tolist() == [float(tensors[f"{prefix}.{e}.{p}.weight_scale_2"]) for p in w13_projs]
+
+
+@pytest.mark.parametrize("family", ["llama4", "nemotron_h"])
+def test_moe_runner_forward_family_layers(plugin, gen, single_process_group, family, monkeypatch):
+    """vLLM's own factory and runner around our method for Llama-4 (top-1, router weight on the input: applied
+    once, by us, not again by the runner) and NemotronH (relu2_no_mul under its checkpoint names), ModelOpt form."""
+    from unittest import mock
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe import config as moe_config_module
+    from vllm.model_executor.layers.fused_moe import layer as moe_layer
+
+    monkeypatch.setenv("MOE_NVFP4_AUTOTUNE", "0")
+    llama4 = family == "llama4"
+    top_k = 1 if llama4 else TOPK
+    projs = {"gate_proj": None, "up_proj": None, "down_proj": None} if llama4 else {"up_proj": None, "down_proj": None}
+    for p in projs:
+        projs[p] = torch.randn(E, H if p == "down_proj" else I, I if p == "down_proj" else H, generator=gen) * 0.05
+    tensors, deq = _projection_tensors(gen, "modelopt", projs)
+
+    def route(hidden_states, gating_output, topk, renormalize):
+        return torch.topk(gating_output.float().sigmoid(), topk, dim=-1)  # Llama-4's: sigmoid, not renormalized
+
+    factory = moe_layer.FusedMoE if _release() == (0, 26) else moe_layer.FusedMoEFactory
+    extra = dict(apply_router_weight_on_input=True) if llama4 else dict(
+        activation="relu2_no_mul", ckpt_names=("up_proj", "down_proj", "" if _release() == (0, 26) else None))
+    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(vllm_config), mock.patch.object(moe_config_module.current_platform, "is_cuda_alike",
+                                                                 return_value=True):  # fmt: skip
+        layer = factory(num_experts=E, top_k=top_k, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                        renormalize=False, custom_routing_function=route, quant_config=_config(plugin, "modelopt"),
+                        prefix=LAYER, **extra)  # fmt: skip
+    method = layer.routed_experts.quant_method
+    assert type(method).__name__ == "NVFP4GroupedMoEMethod"
+    list(layer.load_weights(iter(sorted(tensors.items()))))
+    method.process_weights_after_loading(layer.routed_experts)
+    if _release() == (0, 26):
+        layer.maybe_init_modular_kernel()
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    logits = torch.randn(T, E, generator=gen)
+    with set_forward_context({}, vllm_config):
+        out = layer(x, logits)
+    tw, ids = route(x, logits, top_k, False)
+    w13 = torch.cat([deq["gate_proj"], deq["up_proj"]], 1) if llama4 else deq["up_proj"]
+    ref = _moe_reference(x, w13, deq["down_proj"], tw, ids, "silu" if llama4 else "relu2", on_input=llama4)
+    assert out.shape == (T, H) and _rel(out, ref) <= FAMILY_REL_TOL
