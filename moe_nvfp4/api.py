@@ -288,13 +288,14 @@ def warmup_fused_moe(
     max_tokens: int,
     *,
     expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> list[int]:
     """Compile every kernel variant ``fused_moe`` can launch for 1..max_tokens tokens, now, not mid-serving.
 
     The kernels are compiled per tuned config (one per token-count range) and per routing variant;
     this runs one forward on zeros at the fewest tokens of each.  Later calls with any T <= max_tokens,
-    same weights shape, dtype, top_k and expert-map presence, compile nothing.  Returns the token counts
-    run (empty on CPU, where nothing is compiled).
+    same weights (shape and variant), dtype, top_k, expert-map presence and ``apply_router_weight_on_input``,
+    compile nothing.  Returns the token counts run (empty on CPU, where nothing is compiled).
     """
     from .configs import configs_up_to, device_traits
 
@@ -310,7 +311,8 @@ def warmup_fused_moe(
     for t in counts:
         x = torch.zeros(t, h, dtype=dtype, device=device)
         ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
-        fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map)
+        fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map,
+                  apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
     return counts
 
 

@@ -209,9 +209,9 @@ def _consumer(shared, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     group 1's sums (from shared memory, in the same order wherever the tile runs: the same bits) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
-    all groups); ``epilogue`` the kernel's (sm90_common.Epilogue).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
-    that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
-    group of the tile picks the same width from the same rows)."""
+    all groups); ``epilogue``: the kernel's sm90_common.Epilogue.  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1)
+    or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile holds the largest expert, and the smaller ones pay
+    for their own width only (every group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
      topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
@@ -230,17 +230,17 @@ def _consumer(shared, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
             if rows > 0:
-                _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                           EARLY, PAIR_TILES)
+                _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW,
+                           CHUNKS, GROUP, K_GROUPS, EARLY, PAIR_TILES)
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
-            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES)
+            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP,
+                       K_GROUPS, EARLY, PAIR_TILES)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
-            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES)
+            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP,
+                       K_GROUPS, EARLY, PAIR_TILES)
         else:
-            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
-                       PAIR_TILES)
+            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP,
+                       K_GROUPS, EARLY, PAIR_TILES)
         tiles_done += _has_rows(row0, row_end, PAIR_TILES)
 
 
@@ -340,8 +340,9 @@ def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.conste
     starts (_tile_sums' EARLY)."""
     if HALVES == 2:
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
-    elif GATED:
-        return gl.load(gs_ptr + expert), None
+    elif GATED:  # the scale twice: the operands keep one shape
+        scale = gl.load(gs_ptr + expert)
+        return scale, scale
     else:
         rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
         return gl.load(gs_ptr + expert), _pair_ids(tile_map, rows, rows < row_end, PAIR_TILES)
