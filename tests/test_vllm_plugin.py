@@ -404,7 +404,8 @@ def test_expert_parallel_uses_expert_map(plugin, gen):
 
 def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, monkeypatch):
     """process_weights_after_loading compiles the kernels for the scheduler's whole token budget, once per
-    process and shape (same-shaped layers share the compiled kernels); an expert map is a new variant."""
+    process and shape (same-shaped layers share the compiled kernels); an expert map is a new variant, and so is
+    the router weight on the input (Llama-4), which the warm-up is told."""
     import moe_nvfp4
     from vllm.config import DeviceConfig, VllmConfig
 
@@ -412,15 +413,18 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
 
     calls = []
     monkeypatch.setattr(moe_method, "_WARMED", set())
-    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None: calls.append(
-        (w.num_experts, k, dtype, tokens, expert_map is None)) or [])
+    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None,
+                        apply_router_weight_on_input=False: calls.append(
+        (w.num_experts, k, dtype, tokens, expert_map is None, apply_router_weight_on_input)) or [])  # fmt: skip
     budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
     ex = _experts(gen)
     for _ in range(2):
         _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
-    assert calls == [(E, TOPK, torch.bfloat16, budget, True)]
+    assert calls == [(E, TOPK, torch.bfloat16, budget, True, False)]
     _load(_routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=0), ex.tensors)
-    assert calls[1:] == [(E // 2, TOPK, torch.bfloat16, budget, False)]
+    assert calls[1:] == [(E // 2, TOPK, torch.bfloat16, budget, False, False)]
+    _load(_routed_experts(_config(plugin, "modelopt"), router_weight_on_input=True), ex.tensors)
+    assert calls[2:] == [(E, TOPK, torch.bfloat16, budget, True, True)]
 
 
 def test_autotune_runs_once_per_shape_before_the_warmup_unless_switched_off(plugin, gen, monkeypatch):
@@ -442,8 +446,8 @@ def test_autotune_runs_once_per_shape_before_the_warmup_unless_switched_off(plug
     monkeypatch.delenv("MOE_NVFP4_AUTOTUNE", raising=False)
     monkeypatch.setattr(moe_method, "_WARMED", set())
     monkeypatch.setattr(moe_method, "autotune_fused_moe", tune)
-    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None: steps.append(
-        ("warm", w.num_experts)) or [])  # fmt: skip
+    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None,
+                        apply_router_weight_on_input=False: steps.append(("warm", w.num_experts)) or [])  # fmt: skip
     budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
     ex = _experts(gen)
     for _ in range(2):

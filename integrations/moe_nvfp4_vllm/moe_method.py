@@ -297,9 +297,10 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         """Autotune (unless MOE_NVFP4_AUTOTUNE=0), then compile the kernels for every token count now (Triton
         compiles lazily, per config)."""
         dtype, top_k, expert_map = self.moe.in_dtype, self.moe.experts_per_token, layer.expert_map
+        on_input = layer.apply_router_weight_on_input  # its own GEMM1 gather and combine: compiled apart
         key = (weights.w13_packed.shape, weights.w2_packed.shape, weights.w13_packed.device, dtype, top_k,
                None if expert_map is None else expert_map.numel(), self.max_tokens, self.activation,
-               self.moe.has_bias)  # fmt: skip
+               self.moe.has_bias, on_input)  # fmt: skip
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
         if autotune_enabled():
@@ -307,7 +308,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             if report.source != "cpu":  # CPU weights run the torch reference: nothing was tuned
                 logger.info("nvfp4_grouped: autotune %s", report.summary())
         start = time.perf_counter()
-        counts = moe_nvfp4.warmup_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
+        counts = moe_nvfp4.warmup_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map,
+                                            apply_router_weight_on_input=on_input)  # fmt: skip
         _WARMED.add(key)
         if counts:
             torch.cuda.empty_cache()  # the warm-up's temporaries are not the model's memory
