@@ -1,12 +1,21 @@
 """torch.library custom ops with fake implementations, so torch.compile and CUDA graphs see one opaque op."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .backends import TORCH
 from .dispatch import select_backends
+from .expert_activation import ExpertActivation
 
 __all__ = ["fused_moe_op", "fused_moe_w4a4_op", "fused_moe_w4a4_flashinfer_op"]
+
+
+@functools.cache
+def _expert_activation(name: str, alpha: float, limit: float) -> ExpertActivation:
+    """The op's activation fields as the data they spell, validated once per distinct value (not every forward)."""
+    return ExpertActivation(name, alpha, limit)
 
 
 @torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
@@ -31,9 +40,7 @@ def fused_moe_op(
 ) -> torch.Tensor:
     """Tensors as in weights.MoEWeights, the activation as expert_activation.ExpertActivation's fields; inputs
     already checked by api.fused_moe.  The config is the host wrapper's choice (configs.select_config)."""
-    from .expert_activation import ExpertActivation
-
-    act = ExpertActivation(activation, alpha, limit)
+    act = _expert_activation(activation, alpha, limit)
     if select_backends(x.device).moe_w4a16 is TORCH:
         from .weights import MoEWeights
         from .reference import fused_moe_torch

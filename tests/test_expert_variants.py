@@ -275,3 +275,30 @@ def test_layer_shape_knows_the_gemm1_width() -> None:
     assert gated.entry_key != plain.entry_key and cache_key(gated, HOPPER_132) != cache_key(plain, HOPPER_132)
     for tokens in (1, 4, 64, 1024):
         assert plain.accepts(select_config(tokens, plain, HOPPER_132))
+
+
+def test_host_wrapper_picks_the_config_for_the_layer(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused_moe_sm90 without a config asks configs.select_config for this call's shape, GEMM1's width included
+    (a relu2 layer is not gated) and the expert map's length as the routing's expert count; the op passes none."""
+    from moe_nvfp4.triton import moe_sm90
+
+    class Chosen(Exception):
+        pass
+
+    asked = []
+
+    def select_config(tokens, shape, device):
+        asked.append((tokens, shape))
+        raise Chosen
+
+    monkeypatch.setattr(moe_sm90, "select_config", select_config)
+    w13, w2, _, _ = _layer(gen, m.RELU2)
+    weights = m.prepare_moe_weights(w13, w2, activation=m.RELU2)
+    x = torch.randn(3, 48, generator=gen).bfloat16()
+    tw, ti = _routing(gen, 3, 7, 2)
+    emap = torch.tensor([0, -1, 1, 2, -1, 3, 4], dtype=torch.int32)
+    with pytest.raises(Chosen):
+        moe_sm90.fused_moe_sm90(x, *weights.tensors, tw, ti.int(), emap, 32, **weights.variant)
+    tokens, shape = asked[0]
+    assert tokens == 3 and shape == weights.layer_shape(2, torch.bfloat16, emap)
+    assert (shape.gated, shape.experts, shape.global_experts) == (False, 5, 7)

@@ -5,8 +5,9 @@ Launches per forward (each grid sized from the SM count or T, never from routing
      to ROUTE_ONE_PROGRAM pairs; past that one per chunk of pairs, after ``_count_kernel`` counted them.
      None with pair tiles (MoEKernelConfig.pair_tiles): the Gluon GEMMs (moe_sm90_ws) then take every
      (token, k) pair as a one-row tile, its expert read from topk_ids.
-  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up.
-  3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
+  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up (or the
+     weights' other activation, bias added: sm90_common.Epilogue).
+  3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight (bias added first), writes one row per
      (token, k) pair into a float32 buffer (or one in x's dtype, per config).
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
 Routing (routing_kernels) and the combine (combine) are modules of their own: the Blackwell host launches them too.
