@@ -139,6 +139,7 @@ def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
     for s, t in ((mixtral, 16), (qwen3, 64)):
         decode = cfg(s, t)
         assert decode.block_m == 8 and decode.gemm1.warp_specialized and decode.gemm2.warp_specialized
+        assert (decode.gemm1.block_n, decode.gemm2.block_n) == (64, configs.DECODE_GEMM2_BLOCK_N)  # N = I, N = H
     for s in (mixtral, qwen3):
         prefill = cfg(s, 4096)
         assert prefill.block_m == 128 and not prefill.gemm1.warp_specialized and prefill.partials_in_x_dtype
@@ -148,7 +149,8 @@ def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
 
 def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
     """8-token tiles: a GEMM whose expected 64-row tiles (busy experts x token tiles x N / 64) are fewer than the
-    SMs runs one program per SM with a deeper ring; where they fill the SMs, two programs with the plain one."""
+    SMs runs one program per SM with a deeper ring; where they fill the SMs, two programs with the plain one.
+    GEMM2's 128-row tiles do not change that count (DECODE_GEMM2_BLOCK_N)."""
     glm_tp8, mixtral_ep8 = layer(zoo_shape("glm-4.5-tp8")), layer(zoo_shape("mixtral-8x22b-ep8"))
     assert glm_tp8.decode_tiles(4, glm_tp8.intermediate, 8, 64) < 132 <= glm_tp8.decode_tiles(16, glm_tp8.intermediate, 8, 64)
 
