@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import DEFAULT_ORDER, TORCH, TRITON, Backend, by_name
+from .backends import DEFAULT_ORDER, TORCH, Backend, by_name
 
 __all__ = ["Selection", "arch_of", "select_backends", "has_native_fp4_mma", "sm_count"]
 
@@ -73,7 +73,7 @@ def _select(arch: str, forced_name: str | None) -> Selection:
             raise RuntimeError(f"no NVFP4 MoE backend for {arch}; supported: CPU (reference), CUDA sm_80+")
     if forced_name is not None:
         forced = by_name(forced_name)
-        if not (forced.supports(arch) or (forced is TRITON and arch == "cpu")):
+        if not (forced.supports(arch) or (forced.interpreted_on_cpu and arch == "cpu")):
             raise ValueError(f"{OVERRIDE_ENV}={forced_name}: {forced.name} runs on "
                              f"{sorted(forced.archs or ['sm_80+'])}, not on {arch}")  # fmt: skip
         default = {op: forced if op in forced.operations else default[op] for op in default}

@@ -126,6 +126,8 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_90", None))
     with pytest.raises(ValueError, match="use fused_moe"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
+    with pytest.raises(ValueError, match="use prepare_moe_weights"):
+        m.prepare_moe_weights_w4a4(w13, w2)
 
 
 def test_expert_map_is_checked_before_launch(gen: torch.Generator) -> None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.flashinfer_moe import prepare_moe_weights_flashinfer
+from moe_nvfp4.api import _packed
+from moe_nvfp4.weight_layouts import FlashInferLayout
 
 
 pytestmark = pytest.mark.gpu
@@ -86,13 +87,13 @@ def test_weight_layout_matches_vllm(e: int, h: int, i: int, gen) -> None:
     w2 = m.NVFP4Tensor(torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8),
                        (torch.rand(e, h, i // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
                        torch.rand(e, generator=gen) + 0.5)  # fmt: skip
-    ours = prepare_moe_weights_flashinfer(w13, w2)
+    ours = _packed(w13, w2, FlashInferLayout())
     swap = lambda t: torch.cat((t[:, i:], t[:, :i]), 1).contiguous().cuda()  # noqa: E731
     v13, s13, v2, s2 = prepare_static_weights_for_trtllm_fp4_moe(
         swap(w13.packed), w2.packed.cuda(), swap(w13.block_scale), w2.block_scale.cuda(), hidden_size=h,
         intermediate_size=i, num_experts=e, is_gated_activation=True,
     )  # fmt: skip
-    for name, got, want in (("w13", ours.w13, v13), ("w13_scale", ours.w13_scale, s13), ("w2", ours.w2, v2),
+    for name, got, want in (("w13", ours.w13_packed, v13), ("w13_scale", ours.w13_scale, s13), ("w2", ours.w2_packed, v2),
                             ("w2_scale", ours.w2_scale, s2)):  # fmt: skip
         assert torch.equal(got.view(torch.uint8), want.cpu().view(torch.uint8).reshape(got.shape)), name
 
@@ -119,7 +120,7 @@ def test_default_w4a4_moe_on_blackwell(e, h, i, t, top_k, gen) -> None:
     s13, s2 = torch.tensor([x.abs().max().item() / 2688]), torch.tensor([0.01])
     ref = m.fused_moe_torch(x, w13, w2, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
     weights = m.prepare_moe_weights_w4a4(w13.to("cuda"), w2.to("cuda"))
-    assert type(weights).__name__ == "MoEWeightsFlashInfer"
+    assert weights.layout == FlashInferLayout()
     out = m.fused_moe_w4a4(x.cuda(), weights, tw.cuda(), ti.cuda(), w13_input_scale=s13.cuda(), w2_input_scale=s2.cuda())
     assert _rel(out.cpu(), ref) < MOE_REL_TOL
 
