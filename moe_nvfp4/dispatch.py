@@ -21,7 +21,7 @@ import torch
 
 from .backends import DEFAULT_ORDER, TORCH, Backend, by_name
 
-__all__ = ["Selection", "arch_of", "select_backends", "has_native_fp4_mma", "sm_count"]
+__all__ = ["Selection", "arch_of", "select_backends", "sm_count"]
 
 OVERRIDE_ENV = "MOE_NVFP4_BACKEND"
 
@@ -45,11 +45,6 @@ def arch_of(device: torch.device) -> str:
         raise RuntimeError(f"no NVFP4 MoE backend for device {device}; supported: CPU (reference), CUDA sm_80+")
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
-
-
-def has_native_fp4_mma(device: torch.device) -> bool:
-    """Blackwell datacenter parts (sm_100/sm_103) have block-scaled FP4 tensor cores."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
 def sm_count(device: torch.device, *, off_gpu: int) -> int:

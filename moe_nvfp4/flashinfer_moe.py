@@ -10,17 +10,16 @@ a13 * gs_gate, scale_c = a13 * gs_up / a2 (the second GEMM's input is quantized 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from .formats import NVFP4, NVFP4Tensor
+from .formats import NVFP4
 
 if TYPE_CHECKING:
     from .weights import MoEWeights
 
-__all__ = ["fused_moe_w4a4_flashinfer", "flashinfer_moe_path"]
+__all__ = ["fused_moe_w4a4_flashinfer"]
 
 SWIGLU = 3  # flashinfer.ActivationType.Swiglu
 ROUTING_PRECOMPUTED = 1  # routing_method_type: unused with pre-computed routing (vLLM passes 1)
@@ -85,50 +84,3 @@ def fused_moe_w4a4_flashinfer(
         output=out,
     )
     return out[:, :h].to(x.dtype)
-
-
-def flashinfer_moe_path(
-    w13: NVFP4Tensor, w2: NVFP4Tensor, *, top_k: int, max_tokens: int
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """FlashInfer's NVFP4 MoE for Hopper, as a benchmark path: the cuTile NVFP4-weight x BF16-activation backend
-    (``CuTileNvfp4Bf16Config``, FlashInfer >= 0.7.1, which lists sm_89/sm_90/sm_120/sm_121 for it; not the vLLM
-    0.26 bundle's 0.6.14, docs/design/005-backends.md says how to install it beside the bundle).
-
-    w13 [E, 2I, H] (gate rows then up rows, global [E] or [E, 2] multipliers), w2 [E, H, I], CUDA tensors with
-    linear scales; H and I multiples of 64.  Weights are prepared once here; returns ``run(x bf16 [T, H],
-    topk_weights [T, k], topk_ids [T, k]) -> bf16 [T, H]`` for any T <= max_tokens (the first call of each
-    token-count bucket autotunes and compiles)."""
-    from flashinfer.fused_moe import (
-        BackendOptions, CuTileNvfp4Bf16Config, ExecutionConfig, ExpertConfig, MoEActivationPack, MoEConfig, MoELayer,
-        MoEWeightPack, QuantConfig, QuantFormat, RoutingConfig,
-    )  # fmt: skip
-    from flashinfer.fused_moe.runners import CuTileNvfp4Bf16Runner
-
-    w13, w2 = w13.linear_scales(), w2.linear_scales()
-    e, h, i = w13.packed.shape[0], w13.k, w2.k
-    gs13 = w13.global_scale.float()
-    gs13 = (gs13[:, None].expand(e, 2) if gs13.dim() == 1 else gs13)[:, [1, 0]]  # FlashInfer's order: up, gate
-
-    def up_gate(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat((t[:, i:], t[:, :i]), 1).contiguous()
-
-    view = CuTileNvfp4Bf16Config.prepare_weights(
-        up_gate(w13.packed), up_gate(w13.block_scale), gs13.contiguous(), w2.packed.contiguous(),
-        w2.block_scale.contiguous(), w2.global_scale.float().contiguous(), num_local_experts=e, hidden_size=h,
-        intermediate_size=i, source_format="modelopt",
-    )  # fmt: skip
-    weights = MoEWeightPack()
-    weights.prepare_for(CuTileNvfp4Bf16Runner.backend_key, view)
-    layer = MoELayer(MoEConfig(
-        routing=RoutingConfig(num_experts=e, top_k=top_k),
-        quant=QuantConfig(weight=QuantFormat.NVFP4, activation=QuantFormat.BF16),
-        experts=ExpertConfig(intermediate_size=i),
-        backend=BackendOptions(candidates=(CuTileNvfp4Bf16Config(),)),
-        execution=ExecutionConfig(tune_max_num_tokens=max_tokens),
-    ), device=w13.packed.device)  # fmt: skip
-
-    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        pack = MoEActivationPack(x, None, topk_ids.to(torch.int32), topk_weights.float())
-        return layer(pack, weights)
-
-    return run

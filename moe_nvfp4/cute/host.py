@@ -16,7 +16,7 @@ import torch
 from ..dispatch import sm_count
 from ..formats import NVFP4Tensor, grouped_operands
 
-from .grouped_w4a4_sm100 import TILE_K, TILE_M, GroupedW4A4Variant, compiled_kernel, kernel_arguments
+from .grouped_w4a4_sm100 import TILE_M, GroupedW4A4Variant, compiled_kernel, kernel_arguments
 
 __all__ = ["GroupedW4A4Sm100Plan", "plan_grouped_w4a4_sm100", "launch_grouped_w4a4_sm100", "num_ctas_for", "tile_walk",
            "plan_grouped_nvfp4_sm100", "grouped_gemm_nvfp4_sm100"]  # fmt: skip
