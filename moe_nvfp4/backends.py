@@ -15,6 +15,8 @@ kernel), one signature each:
   moe_w4a4            (x, weights: MoEWeights, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
   grouped_gemm        (a, b, *, alpha, out_dtype) -> list of outputs
   plan_grouped_gemm   (a, b, *, alpha, out_dtype) -> a plan for ``api.launch_grouped_gemm_nvfp4``
+The 16-bit-activation MoE has one kernel family: its op runs the reference where ``Backend.reference``, else
+``triton.moe_sm90``.
 
 Architectures are CUDA capabilities written ``sm_<major><minor>`` (``sm_90``, ``sm_100``), or ``cpu``.
 """
@@ -42,7 +44,7 @@ class Backend:
     archs: frozenset[str] | None
     ran_on: frozenset[str]
     note: str
-    entries: Mapping[str, str] = field(default_factory=dict)
+    entries: Mapping[str, str] = field(default_factory=dict, hash=False)
     w4a4_layout: str | None = None
     reference: bool = False
     interpreted_on_cpu: bool = False

@@ -119,3 +119,9 @@ def test_backend_objects_are_named_only_by_the_registry_and_dispatch() -> None:
     offenders = [rel for base in ("moe_nvfp4", "integrations") for p in (ROOT / base).rglob("*.py")
                  if (rel := str(p.relative_to(ROOT))) not in allowed and pattern.search(p.read_text())]  # fmt: skip
     assert offenders == []
+
+
+def test_backends_and_selections_hash() -> None:
+    """Backends and selections stay usable as cache keys and set members (``entries`` is a dict, left out)."""
+    assert len(set(REGISTRY)) == len(REGISTRY)
+    assert hash(select_backends(torch.device("cpu"))) == hash(select_backends(torch.device("cpu")))
