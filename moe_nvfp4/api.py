@@ -139,6 +139,9 @@ def fused_moe(
     capturable in a CUDA graph.  On CUDA this runs the Triton kernels (one launch per GEMM over all
     experts); on CPU the torch reference.
     """
+    if weights.layout.name != LAYOUT.name:  # one weights type for every backend: the layout says which kernels read it
+        raise ValueError(f"weights are in the {weights.layout.name} layout (prepare_moe_weights_w4a4); fused_moe "
+                         f"reads {LAYOUT.name}: run fused_moe_w4a4, or pack with prepare_moe_weights")  # fmt: skip
     _check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids,
                   expert_map)  # fmt: skip
     from .ops import fused_moe_op
