@@ -19,6 +19,7 @@ only: weights.py imports this module.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -35,7 +36,7 @@ Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 
 @dataclass(frozen=True)
-class MoELayout:
+class MoELayout(ABC):
     """One layout of the MoE's expert weights.  ``expert_offset``: the global id of local expert 0 for a layout
     whose kernel takes the local experts as one contiguous range (the others are routed by an expert map: 0)."""
 
@@ -43,14 +44,14 @@ class MoELayout:
     routed_by_offset: ClassVar[bool] = False
     expert_offset: int = 0
 
+    @abstractmethod
     def pack(self, w13: NVFP4Tensor, w2: NVFP4Tensor) -> Tensors:
         """Validated checkpoint tensors (linear scales; w13 [E, 2I, H] gate rows then up rows with global [E, 2];
         w2 [E, H, I] with global [E]) -> (w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_nvfp4(self, weights: MoEWeights) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """``weights`` (in this layout) back to the checkpoint layout: gate rows then up rows, linear scales."""
-        raise NotImplementedError
 
     def expert_map_for(self, expert_map: torch.Tensor | None, num_experts: int) -> torch.Tensor | None:
         """The expert map the reference routes these weights by: ``expert_map`` where the kernel reads one."""
