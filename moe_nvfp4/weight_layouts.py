@@ -3,8 +3,9 @@ checkpoint tensors into the tensors of ``MoEWeights``' fields (in field order) a
 checkpoint layout (the reference's input).  Backends name the layout their W4A4 MoE reads
 (``backends.Backend.w4a4_layout``); the 16-bit-activation MoE always reads ``sm90_fragments``.
 
-  sm90_fragments     the Triton/Gluon kernels (``layouts.FragmentLayout``): gate and up rows each padded to 64,
-                     K to 128, each thread's wgmma fragment one contiguous run, e5m3 scale bytes
+  sm90_fragments     the Triton/Gluon kernels (``layouts.FragmentLayout``): gate and up rows each padded to 64
+                     (a non-gated activation's w13 one block of I rows), K to 128, each thread's wgmma fragment one
+                     contiguous run, e5m3 scale bytes
   sm100_interleaved  our CuTe DSL kernels: K-major packed FP4, 128x4-swizzled e4m3 scales, gate and up rows
                      interleaved in blocks of ``GATE_UP_BLOCK`` (each padded to I_pad = pad32(I)); w2's K padded to I_pad
   flashinfer_trtllm  FlashInfer's TRT-LLM-gen NVFP4 MoE, as vLLM 0.26 builds it (``prepare_static_weights_for_
@@ -83,7 +84,8 @@ class Sm90Layout(MoELayout):
                     row = end
             return packed, scale
 
-        w13_packed, w13_scale = pack(w13, ((0, i), (i, i)), h)
+        # gate and up each padded apart; a non-gated activation's w13 ([E, I, H]) is one block
+        w13_packed, w13_scale = pack(w13, ((0, i), (i, i)) if w13.n == 2 * i else ((0, i),), h)
         w2_packed, w2_scale = pack(w2, ((0, h),), i)
         return w13_packed, w13_scale, w13.global_scale, w2_packed, w2_scale, w2.global_scale.float().contiguous()
 
@@ -93,10 +95,12 @@ class Sm90Layout(MoELayout):
             return torch.stack([p for p, _ in pairs]), torch.stack([s for _, s in pairs])
 
         h, i, ip = weights.hidden, weights.intermediate, self.fragments.padded_n(weights.intermediate)
+        w2 = NVFP4Tensor(*unpack(weights.w2_packed, weights.w2_scale, h, i), weights.w2_global)
+        if weights.w13_packed.shape[1] == ip:  # one block: a non-gated activation's w13
+            return NVFP4Tensor(*unpack(weights.w13_packed, weights.w13_scale, i, h), weights.w13_global), w2
         gate = unpack(weights.w13_packed[:, :ip], weights.w13_scale[:, :ip], i, h)
         up = unpack(weights.w13_packed[:, ip:], weights.w13_scale[:, ip:], i, h)
         w13 = NVFP4Tensor(torch.cat((gate[0], up[0]), 1), torch.cat((gate[1], up[1]), 1), weights.w13_global)
-        w2 = NVFP4Tensor(*unpack(weights.w2_packed, weights.w2_scale, h, i), weights.w2_global)
         return w13, w2
 
 

@@ -18,10 +18,11 @@ LAYOUT = Sm90Layout()
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """Expert weights in ``layout`` (``weight_layouts``; the custom ops take the tensors, the layout's name and
-    expert offset).  In the default ``sm90_fragments`` (padN pads to 64, padK to 128): w13_packed uint8
-    [E, 2 padN(I), padK(H)/2] (gate rows, then up rows), w13_scale uint8 [E, 2 padN(I), padK(H)/16], w13_global
-    fp32 [E, 2] (gate, up); w2_packed [E, padN(H), padK(I)/2], w2_scale [E, padN(H), padK(I)/16], w2_global fp32 [E].
+    """Expert weights in ``layout`` (``weight_layouts``; default ``sm90_fragments``: padN pads to 64, padK to 128).
+
+    w13_packed uint8 [E, 2 padN(I), padK(H)/2] (gate rows, then up rows), w13_scale uint8
+    [E, 2 padN(I), padK(H)/16], w13_global fp32 [E, 2] (gate, up); w2_packed [E, padN(H), padK(I)/2],
+    w2_scale [E, padN(H), padK(I)/16], w2_global fp32 [E].
     """
 
     w13_packed: torch.Tensor

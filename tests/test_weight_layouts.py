@@ -52,3 +52,17 @@ def test_flashinfer_reference_routes_the_local_range() -> None:
     got = FlashInferLayout(expert_offset=2).expert_map_for(torch.zeros(7, dtype=torch.int32), 3)
     assert got.tolist() == [-1, -1, 0, 1, 2, -1, -1]
     assert Sm100Layout().expert_map_for(None, 3) is None
+
+
+def test_fragments_hold_a_non_gated_w13_as_one_block(gen: torch.Generator) -> None:
+    """A non-gated activation's w13 [E, I, H] (global [E]) packs as one padded block of I rows and comes back."""
+    e, h, i = 2, 96, 48
+    gated13, w2 = _checkpoint(gen, e, h, i)
+    w13 = m.NVFP4Tensor(gated13.packed[:, :i], gated13.block_scale[:, :i], gated13.global_scale[:, 0].contiguous())
+    layout = Sm90Layout()
+    weights = m.MoEWeights(*layout.pack(w13.linear_scales(), w2), hidden=h, intermediate=i, layout=layout)
+    assert weights.w13_packed.shape == (e, layout.fragments.padded_n(i), layout.fragments.padded_k(h) // 2)
+    back13, back2 = weights.to_nvfp4()
+    for got, want in ((back13, w13), (back2, w2)):
+        assert torch.equal(got.packed, want.packed) and torch.equal(got.global_scale, want.global_scale)
+        assert torch.equal(got.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
