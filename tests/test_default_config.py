@@ -60,7 +60,7 @@ def test_zoo_holds_every_model_of_the_issue_with_its_per_rank_shapes() -> None:
         assert mine[0].key == m.key and (mine[0].tp, mine[0].ep) == (1, 1)
         assert len(mine) == (1 + 5 - (m.key == "gpt-oss-120b") if m.large else 1)  # gpt-oss: 2880 / 8 splits a block
     kimi = zoo_shape("kimi-k2-ep8")
-    assert (kimi.experts, kimi.global_experts, kimi.intermediate, kimi.local_fraction) == (48, 384, 2048, 0.125)
+    assert (kimi.experts, kimi.global_experts, kimi.intermediate) == (48, 384, 2048)
     assert (zoo_shape("qwen3-235b-a22b-tp8").intermediate, zoo_shape("qwen3-235b-a22b-tp8").experts) == (192, 128)
     with pytest.raises(ValueError, match="gpt-oss-120b-tp8"):
         zoo_shape("gpt-oss-120b-tp8")
