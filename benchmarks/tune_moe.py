@@ -54,9 +54,11 @@ from moe_nvfp4.configs import (  # noqa: E402
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
 from moe_nvfp4.zoo import zoo_shapes  # noqa: E402
 
-# The zoo's shapes without expert parallelism (the tuner routes over the layer's own experts): name ->
-# (experts, top_k, hidden, intermediate).  By default the two shapes the shipped files tune.
-MODELS = {s.key: (s.experts, s.top_k, s.hidden, s.intermediate) for s in zoo_shapes() if s.ep == 1}
+# The zoo's shapes without expert parallelism (the tuner routes over the layer's own experts) and with gated experts
+# (its layers and entries are gate-and-up ones): name -> (experts, top_k, hidden, intermediate).  By default the
+# two shapes the shipped files tune.
+MODELS = {s.key: (s.experts, s.top_k, s.hidden, s.intermediate) for s in zoo_shapes()
+          if s.ep == 1 and s.activation.gated}  # fmt: skip
 DEFAULT_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 
 

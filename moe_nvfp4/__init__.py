@@ -11,6 +11,7 @@ from .api import (
     quantize_activations,
     warmup_fused_moe,
 )
+from .expert_activation import RELU2, SILU, SWIGLU_OAI, ExpertActivation
 from .checkpoint import CheckpointError, Convention, NVFP4Linear, from_checkpoint, to_checkpoint, validate_nvfp4
 from .formats import (
     NVFP4,
@@ -29,6 +30,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "ExpertActivation",
+    "RELU2",
+    "SILU",
+    "SWIGLU_OAI",
     "MoEWeights",
     "fused_moe",
     "fused_moe_w4a4",

@@ -5,7 +5,9 @@
 
 Supported: x bf16 or fp16 [T, H] with any T >= 0; E up to 1024; top-k up to 16; H and I multiples of
 16 (the layout pads rows to 64 and K to 128 at pack time; multiples of 128 avoid padded work); gate and up with
-separate global scales.  Everything is checked before any kernel launches.
+separate global scales; the expert activations of ``expert_activation`` (gated SiLU, gpt-oss's clamped SwiGLU,
+non-gated ReLU^2), per-expert biases on both GEMMs, the router weight applied to the input.  Everything is
+checked before any kernel launches.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from .activations import _check_global_scale, quantize_activations
 from .checkpoint import validate_nvfp4
 from .dispatch import select_backends
+from .expert_activation import RELU2, SILU, SWIGLU_OAI, ExpertActivation
 from .formats import NVFP4, NVFP4Tensor
 from .weight_layouts import MoELayout, weight_layout
 from .weights import LAYOUT, MoEWeights
@@ -28,28 +31,36 @@ if TYPE_CHECKING:
 __all__ = [
     "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "prepare_moe_weights_w4a4", "fused_moe_w4a4",
     "quantize_activations", "grouped_gemm_nvfp4", "plan_grouped_gemm_nvfp4", "launch_grouped_gemm_nvfp4",
-    "MAX_EXPERTS", "MAX_TOP_K",
+    "MAX_EXPERTS", "MAX_TOP_K", "ExpertActivation", "SILU", "SWIGLU_OAI", "RELU2",
 ]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 
 
-def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor, gated: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Shape and value checks shared by both weight layouts; returns both with linear scales and w13's
-    global scale as [E, 2] (gate, up)."""
+    global scale as [E, 2] (gate, up), or [E] where not ``gated`` (w13 then [E, I, H])."""
     if w13.packed.dim() != 3 or w2.packed.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}")
-    e, two_i, h = w13.packed.shape[0], w13.n, w13.k
-    i = two_i // 2
-    if two_i % 2 or w2.packed.shape[0] != e or (w2.n, w2.k) != (h, i):
-        raise ValueError(f"w13 [E={e}, 2I={two_i}, H={h}] and w2 [{w2.packed.shape[0]}, {w2.n}, {w2.k}] do not match")
+    e, n13, h = w13.packed.shape[0], w13.n, w13.k
+    i = n13 // 2 if gated else n13
+    rows = "2I" if gated else "I (non-gated activation)"
+    if (gated and n13 % 2) or w2.packed.shape[0] != e or (w2.n, w2.k) != (h, i):
+        raise ValueError(f"w13 [E={e}, {rows}={n13}, H={h}] and w2 [{w2.packed.shape[0]}, {w2.n}, {w2.k}] do not "
+                         "match (w2 must be [E, H, I])")  # fmt: skip
     if not 1 <= e <= MAX_EXPERTS:
         raise ValueError(f"{e} experts; supported 1..{MAX_EXPERTS}")
     validate_nvfp4(w13, name="w13")  # names the first bad expert
     validate_nvfp4(w2, name="w2")
     w13, w2 = w13.linear_scales(), w2.linear_scales()
     gs13 = w13.global_scale.float()
+    if not gated:
+        if gs13.shape != (e,):
+            raise ValueError(f"w13 global scale must be [E] with a non-gated activation, got {tuple(gs13.shape)}")
+        if w2.global_scale.shape != (e,):
+            raise ValueError(f"w2 global scale must be [E], got {tuple(w2.global_scale.shape)}")
+        return NVFP4Tensor(w13.packed, w13.block_scale, gs13.contiguous()), w2
     gs13 = gs13[:, None].expand(e, 2) if gs13.dim() == 1 else gs13
     if gs13.shape != (e, 2):
         raise ValueError(f"w13 global scale must be [E] or [E, 2], got {tuple(w13.global_scale.shape)}")
@@ -58,17 +69,48 @@ def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[NVFP4Tensor, NVFP4Ten
     return NVFP4Tensor(w13.packed, w13.block_scale, gs13.contiguous()), w2
 
 
-def prepare_moe_weights(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeights:
+def _bias(bias: torch.Tensor | None, name: str, shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    """A bias argument checked (floating point, ``shape``, finite: the first bad expert named) and stored as the
+    kernels read it: float32, contiguous, on the weights' device."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias))}")
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"{name} must be [{', '.join(map(str, shape))}], got {tuple(bias.shape)}")
+    bias = bias.to(device=device, dtype=torch.float32).contiguous()
+    bad = ~torch.isfinite(bias).all(dim=1)
+    if bad.any():
+        raise ValueError(f"{name} has non-finite values (expert {int(bad.nonzero()[0, 0])})")
+    return bias
+
+
+def prepare_moe_weights(
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    *,
+    activation: ExpertActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> MoEWeights:
     """Validate and pack checkpoint tensors for the kernel, one expert at a time.
 
-    w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]); w2: [E, H, I] (global [E]).
-    The result lives on the inputs' device; peak extra memory is one expert's temporaries.
+    w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]), or [E, I, H] (global [E]) when
+    ``activation`` is not gated; w2: [E, H, I] (global [E]).  Biases, any float dtype: w13_bias [E, 2I] (gate
+    then up; [E, I] non-gated), w2_bias [E, H]; stored float32.  The result lives on the inputs' device; peak
+    extra memory is one expert's temporaries.
     """
-    return _packed(w13, w2, LAYOUT)
+    if not isinstance(activation, ExpertActivation):
+        raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")
+    w13, w2 = _validated(w13, w2, activation.gated)
+    e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
+    return MoEWeights(*LAYOUT.pack(w13, w2), hidden=h, intermediate=w2.k, activation=activation,
+                      w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
+                      w2_bias=_bias(w2_bias, "w2_bias", (e, h), device))  # fmt: skip
 
 
 def _packed(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: MoELayout) -> MoEWeights:
-    """Checkpoint tensors validated, then packed into ``layout``."""
+    """Checkpoint tensors of a gated SiLU MoE without biases validated, then packed into ``layout``."""
     w13, w2 = _validated(w13, w2)
     return MoEWeights(*layout.pack(w13, w2), hidden=w13.k, intermediate=w2.k, layout=layout)
 
@@ -130,9 +172,13 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """NVFP4 MoE forward: sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]) -> [T, H] in x.dtype.
+    """NVFP4 MoE forward: sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t]) -> [T, H] in x.dtype, FFN_e(x) =
+    W2_e act(W13_e x + b13_e) + b2_e with the weights' activation and biases (``prepare_moe_weights``).
 
+    With ``apply_router_weight_on_input`` (Llama-4's top-1 routing; any top-k works) the sum is
+    sum_j FFN_e(x[t] * topk_weights[t, j]), the product rounded to x.dtype as vLLM rounds it.
     topk_ids are global expert ids; with ``expert_map`` (int32 [E_global], -1 = not on this rank) only
     local experts contribute.  A pair whose id is outside [0, E_global) (E_global = E without a map) or whose
     map entry is outside [0, E) contributes nothing (``routing.routed_pairs``).  No host synchronisation:
@@ -147,7 +193,10 @@ def fused_moe(
     from .ops import fused_moe_op
 
     x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
-    return fused_moe_op(x, *weights.tensors, topk_weights, topk_ids, expert_map, weights.intermediate)
+    act = weights.activation
+    return fused_moe_op(x, *weights.tensors, topk_weights, topk_ids, expert_map, weights.intermediate,
+                        weights.w13_bias, weights.w2_bias, act.name, act.alpha, act.limit,
+                        bool(apply_router_weight_on_input))  # fmt: skip
 
 
 def prepare_moe_weights_w4a4(w13: NVFP4Tensor, w2: NVFP4Tensor, *, expert_offset: int = 0) -> MoEWeights:
@@ -213,13 +262,14 @@ def warmup_fused_moe(
     max_tokens: int,
     *,
     expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> list[int]:
     """Compile every kernel variant ``fused_moe`` can launch for 1..max_tokens tokens, now, not mid-serving.
 
     The kernels are compiled per tuned config (one per token-count range) and per routing variant;
     this runs one forward on zeros at the fewest tokens of each.  Later calls with any T <= max_tokens,
-    same weights shape, dtype, top_k and expert-map presence, compile nothing.  Returns the token counts
-    run (empty on CPU, where nothing is compiled).
+    same weights (shape and variant), dtype, top_k, expert-map presence and ``apply_router_weight_on_input``,
+    compile nothing.  Returns the token counts run (empty on CPU, where nothing is compiled).
     """
     from .configs import configs_up_to, device_traits
 
@@ -235,7 +285,8 @@ def warmup_fused_moe(
     for t in counts:
         x = torch.zeros(t, h, dtype=dtype, device=device)
         ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
-        fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map)
+        fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map,
+                  apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
     return counts
 
 

@@ -116,7 +116,7 @@ def neighbours(cfg: MoEKernelConfig, tokens: int, shape: LayerShape) -> list[MoE
     i = TOKEN_TILES.index(cfg.block_m) if cfg.block_m in TOKEN_TILES else 0
     out = [cfg.with_token_tile(bm) for bm in TOKEN_TILES[max(0, i - 1) : i + 2]]
     k1, k2 = shape.padded_k
-    out += [replace(cfg, gemm1=g) for g in _gemm_neighbours(cfg.gemm1, k1, cfg.block_m, True)]
+    out += [replace(cfg, gemm1=g) for g in _gemm_neighbours(cfg.gemm1, k1, cfg.block_m, shape.gated)]
     out += [replace(cfg, gemm2=g) for g in _gemm_neighbours(cfg.gemm2, k2, cfg.block_m, False)]
     out.append(replace(cfg, partials_in_x_dtype=not cfg.partials_in_x_dtype))
     if tokens * shape.top_k <= 4 * shape.global_experts:  # a few pairs per expert: pair tiles may still pay
@@ -139,7 +139,7 @@ class BucketResult:
 
     def entry(self, shape: LayerShape) -> dict:
         return dict(experts=shape.experts, global_experts=shape.global_experts, top_k=shape.top_k, hidden=shape.hidden,
-                    intermediate=shape.intermediate, dtype=shape.dtype, max_tokens=self.tokens,
+                    intermediate=shape.intermediate, dtype=shape.dtype, gated=shape.gated, max_tokens=self.tokens,
                     config=self.config.to_dict(), time_us=None if self.us is None else round(self.us, 2))  # fmt: skip
 
 
@@ -211,7 +211,7 @@ def cache_key(shape: LayerShape, device: DeviceTraits) -> dict:
                 triton=triton.__version__, torch=torch.__version__, device=device.name,
                 capability=list(device.capability), sm_count=device.sm_count, experts=shape.experts,
                 global_experts=shape.global_experts, top_k=shape.top_k, hidden=shape.hidden,
-                intermediate=shape.intermediate, dtype=shape.dtype)  # fmt: skip
+                intermediate=shape.intermediate, dtype=shape.dtype, gated=shape.gated)  # fmt: skip
 
 
 def cache_path(key: dict, directory: Path | None = None) -> Path:
@@ -360,7 +360,8 @@ def autotune_fused_moe(
         x, tw, ti = inputs[tokens]
 
         def run() -> torch.Tensor:
-            return fused_moe_sm90(x, *weights.tensors, tw, ti, expert_map, shape.intermediate, cfg)
+            return fused_moe_sm90(x, *weights.tensors, tw, ti, expert_map, shape.intermediate, cfg,
+                                  **weights.variant)  # fmt: skip
 
         try:
             out = run().float()

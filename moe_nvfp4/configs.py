@@ -178,7 +178,8 @@ class MoEKernelConfig:
     partials_in_x_dtype: bool = False
     pair_tiles: bool = False
 
-    def is_valid(self, hidden_padded: int, intermediate_padded: int) -> bool:
+    def is_valid(self, hidden_padded: int, intermediate_padded: int, gated: bool = True) -> bool:
+        """``gated``: GEMM1 streams gate and up rows (two matrices in the Gluon kernel's ring), else one."""
         return (
             (self.block_m in (16, 32, 64, 128, 256)
              or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
@@ -186,8 +187,8 @@ class MoEKernelConfig:
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            and all(not g.warp_specialized or g.ws_shared_bytes(gated, self.block_m) <= WS_SMEM_LIMIT
-                    for g, gated in ((self.gemm1, True), (self.gemm2, False)))
+            and all(not g.warp_specialized or g.ws_shared_bytes(two, self.block_m) <= WS_SMEM_LIMIT
+                    for g, two in ((self.gemm1, gated), (self.gemm2, False)))
         )
 
     @classmethod
@@ -249,8 +250,9 @@ def device_traits(device: torch.device) -> DeviceTraits:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What a MoE layer's configs are chosen for: local experts, top-k, H, I, activation dtype, and the routing's
-    expert count (``global_experts``: the expert map's length under expert parallelism, else ``experts``)."""
+    """What a MoE layer's configs are chosen for: local experts, top-k, H, I, activation dtype, the routing's
+    expert count (``global_experts``: the expert map's length under expert parallelism, else ``experts``) and
+    whether GEMM1 is gated (2I rows: gate and up) or not (I rows; expert_activation)."""
 
     experts: int
     top_k: int
@@ -258,6 +260,7 @@ class LayerShape:
     intermediate: int
     dtype: str = "bfloat16"
     global_experts: int = 0  # 0: as many as ``experts``
+    gated: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):  # a torch.dtype: stored by name, as tuned files spell it
@@ -272,12 +275,12 @@ class LayerShape:
 
     def accepts(self, cfg: "MoEKernelConfig") -> bool:
         """Whether ``cfg`` is valid for this shape's padded K dimensions."""
-        return cfg.is_valid(*self.padded_k)
+        return cfg.is_valid(*self.padded_k, self.gated)
 
     @property
     def entry_key(self) -> tuple:
         """The fields a tuned entry is matched on."""
-        return self.experts, self.global_experts, self.top_k, self.hidden, self.intermediate, self.dtype
+        return self.experts, self.global_experts, self.top_k, self.hidden, self.intermediate, self.dtype, self.gated
 
     def rows_per_active_expert(self, tokens: int) -> float:
         """Expected (token, k) pairs per expert that gets any, with uniform routing: T k / (E (1 - (1 - k/E)^T))
@@ -365,7 +368,7 @@ def fit_gemm(preset: dict, k_padded: int, block_m: int, gated: bool, **fields) -
 @lru_cache(maxsize=4096)  # select_config asks on every forward of a shape without entries
 def default_config(
     tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, *, global_experts: int = 0,
-    device: DeviceTraits = HOPPER_132,
+    device: DeviceTraits = HOPPER_132, gated: bool = True,
 ) -> MoEKernelConfig:
     """The config for a layer with no tuned entry: a deterministic model of what the tuned entries chose, from the
     expected rows per busy expert ``m`` (LayerShape.rows_per_active_expert) and the SM count.
@@ -379,35 +382,37 @@ def default_config(
       is short and the experts are busy (the Gluon kernel's per-tile pipeline fill then shows).
     * Prefill (128-token tiles): the Triton kernel, GEMM2 warp-specialized where its K is long.
     GEMM2 writes x's dtype for the combine where top-k > 2 or m > 48 (half the combine's bytes).
+    A non-gated GEMM1 (``gated`` False: one matrix of I rows) gets the same tiles; its ring fits shared memory as one
+    matrix's (fit_gemm).
     """
-    shape = LayerShape(experts, top_k, hidden, intermediate, global_experts=global_experts)
+    shape = LayerShape(experts, top_k, hidden, intermediate, global_experts=global_experts, gated=gated)
     rows = shape.rows_per_active_expert(max(tokens, 1))
     k1, k2 = shape.padded_k
     if tokens <= PAIR_TILE_TOKENS:
         block_m, pairs = 8, max(tokens, 1) * top_k
 
-        def pair_gemm(n: int, k: int, gated: bool) -> GemmConfig:
+        def pair_gemm(n: int, k: int, two: bool) -> GemmConfig:
             units = pairs * -(-n // 64)  # tiles of 64 rows
             preset = WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
-            return fit_gemm(preset, k, block_m, gated, loader_warps=2)
+            return fit_gemm(preset, k, block_m, two, loader_warps=2)
 
         # Under expert parallelism the same presets run on routed 8-row tiles: pair tiles through the expert map
         # were slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 99 routed,
         # Kimi-K2 EP8 49 against 36; H200, design 004), though the kernel runs them (an explicit config).
-        cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, True), pair_gemm(hidden, k2, False),
+        cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, gated), pair_gemm(hidden, k2, False),
                               partials_in_x_dtype=top_k > 2, pair_tiles=shape.global_experts == experts)  # fmt: skip
     else:
         block_m = _first(TILE_BY_ROWS, rows, 128)
         narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]
         if block_m == 8:
-            gemm1 = fit_gemm(_decode_preset(shape, tokens, intermediate, device), k1, 8, True, loader_warps=2)
+            gemm1 = fit_gemm(_decode_preset(shape, tokens, intermediate, device), k1, 8, gated, loader_warps=2)
             gemm2 = fit_gemm(_decode_preset(shape, tokens, hidden, device), k2, 8, False, loader_warps=2,
                              block_n=DECODE_GEMM2_BLOCK_N)  # fmt: skip
         elif block_m == 16:
-            gemm1 = fit_gemm(WS_DECODE_WIDE, k1, block_m, True, narrow_tiles=narrow, loader_warps=4)
+            gemm1 = fit_gemm(WS_DECODE_WIDE, k1, block_m, gated, narrow_tiles=narrow, loader_warps=4)
             gemm2 = fit_gemm(WS_DECODE_WIDE, k2, block_m, False, narrow_tiles=narrow, loader_warps=4)
         elif block_m <= 64:
-            gemm1 = fit_gemm(WS_TWO_GROUPS, k1, block_m, True, narrow_tiles=narrow)
+            gemm1 = fit_gemm(WS_TWO_GROUPS, k1, block_m, gated, narrow_tiles=narrow)
             if block_m == 32:
                 gemm2 = fit_gemm(WS_ONE_GROUP, k2, block_m, False, narrow_tiles=narrow)
             elif rows <= SHORT_K_ROWS or intermediate >= SHORT_K2:
@@ -415,12 +420,12 @@ def default_config(
             else:
                 gemm2 = fit_gemm(TRITON_PREFILL, k2, block_m, False, narrow_tiles=2, max_registers=128)
         else:
-            gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, True)
+            gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, gated)
             long_k = intermediate >= LONG_K2
             gemm2 = fit_gemm(dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL,
                             k2, block_m, False)  # fmt: skip
         cfg = MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=top_k > 2 or rows > PARTIALS_IN_X_ROWS)
-    if not cfg.is_valid(k1, k2):
+    if not cfg.is_valid(k1, k2, gated):
         raise AssertionError(f"default_config produced an invalid config {cfg}")  # a bug, not user input
     return cfg
 
@@ -455,7 +460,7 @@ def load_config_file(path: str) -> tuple[dict, tuple[dict, ...]]:
             if key not in entry:
                 raise ValueError(f"{path}: entry {i} lacks {key!r}")
         cfg = MoEKernelConfig.from_dict(entry["config"])
-        if not cfg.is_valid(_pad(entry["hidden"]), _pad(entry["intermediate"])):
+        if not cfg.is_valid(_pad(entry["hidden"]), _pad(entry["intermediate"]), entry.get("gated", True)):
             raise ValueError(f"{path}: entry {i} has an invalid config {cfg}")
     return meta, entries
 
@@ -501,9 +506,10 @@ def register_entries(device: DeviceTraits, entries: Sequence[dict]) -> None:
 
 
 def entry_shape(entry: dict) -> LayerShape:
-    """The layer shape a tuned entry is for (``global_experts`` defaults to ``experts``: no expert parallelism)."""
+    """The layer shape a tuned entry is for (``global_experts`` defaults to ``experts``: no expert parallelism;
+    ``gated`` to True)."""
     return LayerShape(entry["experts"], entry["top_k"], entry["hidden"], entry["intermediate"], entry["dtype"],
-                      entry.get("global_experts", 0))  # fmt: skip
+                      entry.get("global_experts", 0), entry.get("gated", True))  # fmt: skip
 
 
 def measured_entries(shape: LayerShape, device: DeviceTraits) -> list[dict]:
@@ -523,7 +529,7 @@ def select_config(tokens: int, shape: LayerShape, device: DeviceTraits) -> MoEKe
     if entries:
         return MoEKernelConfig.from_dict(serving_entry(entries, tokens)["config"])
     return default_config(tokens, shape.experts, shape.top_k, shape.hidden, shape.intermediate,
-                          global_experts=shape.global_experts, device=device)  # fmt: skip
+                          global_experts=shape.global_experts, device=device, gated=shape.gated)  # fmt: skip
 
 
 def serving_entry(entries: Sequence[dict], tokens: int) -> dict:

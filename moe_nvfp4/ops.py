@@ -1,13 +1,22 @@
 """torch.library custom ops with fake implementations, so torch.compile and CUDA graphs see one opaque op."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import select_backends
+from .expert_activation import ExpertActivation
 from .weight_layouts import weight_layout
 from .weights import MoEWeights
 
 __all__ = ["fused_moe_op", "fused_moe_w4a4_op"]
+
+
+@functools.cache
+def _expert_activation(name: str, alpha: float, limit: float) -> ExpertActivation:
+    """The op's activation fields as the data they spell, validated once per distinct value (not every forward)."""
+    return ExpertActivation(name, alpha, limit)
 
 
 @torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
@@ -23,31 +32,38 @@ def fused_moe_op(
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
     intermediate: int,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """Tensors as in weights.MoEWeights; inputs already checked by api.fused_moe."""
-    hidden = x.shape[1]
+    """Tensors as in weights.MoEWeights, the activation as expert_activation.ExpertActivation's fields; inputs
+    already checked by api.fused_moe.  The config is the host wrapper's choice (configs.select_config)."""
+    act = _expert_activation(activation, alpha, limit)
     if select_backends(x.device).moe_w4a16.reference:
-        from .weights import MoEWeights
         from .reference import fused_moe_torch
 
-        weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, hidden, intermediate)
+        weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[1],
+                             intermediate, activation=act)  # fmt: skip
         w13, w2 = weights.to_nvfp4()
-        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
-    from .configs import LayerShape, device_traits, select_config
+        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=act,
+                               w13_bias=w13_bias, w2_bias=w2_bias,
+                               apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
     from .triton.moe_sm90 import fused_moe_sm90
 
-    shape = LayerShape(w13_packed.shape[0], topk_ids.shape[1], hidden, intermediate, x.dtype,
-                       0 if expert_map is None else expert_map.numel())  # fmt: skip
-    config = select_config(x.shape[0], shape, device_traits(x.device))
     return fused_moe_sm90(
         x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids,
-        expert_map, intermediate, config,
+        expert_map, intermediate, activation=act, w13_bias=w13_bias, w2_bias=w2_bias,
+        apply_router_weight_on_input=apply_router_weight_on_input,
     )  # fmt: skip
 
 
 @fused_moe_op.register_fake
 def _(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids, expert_map,
-      intermediate):  # fmt: skip
+      intermediate, w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0,
+      apply_router_weight_on_input=False):  # fmt: skip
     return torch.empty_like(x)
 
 

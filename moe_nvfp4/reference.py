@@ -1,7 +1,8 @@
 """Pure-torch twins of the public ops, float32 math (or float64 when asked): the ground truth for tests.
 
-Shapes: x [T, H]; w13 NVFP4Tensor [E, 2I, H] (gate rows first, then up; global scale [E] or [E, 2]);
-w2 NVFP4Tensor [E, H, I]; topk_weights [T, k]; topk_ids [T, k] (global expert ids).  A pair whose id is
+Shapes: x [T, H]; w13 NVFP4Tensor [E, 2I, H] (gate rows first, then up; global scale [E] or [E, 2]), or
+[E, I, H] with a non-gated activation (``expert_activation``); w2 NVFP4Tensor [E, H, I]; topk_weights [T, k];
+topk_ids [T, k] (global expert ids); biases float [E, 2I] (or [E, I]) and [E, H].  A pair whose id is
 outside [0, E_global) or whose expert-map entry is outside [0, E) contributes nothing (``routing.routed_pairs``).
 """
 from __future__ import annotations
@@ -10,15 +11,30 @@ from typing import Sequence
 
 import torch
 
+from .expert_activation import SILU, ExpertActivation
 from .formats import NVFP4Tensor, dequantize_nvfp4, quantize_activations_nvfp4
 from .routing import routed_pairs
 
-__all__ = ["moe_dense_torch", "fused_moe_torch", "grouped_gemm_nvfp4_torch", "fake_quantize_activations"]
+__all__ = ["moe_dense_torch", "fused_moe_torch", "grouped_gemm_nvfp4_torch", "fake_quantize_activations",
+           "expert_activation_torch"]
 
 
 def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """x -> NVFP4 (per-16 e4m3 scales, fixed global input scale) -> float32: the W4A4 activation path."""
     return dequantize_nvfp4(quantize_activations_nvfp4(x.float(), input_scale))
+
+
+def expert_activation_torch(h: torch.Tensor, activation: ExpertActivation) -> torch.Tensor:
+    """GEMM1's output rows h (bias added; [M, 2I] gate then up when gated, else [M, I]) -> [M, I], in h's dtype
+    (expert_activation's definitions)."""
+    if not activation.gated:  # relu2
+        return torch.square(torch.relu(h))
+    gate, up = h.chunk(2, dim=-1)
+    if activation.name == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(-activation.limit, activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
 
 
 def _per_expert(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -38,17 +54,22 @@ def moe_dense_torch(
     expert_map: torch.Tensor | None = None,
     w13_input_scale: torch.Tensor | None = None,
     w2_input_scale: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The MoE forward on float weights w13 [E, 2I, H], w2 [E, H, I]; returns x.dtype [T, H].
+    """The MoE forward on float weights w13 [E, 2I, H] ([E, I, H] non-gated), w2 [E, H, I]; returns x.dtype [T, H].
 
-    out[t] = sum_j w[t, j] * W2_e (SiLU(x W1_e^T) * (x W3_e^T)), e = topk_ids[t, j].  W4A16 by default;
-    W4A4 when input scales ([E] or scalar multipliers) are given: the activations entering each GEMM
-    are quantized to NVFP4 with that scale first.  With an expert map, pairs whose expert maps to -1
-    contribute nothing (another rank owns them); so do pairs with an id or map entry out of range.
+    out[t] = sum_j w[t, j] * (W2_e act(x W13_e^T + b13_e) + b2_e), e = topk_ids[t, j], act the ``activation``
+    (SiLU(gate) * up by default).  With ``apply_router_weight_on_input`` each pair's GEMM1 input is
+    x[t] * w[t, j], rounded to x.dtype (vLLM's prepare step: ``a1 * topk_weights.to(a1.dtype)``), and the sum is
+    unweighted.  W4A16 by default; W4A4 when input scales ([E] or scalar multipliers) are given: the activations
+    entering each GEMM are quantized to NVFP4 with that scale first.  With an expert map, pairs whose expert maps
+    to -1 contribute nothing (another rank owns them); so do pairs with an id or map entry out of range.
     """
     t, hidden = x.shape
-    inter = w2.shape[-1]
     out = torch.zeros(t, hidden, dtype=compute_dtype, device=x.device)
     local, routed = routed_pairs(topk_ids, w13.shape[0], expert_map)
     ids = torch.where(routed, local, -1).view(topk_ids.shape)
@@ -57,17 +78,26 @@ def moe_dense_torch(
         token, slot = torch.nonzero(ids == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        xe = xf[token]
+        if apply_router_weight_on_input:
+            xe = (x[token] * topk_weights[token, slot].to(x.dtype)[:, None]).to(compute_dtype)
+        else:
+            xe = xf[token]
         s13 = _per_expert(w13_input_scale, e)
         if s13 is not None:
             xe = fake_quantize_activations(xe, s13).to(compute_dtype)
         h = xe @ w13[e].to(compute_dtype).T
-        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        if w13_bias is not None:
+            h = h + w13_bias[e].to(compute_dtype)
+        act = expert_activation_torch(h, activation)
         s2 = _per_expert(w2_input_scale, e)
         if s2 is not None:
             act = fake_quantize_activations(act, s2).to(compute_dtype)
         y = act @ w2[e].to(compute_dtype).T
-        out.index_add_(0, token, y * topk_weights[token, slot].to(compute_dtype)[:, None])
+        if w2_bias is not None:
+            y = y + w2_bias[e].to(compute_dtype)
+        if not apply_router_weight_on_input:
+            y = y * topk_weights[token, slot].to(compute_dtype)[:, None]
+        out.index_add_(0, token, y)
     return out.to(x.dtype)
 
 
@@ -81,9 +111,14 @@ def fused_moe_torch(
     expert_map: torch.Tensor | None = None,
     w13_input_scale: torch.Tensor | None = None,
     w2_input_scale: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The NVFP4 MoE forward: dequantize (exact) then ``moe_dense_torch``; same arguments as fused_moe."""
+    """The NVFP4 MoE forward: dequantize (exact) then ``moe_dense_torch``; same arguments as fused_moe (the
+    weights' activation and biases spelled out)."""
     return moe_dense_torch(
         x,
         dequantize_nvfp4(w13, compute_dtype),
@@ -93,6 +128,10 @@ def fused_moe_torch(
         expert_map=expert_map,
         w13_input_scale=w13_input_scale,
         w2_input_scale=w2_input_scale,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        apply_router_weight_on_input=apply_router_weight_on_input,
         compute_dtype=compute_dtype,
     )
 

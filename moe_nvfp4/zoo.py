@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .expert_activation import RELU2, SILU, ExpertActivation
+
 __all__ = ["ZooModel", "ZooShape", "MODELS", "SPLITS", "zoo_shape", "zoo_shapes"]
 
 
 @dataclass(frozen=True)
 class ZooModel:
-    """A model's routed-expert layer: E experts, top-k, hidden size H, expert intermediate size I (SwiGLU)."""
+    """A model's routed-expert layer: E experts, top-k, hidden size H, expert intermediate size I, and the experts'
+    activation (expert_activation: gated SiLU unless the model says otherwise; w13 then has I rows, not 2I)."""
 
     key: str
     name: str
@@ -26,6 +29,7 @@ class ZooModel:
     hidden: int
     intermediate: int
     large: bool = False  # served across GPUs: the zoo adds its TP and EP per-rank shapes
+    activation: ExpertActivation = SILU
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ class ZooShape:
     def intermediate(self) -> int:
         return self.model.intermediate // self.tp
 
+    @property
+    def activation(self) -> ExpertActivation:
+        return self.model.activation
+
 
 MODELS: tuple[ZooModel, ...] = (
     ZooModel("mixtral-8x7b", "Mixtral-8x7B", 8, 2, 4096, 14336),
@@ -78,6 +86,7 @@ MODELS: tuple[ZooModel, ...] = (
     ZooModel("dbrx", "DBRX", 16, 4, 6144, 10752, large=True),
     ZooModel("phi-3.5-moe", "Phi-3.5-MoE", 16, 2, 4096, 6400),
     ZooModel("olmoe", "OLMoE", 64, 8, 2048, 1024),
+    ZooModel("nemotron-3-nano", "Nemotron-3-Nano", 128, 6, 2688, 1856, activation=RELU2),
 )
 
 # The per-rank splits of the large models: (tensor parallel, expert parallel) sizes.

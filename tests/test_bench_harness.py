@@ -76,6 +76,28 @@ def test_expert_bytes_mixtral_and_qwen3():
     assert QWEN3.expert_nvfp4_bytes() == 2_654_216  # ~2.65 MB per Qwen3 expert
 
 
+def test_a_non_gated_layer_counts_one_w13_matrix_and_runs_relu2():
+    """Nemotron-3-Nano from the zoo: relu2 experts, w13 [I, H], so 2 I H values an expert (not 3 I H); ours and the
+    torch loop run it on the CPU (the torch reference, and moe_dense_torch with relu2) and agree."""
+    import torch
+
+    from moe_nvfp4.bench.moe import make_inputs, make_weights
+    from moe_nvfp4.bench.paths import build_path
+    from moe_nvfp4.zoo import zoo_shape
+
+    nano = MoEShape.from_zoo(zoo_shape("nemotron-3-nano"))
+    assert (nano.activation, nano.w13_rows, nano.num_experts, nano.top_k) == ("relu2", 1856, 128, 6)
+    values = 2 * 1856 * 2688
+    assert nano.expert_nvfp4_bytes() == values // 2 + values // 16 + 8 and nano.expert_bf16_bytes() == 2 * values
+    assert nano.flops(3) == 2 * 3 * 6 * values
+    tiny = MoEShape("tiny relu2", num_experts=5, top_k=3, hidden=64, inter=48, activation="relu2")
+    weights = make_weights(tiny, 0, "cpu")
+    assert weights[0].packed.shape == (5, 48, 32)  # [E, I, H/2]
+    x, tw, ti, emap = make_inputs(tiny, 7, 0, "cpu")
+    ours, loop = (build_path(name, tiny, weights, 1).fn(0, x, tw, ti, emap)().float() for name in ("ours", "torch"))
+    assert loop.norm() > 0 and ((ours - loop).norm() / loop.norm()).item() < 2e-2  # bf16 rounding only
+
+
 def test_moe_flops():
     # 2 * T * k * (2I*H + H*I)
     assert MIXTRAL.flops(1) == 2 * 1 * 2 * 3 * 14336 * 4096

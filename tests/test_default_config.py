@@ -28,6 +28,7 @@ from moe_nvfp4.configs import (
     select_config,
     tuned_file_for,
 )
+from moe_nvfp4.expert_activation import RELU2, SILU
 from moe_nvfp4.zoo import MODELS, zoo_shape, zoo_shapes
 
 ZOO = zoo_shapes()
@@ -35,7 +36,7 @@ H200 = DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
 
 
 def layer(s) -> LayerShape:
-    return LayerShape(s.experts, s.top_k, s.hidden, s.intermediate, "bfloat16", s.global_experts)
+    return LayerShape(s.experts, s.top_k, s.hidden, s.intermediate, "bfloat16", s.global_experts, s.activation.gated)
 
 
 @pytest.fixture
@@ -52,7 +53,10 @@ def test_zoo_holds_every_model_of_the_issue_with_its_per_rank_shapes() -> None:
     assert [(m.experts, m.top_k, m.hidden, m.intermediate) for m in MODELS] == [
         (8, 2, 4096, 14336), (8, 2, 6144, 16384), (128, 8, 2048, 768), (128, 8, 4096, 1536), (384, 8, 7168, 2048),
         (160, 8, 5120, 1536), (512, 10, 2048, 512), (128, 4, 2880, 2880), (128, 1, 5120, 8192),
-        (16, 4, 6144, 10752), (16, 2, 4096, 6400), (64, 8, 2048, 1024)]  # fmt: skip
+        (16, 4, 6144, 10752), (16, 2, 4096, 6400), (64, 8, 2048, 1024), (128, 6, 2688, 1856)]  # fmt: skip
+    # Nemotron-3-Nano's experts are ReLU^2, not gated: its GEMM1 has I rows (a LayerShape of its own)
+    assert [m.key for m in MODELS if m.activation is not SILU] == ["nemotron-3-nano"]
+    assert zoo_shape("nemotron-3-nano").activation is RELU2 and not layer(zoo_shape("nemotron-3-nano")).gated
     keys = [s.key for s in ZOO]
     assert len(keys) == len(set(keys))
     for m in MODELS:
@@ -251,7 +255,7 @@ def test_a_file_entry_without_top_k_is_refused(tmp_path) -> None:
 def test_layer_shape_normalizes_dtype_and_global_experts() -> None:
     s = LayerShape(8, 2, 256, 256, torch.float16)
     assert s.dtype == "float16" and s.global_experts == 8
-    assert s.entry_key == (8, 8, 2, 256, 256, "float16")
+    assert s.entry_key == (8, 8, 2, 256, 256, "float16", True)  # gated: GEMM1 has gate and up rows
     assert math.isclose(LayerShape(128, 8, 256, 256).rows_per_active_expert(16), 128 / (128 * (1 - (15 / 16) ** 16)))
 
 

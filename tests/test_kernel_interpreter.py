@@ -4,7 +4,8 @@ fp16 activations only: the interpreter's bf16 tl.dot is wrong (seen with triton 
 decode cannot run here, so these exercise the plain-Triton decode path with the same bit manipulation;
 the GPU tier covers the PTX path.  The routing kernels (one program, or a program per chunk of pairs) are
 compared with routing.plan_routing exactly.  Bound: ||out - ref|| / ||ref|| < 2e-3 against the float64 reference
-(fp16 rounding of x, of the SiLU*up intermediate and of the output).
+(fp16 rounding of x, of the SiLU*up intermediate and of the output); the same for every expert-MLP variant
+(activation, biases, router weight on the input: the reference rounds the scaled input as the kernel's pre-pass).
 """
 from __future__ import annotations
 
@@ -248,6 +249,72 @@ def test_poisoned_routing_contributes_nothing(e, k, h, i, t, use_map, block_m, l
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
     args = [str(v) for v in (e, k, h, i, t, seed % 2**31, use_map, block_m, low, via_api, pair)]
     proc = subprocess.run([sys.executable, "-c", POISON_SCRIPT, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL
+
+
+# Expert-MLP variants (issue 42): each activation, biases on both GEMMs, the router weight on the input, on the
+# Triton kernel at the token tiles the dispatcher uses (8, 16, 64 with narrow MMAs, 128), ragged and empty experts
+VARIANT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, moe_nvfp4 as m
+    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90
+    name = sys.argv[1]
+    e, k, h, i, t, seed, use_map, block_m, narrow, bias, on_input, via_api = map(int, sys.argv[2:])
+    act = m.ExpertActivation(name)
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * i if act.gated else i
+    # GEMM1 rows of about 4 standard deviations: swiglu_oai's clamp (7) is reached, relu2's square stays in fp16
+    w13 = torch.randn(e, rows, h, generator=g) * 4 / h**0.5
+    w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6
+    q13 = m.quantize_nvfp4(w13, segments=2 if act.gated else 1)
+    q2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=g) / i**0.5)
+    b13 = torch.randn(e, rows, generator=g) if bias else None
+    b2 = torch.randn(e, h, generator=g) if bias else None
+    w = m.prepare_moe_weights(q13, q2, activation=act, w13_bias=b13, w2_bias=b2)
+    x = torch.randn(t, h, generator=g).half()
+    n_global = e + 2 if use_map else e
+    logits = torch.randn(t, n_global, generator=g) + torch.linspace(2.5, -2.5, n_global)  # ragged, some empty
+    tw, ti = m.topk_softmax(logits, k, renormalize=not on_input)
+    emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32) if use_map else None
+    if via_api:  # the op: the host wrapper picks the config
+        out = m.fused_moe(x, w, tw, ti, expert_map=emap, apply_router_weight_on_input=bool(on_input))
+    else:
+        ws = block_m == 8
+        cfg = MoEKernelConfig(block_m, GemmConfig(64, warp_specialized=ws, narrow_tiles=narrow),
+                              GemmConfig(64, num_stages=3, warp_specialized=ws, narrow_tiles=narrow))
+        out = torch.full_like(x, float("nan"))
+        fused_moe_sm90(x, *w.tensors, tw, ti, emap, i, cfg, out=out, **w.variant,
+                       apply_router_weight_on_input=bool(on_input))
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, activation=act, w13_bias=b13, w2_bias=b2,
+                            apply_router_weight_on_input=bool(on_input), compute_dtype=torch.float64)
+    assert not out.isnan().any(), "unwritten output"
+    if name == "swiglu_oai":  # the clamp was reached somewhere (else this case tests less than it says)
+        hid = x.float() @ m.dequantize_nvfp4(q13).reshape(-1, h).T
+        assert (hid.abs() > act.limit).any()
+    print(((out.double() - ref).norm() / ref.norm()).item())
+    """
+)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("e,k,h,i,t,use_map,block_m,narrow,bias,on_input,via_api", [
+    pytest.param(6, 2, 256, 128, 13, 0, 16, 0, 1, 0, 0, id="biases, 16-token tiles"),
+    pytest.param(5, 1, 144, 80, 9, 1, 8, 0, 1, 1, 0,
+                 id="top-1 router weight on input, biases, expert map, 8-token tiles, padded K"),
+    pytest.param(8, 6, 128, 80, 40, 0, 64, 2, 0, 0, 0, id="top-6, 64-token tiles narrow 2, odd I, empty experts"),
+    pytest.param(4, 3, 128, 128, 50, 0, 128, 0, 1, 1, 0, id="top-3 router weight on input, 128-token tiles, biases"),
+    pytest.param(5, 2, 128, 128, 1, 1, 0, 0, 1, 0, 1, id="one token through fused_moe: the host picks the config"),
+])  # fmt: skip
+def test_variants_match_reference(activation, e, k, h, i, t, use_map, block_m, narrow, bias, on_input, via_api,
+                                  seed: int) -> None:  # fmt: skip
+    """Every expert-MLP variant on the Triton kernel against the float64 reference, REL_TOL (the same fp16
+    roundings as the SiLU cases; the reference rounds the router-scaled input to fp16 as the kernel's pre-pass)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
+    args = [activation, *map(str, (e, k, h, i, t, seed % 2**31, use_map, block_m, narrow, bias, on_input, via_api))]
+    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT, *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL

@@ -22,7 +22,7 @@ GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|at
 GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16",
                       stride_out="i32", sorted_pairs_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32",
                       tile_row_end_ptr="*i32", num_tiles_ptr="*i32", topk_weights_ptr="*fp32", n_out="i32", k="i32",
-                      kp="i32")
+                      kp="i32", epilogue=None)  # epilogue: _epilogue's
 # in the kernel's argument order
 GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, EVEN_K=True, DTYPE=tl.bfloat16,
                         NUM_STAGES=4, USE_ASM=True, NARROW=0)
@@ -40,29 +40,52 @@ KERNELS = {
     "count": (K._count_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", num_pairs="i32",
               chunk="i32", num_global="i32", num_experts="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
+    "gemm2": (K._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"), dict(GEMM1_CONSTEXPRS, GATED=False), 4),
     "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
                 hidden="i32", num_global="i32", num_experts="i32"), dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
 }  # fmt: skip
 
 
+# sm90_common.Epilogue's fields: the host's defaults (gated SiLU without biases, GEMM2 weighting each pair's row)
+DEFAULT_EPILOGUE = {True: (False, "silu", 1.702, 7.0, False), False: (False, None, None, None, True)}
+
+
+def _epilogue(kernel, fields: tuple) -> tuple[tuple, dict]:
+    """The kernel's ``epilogue`` tuple argument (sm90_common.Epilogue: has bias, activation, alpha, limit, router
+    weight) as its signature entry and its constexprs by path, as the JIT specializes a launch's Epilogue.of."""
+    i = kernel.arg_names.index("epilogue")
+    bias, *rest = fields
+    return ("*fp32" if bias else "constexpr",) + ("constexpr",) * 4, {
+        (i, j): v for j, v in enumerate((None, *rest)) if j or not bias}
+
+
 def _divisibility(signature: dict, unaligned: tuple[str, ...] = ()) -> dict:
-    """What the JIT specializes at launch: 16-byte aligned pointers (but ``unaligned`` ones), strides and sizes
-    divisible by 16, as the ``attrs`` of an AST source."""
-    divisible = [i for i, (n, t) in enumerate(signature.items())
-                 if (t.startswith("*") and n not in unaligned) or n.startswith(("stride", "n_", "k"))]  # fmt: skip
-    return {(i,): [["tt.divisibility", 16]] for i in divisible}
+    """What the JIT specializes at launch: 16-byte aligned pointers (but ``unaligned`` ones; the epilogue's bias
+    pointer included), strides and sizes divisible by 16, as the ``attrs`` of an AST source."""
+    divisible = [(i,) for i, (n, t) in enumerate(signature.items())
+                 if (isinstance(t, str) and t.startswith("*") and n not in unaligned)
+                 or n.startswith(("stride", "n_", "k"))]  # fmt: skip
+    divisible += [(i, j) for i, t in enumerate(signature.values()) if isinstance(t, tuple)
+                  for j, f in enumerate(t) if f.startswith("*")]  # fmt: skip
+    return {path: [["tt.divisibility", 16]] for path in divisible}
 
 
 def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | None = None, aligned: bool = False,
-             **options):
+             epilogue: tuple | None = None, **options):
     """``aligned``: pointers, strides and sizes marked 16-divisible, as the JIT marks them at launch (without,
-    Triton pipelines no loads through cp.async)."""
+    Triton pipelines no loads through cp.async).  ``epilogue``: _epilogue's fields (GEMM kernels; the default
+    variant where None)."""
     kernel, signature, constexprs, warps = KERNELS[name]
     constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)),
                       **({} if narrow is None else dict(NARROW=narrow)))
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
+    paths = {}
+    if "epilogue" in signature:
+        fields = DEFAULT_EPILOGUE[constexprs["GATED"]] if epilogue is None else epilogue
+        epilogue_sig, paths = _epilogue(kernel, fields)
+        signature = dict(signature, epilogue=epilogue_sig)
     attrs = _divisibility(signature) if aligned else None
-    src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs=constexprs,
+    src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs={**constexprs, **paths},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options))
 
@@ -117,9 +140,10 @@ def test_register_cap_bounds_the_gemm_registers() -> None:
 
 def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
                 stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False,
-                has_map: bool = False):
+                has_map: bool = False, epilogue: tuple | None = None):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
-    1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...)."""
+    1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...).
+    ``epilogue``: _epilogue's fields (the default variant where None)."""
     from moe_nvfp4.configs import GemmConfig
     import torch
     from triton._C.libtriton import native_specialize_impl
@@ -135,7 +159,7 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
                      out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
                      tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
                      ids_ptr="*i32", num_pairs="i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
-                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32")  # fmt: skip
+                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32", epilogue=None)  # fmt: skip
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
                       chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
@@ -144,9 +168,11 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
                       MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
                       PAIR_TILES=pair_tiles, HAS_MAP=has_map)  # fmt: skip
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
+    signature["epilogue"], paths = _epilogue(W._moe_gemm_ws_kernel, DEFAULT_EPILOGUE[gated] if epilogue is None
+                                             else epilogue)  # fmt: skip
     attrs = _divisibility(signature, unaligned=("ids_ptr", "expert_map_ptr"))  # do_not_specialize_on_alignment
-    src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs,
-                         attrs)
+    src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}),
+                         {**constexprs, **paths}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
 
 
@@ -518,3 +544,49 @@ def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
     both = ab_moe.gemm_variant(cfg, "gemms:narrow_tiles=2")
     assert both == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, narrow_tiles=2),
                                        gemm2=dataclasses.replace(cfg.gemm2, narrow_tiles=2))  # fmt: skip
+
+
+PARAM_LOAD = re.compile(r"ld\.param\.\w+\s+%\w+, \[(\w+)_param_(\d+)\]")
+
+
+def _loaded_params(ptx: str) -> set[str]:
+    return {n for _, n in PARAM_LOAD.findall(ptx)}
+
+
+@pytest.mark.parametrize("family", ["triton", "gluon"])
+def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
+    """sm90_common.Epilogue's constexprs decide at compile time: a non-gated GEMM1 (relu2) streams one matrix (the
+    Gluon kernel: one TMA box of values and one of scales per stage, half the expect-tx bytes, one wgmma per chunk),
+    a bias adds one pointer parameter and loads it, and GEMM2 without the router weight never loads topk_weights;
+    every variant leaves the rest of the kernel as it is (same parameters, same PDL protocol)."""
+    def build(gated: bool, fields: tuple) -> str:
+        if family == "triton":
+            return _compile("gemm1" if gated else "gemm2", True, aligned=True, epilogue=fields).asm["ptx"]
+        return _compile_ws(gated, 64, 4, 128, 2, epilogue=fields)["ptx"]
+
+    def params(ptx: str) -> int:  # declared by the entry (a TMA descriptor is one 128-byte parameter)
+        entry = ptx.index(".entry")
+        return len(re.findall(r"_param_\d+\b", ptx[entry : ptx.index(")", entry)]))
+
+    silu = build(True, DEFAULT_EPILOGUE[True])
+    relu2 = build(True, (False, "relu2", None, None, False))
+    swiglu_bias = build(True, (True, "swiglu_oai", 1.702, 7.0, False))
+    gemm2 = build(False, DEFAULT_EPILOGUE[False])
+    gemm2_bias_unweighted = build(False, (True, None, None, None, False))
+    gemm2_unweighted = build(False, (False, None, None, None, False))
+    wgmma = re.compile(r"wgmma\.mma_async")
+    assert len(wgmma.findall(relu2)) * 2 == len(wgmma.findall(silu)) > 0
+    if family == "gluon":
+        boxes = re.compile(r"cp\.async\.bulk\.tensor\.4d")
+        assert len(boxes.findall(relu2)) * 2 == len(boxes.findall(silu)) == 4
+        assert re.search(r"expect_tx\.shared\.b64 _, \[%r\d+\], 9216;", relu2)  # 2 chunks x (4096 + 512)
+    assert params(relu2) == params(silu) and params(swiglu_bias) == params(silu) + 1
+    assert params(gemm2_bias_unweighted) == params(gemm2) + 1
+    bias_param = str(params(silu) - 2)  # after the kernel's own parameters come Triton's two scratch pointers
+    assert bias_param in _loaded_params(swiglu_bias) and bias_param not in _loaded_params(silu)
+    for ptx in (relu2, swiglu_bias, gemm2_bias_unweighted):
+        assert "griddepcontrol.wait" in ptx and ".local" not in ptx
+    unread = _loaded_params(gemm2) - _loaded_params(gemm2_unweighted)  # topk_weights_ptr alone
+    assert len(unread) == 1 and _loaded_params(gemm2_unweighted) <= _loaded_params(gemm2)
+    if family == "triton":
+        assert unread == {str(list(GEMM_SIGNATURE).index("topk_weights_ptr"))}

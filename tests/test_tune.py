@@ -29,6 +29,7 @@ def triton_start(tokens: int, e: int, k: int, h: int, i: int) -> MoEKernelConfig
 def test_the_tuner_takes_its_shapes_from_the_zoo() -> None:
     assert MODELS["mixtral-8x7b"] == (8, 2, 4096, 14336) and MODELS["qwen3-30b-a3b"] == (128, 8, 2048, 768)
     assert "kimi-k2-tp8" in MODELS and "kimi-k2-ep8" not in MODELS  # no expert maps in the tuner
+    assert "nemotron-3-nano" not in MODELS  # gated layers only (its experts are ReLU^2)
     assert set(DEFAULT_MODELS) <= set(MODELS)
 
 

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from ..expert_activation import ExpertActivation
+
 __all__ = [
     "Ceilings",
     "MoEShape",
@@ -67,8 +69,8 @@ def nvfp4_matrix_bytes(n: int, k: int, *, global_scales: int = 1) -> int:
 
 @dataclass(frozen=True)
 class MoEShape:
-    """One MoE layer: E experts, top-k routing, hidden size H, intermediate size I (SwiGLU: w13 is [2I, H],
-    w2 is [H, I]).  Activations are bf16."""
+    """One MoE layer: E experts, top-k routing, hidden size H, intermediate size I (w13 is [2I, H] with a gated
+    ``activation``, [I, H] without; w2 is [H, I]); ``activation`` an expert_activation name.  Activations are bf16."""
 
     name: str
     num_experts: int
@@ -78,23 +80,33 @@ class MoEShape:
     renormalize: bool = True
     act_bytes: int = 2  # bf16 activations
     global_experts: int = 0  # the routing's experts under expert parallelism (num_experts of them local); 0: all
+    activation: str = "silu"
+
+    @property
+    def expert_activation(self) -> ExpertActivation:
+        return ExpertActivation(self.activation)
+
+    @property
+    def w13_rows(self) -> int:
+        """GEMM1's rows per expert: gate and up (2I), or I for a non-gated activation."""
+        return 2 * self.inter if self.expert_activation.gated else self.inter
 
     @property
     def routed_experts(self) -> int:
         return self.global_experts or self.num_experts
 
     def flops(self, tokens: int) -> int:
-        """2 * T * k * (2I*H + H*I) over the pairs whose expert is local (all without expert parallelism; the
-        expected share with it): both GEMMs; the activation is ignored."""
+        """2 * T * k * (2I*H + H*I) (I*H for GEMM1 when not gated) over the pairs whose expert is local (all without
+        expert parallelism; the expected share with it): both GEMMs; the activation is ignored."""
         pairs = tokens * self.top_k * self.num_experts // self.routed_experts
-        return 2 * pairs * (2 * self.inter * self.hidden + self.hidden * self.inter)
+        return 2 * pairs * (self.w13_rows * self.hidden + self.hidden * self.inter)
 
     def expert_nvfp4_bytes(self) -> int:
-        """Weight bytes of one expert in NVFP4: w13 [2I, H] (one global scale) + w2 [H, I] (one)."""
-        return nvfp4_matrix_bytes(2 * self.inter, self.hidden) + nvfp4_matrix_bytes(self.hidden, self.inter)
+        """Weight bytes of one expert in NVFP4: w13 [2I, H] ([I, H] not gated; one global scale) + w2 [H, I] (one)."""
+        return nvfp4_matrix_bytes(self.w13_rows, self.hidden) + nvfp4_matrix_bytes(self.hidden, self.inter)
 
     def expert_bf16_bytes(self) -> int:
-        return 2 * 3 * self.inter * self.hidden
+        return 2 * (self.w13_rows + self.inter) * self.hidden
 
     def activation_bytes(self, tokens: int) -> int:
         """The unavoidable activation traffic: read x [T, H] once, write out [T, H] once."""
@@ -115,7 +127,8 @@ class MoEShape:
     def from_zoo(cls, shape) -> "MoEShape":
         """A ``moe_nvfp4.zoo.ZooShape``."""
         return cls(shape.name, num_experts=shape.experts, top_k=shape.top_k, hidden=shape.hidden,
-                   inter=shape.intermediate, global_experts=shape.global_experts)  # fmt: skip
+                   inter=shape.intermediate, global_experts=shape.global_experts,
+                   activation=shape.activation.name)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def make_weights(shape: MoEShape, seed: int, device: str):
             del w
         return NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "block_scale", "global_scale")))
 
-    w13_q, w2_q = draw(2 * i, h), draw(h, i)
+    w13_q, w2_q = draw(shape.w13_rows, h), draw(h, i)
     empty_cache()
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else 1 << 40
     if e * shape.expert_bf16_bytes() > free // 2:
@@ -261,7 +261,8 @@ def run_model(
             if args.verbose:
                 traceback.print_exc()
         sync()
-    layer = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter, "bfloat16", shape.routed_experts)
+    layer = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter, "bfloat16", shape.routed_experts,
+                       shape.expert_activation.gated)  # fmt: skip
     autotuned = None
     if args.autotune and paths.get("ours") is not None and args.device == "cuda":
         from ..autotune import autotune_fused_moe
@@ -281,6 +282,7 @@ def run_model(
             "top_k": shape.top_k,
             "hidden": shape.hidden,
             "inter": shape.inter,
+            "activation": shape.activation,
             "repro": repro_command(args, key, t),
         }
         if autotuned is not None:
@@ -310,7 +312,7 @@ def run_model(
         if not args.no_ref and w13_deq is not None:
             try:
                 ref = moe_dense_torch(x.float(), w13_deq, w2_deq, topk_weights, topk_ids, expert_map=expert_map,
-                                      compute_dtype=torch.float32)  # fmt: skip
+                                      activation=shape.expert_activation, compute_dtype=torch.float32)  # fmt: skip
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"ref: {short_error(exc)}")
         for name in args.paths:

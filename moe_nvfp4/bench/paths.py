@@ -1,6 +1,6 @@
 """The forward paths ``moe-nvfp4 bench`` (``moe_nvfp4.bench.moe``) times, each on the same NVFP4 experts:
 
-  ours     moe_nvfp4.prepare_moe_weights(w13_q, w2_q); moe_nvfp4.fused_moe(x, weights, topk_w, topk_ids)
+  ours     moe_nvfp4.prepare_moe_weights(w13_q, w2_q, activation=); moe_nvfp4.fused_moe(x, weights, topk_w, topk_ids)
   marlin   vLLM prepare_nvfp4_moe_layer_for_marlin(...) then fused_marlin_moe(...), W4A16 NVFP4
   humming  vLLM convert_to_humming_moe_kernel_format(...) then the HummingIndexedExperts kernel, W4A16 NVFP4
            (its first forward per shape JIT-compiles humming's kernels)
@@ -8,7 +8,8 @@
   torch    moe_nvfp4.moe_dense_torch in bf16 on the dequantized weights (a per-expert loop: the baseline without vLLM)
 
 vLLM and humming are imported inside the paths that need them, when they are built: importing this module needs
-neither.
+neither.  A non-gated shape (MoEShape.activation relu2) runs vLLM's paths with MoEActivation.RELU2_NO_MUL (Marlin's
+weights prepared with is_act_and_mul=False), what vLLM 0.26 serves Nemotron-H with; Humming refuses it.
 """
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ class Path:
 class Ours(Path):
     name = "ours"
 
-    def __init__(self, w13_q, w2_q, copies: int):
+    def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
         from ..api import fused_moe, prepare_moe_weights
 
         self._fused_moe = fused_moe
-        self.add_copies(prepare_moe_weights(w13_q, w2_q))
+        self.add_copies(prepare_moe_weights(w13_q, w2_q, activation=shape.expert_activation))
 
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w, f = self.weights[copy], self._fused_moe
@@ -115,7 +116,6 @@ class Marlin(Path):
         super().__init__(copies)
         import torch
         import vllm._custom_ops as ops
-        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
         from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
         from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
@@ -137,12 +137,12 @@ class Marlin(Path):
             w2=w2_q.packed,
             w2_scale=w2_q.block_scale,
             w2_scale_2=w2_q.global_scale.float().contiguous(),
-            is_act_and_mul=True,
+            is_act_and_mul=shape.expert_activation.gated,
         )
         self.add_copies(out)  # (w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
         self._call = fused_marlin_moe
         self._quant_type_id = scalar_types.float4_e2m1f.id
-        self._silu = MoEActivation.SILU
+        self._activation = _vllm_activation(shape)
         self._input_dtype = get_marlin_input_dtype()  # None unless VLLM_MARLIN_INPUT_DTYPE is set
         self._num_experts = shape.routed_experts
         # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output) sums in place; fused_marlin_moe
@@ -171,7 +171,7 @@ class Marlin(Path):
                 quant_type_id=self._quant_type_id,
                 apply_router_weight_on_input=False,
                 global_num_experts=self._num_experts,
-                activation=self._silu,
+                activation=self._activation,
                 moe_sum=self._moe_sum if expert_map is None else None,
                 expert_map=expert_map,
                 global_scale1=w13_gs,
@@ -221,6 +221,8 @@ class Humming(Path):
         super().__init__(copies)
         if shape.routed_experts != shape.num_experts:
             raise RuntimeError("the Humming path here has no expert map (expert-parallel shapes run without it)")
+        if shape.activation != "silu":
+            raise RuntimeError(f"the Humming path here runs SiLU-and-mul experts only, not {shape.activation}")
         try:  # vLLM's has_humming() swallows this error, and its oracle then blames the device
             import humming  # noqa: F401
         except Exception as exc:  # noqa: BLE001 - e.g. a missing cuda-bindings
@@ -325,12 +327,14 @@ class BF16(Path):
             raise RuntimeError("no BF16 weights: the dequantized layer did not fit in GPU memory")
         self._call = fused_experts
         self._num_experts = shape.routed_experts
+        self._activation = _vllm_activation(shape)
         self.add_copies((w13_bf16, w2_bf16))
 
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w13, w2 = self.weights[copy]
-        call, n = self._call, self._num_experts
-        return lambda: call(x, w13, w2, topk_weights, topk_ids, global_num_experts=n, expert_map=expert_map)
+        call, n, act = self._call, self._num_experts, self._activation
+        return lambda: call(x, w13, w2, topk_weights, topk_ids, activation=act, global_num_experts=n,
+                            expert_map=expert_map)  # fmt: skip
 
 
 class Torch(Path):
@@ -348,20 +352,31 @@ class Torch(Path):
 
         if w13_bf16 is None:
             raise RuntimeError("no BF16 weights: the dequantized layer did not fit in GPU memory")
-        self._call, self._dtype = moe_dense_torch, torch.bfloat16
+        self._call, self._dtype, self._activation = moe_dense_torch, torch.bfloat16, shape.expert_activation
         self.add_copies((w13_bf16, w2_bf16))
 
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w13, w2 = self.weights[copy]
-        call, dtype = self._call, self._dtype
-        return lambda: call(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, compute_dtype=dtype)
+        call, dtype, act = self._call, self._dtype, self._activation
+        return lambda: call(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=act,
+                            compute_dtype=dtype)  # fmt: skip
+
+
+def _vllm_activation(shape: MoEShape):
+    """vLLM's MoEActivation for the shape's experts (silu, or relu2_no_mul: not gated)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    names = {"silu": MoEActivation.SILU, "relu2": MoEActivation.RELU2_NO_MUL}
+    if shape.activation not in names:
+        raise RuntimeError(f"no vLLM activation here for {shape.activation} experts")
+    return names[shape.activation]
 
 
 def build_path(name: str, shape: MoEShape, weights: tuple, copies: int) -> Path:
     """Path ``name`` on make_weights' (w13_q, w2_q, w13_deq, w2_deq), holding ``copies`` weight copies."""
     w13_q, w2_q, w13_deq, w2_deq = weights
     builders = {  # a path name, not a kernel backend (those live in moe_nvfp4.backends)
-        "ours": lambda: Ours(w13_q, w2_q, copies),
+        "ours": lambda: Ours(shape, w13_q, w2_q, copies),
         "marlin": lambda: Marlin(shape, w13_q, w2_q, copies),
         "humming": lambda: Humming(shape, w13_q, w2_q, copies),
         "bf16": lambda: BF16(shape, w13_deq, w2_deq, copies),

@@ -5,8 +5,9 @@ Launches per forward (each grid sized from the SM count or T, never from routing
      to ROUTE_ONE_PROGRAM pairs; past that one per chunk of pairs, after ``_count_kernel`` counted them.
      None with pair tiles (MoEKernelConfig.pair_tiles): the Gluon GEMMs (moe_sm90_ws) then take every
      (token, k) pair as a one-row tile, its expert read from topk_ids.
-  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up.
-  3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight, writes one row per
+  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up (or the
+     weights' other activation, bias added: sm90_common.Epilogue).
+  3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight (bias added first), writes one row per
      (token, k) pair into a float32 buffer (or one in x's dtype, per config).
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
 Routing (routing_kernels) and the combine (combine) are modules of their own: the Blackwell host launches them too.
@@ -26,13 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import MoEKernelConfig
+from ..configs import LayerShape, MoEKernelConfig, device_traits, select_config
 from ..dispatch import sm_count
+from ..expert_activation import SILU, ExpertActivation
 from . import sm90_common
 from .combine import _combine_kernel, combine
 from .routing_kernels import ROUTE_ONE_PROGRAM, _count_kernel, _route_kernel, route, route_chunks, routing_variants_from
 from .sm90_common import (_TL_DTYPES, BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES,
-                          _after_previous_kernel, _decode_words, _grouped_tile, _silu_times, plain_launches)
+                          Epilogue, _activation, _after_previous_kernel, _decode_words, _grouped_tile, plain_launches)
 
 # what other modules import from here (routing and the combine moved to modules of their own)
 __all__ = ["ROUTE_ONE_PROGRAM", "combine", "compiled_variants", "fused_moe_sm90", "plain_launches", "route",
@@ -117,11 +119,12 @@ def _load_a(a_base, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr):
-    """One tile's K steps and its epilogue, with the token side WIDTH rows wide (the tile's first WIDTH rows: all
-    it has where WIDTH < BLOCK_M)."""
+def _tile_sums_and_store(args, tile, weights, epilogue, TOP_K: tl.constexpr, GATED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+    """One tile's K steps and its epilogue (sm90_common.Epilogue), with the token side WIDTH rows wide (the tile's
+    first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
+    GATE_UP: tl.constexpr = GATED and epilogue[1] != "relu2"  # GEMM1 with up rows
     a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k = args
     n_tile, expert, row0, row_end, chunks = tile
     w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
@@ -134,26 +137,46 @@ def _tile_sums_and_store(args, tile, weights, TOP_K: tl.constexpr, GATED: tl.con
         a_rows = tl.where(row_ok, rows, row0)
     a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
     acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)  # GATED only (unused otherwise)
-    w_up = w_slots + n_units * unit_bytes  # GATED: the up rows, n_units units after the gate rows
+    acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)  # GATE_UP only (unused otherwise)
+    w_up = w_slots + n_units * unit_bytes  # GATE_UP: the up rows, n_units units after the gate rows
     s_up = s_pairs + n_units * unit_scale_bytes
     for chunk in tl.range(0, chunks, num_stages=NUM_STAGES):
         a = _load_a(a_base, chunk * BLOCK_K, k, BLOCK_K, EVEN_K)
         acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
-        if GATED:
+        if GATE_UP:
             acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
 
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
     fix = BF16_EPILOGUE_FIX if DTYPE == tl.bfloat16 else FP16_EPILOGUE_FIX
-    if GATED:
+    bias_ptr = epilogue[0]
+    if bias_ptr is not None:  # one [E, (2 if GATE_UP) n_out] float32 row per expert
+        bias_row = bias_ptr + expert.to(tl.int64) * (2 * n_out if GATE_UP else n_out) + offs_n
+        n_ok = offs_n < n_out
+    if GATE_UP:
         gate = acc * (tl.load(gs_ptr + expert * 2) * fix)
         up = acc_up * (tl.load(gs_ptr + expert * 2 + 1) * fix)
+        if bias_ptr is not None:
+            gate += tl.load(bias_row, mask=n_ok, other=0.0)[:, None]
+            up += tl.load(bias_row + n_out, mask=n_ok, other=0.0)[:, None]
         out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-        tl.store(out_ptrs, _silu_times(gate, up, USE_ASM).to(DTYPE), mask=store_mask)
+        tl.store(out_ptrs, _activation(gate, up, epilogue, USE_ASM).to(DTYPE), mask=store_mask)
+    elif GATED:  # GEMM1 without up rows
+        h = acc * (tl.load(gs_ptr + expert) * fix)
+        if bias_ptr is not None:
+            h += tl.load(bias_row, mask=n_ok, other=0.0)[:, None]
+        out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+        tl.store(out_ptrs, _activation(h, h, epilogue, USE_ASM).to(DTYPE), mask=store_mask)
     else:
-        weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-        y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
+        if bias_ptr is not None:
+            y = acc * (tl.load(gs_ptr + expert) * fix) + tl.load(bias_row, mask=n_ok, other=0.0)[:, None]
+            if epilogue[4]:
+                y = y * tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)[None, :]
+        elif epilogue[4]:
+            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
+        else:
+            y = acc * (tl.load(gs_ptr + expert) * fix)
         out_ptrs = out_ptr + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
         tl.store(out_ptrs, y, mask=store_mask)
 
@@ -176,6 +199,7 @@ def _moe_gemm_kernel(
     n_out,
     k,
     kp,
+    epilogue,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -193,10 +217,11 @@ def _moe_gemm_kernel(
 
     The tile map comes from _route_kernel's buffers.
 
-    GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up);
-    the epilogue writes SiLU(gs_g * gate) * (gs_u * up) to out[row, n] in sorted-row order.
-    Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes gs * topk_weight * acc to out[pair, n]
-    (float32, or the buffer's dtype).
+    GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up), or n_out
+    with a non-gated activation; the epilogue writes act(gs_g * gate + b_g, gs_u * up + b_u) to out[row, n] in
+    sorted-row order (``epilogue``: sm90_common.Epilogue, the activation SiLU(gate) * up by default).
+    Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes topk_weight * (gs * acc + b) (no weight
+    where Epilogue.ROUTER_WEIGHT is False) to out[pair, n] (float32, or the buffer's dtype).
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
@@ -213,13 +238,14 @@ def _moe_gemm_kernel(
     slot = tl.arange(0, 2 * BLOCK_N)
     pair = tl.arange(0, BLOCK_N // 2)
     args = (a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k)
+    GATE_UP: tl.constexpr = GATED and epilogue[1] != "relu2"
     for mn in range(pid, num_m_tiles * num_n_tiles, tl.num_programs(0)):
         m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
 
         expert = tl.load(tile_expert_ptr + m_tile)
         row0 = tl.load(tile_row_ptr + m_tile)
         row_end = tl.load(tile_row_end_ptr + m_tile)
-        matrices = 2 * n_units if GATED else n_units  # units per expert
+        matrices = 2 * n_units if GATE_UP else n_units  # units per expert
         slot_unit = n_tile * UNITS + slot // 128
         pair_unit = n_tile * UNITS + pair // 32
         slot_ok = slot_unit < n_units
@@ -231,14 +257,14 @@ def _moe_gemm_kernel(
         weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
-            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, BLOCK_N, BLOCK_M // 4, BLOCK_K, EVEN_K, DTYPE,
-                                 NUM_STAGES, USE_ASM)
+            _tile_sums_and_store(args, tile, weights, epilogue, TOP_K, GATED, BLOCK_N, BLOCK_M // 4, BLOCK_K, EVEN_K,
+                                 DTYPE, NUM_STAGES, USE_ASM)
         elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
-            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, BLOCK_N, BLOCK_M // 2, BLOCK_K, EVEN_K, DTYPE,
-                                 NUM_STAGES, USE_ASM)
+            _tile_sums_and_store(args, tile, weights, epilogue, TOP_K, GATED, BLOCK_N, BLOCK_M // 2, BLOCK_K, EVEN_K,
+                                 DTYPE, NUM_STAGES, USE_ASM)
         else:
-            _tile_sums_and_store(args, tile, weights, TOP_K, GATED, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, DTYPE,
-                                 NUM_STAGES, USE_ASM)
+            _tile_sums_and_store(args, tile, weights, epilogue, TOP_K, GATED, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+                                 DTYPE, NUM_STAGES, USE_ASM)
 
 
 def compiled_variants() -> int:
@@ -267,18 +293,37 @@ def fused_moe_sm90(
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
     intermediate: int,
-    config: MoEKernelConfig,
+    config: MoEKernelConfig | None = None,
     out: torch.Tensor | None = None,
+    *,
+    activation: ExpertActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels, three with
     pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized): no routing.  Pairs routed nowhere
-    (routing.routed_pairs: ids or expert-map entries out of range) contribute nothing on every path."""
+    (routing.routed_pairs: ids or expert-map entries out of range) contribute nothing on every path.
+
+    ``config``: configs.select_config's for this call's shape where None (tests and the tuner pass their own).
+    The variant (weights.MoEWeights' activation and biases, the router weight on the input) reaches the GEMMs as
+    sm90_common.Epilogue; with ``apply_router_weight_on_input`` GEMM1 reads each pair's row x[t] * w[t, j]
+    (rounded to x's dtype, one elementwise pass) instead of x[t], and GEMM2 weights nothing."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]
     out = torch.empty_like(x) if out is None else out
     if t == 0:
         return out
+    if config is None:
+        shape = LayerShape(num_experts, top_k, hidden, intermediate, x.dtype,
+                           0 if expert_map is None else expert_map.numel(), activation.gated)  # fmt: skip
+        config = select_config(t, shape, device_traits(x.device))
+    gather = 1 if apply_router_weight_on_input else top_k  # GEMM1's A row of pair p: p // gather
+    if apply_router_weight_on_input:  # one row per pair, as vLLM rounds it: a1 * topk_weights.to(a1.dtype)
+        x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(t * top_k, hidden)
+    epilogue1 = Epilogue.of(w13_bias, activation.name, activation.alpha, activation.limit, False)
+    epilogue2 = Epilogue.of(w2_bias, None, None, None, not apply_router_weight_on_input)
     dtype = _TL_DTYPES[x.dtype]
     use_asm = x.is_cuda  # the Triton interpreter runs on CPU tensors and has no inline PTX
     num_pairs = t * top_k
@@ -299,22 +344,22 @@ def fused_moe_sm90(
         sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
         tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
     # constexprs both GEMMs share
-    shared = dict(TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
+    shared = dict(BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
                   **sm90_common._dependent_launch(x.device))
     k1p = w13_packed.shape[-1] * 2
     k2p = w2_packed.shape[-1] * 2
-    act = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)  # the gated activation
+    act = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)  # the activation
     if ws1 or ws2:
         from .moe_sm90_ws import launch_gemm_ws  # at each call: tools/ab_moe.py swaps it
     pdl = shared["PDL"]
     if ws1:
         launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), tile_map, ids,
-                       pair_tiles, expert_map, topk_weights, intermediate, hidden, k1p, top_k, True, g1, config.block_m,
-                       programs1, pdl)  # fmt: skip
+                       pair_tiles, expert_map, topk_weights, intermediate, hidden, k1p, gather, True, g1, config.block_m,
+                       programs1, pdl, epilogue1)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs1,)](
             x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), *tile_map, topk_weights,
-            intermediate, hidden, k1p,
+            intermediate, hidden, k1p, epilogue1, TOP_K=gather,
             GATED=True, BLOCK_N=g1.block_n, EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, NARROW=g1.narrow_tiles,
             **shared, **g1.launch_options(),
         )  # fmt: skip
@@ -323,11 +368,11 @@ def fused_moe_sm90(
     if ws2:
         launch_gemm_ws(act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), tile_map,
                        ids, pair_tiles, expert_map, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False,
-                       g2, config.block_m, programs2, pdl)  # fmt: skip
+                       g2, config.block_m, programs2, pdl, epilogue2)  # fmt: skip
     else:
         _moe_gemm_kernel[(programs2,)](
             act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), *tile_map,
-            topk_weights.reshape(-1), hidden, intermediate, k2p,
+            topk_weights.reshape(-1), hidden, intermediate, k2p, epilogue2, TOP_K=top_k,
             GATED=False, BLOCK_N=g2.block_n, EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages,
             NARROW=g2.narrow_tiles, **shared, **g2.launch_options(),
         )  # fmt: skip

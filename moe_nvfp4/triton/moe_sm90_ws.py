@@ -1,7 +1,7 @@
 """Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp group feeds a ring of shared-memory stages, the MMA
 warps decode FP4 from shared memory into their wgmma A registers.
 
-Same contract and sums as moe_sm90._moe_gemm_kernel (its decode PTX, tile order and SiLU are shared).  There
+Same contract and sums as moe_sm90._moe_gemm_kernel (its decode PTX, tile order and activations are shared).  There
 every thread computes its own cp.async addresses and waits for its own copies (170 of the decode loop's 426 SASS
 instructions per K step at block_n 64); here one loader thread issues, per stage and
 matrix, one TMA box of values and one of scales (4 KiB and 512 bytes per 64-row unit and K chunk), and its
@@ -26,7 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..configs import GemmConfig
 from ..layouts import FragmentLayout
 from .sm90_common import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words,
-                          _grouped_tile, _routed, _silu_times)
+                          Epilogue, _activation, _grouped_tile, _routed)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -55,7 +55,7 @@ def _after_previous_kernel(PDL: gl.constexpr):
 @gluon.jit
 def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, pred, HALVES: gl.constexpr,
                    UNITS: gl.constexpr, CHUNKS: gl.constexpr):
-    """A stage's weight boxes (GATED: gate and up, the up units n_units after the gate units), counted on its
+    """A stage's weight boxes (HALVES 2: gate and up, the up units n_units after the gate units), counted on its
     barrier by one expect-arrive."""
     mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES), pred=pred)
     for h in gl.static_range(HALVES):
@@ -122,17 +122,16 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 
 
 @gluon.jit
-def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-            PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr, PDL: gl.constexpr):
+def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
+            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr, PDL: gl.constexpr):
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     num_n_tiles = gl.cdiv(n_out, BLOCK_N)
     n_units = gl.cdiv(n_out, 64)
-    matrices = 2 * n_units if GATED else n_units
+    matrices = HALVES * n_units
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     early = steps * 0  # stages of the first tile whose weights were issued before the previous kernel ended
     if not GATED:
@@ -203,15 +202,16 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 
 
 @gluon.jit
-def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr, K_GROUPS: gl.constexpr,
-              NARROW: gl.constexpr, PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr, PDL: gl.constexpr):
+def _consumer(shared, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr,
+              GROUP: gl.constexpr, K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr,
+              HAS_MAP: gl.constexpr, PDL: gl.constexpr):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     group 1's sums (from shared memory, in the same order wherever the tile runs: the same bits) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
-    all groups).  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4 (NARROW 2) runs its MMAs
-    that narrow: the tile holds the largest expert, and the smaller ones pay for their own width only (every
-    group of the tile picks the same width from the same rows)."""
+    all groups); ``epilogue``: the kernel's sm90_common.Epilogue.  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1)
+    or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile holds the largest expert, and the smaller ones pay
+    for their own width only (every group of the tile picks the same width from the same rows)."""
     (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
      topk_weights_ptr, n_out, kp) = shared
     _after_previous_kernel(PDL)
@@ -230,24 +230,24 @@ def _consumer(shared, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.co
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
             if rows > 0:
-                _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                           EARLY, PAIR_TILES)
+                _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW,
+                           CHUNKS, GROUP, K_GROUPS, EARLY, PAIR_TILES)
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES)
+            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP,
+                       K_GROUPS, EARLY, PAIR_TILES)
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS,
-                       EARLY, PAIR_TILES)
+            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP,
+                       K_GROUPS, EARLY, PAIR_TILES)
         else:
-            _tile_sums(shared, tile, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP, K_GROUPS, EARLY,
-                       PAIR_TILES)
+            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP,
+                       K_GROUPS, EARLY, PAIR_TILES)
         tiles_done += _has_rows(row0, row_end, PAIR_TILES)
 
 
 @gluon.jit
-def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr,
-               DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr, GROUP: gl.constexpr,
-               K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
+def _tile_sums(shared, tile, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
+               WIDTH: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr,
+               GROUP: gl.constexpr, K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
     starts, so they return while the K steps run)."""
@@ -255,7 +255,6 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
      topk_weights_ptr, n_out, kp) = shared
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
     # holds; two in flight at 16 rows, one at 32 (ptxas waits on every wgmma when three 64-register
     # operands are live)
@@ -268,7 +267,8 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     if GROUP == 0 and EARLY:
-        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
+        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L,
+                                      PAIR_TILES)
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -314,54 +314,84 @@ def _tile_sums(shared, tile, GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: 
     if GROUP > 0:  # hand this group's sums to group 0
         mbarrier.wait(sums_free.index(GROUP - 1), phase ^ 1)
         sums.index(HALVES * (GROUP - 1)).store(acc)
-        if GATED:
+        if HALVES == 2:
             sums.index(HALVES * (GROUP - 1) + 1).store(acc_up)
         mbarrier.arrive(sums_full.index(GROUP - 1))
     else:
         for g in gl.static_range(K_GROUPS - 1):
             mbarrier.wait(sums_full.index(g), phase)
             acc += sums.index(HALVES * g).load(MMA_L)
-            if GATED:
+            if HALVES == 2:
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         if not EARLY:
-            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, WIDTH, MMA_L, PAIR_TILES)
-        _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out, GATED,
-                  BLOCK_N, WIDTH, DTYPE, MMA_L)
+            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L,
+                                      PAIR_TILES)
+        _epilogue(acc, acc_up, n_tile, expert, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
+                  epilogue, GATED, HALVES, BLOCK_N, WIDTH, DTYPE, MMA_L)
 
 
 @gluon.jit
-def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.constexpr, WIDTH: gl.constexpr,
-                       MMA_L: gl.constexpr, PAIR_TILES: gl.constexpr):
-    """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids): GEMM1's gate and up
-    global scales, GEMM2's global scale and pair ids (its output rows).  At decode a tile's K steps take about as
-    long as a few loads one after another, so these are loaded as the tile starts (_tile_sums' EARLY)."""
-    if GATED:
+def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.constexpr, HALVES: gl.constexpr,
+                       WIDTH: gl.constexpr, MMA_L: gl.constexpr, PAIR_TILES: gl.constexpr):
+    """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids) and the biases: GEMM1's
+    gate and up global scales (one without up rows), GEMM2's global scale and pair ids (its output rows).  At
+    decode a tile's K steps take about as long as a few loads one after another, so these are loaded as the tile
+    starts (_tile_sums' EARLY)."""
+    if HALVES == 2:
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
+    elif GATED:  # the scale twice: the operands keep one shape
+        scale = gl.load(gs_ptr + expert)
+        return scale, scale
     else:
         rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
         return gl.load(gs_ptr + expert), _pair_ids(tile_map, rows, rows < row_end, PAIR_TILES)
 
 
 @gluon.jit
-def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
-              GATED: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, DTYPE: gl.constexpr, MMA_L: gl.constexpr):
-    """A tile's whole-K sums out (``operands`` from _epilogue_operands): GEMM1 SiLU(gate) * up in DTYPE; GEMM2
-    times the pairs' top-k weights."""
+def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
+              epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr,
+              DTYPE: gl.constexpr, MMA_L: gl.constexpr):
+    """A tile's whole-K sums out (``operands`` from _epilogue_operands), moe_sm90._tile_sums_and_store's epilogue
+    (sm90_common.Epilogue): GEMM1 act(gate + bias, up + bias) in DTYPE (SiLU(gate) * up by default); GEMM2
+    (acc + bias) times the pairs' top-k weights."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
     row_ok = rows < row_end
     offs_n = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_L))
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
-    if GATED:
+    bias_ptr = epilogue[0]
+    if bias_ptr is not None:  # one [E, HALVES n_out] float32 row per expert
+        bias_row = bias_ptr + expert.to(gl.int64) * (HALVES * n_out) + offs_n
+        n_ok = offs_n < n_out
+    if HALVES == 2:
         gate_scale, up_scale = operands
-        y = _silu_times(acc * (gate_scale * FIX), acc_up * (up_scale * FIX), True)
+        gate = acc * (gate_scale * FIX)
+        up = acc_up * (up_scale * FIX)
+        if bias_ptr is not None:
+            gate += gl.load(bias_row, mask=n_ok, other=0.0)[:, None]
+            up += gl.load(bias_row + n_out, mask=n_ok, other=0.0)[:, None]
+        y = _activation(gate, up, epilogue, True)
+        gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
+    elif GATED:  # GEMM1 without up rows
+        scale, _ = operands
+        h = acc * (scale * FIX)
+        if bias_ptr is not None:
+            h += gl.load(bias_row, mask=n_ok, other=0.0)[:, None]
+        y = _activation(h, h, epilogue, True)
         gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
     else:
         scale, pair_id = operands
-        weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-        y = acc * (scale * FIX * weight)[None, :]
+        if bias_ptr is not None:
+            y = acc * (scale * FIX) + gl.load(bias_row, mask=n_ok, other=0.0)[:, None]
+            if epilogue[4]:
+                y = y * gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)[None, :]
+        elif epilogue[4]:
+            weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
+            y = acc * (scale * FIX * weight)[None, :]
+        else:
+            y = acc * (scale * FIX)
         gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
                  y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
@@ -371,7 +401,7 @@ def _epilogue(acc, acc_up, n_tile, row0, row_end, operands, out_ptr, stride_out,
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
 def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
                         tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
-                        expert_map_ptr, num_global, num_experts, topk_weights_ptr, n_out, k, kp,
+                        expert_map_ptr, num_global, num_experts, topk_weights_ptr, n_out, k, kp, epilogue,
                         TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
                         LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
@@ -379,10 +409,11 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
                         PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
-    HALVES: gl.constexpr = 2 if GATED else 1
+    # weight matrices per expert: gate and up, or one (GEMM2; GEMM1 with a non-gated activation)
+    HALVES: gl.constexpr = 2 if GATED and epilogue[1] != "relu2" else 1
     a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    # one TMA box per stage and matrix (GATED: gate, up): CHUNKS K chunks of BLOCK_N rows
+    # one TMA box per stage and matrix (HALVES 2: gate, up): CHUNKS K chunks of BLOCK_N rows
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -391,7 +422,7 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
         # the TMA's expect-arrive + one cp.async arrive per loader thread
         mbarrier.init(ready.index(i), count=32 * LOADER_WARPS + 1)
         mbarrier.init(empty.index(i), count=1)
-    # K group 1 hands its sums of a tile to group 0 through one buffer (gate and up when GATED)
+    # K group 1 hands its sums of a tile to group 0 through one buffer (gate and up when HALVES 2)
     sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     sums_full = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
@@ -413,19 +444,19 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     gl.static_assert(K_GROUPS == 1 or K_GROUPS == 2, "GemmConfig.k_groups is 1 or 2")
     if K_GROUPS == 1:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW, PAIR_TILES, HAS_MAP,
-                         PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES,
-                       HAS_MAP, PDL)),
+            (_consumer, (shared, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW,
+                         PAIR_TILES, HAS_MAP, PDL)),
+            (_loader, (loader, TOP_K, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS,
+                       PAIR_TILES, HAS_MAP, PDL)),
         ], [LOADER_WARPS], [LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW, PAIR_TILES, HAS_MAP,
-                         PDL)),
-            (_consumer, (shared, GATED, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW, PAIR_TILES, HAS_MAP,
-                         PDL)),
-            (_loader, (loader, TOP_K, GATED, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS, PAIR_TILES,
-                       HAS_MAP, PDL)),
+            (_consumer, (shared, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW,
+                         PAIR_TILES, HAS_MAP, PDL)),
+            (_consumer, (shared, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW,
+                         PAIR_TILES, HAS_MAP, PDL)),
+            (_loader, (loader, TOP_K, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS,
+                       PAIR_TILES, HAS_MAP, PDL)),
         ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
@@ -481,6 +512,7 @@ def launch_gemm_ws(
     block_m: int,
     programs: int,
     pdl: bool,
+    epilogue: Epilogue,
 ) -> None:
     """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel: tile_map is
     (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With ``pair_tiles`` each (token,
@@ -493,7 +525,7 @@ def launch_gemm_ws(
     _moe_gemm_ws_kernel[(programs,)](
         a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(),
         expert_map if has_map else topk_ids, expert_map.numel() if has_map else num_experts, num_experts, topk_weights,
-        n_out, k, kp,
+        n_out, k, kp, epilogue,
         TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, STAGES=gemm.num_stages,
         DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,

@@ -1,5 +1,5 @@
 """What the sm_90 MoE GEMMs share, the Triton one (moe_sm90) and the Gluon one (moe_sm90_ws): the FP4 decode PTX and
-its constants, the tile order, the routing predicate and the gated activation; and what every Triton kernel of the
+its constants, the tile order, the routing predicate, the epilogue variants and the activations; and what every Triton kernel of the
 forward (routing_kernels, the GEMM, combine) shares: programmatic dependent launch and the dtype map.  A module of
 its own so the kernel modules import it, not each other.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,7 +17,31 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..layouts import FragmentLayout
 
-__all__ = ["BLOCK_BYTES", "SCALE_BLOCK_BYTES", "DECODE_BF16", "DECODE_FP16", "BF16_EPILOGUE_FIX", "FP16_EPILOGUE_FIX"]
+__all__ = ["BLOCK_BYTES", "SCALE_BLOCK_BYTES", "DECODE_BF16", "DECODE_FP16", "BF16_EPILOGUE_FIX", "FP16_EPILOGUE_FIX",
+           "Epilogue"]
+
+
+class Epilogue(NamedTuple):
+    """A GEMM's epilogue variant, one kernel argument (a tuple: constexprs but the bias pointer).  The kernels read
+    it by position (EPILOGUE[i]; a tuple argument's field names do not reach the compiled kernel).
+
+    bias: float32 [E, N] added to each row after the global scales (GEMM1: [E, 2I] gate then up, or [E, I]; GEMM2:
+    [E, H]), or None.  ACTIVATION: GEMM1's expert_activation name ("silu", "swiglu_oai", "relu2": GEMM1 has no up
+    rows), None for GEMM2; ALPHA, LIMIT: swiglu_oai's.  ROUTER_WEIGHT: GEMM2 multiplies each pair's row by its
+    routing weight (False where the weight scaled GEMM1's input)."""
+
+    bias: torch.Tensor | None
+    ACTIVATION: tl.constexpr
+    ALPHA: tl.constexpr
+    LIMIT: tl.constexpr
+    ROUTER_WEIGHT: tl.constexpr
+
+    @classmethod
+    def of(cls, bias: torch.Tensor | None, activation: str | None, alpha: float | None, limit: float | None,
+           router_weight: bool) -> "Epilogue":
+        """The launch argument, each field but the bias a tl.constexpr: in a tuple argument a plain bool or float
+        would be a run-time value (and a str no value at all)."""
+        return cls(bias, *map(tl.constexpr, (activation, alpha, limit, router_weight)))
 
 
 @triton.jit
@@ -102,6 +127,35 @@ def _silu_times(gate, up, USE_ASM: tl.constexpr):
     else:
         r = 1.0 / denom
     return gate * r * up
+
+
+@triton.jit
+def _swiglu_oai(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """gpt-oss's clamped SwiGLU (expert_activation): g = min(gate, LIMIT), (clamp(up, +-LIMIT) + 1) g sigmoid(ALPHA g),
+    the sigmoid as in _silu_times."""
+    gate = tl.minimum(gate, LIMIT)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    denom = 1.0 + tl.exp2(gate * (-1.4426950408889634 * ALPHA))
+    if USE_ASM:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True,
+                                      pack=1)  # fmt: skip
+    else:
+        r = 1.0 / denom
+    return gate * r * (up + 1.0)
+
+
+@triton.jit
+def _activation(gate, up, EPILOGUE, USE_ASM: tl.constexpr):
+    """GEMM1's activation on its float32 rows (bias added): EPILOGUE's ACTIVATION of gate and up, or of gate
+    alone (relu2: relu(h)^2; ``up`` unused)."""
+    ACTIVATION: tl.constexpr = EPILOGUE[1]
+    if ACTIVATION == "relu2":
+        h = tl.maximum(gate, 0.0)
+        return h * h
+    elif ACTIVATION == "swiglu_oai":
+        return _swiglu_oai(gate, up, EPILOGUE[2], EPILOGUE[3], USE_ASM)
+    else:
+        return _silu_times(gate, up, USE_ASM)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 Tolerances (REL_TOL), ||out - ref|| / ||ref|| against the float64 reference on the same NVFP4 weights: the
 weights decode exactly, so what remains is the rounding of x, of the SiLU*up intermediate and of the output
-to the activation dtype (bf16: 8 significant bits, fp16: 11).
+to the activation dtype (bf16: 8 significant bits, fp16: 11).  The expert-MLP variants (activations, biases, the
+router weight on the input) have the same roundings and the same bound.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from moe_nvfp4.configs import (
     load_config_file,
     tuned_file_for,
 )
-from moe_nvfp4.triton.moe_sm90 import _silu_times, compiled_variants, fused_moe_sm90, route
+from moe_nvfp4.triton.moe_sm90 import compiled_variants, fused_moe_sm90, route
+from moe_nvfp4.triton.sm90_common import _silu_times, _swiglu_oai
 
 pytestmark = pytest.mark.gpu
 
@@ -530,3 +532,151 @@ def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Gen
     out = _poisoned_run(x, args, cfg)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     assert _rel(out, ref) < REL_TOL[dtype], cfg
+
+
+@triton.jit
+def _swiglu_oai_kernel(gate_ptr, up_ptr, out_ptr, n, ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_ASM: tl.constexpr):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    ok = offs < n
+    y = _swiglu_oai(tl.load(gate_ptr + offs, mask=ok), tl.load(up_ptr + offs, mask=ok), ALPHA, LIMIT, USE_ASM)
+    tl.store(out_ptr + offs, y, mask=ok)
+
+
+def test_swiglu_oai_is_vllms_up_to_fp32_rounding(gen: torch.Generator) -> None:
+    """The epilogue's clamped SwiGLU against float64 expert_activation_torch (vLLM's definition) over gates and ups
+    on both sides of the clamp.  Bound as the SiLU test's (the exponent's argument being alpha * gate), relative to
+    |g sigmoid(alpha g)| (|u| + 1): up + 1 rounds in fp32, which near up = -1 is large against the result alone."""
+    from moe_nvfp4.reference import expert_activation_torch
+
+    gate = torch.cat([torch.logspace(-20, 1.5, 3000, device="cuda"),
+                      torch.rand(20000, device="cuda", generator=gen) * 20])
+    gate = torch.cat([gate, -gate])
+    up = torch.randn(gate.shape, device="cuda", generator=gen) * 10
+    act = m.SWIGLU_OAI
+    ref = expert_activation_torch(torch.cat([gate, up]).double().view(2, -1).T.reshape(-1, 2), act).reshape(-1)
+    assert (gate > act.limit).any() and (up.abs() > act.limit).any()
+    for use_asm in (True, False):
+        out = torch.full_like(gate, float("nan"))
+        _swiglu_oai_kernel[(triton.cdiv(gate.numel(), 1024),)](gate, up, out, gate.numel(), ALPHA=act.alpha,
+                                                               LIMIT=act.limit, USE_ASM=use_asm)  # fmt: skip
+        g, u = gate.double().clamp(max=act.limit), up.double().clamp(-act.limit, act.limit)
+        err = (out.double() - ref).abs() / (g * torch.sigmoid(act.alpha * g) * (u.abs() + 1)).abs().clamp_min(1e-28)
+        bound = 6e-7 + (act.alpha * g).abs() * 2.0**-24
+        assert (err < bound).all(), (use_asm, gate[(err / bound).argmax()].item(), (err / bound).max().item())
+
+
+@dataclass(frozen=True)
+class Variant:
+    why: str
+    activation: m.ExpertActivation
+    bias: bool
+    on_input: bool
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+VARIANTS = [
+    Variant("silu, biases", m.SILU, True, False, 32, 4, 1024, 512),
+    Variant("silu, router weight on input, top-1 (Llama-4)", m.SILU, False, True, 16, 1, 1024, 768),
+    Variant("swiglu_oai, biases (gpt-oss)", m.SWIGLU_OAI, True, False, 32, 4, 768, 384),
+    Variant("swiglu_oai, biases, router weight on input, top-2", m.SWIGLU_OAI, True, True, 16, 2, 512, 256),
+    Variant("relu2, non-gated, top-6 (Nemotron-3-Nano, 16 experts)", m.RELU2, False, False, 16, 6, 2688, 1856),
+    Variant("relu2, biases, K padded", m.RELU2, True, False, 12, 3, 400, 208),
+]
+
+
+def _variant_problem(v: Variant, tokens: int, dtype: torch.dtype, gen: torch.Generator):
+    """Random NVFP4 experts (the full FP4 code range; GEMM1 rows of about 4 standard deviations, so swiglu_oai's
+    clamp is reached), biases, x and sigmoid-like routing weights below one."""
+    rows = 2 * v.inter if v.activation.gated else v.inter
+    w13 = torch.randn(v.experts, rows, v.hidden, generator=gen, device="cuda") * 4 / v.hidden**0.5
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6], device="cuda") / 6
+    w13[..., :16] = grid * w13.abs().amax(-1, keepdim=True)
+    q13 = m.quantize_nvfp4(w13, segments=2 if v.activation.gated else 1)
+    q2 = m.quantize_nvfp4(torch.randn(v.experts, v.hidden, v.inter, generator=gen, device="cuda") / v.inter**0.5)
+    b13 = torch.randn(v.experts, rows, generator=gen, device="cuda") if v.bias else None
+    b2 = torch.randn(v.experts, v.hidden, generator=gen, device="cuda") if v.bias else None
+    w = m.prepare_moe_weights(q13, q2, activation=v.activation, w13_bias=b13, w2_bias=b2)
+    x = torch.randn(tokens, v.hidden, generator=gen, device="cuda").to(dtype)
+    tw, ti = m.topk_softmax(torch.randn(tokens, v.experts, generator=gen, device="cuda"), v.top_k, renormalize=False)
+    return q13, q2, b13, b2, w, x, tw, ti
+
+
+def _variant_reference(v: Variant, q13, q2, b13, b2, x, tw, ti) -> torch.Tensor:
+    return m.fused_moe_torch(x, q13, q2, tw, ti, activation=v.activation, w13_bias=b13, w2_bias=b2,
+                             apply_router_weight_on_input=v.on_input, compute_dtype=torch.float64)  # fmt: skip
+
+
+# the dispatcher's paths: pair tiles (T=1), the Gluon decode tiles (T=4..64), prefill tiles (T >= 256)
+@pytest.mark.parametrize("tokens", [1, 4, 64, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("v", VARIANTS, ids=[v.why for v in VARIANTS])
+def test_variants_match_reference(v: Variant, dtype: torch.dtype, tokens: int, gen: torch.Generator) -> None:
+    """Each variant through fused_moe (the host wrapper picks the config) on every path the dispatcher takes,
+    against the float64 reference (REL_TOL); the config the host picked is the path this test names."""
+    from moe_nvfp4.configs import select_config
+
+    q13, q2, b13, b2, w, x, tw, ti = _variant_problem(v, tokens, dtype, gen)
+    cfg = select_config(tokens, w.layer_shape(v.top_k, dtype), device_traits(x.device))
+    if tokens == 1:
+        assert cfg.pair_tiles
+    elif tokens <= 64:
+        assert not cfg.pair_tiles and cfg.gemm1.warp_specialized
+    else:
+        assert cfg.block_m >= 64
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed scratch the forward may reuse: poisoned
+    out = m.fused_moe(x, w, tw, ti, apply_router_weight_on_input=v.on_input)
+    assert not out.isnan().any()
+    assert _rel(out, _variant_reference(v, q13, q2, b13, b2, x, tw, ti)) < REL_TOL[dtype], cfg
+
+
+@pytest.mark.parametrize("v", [VARIANTS[3], VARIANTS[5]], ids=[VARIANTS[3].why, VARIANTS[5].why])
+@pytest.mark.parametrize("block_m,which", [(16, "triton"), (16, "ws"), (128, "triton"), (64, "ws")])
+def test_variants_on_both_kernel_families(v: Variant, block_m: int, which: str, gen: torch.Generator) -> None:
+    """The same variant on the Triton and the Gluon GEMMs at explicit tiles (the dispatcher picks one family per
+    tile), with an expert map routing two global experts elsewhere, against the reference."""
+    ws = which == "ws"
+    gemm = GemmConfig(128, num_warps=4, num_stages=3, warp_specialized=ws, max_registers=128 if ws else None)
+    cfg = MoEKernelConfig(block_m, gemm, gemm)
+    q13, q2, b13, b2, w, x, tw, ti = _variant_problem(v, 97, torch.bfloat16, gen)
+    assert w.layer_shape(v.top_k, torch.bfloat16).accepts(cfg)
+    emap = torch.arange(v.experts, dtype=torch.int32, device="cuda")
+    emap[0] = emap[-1] = -1  # global experts 0 and E - 1 on another rank
+    out = torch.full_like(x, float("nan"))
+    fused_moe_sm90(x, *w.tensors, tw, ti, emap, v.inter, cfg, out=out, **w.variant,
+                   apply_router_weight_on_input=v.on_input)  # fmt: skip
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, activation=v.activation, w13_bias=b13, w2_bias=b2,
+                            apply_router_weight_on_input=v.on_input, compute_dtype=torch.float64)  # fmt: skip
+    assert _rel(out, ref) < REL_TOL[torch.bfloat16], cfg
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_variants_in_a_cuda_graph(tokens: int, gen: torch.Generator) -> None:
+    """swiglu_oai with biases and the router weight on the input (its pre-pass included), and relu2, captured once
+    through fused_moe and replayed with new x and routing."""
+    for v in (VARIANTS[3], VARIANTS[5]):
+        q13, q2, b13, b2, w, x, tw, ti = _variant_problem(v, tokens, torch.bfloat16, gen)
+        m.fused_moe(x, w, tw, ti, apply_router_weight_on_input=v.on_input)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = m.fused_moe(x, w, tw, ti, apply_router_weight_on_input=v.on_input)
+        for _ in range(3):
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+            new_w, new_ids = m.topk_softmax(torch.randn(tokens, v.experts, generator=gen, device="cuda"), v.top_k)
+            tw.copy_(new_w)
+            ti.copy_(new_ids)
+            graph.replay()
+            torch.testing.assert_close(out, m.fused_moe(x, w, tw, ti, apply_router_weight_on_input=v.on_input),
+                                       rtol=0, atol=0)  # fmt: skip
+            assert _rel(out, _variant_reference(v, q13, q2, b13, b2, x, tw, ti)) < REL_TOL[torch.bfloat16]
+
+
+def test_nemotron3_nano_layer(gen: torch.Generator) -> None:
+    """Nemotron-3-Nano's MoE layer (zoo: E=128, top-6, H=2688, I=1856, relu2, non-gated) at decode and prefill."""
+    v = Variant("nemotron-3-nano", m.RELU2, False, False, 128, 6, 2688, 1856)
+    for tokens in (1, 16, 512):
+        q13, q2, b13, b2, w, x, tw, ti = _variant_problem(v, tokens, torch.bfloat16, gen)
+        out = m.fused_moe(x, w, tw, ti)
+        assert _rel(out, _variant_reference(v, q13, q2, b13, b2, x, tw, ti)) < REL_TOL[torch.bfloat16], tokens
