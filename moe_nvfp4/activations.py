@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backends import TORCH
 from .dispatch import select_backends
-from .formats import NVFP4, NVFP4Tensor, ScaleLayout, quantize_activations_nvfp4
+from .formats import NVFP4, NVFP4Tensor
 
 __all__ = ["quantize_activations"]
 
@@ -31,10 +30,4 @@ def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> N
     if x.dim() != 2 or x.shape[1] % NVFP4.block_size:
         raise ValueError(f"x must be [M, K] with K a multiple of {NVFP4.block_size}, got {tuple(x.shape)}")
     _check_global_scale("input_global_scale", input_global_scale, x.device)
-    gs = input_global_scale.reshape(())
-    if select_backends(x.device).quantize is TORCH:
-        return quantize_activations_nvfp4(x, gs).swizzled_scales()
-    from .triton.quant_act import quantize_activations_sm90
-
-    packed, scales = quantize_activations_sm90(x.contiguous(), gs.reshape(1))
-    return NVFP4Tensor(packed, scales, gs, ScaleLayout.SWIZZLED_128x4)
+    return select_backends(x.device).quantize.entry("quantize")(x, input_global_scale.reshape(()))

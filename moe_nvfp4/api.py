@@ -18,18 +18,14 @@ import torch
 
 from .activations import _check_global_scale, quantize_activations
 from .checkpoint import validate_nvfp4
-from .backends import CUTE, FLASHINFER, TORCH
 from .dispatch import select_backends
 from .expert_activation import RELU2, SILU, SWIGLU_OAI, ExpertActivation
 from .formats import NVFP4, NVFP4Tensor
-from .layouts import padded_scale_shape
-from .reference import grouped_gemm_nvfp4_torch
+from .weight_layouts import MoELayout, weight_layout
 from .weights import LAYOUT, MoEWeights
 
 if TYPE_CHECKING:
     from .cute.host import GroupedW4A4Sm100Plan
-    from .cute.moe_host import MoEWeightsSm100
-    from .flashinfer_moe import MoEWeightsFlashInfer
     from .triton.grouped_w4a4 import GroupedW4A4Plan
 
 __all__ = [
@@ -107,32 +103,16 @@ def prepare_moe_weights(
     if not isinstance(activation, ExpertActivation):
         raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")
     w13, w2 = _validated(w13, w2, activation.gated)
-    e, h, i = w13.packed.shape[0], w13.k, w2.k
-    device = w13.packed.device
-    w13_bias = _bias(w13_bias, "w13_bias", (e, w13.n), device)
-    w2_bias = _bias(w2_bias, "w2_bias", (e, h), device)
+    e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
+    return MoEWeights(*LAYOUT.pack(w13, w2), hidden=h, intermediate=w2.k, activation=activation,
+                      w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
+                      w2_bias=_bias(w2_bias, "w2_bias", (e, h), device))  # fmt: skip
 
-    def pack(q: NVFP4Tensor, row_blocks: tuple[tuple[int, int], ...], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each (start, rows) block of q's rows becomes its own padded run of rows (gate and up stay apart)."""
-        np_, kp = sum(LAYOUT.padded_n(rows) for _, rows in row_blocks), LAYOUT.padded_k(k)
-        packed = torch.empty(e, np_, kp // 2, dtype=torch.uint8, device=q.packed.device)
-        scale = torch.empty(e, np_, kp // 16, dtype=torch.uint8, device=q.packed.device)
-        for expert in range(e):
-            row = 0
-            for start, rows in row_blocks:
-                end = row + LAYOUT.padded_n(rows)
-                packed[expert, row:end], scale[expert, row:end] = LAYOUT.pack(
-                    q.packed[expert, start : start + rows], q.block_scale[expert, start : start + rows]
-                )
-                row = end
-        return packed, scale
 
-    w13_packed, w13_scale = pack(w13, ((0, i), (i, i)) if activation.gated else ((0, i),), h)
-    w2_packed, w2_scale = pack(w2, ((0, h),), i)
-    return MoEWeights(
-        w13_packed, w13_scale, w13.global_scale, w2_packed, w2_scale, w2.global_scale.float().contiguous(), h, i,
-        activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
-    )
+def _packed(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: MoELayout) -> MoEWeights:
+    """Checkpoint tensors of a gated SiLU MoE without biases validated, then packed into ``layout``."""
+    w13, w2 = _validated(w13, w2)
+    return MoEWeights(*layout.pack(w13, w2), hidden=w13.k, intermediate=w2.k, layout=layout)
 
 
 def _check_inputs(x: torch.Tensor, hidden: int, num_experts: int, weights_device: torch.device,
@@ -205,6 +185,9 @@ def fused_moe(
     capturable in a CUDA graph.  On CUDA this runs the Triton kernels (one launch per GEMM over all
     experts); on CPU the torch reference.
     """
+    if weights.layout.name != LAYOUT.name:  # one weights type for every backend: the layout says which kernels read it
+        raise ValueError(f"weights are in the {weights.layout.name} layout (prepare_moe_weights_w4a4); fused_moe "
+                         f"reads {LAYOUT.name}: run fused_moe_w4a4, or pack with prepare_moe_weights")  # fmt: skip
     _check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids,
                   expert_map)  # fmt: skip
     from .ops import fused_moe_op
@@ -216,28 +199,23 @@ def fused_moe(
                         bool(apply_router_weight_on_input))  # fmt: skip
 
 
-def prepare_moe_weights_w4a4(
-    w13: NVFP4Tensor, w2: NVFP4Tensor, *, expert_offset: int = 0
-) -> MoEWeightsSm100 | MoEWeightsFlashInfer:
-    """Validate checkpoint tensors (as ``prepare_moe_weights``) and lay them out for the W4A4 MoE backend of
-    their device (``dispatch.select_backends``), chosen here once: FlashInfer's fused MoE on sm_100/sm_103
-    (``flashinfer_moe.MoEWeightsFlashInfer``), else our kernels' layout (``cute.moe_host.MoEWeightsSm100``: K-major
-    packed values, 128x4-swizzled scales, gate and up rows interleaved in blocks of 32; H a multiple of 32).
-    ``expert_offset``: the global id of local expert 0 under expert parallelism (the FlashInfer kernel takes the
-    local experts as one contiguous range)."""
-    w13, w2 = _validated(w13, w2)
-    if select_backends(w13.packed.device).moe_w4a4 is FLASHINFER:
-        from .flashinfer_moe import prepare_moe_weights_flashinfer
-
-        return prepare_moe_weights_flashinfer(w13, w2, expert_offset=expert_offset)
-    from .cute.moe_host import prepare_moe_weights_sm100
-
-    return prepare_moe_weights_sm100(w13, w2)
+def prepare_moe_weights_w4a4(w13: NVFP4Tensor, w2: NVFP4Tensor, *, expert_offset: int = 0) -> MoEWeights:
+    """Validate checkpoint tensors (as ``prepare_moe_weights``) and pack them in the layout the W4A4 MoE backend of
+    their device reads (``dispatch.select_backends``, ``Backend.w4a4_layout``), chosen here once: FlashInfer's
+    fused MoE on sm_100/sm_103 (``flashinfer_trtllm``), else our kernels' (``sm100_interleaved``: K-major packed
+    values, 128x4-swizzled scales, gate and up rows interleaved in blocks of 32; H a multiple of 32); see
+    ``weight_layouts``.  ``expert_offset``: the global id of local expert 0 under expert parallelism (the
+    FlashInfer kernel takes the local experts as one contiguous range; the others are routed by the expert map)."""
+    backend = select_backends(w13.packed.device).moe_w4a4
+    if backend is None:
+        raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {w13.packed.device} has "
+                         "none: use prepare_moe_weights (16-bit activations)")  # fmt: skip
+    return _packed(w13, w2, weight_layout(backend.w4a4_layout, expert_offset))
 
 
 def fused_moe_w4a4(
     x: torch.Tensor,
-    weights: MoEWeightsSm100 | MoEWeightsFlashInfer,
+    weights: MoEWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -254,31 +232,27 @@ def fused_moe_w4a4(
     run on hardware); CPU: the reference.  Other GPUs have no FP4 tensor cores: run ``fused_moe`` there
     (activations stay 16-bit).
     """
-    from .flashinfer_moe import MoEWeightsFlashInfer
-
-    flashinfer = isinstance(weights, MoEWeightsFlashInfer)
-    device, num_experts = (weights.w2.device, weights.num_experts) if flashinfer else (weights.w2.packed.device,
-                                                                                      weights.w2.packed.shape[0])
-    _check_inputs(x, weights.hidden, num_experts, device, topk_weights, topk_ids, expert_map)
+    _check_inputs(x, weights.hidden, weights.num_experts, weights.w2_packed.device, topk_weights, topk_ids, expert_map)
     _check_global_scale("w13_input_scale", w13_input_scale, x.device)
     _check_global_scale("w2_input_scale", w2_input_scale, x.device)
-    if select_backends(x.device).moe_w4a4 is None:
+    backend = select_backends(x.device).moe_w4a4
+    if backend is None:
         raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {x.device} has none: "
                          "use fused_moe (16-bit activations)")  # fmt: skip
-    from .ops import fused_moe_w4a4_flashinfer_op, fused_moe_w4a4_op
+    layout = weights.layout
+    if not (backend.reference or layout.name == backend.w4a4_layout):
+        raise ValueError(f"weights are in the {layout.name} layout, but {x.device} runs the W4A4 MoE on {backend.name}, "
+                         f"which reads {backend.w4a4_layout}: prepare them with prepare_moe_weights_w4a4 here")  # fmt: skip
+    global_experts = weights.num_experts if expert_map is None else expert_map.numel()
+    if layout.expert_offset + weights.num_experts > global_experts:
+        raise ValueError(f"experts {layout.expert_offset}..{layout.expert_offset + weights.num_experts - 1} "
+                         f"are local, but expert_map has only {global_experts} entries")  # fmt: skip
+    from .ops import fused_moe_w4a4_op
 
     x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
-    if flashinfer:
-        global_experts = weights.num_experts if expert_map is None else expert_map.numel()
-        if weights.expert_offset + weights.num_experts > global_experts:
-            raise ValueError(f"experts {weights.expert_offset}..{weights.expert_offset + weights.num_experts - 1} "
-                             f"are local, but expert_map has only {global_experts} entries")  # fmt: skip
-        return fused_moe_w4a4_flashinfer_op(
-            x, weights.tensors(), topk_weights, topk_ids, weights.hidden, weights.intermediate,
-            weights.expert_offset, global_experts, w13_input_scale.reshape(1), w2_input_scale.reshape(1),
-        )  # fmt: skip
-    return fused_moe_w4a4_op(x, weights.tensors(), topk_weights, topk_ids, expert_map, weights.intermediate,
-                             w13_input_scale.reshape(1), w2_input_scale.reshape(1))  # fmt: skip
+    return fused_moe_w4a4_op(x, list(weights.tensors), topk_weights, topk_ids, expert_map, weights.hidden,
+                             weights.intermediate, layout.name, layout.expert_offset, w13_input_scale.reshape(1),
+                             w2_input_scale.reshape(1))  # fmt: skip
 
 
 def warmup_fused_moe(
@@ -300,7 +274,7 @@ def warmup_fused_moe(
     from .configs import configs_up_to, device_traits
 
     device = weights.w13_packed.device
-    if select_backends(device).moe_w4a16 is TORCH or max_tokens < 1:
+    if select_backends(device).moe_w4a16.reference or max_tokens < 1:
         return []
     from .triton.moe_sm90 import routing_variants_from
 
@@ -334,9 +308,7 @@ def grouped_gemm_nvfp4(
     graph, plan once with ``plan_grouped_gemm_nvfp4`` and launch the plan.
     """
     _check_grouped(a, b, alpha, out_dtype)
-    if select_backends(a[0].packed.device).grouped_gemm is TORCH:
-        return grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)
-    return launch_grouped_gemm_nvfp4(_plan_grouped(a, b, alpha, out_dtype))
+    return select_backends(a[0].packed.device).grouped_gemm.entry("grouped_gemm")(a, b, alpha=alpha, out_dtype=out_dtype)
 
 
 def plan_grouped_gemm_nvfp4(
@@ -350,33 +322,8 @@ def plan_grouped_gemm_nvfp4(
     allocated, operands with swizzled scales held, pointer arrays and group sizes on the device.  Launching
     the plan allocates and copies nothing, so it can be captured in a CUDA graph."""
     _check_grouped(a, b, alpha, out_dtype)
-    return _plan_grouped(a, b, alpha, out_dtype)
-
-
-def _plan_grouped(
-    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], alpha: torch.Tensor | None, out_dtype: torch.dtype
-) -> GroupedW4A4Plan | GroupedW4A4Sm100Plan:
-    """plan_grouped_gemm_nvfp4 for inputs _check_grouped has passed."""
-    a_sw = [t.swizzled_scales() for t in a]
-    b_sw = [t.swizzled_scales() for t in b]
-    for g, (ag, bg) in enumerate(zip(a_sw, b_sw)):
-        for name, t in (("A", ag), ("B", bg)):
-            want = padded_scale_shape(t.n, t.k // NVFP4.block_size)
-            if tuple(t.block_scale.shape) != want:
-                raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
-                                 f"expected {want}")  # fmt: skip
-    scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
-    if alpha is not None:
-        scale = scale * alpha
-    operands = ([t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
-                [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw])  # fmt: skip
-    if select_backends(a[0].packed.device).grouped_gemm is CUTE:
-        from .cute.host import plan_grouped_w4a4_sm100
-
-        return plan_grouped_w4a4_sm100(operands, scale, out_dtype)
-    from .triton.grouped_w4a4 import plan_grouped_w4a4
-
-    return plan_grouped_w4a4(*operands, scale, out_dtype)
+    planner = select_backends(a[0].packed.device).grouped_gemm.entry("plan_grouped_gemm")
+    return planner(a, b, alpha=alpha, out_dtype=out_dtype)
 
 
 def launch_grouped_gemm_nvfp4(plan: GroupedW4A4Plan | GroupedW4A4Sm100Plan) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """The backend registry: every kernel backend, the operations it implements, the architectures it supports and
 those where it has run on hardware (this project's GPU tests passed there).  ``dispatch.select_backends`` picks
-one backend per operation from this table, once per device; nothing else names a backend.
+one backend per operation from this table, once per device; nothing else names a backend.  Callers ask the chosen
+backend what to run (``Backend.entry``) instead of comparing backends.
 
 Operations:
   moe_w4a16     ``api.fused_moe``: NVFP4 weights, 16-bit activations
@@ -8,11 +9,22 @@ Operations:
   grouped_gemm  ``api.grouped_gemm_nvfp4``: W4A4 grouped GEMM
   quantize      ``api.quantize_activations``: activations -> NVFP4 with 128x4-swizzled scales
 
+Entries (``Backend.entries``: name -> "module:function", imported at the first call, so the registry imports no
+kernel), one signature each:
+  quantize            (x, global_scale 0-dim) -> NVFP4Tensor with 128x4-swizzled scales
+  moe_w4a4            (x, weights: MoEWeights, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
+  grouped_gemm        (a, b, *, alpha, out_dtype) -> list of outputs
+  plan_grouped_gemm   (a, b, *, alpha, out_dtype) -> a plan for ``api.launch_grouped_gemm_nvfp4``
+The 16-bit-activation MoE has one kernel family: its op runs the reference where ``Backend.reference``, else
+``triton.moe_sm90``.
+
 Architectures are CUDA capabilities written ``sm_<major><minor>`` (``sm_90``, ``sm_100``), or ``cpu``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 __all__ = ["Backend", "OPERATIONS", "TORCH", "TRITON", "CUTE", "FLASHINFER", "REGISTRY", "DEFAULT_ORDER", "by_name"]
 
@@ -22,13 +34,20 @@ OPERATIONS = ("moe_w4a16", "moe_w4a4", "grouped_gemm", "quantize")
 @dataclass(frozen=True)
 class Backend:
     """One backend.  ``archs`` None: every CUDA GPU from sm_80 on.  ``ran_on``: the architectures where its GPU
-    tests passed on hardware; elsewhere in ``archs`` it is compiled and checked only."""
+    tests passed on hardware; elsewhere in ``archs`` it is compiled and checked only.  ``w4a4_layout``: the
+    ``weight_layouts`` name its W4A4 MoE reads (and ``api.prepare_moe_weights_w4a4`` packs for it).
+    ``reference``: the pure-torch ops, which read weights in any layout (they unpack them).  ``interpreted_on_cpu``:
+    CPU tensors run its kernels under TRITON_INTERPRET=1 (tests), so forcing it on a CPU is allowed."""
 
     name: str
     operations: frozenset[str]
     archs: frozenset[str] | None
     ran_on: frozenset[str]
     note: str
+    entries: Mapping[str, str] = field(default_factory=dict, hash=False)
+    w4a4_layout: str | None = None
+    reference: bool = False
+    interpreted_on_cpu: bool = False
 
     def supports(self, arch: str) -> bool:
         if self.archs is None:
@@ -40,17 +59,40 @@ class Backend:
             return "unsupported"
         return "verified on hardware" if arch in self.ran_on else "compiled and checked only (not run on hardware)"
 
+    def entry(self, name: str) -> Callable:
+        """The function this backend runs for entry ``name`` (module docstring)."""
+        if name not in self.entries:
+            raise ValueError(f"the {self.name} backend has no {name!r}; it runs {sorted(self.entries)}")
+        module, _, function = self.entries[name].partition(":")
+        return getattr(importlib.import_module(module), function)
 
+
+_TRITON_PLAN = "moe_nvfp4.triton.grouped_w4a4:plan_grouped_nvfp4"
+# A CPU plan launches the Triton kernel (TRITON_INTERPRET=1 in tests); the one-call grouped GEMM runs the reference.
 TORCH = Backend("torch", frozenset(OPERATIONS), frozenset({"cpu"}), frozenset({"cpu"}),
-                "the reference ops (moe_nvfp4.reference); the default for CPU tensors")  # fmt: skip
-# TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors (tests), so "cpu" is in reach when forced.
+                "the reference ops (moe_nvfp4.reference); the default for CPU tensors",
+                {"quantize": "moe_nvfp4.reference:quantize_activations_torch",
+                 "moe_w4a4": "moe_nvfp4.reference:fused_moe_w4a4_torch",
+                 "grouped_gemm": "moe_nvfp4.reference:grouped_gemm_nvfp4_torch",
+                 "plan_grouped_gemm": _TRITON_PLAN},
+                w4a4_layout="sm100_interleaved", reference=True)  # fmt: skip
 TRITON = Backend("triton", frozenset({"moe_w4a16", "grouped_gemm", "quantize"}), None, frozenset({"sm_90"}),
-                 "Triton kernels: weights decoded in registers; tuned on sm_90 (H100, H200)")  # fmt: skip
+                 "Triton kernels: weights decoded in registers; tuned on sm_90 (H100, H200)",
+                 {"quantize": "moe_nvfp4.triton.quant_act:quantize_activations_sm90",
+                  "grouped_gemm": "moe_nvfp4.triton.grouped_w4a4:grouped_gemm_nvfp4_triton",
+                  "plan_grouped_gemm": _TRITON_PLAN},
+                 interpreted_on_cpu=True)  # fmt: skip
 CUTE = Backend("cute", frozenset({"moe_w4a4", "grouped_gemm"}), frozenset({"sm_100", "sm_103"}), frozenset(),
-               "our CuTe DSL kernels (block-scaled tcgen05 MMA): compiled, PTX checked, never run on a GPU")  # fmt: skip
+               "our CuTe DSL kernels (block-scaled tcgen05 MMA): compiled, PTX checked, never run on a GPU",
+               {"moe_w4a4": "moe_nvfp4.cute.moe_host:fused_moe_w4a4_sm100",
+                "grouped_gemm": "moe_nvfp4.cute.host:grouped_gemm_nvfp4_sm100",
+                "plan_grouped_gemm": "moe_nvfp4.cute.host:plan_grouped_nvfp4_sm100"},
+               w4a4_layout="sm100_interleaved")  # fmt: skip
 FLASHINFER = Backend("flashinfer", frozenset({"moe_w4a4"}), frozenset({"sm_100", "sm_103"}), frozenset(),
                      "FlashInfer's TRT-LLM-gen NVFP4 fused MoE (trtllm_fp4_block_scale_routed_moe), the kernel vLLM "
-                     "0.26 runs for modelopt_fp4 on Blackwell; our layouts and arguments checked on CPU only")  # fmt: skip
+                     "0.26 runs for modelopt_fp4 on Blackwell; our layouts and arguments checked on CPU only",
+                     {"moe_w4a4": "moe_nvfp4.flashinfer_moe:fused_moe_w4a4_flashinfer"},
+                     w4a4_layout="flashinfer_trtllm")  # fmt: skip
 
 REGISTRY = (TORCH, TRITON, CUTE, FLASHINFER)
 

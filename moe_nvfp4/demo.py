@@ -17,9 +17,8 @@ from .formats import quantize_nvfp4
 from .reference import fused_moe_torch, moe_dense_torch
 from .routing import topk_softmax
 
-__all__ = ["CPU_SHAPE", "GPU_MODEL", "run_reference_demo", "run_kernel_demo"]
+__all__ = ["CPU_SHAPE", "run_reference_demo", "run_kernel_demo"]
 
-GPU_MODEL = "qwen3-30b-a3b"
 # Mixtral-8x7B's routing (8 experts, top-2) with hidden and intermediate sizes scaled down by 4: a float64
 # reference over a full-size layer takes minutes on a CPU.
 CPU_SHAPE = MoEShape("Mixtral-8x7B scaled down by 4", num_experts=8, top_k=2, hidden=1024, inter=3584)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import DEFAULT_ORDER, TORCH, TRITON, Backend, by_name
+from .backends import DEFAULT_ORDER, TORCH, Backend, by_name
 
-__all__ = ["Selection", "arch_of", "select_backends", "has_native_fp4_mma", "sm_count"]
+__all__ = ["Selection", "arch_of", "select_backends", "sm_count"]
 
 OVERRIDE_ENV = "MOE_NVFP4_BACKEND"
 
@@ -47,11 +47,6 @@ def arch_of(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-def has_native_fp4_mma(device: torch.device) -> bool:
-    """Blackwell datacenter parts (sm_100/sm_103) have block-scaled FP4 tensor cores."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
-
-
 def sm_count(device: torch.device, *, off_gpu: int) -> int:
     """Streaming multiprocessors of a CUDA device (persistent grids are sized from it); ``off_gpu`` stands in
     where kernels run under the Triton interpreter or plans are only inspected (CPU tensors)."""
@@ -73,7 +68,7 @@ def _select(arch: str, forced_name: str | None) -> Selection:
             raise RuntimeError(f"no NVFP4 MoE backend for {arch}; supported: CPU (reference), CUDA sm_80+")
     if forced_name is not None:
         forced = by_name(forced_name)
-        if not (forced.supports(arch) or (forced is TRITON and arch == "cpu")):
+        if not (forced.supports(arch) or (forced.interpreted_on_cpu and arch == "cpu")):
             raise ValueError(f"{OVERRIDE_ENV}={forced_name}: {forced.name} runs on "
                              f"{sorted(forced.archs or ['sm_80+'])}, not on {arch}")  # fmt: skip
         default = {op: forced if op in forced.operations else default[op] for op in default}

@@ -11,12 +11,13 @@ Everything here is plain torch and runs on any device.  Batched tensors carry le
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
-from .layouts import pack_fp4, swizzle_scales_128x4, unpack_fp4, unswizzle_scales_128x4
+from .layouts import pack_fp4, padded_scale_shape, swizzle_scales_128x4, unpack_fp4, unswizzle_scales_128x4
 
 __all__ = [
     "NVFP4",
@@ -32,6 +33,7 @@ __all__ = [
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "quantize_activations_nvfp4",
+    "grouped_operands",
 ]
 
 
@@ -218,3 +220,25 @@ def quantize_activations_nvfp4(x: torch.Tensor, input_global_scale: torch.Tensor
     """
     gs = input_global_scale.float().reshape(())
     return quantize_nvfp4(x, gs.expand(x.shape[:-2]) if x.dim() > 2 else gs)
+
+
+def grouped_operands(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], alpha: torch.Tensor | None
+) -> tuple[tuple[list[torch.Tensor], ...], torch.Tensor]:
+    """Checked grouped-GEMM operands (``api.grouped_gemm_nvfp4``) as every backend's planner reads them:
+    ((A packed, A swizzled scales, B packed, B swizzled scales) per group, contiguous; float32 [G] scale = A's
+    global x B's global (x alpha))."""
+    a_sw = [t.swizzled_scales() for t in a]
+    b_sw = [t.swizzled_scales() for t in b]
+    for g, (ag, bg) in enumerate(zip(a_sw, b_sw)):
+        for name, t in (("A", ag), ("B", bg)):
+            want = padded_scale_shape(t.n, t.k // NVFP4.block_size)
+            if tuple(t.block_scale.shape) != want:
+                raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
+                                 f"expected {want}")  # fmt: skip
+    scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
+    if alpha is not None:
+        scale = scale * alpha
+    operands = ([t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
+                [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw])  # fmt: skip
+    return operands, scale

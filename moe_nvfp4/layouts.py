@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "encode_scale_e5m3", "decode_scale_e5m3", "SCALE_LAYOUT_VERSION", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4"]
-
-SCALE_LAYOUT_VERSION = 1
+__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4"]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,12 @@ import functools
 
 import torch
 
-from .backends import TORCH
 from .dispatch import select_backends
 from .expert_activation import ExpertActivation
+from .weight_layouts import weight_layout
+from .weights import MoEWeights
 
-__all__ = ["fused_moe_op", "fused_moe_w4a4_op", "fused_moe_w4a4_flashinfer_op"]
+__all__ = ["fused_moe_op", "fused_moe_w4a4_op"]
 
 
 @functools.cache
@@ -41,8 +42,7 @@ def fused_moe_op(
     """Tensors as in weights.MoEWeights, the activation as expert_activation.ExpertActivation's fields; inputs
     already checked by api.fused_moe.  The config is the host wrapper's choice (configs.select_config)."""
     act = _expert_activation(activation, alpha, limit)
-    if select_backends(x.device).moe_w4a16 is TORCH:
-        from .weights import MoEWeights
+    if select_backends(x.device).moe_w4a16.reference:
         from .reference import fused_moe_torch
 
         weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[1],
@@ -74,58 +74,21 @@ def fused_moe_w4a4_op(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
+    hidden: int,
     intermediate: int,
+    layout: str,
+    expert_offset: int,
     w13_input_scale: torch.Tensor,
     w2_input_scale: torch.Tensor,
 ) -> torch.Tensor:
-    """weights: ``MoEWeightsSm100.tensors()``; inputs already checked by api.fused_moe_w4a4."""
-    from .cute.moe_host import MoEWeightsSm100, fused_moe_w4a4_sm100
-
-    packed = MoEWeightsSm100.from_tensors(weights, intermediate)
-    if select_backends(x.device).moe_w4a4 is TORCH:
-        from .reference import fused_moe_torch
-
-        w13, w2 = packed.to_nvfp4()
-        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
-                               w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)  # fmt: skip
-    return fused_moe_w4a4_sm100(x, packed, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
+    """weights: ``MoEWeights.tensors`` in the layout called ``layout``; inputs already checked (the layout against
+    the backend too) by api.fused_moe_w4a4.  Runs the device's W4A4 backend (``Backend.entry``)."""
+    packed = MoEWeights(*weights, hidden=hidden, intermediate=intermediate, layout=weight_layout(layout, expert_offset))
+    run = select_backends(x.device).moe_w4a4.entry("moe_w4a4")
+    return run(x, packed, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
 
 
 @fused_moe_w4a4_op.register_fake
-def _(x, weights, topk_weights, topk_ids, expert_map, intermediate, w13_input_scale, w2_input_scale):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("moe_nvfp4::fused_moe_w4a4_flashinfer", mutates_args=())
-def fused_moe_w4a4_flashinfer_op(
-    x: torch.Tensor,
-    weights: list[torch.Tensor],
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    hidden: int,
-    intermediate: int,
-    expert_offset: int,
-    global_experts: int,
-    w13_input_scale: torch.Tensor,
-    w2_input_scale: torch.Tensor,
-) -> torch.Tensor:
-    """weights: ``MoEWeightsFlashInfer.tensors()``; inputs already checked by api.fused_moe_w4a4.  CPU tensors run
-    the reference on the same weights (only local experts contribute, as with an expert map)."""
-    from .flashinfer_moe import MoEWeightsFlashInfer, fused_moe_w4a4_flashinfer
-
-    packed = MoEWeightsFlashInfer.from_tensors(weights, hidden, intermediate, expert_offset)
-    if select_backends(x.device).moe_w4a4 is TORCH:
-        from .reference import fused_moe_torch
-
-        w13, w2 = packed.to_nvfp4()
-        local = torch.arange(packed.num_experts, dtype=torch.int32) + expert_offset
-        expert_map = torch.full((global_experts,), -1, dtype=torch.int32).index_put_((local.long(),), local - expert_offset)
-        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
-                               w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)  # fmt: skip
-    return fused_moe_w4a4_flashinfer(x, packed, topk_weights, topk_ids, global_experts, (w13_input_scale, w2_input_scale))
-
-
-@fused_moe_w4a4_flashinfer_op.register_fake
-def _(x, weights, topk_weights, topk_ids, hidden, intermediate, expert_offset, global_experts, w13_input_scale,
+def _(x, weights, topk_weights, topk_ids, expert_map, hidden, intermediate, layout, expert_offset, w13_input_scale,
       w2_input_scale):  # fmt: skip
     return torch.empty_like(x)

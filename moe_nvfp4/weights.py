@@ -1,5 +1,6 @@
-"""``MoEWeights``: the 16-bit-activation MoE's expert weights in the kernel's layout.  A module of its own so the
-op layer builds them (its CPU path) without importing the API that packs them; ``api`` re-exports it."""
+"""``MoEWeights``: the MoE's expert weights in the layout of the kernels that read them (``weight_layouts``), one
+type for every backend.  A module of its own so the op layer builds them without importing the API that packs
+them; ``api`` re-exports it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,16 +10,16 @@ import torch
 from .configs import LayerShape
 from .expert_activation import SILU, ExpertActivation
 from .formats import NVFP4Tensor
-from .layouts import FragmentLayout
+from .weight_layouts import MoELayout, Sm90Layout
 
 __all__ = ["MoEWeights", "LAYOUT"]
 
-LAYOUT = FragmentLayout()
+LAYOUT = Sm90Layout()
 
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """Expert weights in the kernel's layout (``layouts.FragmentLayout``; padN pads to 64, padK to 128).
+    """Expert weights in ``layout`` (``weight_layouts``; default ``sm90_fragments``: padN pads to 64, padK to 128).
 
     w13_packed uint8 [E, 2 padN(I), padK(H)/2] (gate rows, then up rows), w13_scale uint8
     [E, 2 padN(I), padK(H)/16], w13_global fp32 [E, 2] (gate, up); w2_packed [E, padN(H), padK(I)/2],
@@ -36,7 +37,7 @@ class MoEWeights:
     w2_global: torch.Tensor
     hidden: int
     intermediate: int
-    layout: FragmentLayout = LAYOUT
+    layout: MoELayout = LAYOUT
     activation: ExpertActivation = SILU
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
@@ -67,16 +68,4 @@ class MoEWeights:
 
     def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """Back to standard packing with linear e4m3 scales (for checks and the CPU reference)."""
-
-        def unpack(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-            pairs = [self.layout.unpack(v, s, n, k) for v, s in zip(values, scales)]
-            return torch.stack([p for p, _ in pairs]), torch.stack([s for _, s in pairs])
-
-        h, i, ip = self.hidden, self.intermediate, self.layout.padded_n(self.intermediate)
-        w2 = NVFP4Tensor(*unpack(self.w2_packed, self.w2_scale, h, i), self.w2_global)
-        if not self.activation.gated:
-            return NVFP4Tensor(*unpack(self.w13_packed, self.w13_scale, i, h), self.w13_global), w2
-        gate = unpack(self.w13_packed[:, :ip], self.w13_scale[:, :ip], i, h)
-        up = unpack(self.w13_packed[:, ip:], self.w13_scale[:, ip:], i, h)
-        w13 = NVFP4Tensor(torch.cat((gate[0], up[0]), 1), torch.cat((gate[1], up[1]), 1), self.w13_global)
-        return w13, w2
+        return self.layout.to_nvfp4(self)

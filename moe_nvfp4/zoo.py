@@ -72,11 +72,6 @@ class ZooShape:
     def activation(self) -> ExpertActivation:
         return self.model.activation
 
-    @property
-    def local_fraction(self) -> float:
-        """The share of (token, expert) pairs whose expert lives on this rank (uniform routing)."""
-        return self.experts / self.global_experts
-
 
 MODELS: tuple[ZooModel, ...] = (
     ZooModel("mixtral-8x7b", "Mixtral-8x7B", 8, 2, 4096, 14336),

@@ -123,9 +123,16 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     assert torch.equal(compiled(x), ref)
     with pytest.raises(ValueError, match="w2_input_scale must be one float32"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="weights are in the sm100_interleaved layout"):
+        m.fused_moe(x, weights, tw, ti)  # the 16-bit-activation kernels would read another layout's bytes
+    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", "cute"))
+    with pytest.raises(ValueError, match="weights are in the sm90_fragments layout, but cpu runs the W4A4 MoE on cute"):
+        m.fused_moe_w4a4(x, m.prepare_moe_weights(w13, w2), tw, ti, w13_input_scale=s13, w2_input_scale=s2)
     monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_90", None))
     with pytest.raises(ValueError, match="use fused_moe"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
+    with pytest.raises(ValueError, match="use prepare_moe_weights"):
+        m.prepare_moe_weights_w4a4(w13, w2)
 
 
 def test_expert_map_is_checked_before_launch(gen: torch.Generator) -> None:

@@ -93,3 +93,35 @@ def test_backend_names_are_compared_nowhere_else() -> None:
     offenders = [str(p.relative_to(ROOT)) for base in ("moe_nvfp4", "integrations") for p in (ROOT / base).rglob("*.py")
                  if pattern.search(p.read_text())]  # fmt: skip
     assert offenders == []
+
+
+def test_each_backend_names_what_it_runs() -> None:
+    """Every operation a backend implements has an entry (a W4A4 MoE also the weight layout it reads), and every
+    entry imports: the op layer and the API run ``Backend.entry`` instead of comparing backends."""
+    from moe_nvfp4.weight_layouts import weight_layout
+
+    wanted = {"quantize": {"quantize"}, "moe_w4a4": {"moe_w4a4"}, "grouped_gemm": {"grouped_gemm", "plan_grouped_gemm"}}
+    for backend in REGISTRY:
+        assert set().union(*(wanted.get(op, set()) for op in backend.operations)) == set(backend.entries), backend.name
+        assert all(callable(backend.entry(name)) for name in backend.entries)
+        assert ("moe_w4a4" in backend.operations) == (backend.w4a4_layout is not None)
+        if backend.w4a4_layout:
+            assert weight_layout(backend.w4a4_layout).name == backend.w4a4_layout
+    with pytest.raises(ValueError, match="the flashinfer backend has no 'quantize'"):
+        FLASHINFER.entry("quantize")
+
+
+def test_backend_objects_are_named_only_by_the_registry_and_dispatch() -> None:
+    """Call sites ask the selected backend (``entry``, ``w4a4_layout``, ``reference``): none imports a backend
+    object to compare it with ``is``."""
+    pattern = re.compile(r"\b(TORCH|TRITON|CUTE|FLASHINFER)\b(?!_)")
+    allowed = {"moe_nvfp4/backends.py", "moe_nvfp4/dispatch.py"}
+    offenders = [rel for base in ("moe_nvfp4", "integrations") for p in (ROOT / base).rglob("*.py")
+                 if (rel := str(p.relative_to(ROOT))) not in allowed and pattern.search(p.read_text())]  # fmt: skip
+    assert offenders == []
+
+
+def test_backends_and_selections_hash() -> None:
+    """Backends and selections stay usable as cache keys and set members (``entries`` is a dict, left out)."""
+    assert len(set(REGISTRY)) == len(REGISTRY)
+    assert hash(select_backends(torch.device("cpu"))) == hash(select_backends(torch.device("cpu")))

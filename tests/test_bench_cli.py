@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from helpers_device import fake_gpu
 
 import moe_nvfp4.bench.moe as bench

@@ -265,8 +265,6 @@ def test_bench_moe_takes_the_zoo():
 
 
 def test_bench_moe_expert_parallel_inputs_map_the_first_experts_to_this_rank():
-    import torch
-
     bench = _load_bench()
     shape = bench.resolve_models("qwen3-235b-a22b-ep8")["qwen3-235b-a22b-ep8"]
     x, tw, ids, emap = bench.make_inputs(shape, 64, 0, "cpu")

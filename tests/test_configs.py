@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe_nvfp4.configs import CONFIG_DIR, CONFIG_VERSION, GemmConfig, MoEKernelConfig, load_config_file
 

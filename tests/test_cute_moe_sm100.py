@@ -15,19 +15,15 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
+import moe_nvfp4.api as api
 from moe_nvfp4.cute.grouped_w4a4_sm100 import TILE_M
 from moe_nvfp4.cute.host import tile_walk
-from moe_nvfp4.cute.moe_host import (
-    _gemm_plan,
-    fused_moe_w4a4_sm100,
-    padded_intermediate,
-    padded_rows,
-    prepare_moe_weights_sm100,
-)
+from moe_nvfp4.cute.moe_host import _gemm_plan, fused_moe_w4a4_sm100, padded_rows
 from moe_nvfp4.cute.moe_w4a4_sm100 import GATE_UP_BLOCK, MOE_VARIANTS, MoeDownVariant, MoeGateUpVariant
 from moe_nvfp4.formats import NVFP4Tensor, quantize_nvfp4
 from moe_nvfp4.layouts import unswizzle_scales_128x4
 from moe_nvfp4.routing import plan_routing
+from moe_nvfp4.weight_layouts import Sm100Layout, padded_intermediate
 from test_cute_sm100 import assert_block_scaled_mma, assert_tma_stage, assert_tmem_use, compile_ptx
 
 GATE_UP = [v for v in MOE_VARIANTS if isinstance(v, MoeGateUpVariant)]
@@ -74,6 +70,11 @@ def test_down_epilogue_scales_rows_by_their_weight(ptx: dict[str, str], variant:
     assert widened and any(re.search(rf"mul\.lo\.s64\s+%rd\d+, {r},", text) for r in widened)
 
 
+def prepare_moe_weights_sm100(w13: NVFP4Tensor, w2: NVFP4Tensor) -> m.MoEWeights:
+    """Our sm_100a layout whatever the device (the API packs in it only where dispatch picks the cute backend)."""
+    return api._packed(w13, w2, Sm100Layout())
+
+
 def _weights(e: int, hidden: int, inter: int, gen: torch.Generator) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     w13 = torch.randn(e, 2 * inter, hidden, generator=gen)
     w2 = torch.randn(e, hidden, inter, generator=gen)
@@ -91,16 +92,16 @@ def test_weights_interleave_gate_and_up_in_epilogue_blocks(inter: int, gen: torc
     row = torch.arange(2 * ip)
     half, within = (row // GATE_UP_BLOCK) % 2, (row // (2 * GATE_UP_BLOCK)) * GATE_UP_BLOCK + row % GATE_UP_BLOCK
     source = torch.where(within < inter, half * inter + within, -1)
-    scales = unswizzle_scales_128x4(packed.w13_interleaved_scale.view(torch.uint8), 2 * ip, hidden // 16)
+    scales = unswizzle_scales_128x4(packed.w13_scale.view(torch.uint8), 2 * ip, hidden // 16)
     for r, s in enumerate(source.tolist()):
         if s < 0:
-            assert not packed.w13_interleaved[:, r].any() and not scales[:, r].any()
+            assert not packed.w13_packed[:, r].any() and not scales[:, r].any()
         else:
-            assert torch.equal(packed.w13_interleaved[:, r], w13.packed[:, s])
+            assert torch.equal(packed.w13_packed[:, r], w13.packed[:, s])
             assert torch.equal(scales[:, r], w13.block_scale.view(torch.uint8)[:, s])
-    assert torch.equal(packed.gate_up_global, w13.global_scale)
-    w2_scales = unswizzle_scales_128x4(packed.w2.block_scale.view(torch.uint8), hidden, ip // 16)
-    assert torch.equal(packed.w2.packed[..., : inter // 2], w2.packed) and not packed.w2.packed[..., inter // 2 :].any()
+    assert torch.equal(packed.w13_global, w13.global_scale)
+    w2_scales = unswizzle_scales_128x4(packed.w2_scale.view(torch.uint8), hidden, ip // 16)
+    assert torch.equal(packed.w2_packed[..., : inter // 2], w2.packed) and not packed.w2_packed[..., inter // 2 :].any()
     assert torch.equal(w2_scales[..., : inter // 16], w2.block_scale.view(torch.uint8))
     assert not w2_scales[..., inter // 16 :].any()
 
@@ -187,19 +188,19 @@ def test_gemm_plans_point_each_expert_at_its_rows_and_weights(gen: torch.Generat
     r = rows.row_pairs.numel()
     a = m.quantize_activations(torch.randn(r, hidden, generator=gen), torch.tensor([0.01]))
     act = torch.empty(r, padded_intermediate(inter), dtype=torch.bfloat16)
-    alpha = packed.gate_up_global * 0.01
-    gemm1 = _gemm_plan(MoeGateUpVariant(128), a, packed.w13_interleaved, packed.w13_interleaved_scale, act, rows, alpha, (), 3)
+    alpha = packed.w13_global * 0.01
+    gemm1 = _gemm_plan(MoeGateUpVariant(128), a, packed.w13_packed, packed.w13_scale, act, rows, alpha, (), 3)
     partial = torch.empty(ids.numel(), hidden)
-    gemm2 = _gemm_plan(MoeDownVariant(256), a, packed.w2.packed, packed.w2.block_scale, partial, rows,
-                       packed.w2.global_scale[:, None], (rows.row_pairs, rows.row_weights), 3)  # fmt: skip
+    gemm2 = _gemm_plan(MoeDownVariant(256), a, packed.w2_packed, packed.w2_scale, partial, rows,
+                       packed.w2_global[:, None], (rows.row_pairs, rows.row_weights), 3)  # fmt: skip
     scale_row = a.block_scale.shape[1]  # bytes per row of the swizzled A scales: a 128-row segment is 128 rows
     for expert in range(e):
         off = int(rows.padded_offsets[expert])
         a_columns = (a.packed.data_ptr() + off * hidden // 2, a.block_scale.data_ptr() + off * scale_row)
-        expected1 = [a_columns[0], packed.w13_interleaved[expert].data_ptr(), a_columns[1],
-                     packed.w13_interleaved_scale[expert].data_ptr(), act[off].data_ptr()]  # fmt: skip
+        expected1 = [a_columns[0], packed.w13_packed[expert].data_ptr(), a_columns[1],
+                     packed.w13_scale[expert].data_ptr(), act[off].data_ptr()]  # fmt: skip
         assert gemm1.pointers[expert].tolist() == expected1
-        expected2 = [a_columns[0], packed.w2.packed[expert].data_ptr(), a_columns[1], packed.w2.block_scale[expert].data_ptr(),
+        expected2 = [a_columns[0], packed.w2_packed[expert].data_ptr(), a_columns[1], packed.w2_scale[expert].data_ptr(),
                      partial.data_ptr(), rows.row_pairs[off:].data_ptr(), rows.row_weights[off:].data_ptr()]  # fmt: skip
         assert gemm2.pointers[expert].tolist() == expected2
     count = rows.counts.tolist()

@@ -64,7 +64,7 @@ def test_zoo_holds_every_model_of_the_issue_with_its_per_rank_shapes() -> None:
         assert mine[0].key == m.key and (mine[0].tp, mine[0].ep) == (1, 1)
         assert len(mine) == (1 + 5 - (m.key == "gpt-oss-120b") if m.large else 1)  # gpt-oss: 2880 / 8 splits a block
     kimi = zoo_shape("kimi-k2-ep8")
-    assert (kimi.experts, kimi.global_experts, kimi.intermediate, kimi.local_fraction) == (48, 384, 2048, 0.125)
+    assert (kimi.experts, kimi.global_experts, kimi.intermediate) == (48, 384, 2048)
     assert (zoo_shape("qwen3-235b-a22b-tp8").intermediate, zoo_shape("qwen3-235b-a22b-tp8").experts) == (192, 128)
     with pytest.raises(ValueError, match="gpt-oss-120b-tp8"):
         zoo_shape("gpt-oss-120b-tp8")
@@ -143,6 +143,7 @@ def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
     for s, t in ((mixtral, 16), (qwen3, 64)):
         decode = cfg(s, t)
         assert decode.block_m == 8 and decode.gemm1.warp_specialized and decode.gemm2.warp_specialized
+        assert (decode.gemm1.block_n, decode.gemm2.block_n) == (64, configs.DECODE_GEMM2_BLOCK_N)  # N = I, N = H
     for s in (mixtral, qwen3):
         prefill = cfg(s, 4096)
         assert prefill.block_m == 128 and not prefill.gemm1.warp_specialized and prefill.partials_in_x_dtype
@@ -152,7 +153,8 @@ def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
 
 def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
     """8-token tiles: a GEMM whose expected 64-row tiles (busy experts x token tiles x N / 64) are fewer than the
-    SMs runs one program per SM with a deeper ring; where they fill the SMs, two programs with the plain one."""
+    SMs runs one program per SM with a deeper ring; where they fill the SMs, two programs with the plain one.
+    GEMM2's 128-row tiles do not change that count (DECODE_GEMM2_BLOCK_N)."""
     glm_tp8, mixtral_ep8 = layer(zoo_shape("glm-4.5-tp8")), layer(zoo_shape("mixtral-8x22b-ep8"))
     assert glm_tp8.decode_tiles(4, glm_tp8.intermediate, 8, 64) < 132 <= glm_tp8.decode_tiles(16, glm_tp8.intermediate, 8, 64)
 

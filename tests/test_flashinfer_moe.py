@@ -17,13 +17,13 @@ import torch
 import moe_nvfp4 as m
 import moe_nvfp4.api as api
 from moe_nvfp4.dispatch import _select
-from moe_nvfp4.flashinfer_moe import (
-    MoEWeightsFlashInfer,
-    fused_moe_w4a4_flashinfer,
-    gated_rows_order,
-    prepare_moe_weights_flashinfer,
-    shuffle_rows_order,
-)
+from moe_nvfp4.flashinfer_moe import fused_moe_w4a4_flashinfer
+from moe_nvfp4.weight_layouts import FlashInferLayout, gated_rows_order, shuffle_rows_order
+
+
+def prepare_moe_weights_flashinfer(w13: m.NVFP4Tensor, w2: m.NVFP4Tensor, *, expert_offset: int = 0) -> m.MoEWeights:
+    """The FlashInfer layout whatever the device (the API packs in it only where dispatch picks FlashInfer)."""
+    return api._packed(w13, w2, FlashInferLayout(expert_offset=expert_offset))
 
 # TRT-LLM-gen's srcToDstBlk32RowMap, as printed in its source: old row r of a 32-row block goes to row MAP[r].
 BLK32_MAP = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
@@ -57,8 +57,8 @@ def test_round_trip_and_padding(gen, e, h, i) -> None:
     w13, w2 = _experts(gen, e, h, i)
     packed = prepare_moe_weights_flashinfer(w13, w2)
     i_pad, h_pad = -(-i // 64) * 64, -(-h // 256) * 256
-    assert packed.w13.shape == (e, 2 * i_pad, h_pad // 2) and packed.w13_scale.shape == (e, 2 * i_pad, h_pad // 16)
-    assert packed.w2.shape == (e, h_pad, i_pad // 2) and packed.w2_scale.shape == (e, h_pad, i_pad // 16)
+    assert packed.w13_packed.shape == (e, 2 * i_pad, h_pad // 2) and packed.w13_scale.shape == (e, 2 * i_pad, h_pad // 16)
+    assert packed.w2_packed.shape == (e, h_pad, i_pad // 2) and packed.w2_scale.shape == (e, h_pad, i_pad // 16)
     assert packed.w13_scale.dtype == packed.w2_scale.dtype == torch.float8_e4m3fn
     back13, back2 = packed.to_nvfp4()
     for got, want in ((back13, w13), (back2, w2)):
@@ -66,7 +66,8 @@ def test_round_trip_and_padding(gen, e, h, i) -> None:
         assert torch.equal(got.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
         assert torch.equal(got.global_scale, want.global_scale)
     # Padding is zero codes and zero scales: it contributes nothing whatever the activations hold there.
-    assert int(packed.w13.sum()) == int(w13.packed.long().sum()) and int(packed.w2.sum()) == int(w2.packed.long().sum())
+    assert int(packed.w13_packed.sum()) == int(w13.packed.long().sum())
+    assert int(packed.w2_packed.sum()) == int(w2.packed.long().sum())
 
 
 def _flashinfer_helpers() -> dict:
@@ -106,11 +107,11 @@ def test_layout_matches_flashinfer_helpers(gen, e, h, i) -> None:
         rows = fi["_maybe_get_cached_w3_w1_permute_indices"](cache, v13[x], 128, is_gated_act_gemm=True)
         sf_rows = fi["_maybe_get_cached_w3_w1_permute_indices"](cache, s13[x], 128, num_elts_per_sf=16,
                                                                 is_gated_act_gemm=True)  # fmt: skip
-        assert torch.equal(ours.w13[x], v13[x][rows])
+        assert torch.equal(ours.w13_packed[x], v13[x][rows])
         assert torch.equal(ours.w13_scale[x].view(torch.uint8), m.swizzle_scales_128x4(s13[x][sf_rows]))
         rows = fi["get_w2_permute_indices_with_cache"](cache, v2[x], 128)
         sf_rows = fi["get_w2_permute_indices_with_cache"](cache, s2[x], 128, num_elts_per_sf=16)
-        assert torch.equal(ours.w2[x], v2[x][rows])
+        assert torch.equal(ours.w2_packed[x], v2[x][rows])
         assert torch.equal(ours.w2_scale[x].view(torch.uint8), m.swizzle_scales_128x4(s2[x][sf_rows]))
 
 
@@ -122,7 +123,7 @@ def test_api_forward_on_the_flashinfer_layout(gen, monkeypatch) -> None:
     e, h, i, t = 3, 96, 48, 11
     w13, w2 = _experts(gen, e, h, i)
     weights = m.prepare_moe_weights_w4a4(w13, w2)
-    assert isinstance(weights, MoEWeightsFlashInfer)
+    assert isinstance(weights, m.MoEWeights) and weights.layout == FlashInferLayout()
     x = torch.randn(t, h, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen), 2)
     s13, s2 = torch.tensor([0.02]), torch.tensor([0.05])
@@ -137,6 +138,9 @@ def test_api_forward_on_the_flashinfer_layout(gen, monkeypatch) -> None:
     assert torch.equal(got, ref)
     with pytest.raises(ValueError, match="expert_map has only 4 entries"):
         m.fused_moe_w4a4(x, ep, tw, ti % 4, expert_map=expert_map[:4], w13_input_scale=s13, w2_input_scale=s2)
+    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", "cute"))
+    with pytest.raises(ValueError, match="flashinfer_trtllm layout, but cpu runs the W4A4 MoE on cute"):
+        m.fused_moe_w4a4(x, ep, tw, ti, expert_map=expert_map, w13_input_scale=s13, w2_input_scale=s2)
 
 
 def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
@@ -169,7 +173,8 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
     x = torch.randn(t, h, generator=gen).half()
     tw, ti = m.topk_softmax(torch.randn(t, 12, generator=gen), 2)
     a13, a2 = torch.tensor([0.25]), torch.tensor([0.125])
-    out = fused_moe_w4a4_flashinfer(x, weights, tw, ti.to(torch.int32), 12, (a13, a2))
+    global_map = torch.zeros(12, dtype=torch.int32)  # only its length counts: the kernel routes by the offset
+    out = fused_moe_w4a4_flashinfer(x, weights, tw, ti.to(torch.int32), global_map, (a13, a2))
 
     q = calls["quantize"]
     assert q["x"].dtype == torch.bfloat16 and q["x"].shape == (t, 256)
@@ -179,8 +184,8 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
     ids, weights_bf16 = k["topk_ids"]
     assert ids.dtype == torch.int32 and torch.equal(ids, ti.to(torch.int32)) and torch.equal(weights_bf16, tw.bfloat16())
     assert k["hidden_states_scale"].dtype == torch.float8_e4m3fn and k["hidden_states_scale"].shape == (t, 16)
-    for name, tensor in (("gemm1_weights", weights.w13), ("gemm1_weights_scale", weights.w13_scale),
-                         ("gemm2_weights", weights.w2), ("gemm2_weights_scale", weights.w2_scale)):  # fmt: skip
+    for name, tensor in (("gemm1_weights", weights.w13_packed), ("gemm1_weights_scale", weights.w13_scale),
+                         ("gemm2_weights", weights.w2_packed), ("gemm2_weights_scale", weights.w2_scale)):  # fmt: skip
         assert k[name] is tensor
     gs = w13.global_scale
     torch.testing.assert_close(k["output1_scale_gate_scalar"], 0.25 * gs[:, 0], rtol=1e-6, atol=0)
@@ -191,4 +196,4 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
     assert all(k[n] is None for n in ("routing_bias", "gemm1_bias", "gemm2_bias", "gemm1_alpha", "gemm1_clamp_limit"))
     assert out.dtype == torch.float16 and out.shape == (t, h)
     assert torch.equal(out, k["output"][:, :h].half())
-    assert fused_moe_w4a4_flashinfer(x[:0], weights, tw[:0], ti[:0], 12, (a13, a2)).shape == (0, h)
+    assert fused_moe_w4a4_flashinfer(x[:0], weights, tw[:0], ti[:0], global_map, (a13, a2)).shape == (0, h)

@@ -464,65 +464,6 @@ def test_decode_instruction_budget() -> None:
     assert words <= ops["PRMT"] <= words + 16  # the rest: a few outside the decode
 
 
-@pytest.mark.parametrize("ablation", ["full", "no_decode", "no_mma", "loads_only", "no_fence", "stages_only"])
-def test_ablations_take_out_what_they_name(ablation: str, monkeypatch, tmp_path) -> None:
-    """tools/ablate_ws.py's kernels (the GPU times in design 002 come from them) still apply to the
-    current source and compile for sm_90, each without exactly the work it names: the decode PTX's packed
-    multiplies, the wgmma, the proxy fence; stages_only all of the stage's reads, decode and MMAs, keeping its waits
-    and frees."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import ablate_ws
-
-    from moe_nvfp4.triton import moe_sm90_ws as W
-
-    monkeypatch.setattr(W, "_moe_gemm_ws_kernel", ablate_ws.load_ablation(ablation, tmp_path)._moe_gemm_ws_kernel)
-    ptx = _compile_ws(True, 128, 4, 128, 2)["ptx"]
-    assert ("mul.rn.bf16x2" in ptx) == (ablation not in ("no_decode", "loads_only", "stages_only"))
-    assert ("wgmma.mma_async" in ptx) == (ablation not in ("no_mma", "loads_only", "stages_only"))
-    assert ("fence.proxy.async.shared::cta" in ptx) == (ablation != "no_fence")
-    # every one but stages_only still reads the stage's bytes; all wait for each stage and free it
-    assert ("ld.shared.v4" in ptx) == (ablation != "stages_only")
-    assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
-
-
-@pytest.mark.parametrize("gated,pair_tiles,k_groups", [(True, True, 2), (False, True, 1), (True, False, 1)])
-def test_timeline_probes_compile_into_the_gluon_gemm(gated: bool, pair_tiles: bool, k_groups: int, monkeypatch,
-                                                     tmp_path) -> None:
-    """tools/timeline_ws.py's probed kernel (the timelines in design 002): every edit applies to the current
-    source, and the sm_90 build reads the global timer and the cycle counter at each point (MMA group 0's five,
-    the loader's one) and stores both to the buffer's address."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import ablate_ws
-    import timeline_ws
-
-    from moe_nvfp4.triton import moe_sm90_ws as W
-
-    address = 0x7F0000000000
-    probed = timeline_ws.timeline_source(address)
-    module = ablate_ws.module_from_source(probed, tmp_path, "moe_sm90_ws_timeline")
-    monkeypatch.setattr(W, "_moe_gemm_ws_kernel", module._moe_gemm_ws_kernel)
-    assert probed.count("_stamp(") == len(timeline_ws.EVENTS) + 1  # the calls and the definition
-    ptx = _compile_ws(gated, 64, 4, 168 if k_groups > 1 else 128, 2, k_groups, 2 * k_groups, block_m=8,
-                      pair_tiles=pair_tiles)["ptx"]  # fmt: skip
-    assert ptx.count("%globaltimer") == ptx.count("%clock64") == len(timeline_ws.EVENTS)
-    assert str(address) in ptx or hex(address)[2:] in ptx.lower()
-
-
-def test_ab_moe_loads_another_version_of_the_gluon_module(monkeypatch, tmp_path) -> None:
-    """tools/ab_moe.py's ``ws=PATH`` variant (the A/B timings in design 002): a copy of moe_sm90_ws loads as a
-    module of its own, beside the package's, and its kernel compiles for sm_90 as the package's does."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import ab_moe
-
-    from moe_nvfp4.triton import moe_sm90_ws as W
-
-    copy = ab_moe.load_ws_module(Path(W.__file__), tmp_path, "moe_sm90_ws_copy")
-    assert copy is not W and copy._moe_gemm_ws_kernel is not W._moe_gemm_ws_kernel
-    assert copy.launch_gemm_ws.__module__ == "moe_sm90_ws_copy"
-    monkeypatch.setattr(W, "_moe_gemm_ws_kernel", copy._moe_gemm_ws_kernel)
-    assert "wgmma.mma_async" in _compile_ws(False, 64, 4, 128)["ptx"]
-
-
 def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
     """tools/ab_moe.py's ``pkg=DIR`` variant: a copy of the package (as ``git archive REV moe_nvfp4`` writes
     it) imports under a name of its own, its sm_90 host and Gluon module its own, not the installed package's; a

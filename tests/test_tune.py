@@ -322,7 +322,7 @@ def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
 
 
 def test_packed_layer_and_seeded_inputs(monkeypatch) -> None:
-    """The tuner's layer and inputs, shared with tools/ (ab_moe, ablate_ws, loader_rate, timeline_ws): fused_moe_sm90's
+    """The tuner's layer and inputs, shared with tools/ (ab_moe, profile_moe, power_moe): fused_moe_sm90's
     weight tensors in its argument order, and inputs that repeat for a token count and differ between counts."""
     import tune_moe
     import torch

@@ -314,9 +314,9 @@ def test_load_and_apply_matches_reference(plugin, gen, convention, w4a4):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
-@pytest.mark.parametrize(("convention", "backend", "layout"), [("modelopt", "cute", "MoEWeightsSm100"),
-                                                              ("compressed-tensors", "cute", "MoEWeightsSm100"),
-                                                              ("modelopt", None, "MoEWeightsFlashInfer")])  # fmt: skip
+@pytest.mark.parametrize(("convention", "backend", "layout"), [("modelopt", "cute", "sm100_interleaved"),
+                                                              ("compressed-tensors", "cute", "sm100_interleaved"),
+                                                              ("modelopt", None, "flashinfer_trtllm")])  # fmt: skip
 def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, convention, backend, layout, monkeypatch):
     """Where dispatch has a W4A4 MoE backend (sm_100/sm_103; faked here: FlashInfer's by default, ours when
     chosen) a checkpoint with input scales is laid out for that backend and apply quantizes the activations with
@@ -333,7 +333,7 @@ def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, conve
     layer = _routed_experts(_config(plugin, convention, True))
     _load(layer, ex.tensors)
     weights = getattr(layer, method.WEIGHTS_ATTR)
-    assert type(weights).__name__ == layout
+    assert isinstance(weights, moe_nvfp4.MoEWeights) and weights.layout.name == layout
     w13, w2 = weights.to_nvfp4()
     assert torch.equal(w13.packed, ex.w13.packed) and torch.equal(w2.packed, ex.w2.packed)
     largest = torch.tensor([0.5 + (E - 1) / 10])
@@ -355,7 +355,7 @@ def test_w4a4_checkpoint_stays_w4a16_on_hopper(plugin, gen, monkeypatch):
     layer = _routed_experts(_config(plugin, "modelopt", True))
     monkeypatch.setattr(layer.quant_method, "_warmup", lambda layer, weights: None)  # no Triton on CPU tensors
     _load(layer, _experts(gen, "modelopt", w4a4=True).tensors)
-    assert type(getattr(layer, method.WEIGHTS_ATTR)).__name__ == "MoEWeights"
+    assert getattr(layer, method.WEIGHTS_ATTR).layout.name == "sm90_fragments"
     assert layer.quant_method.w4a4_input_scales is None
 
 

@@ -2,18 +2,14 @@
 percent within the hour, so only same-run comparisons decide a kernel change).
 
     python tools/ab_moe.py --cases qwen3-30b-a3b:1,mixtral-8x7b:16 --variants shipped,partials_in_x_dtype
-    git show HEAD~1:moe_nvfp4/triton/moe_sm90_ws.py > /tmp/old.py
-    python tools/ab_moe.py --variants ws=/tmp/old.py,shipped
     mkdir /tmp/old && git archive HEAD~1 moe_nvfp4 | tar -x -C /tmp/old
     python tools/ab_moe.py --variants pkg=/tmp/old,shipped
 
     cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
         python tools/ab_moe.py --variants configs=/tmp/before,shipped
 
-A variant is ``shipped`` (the tuned config), ``ws=PATH`` (the tuned config launched through another version of
-the warp-specialized module, the file at PATH, whose launch_gemm_ws takes the installed host's arguments: for a
-version from before pair tiles (d67b485) use pkg=DIR), ``pkg=DIR`` (the tuned config run by another version of the
-whole package, DIR/moe_nvfp4: for changes to the host code or the routing too), ``configs=DIR`` (the config a
+A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
+package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
@@ -32,21 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
-
-from ablate_ws import _IMPORTS, module_from_source  # noqa: E402
-
-# a moe_sm90_ws from before sm90_common took the shared helpers from moe_sm90, which still has them
-_OLDER_IMPORTS = [("from .moe_sm90 import", "from moe_nvfp4.triton.moe_sm90 import")]
-
-
-def load_ws_module(path: Path, directory: Path, name: str):
-    """Another version of moe_sm90_ws (the file at ``path``) as a module of its own, its relative imports made
-    absolute."""
-    src = path.read_text()
-    for old, new in _IMPORTS + _OLDER_IMPORTS:
-        src = src.replace(old, new)
-    return module_from_source(src, directory, name)
-
 
 def load_package(directory: Path, scratch: Path, name: str):
     """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 module
@@ -108,7 +89,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     from harness import time_graph
     from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.layouts import FragmentLayout
-    from moe_nvfp4.triton import moe_sm90, moe_sm90_ws
+    from moe_nvfp4.triton import moe_sm90
     from tune_moe import MODELS, packed_layer, rotated_weights, seeded_inputs
 
     e, k, h, i = MODELS[model]
@@ -119,7 +100,6 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     x, tw, ti = seeded_inputs(model, tokens)
     weights = packed_layer(model)
     copies = rotated_weights(weights, ti)
-    shipped_launch = moe_sm90_ws.launch_gemm_ws
 
     def configured(variant: str):
         if variant in tuned_in:
@@ -143,24 +123,16 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)
     variants = [v for v in variants if v not in invalid]
 
-    def launching(variant: str):  # what fused_moe_sm90 imports as moe_sm90_ws.launch_gemm_ws
-        return modules[variant].launch_gemm_ws if variant.startswith("ws=") else shipped_launch
-
     times: dict[str, list[float]] = {v: [] for v in variants}
     errors: dict[str, float] = {}
-    try:
-        ref = None
+    ref = None
+    for v in variants:
+        out = forwards(v)[0]().float()
+        ref = out if ref is None else ref
+        errors[v] = ((out - ref).norm() / ref.norm()).item()
+    for _ in range(rounds):
         for v in variants:
-            moe_sm90_ws.launch_gemm_ws = launching(v)
-            out = forwards(v)[0]().float()
-            ref = out if ref is None else ref
-            errors[v] = ((out - ref).norm() / ref.norm()).item()
-        for _ in range(rounds):
-            for v in variants:
-                moe_sm90_ws.launch_gemm_ws = launching(v)
-                times[v].append(time_graph(forwards(v)).median_us)
-    finally:
-        moe_sm90_ws.launch_gemm_ws = shipped_launch
+            times[v].append(time_graph(forwards(v)).median_us)
     rows = []
     for v in variants:
         rows.append(dict(model=model, tokens=tokens, variant=v, median_us=statistics.median(times[v]),
@@ -174,16 +146,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="mixtral-8x7b:1,mixtral-8x7b:16,mixtral-8x7b:64,qwen3-30b-a3b:1,"
                                       "qwen3-30b-a3b:16,qwen3-30b-a3b:64", help="model:tokens, comma separated")  # fmt: skip
-    p.add_argument("--variants", default="shipped", help="shipped, ws=PATH or a MoEKernelConfig field, comma separated")
+    p.add_argument("--variants", default="shipped", help="shipped, pkg=DIR, configs=DIR or a MoEKernelConfig field, comma separated")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")
     args = p.parse_args()
     variants = args.variants.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        modules = {v: load_ws_module(Path(v[3:]), Path(tmp), f"moe_sm90_ws_{i}")
-                   for i, v in enumerate(variants) if v.startswith("ws=")}  # fmt: skip
-        modules.update({v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
-                        for i, v in enumerate(variants) if v.startswith("pkg=")})  # fmt: skip
+        modules = {v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
+                   for i, v in enumerate(variants) if v.startswith("pkg=")}  # fmt: skip
         rows = []
         for case in args.cases.split(","):
             model, tokens = case.split(":")

@@ -40,7 +40,6 @@ from vllm.model_executor.utils import set_weight_attrs
 import moe_nvfp4
 from moe_nvfp4.autotune import autotune_enabled, autotune_fused_moe
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
-from moe_nvfp4.backends import TORCH
 from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
 from moe_nvfp4.validate import check_moe_layer, raise_first_error
@@ -280,7 +279,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             delattr(layer, p.name)  # the checkpoint copies; prepare_moe_weights makes the kernel's own
         self.loaded.clear()
         plain = self.activation == SILU and not self.moe.has_bias and not layer.apply_router_weight_on_input
-        if plain and self.w13_input_scale is not None and select_backends(w13.packed.device).moe_w4a4 not in (None, TORCH):
+        w4a4 = select_backends(w13.packed.device).moe_w4a4
+        if plain and self.w13_input_scale is not None and w4a4 is not None and not w4a4.reference:
             if global_ids != list(range(global_ids[0], global_ids[0] + n_local)):
                 raise ValueError(f"{name}: the W4A4 MoE takes this rank's experts as one contiguous range of global "
                                  f"ids, got {global_ids}; use the linear expert placement")  # fmt: skip

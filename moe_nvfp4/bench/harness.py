@@ -41,7 +41,6 @@ __all__ = [
     "measure_bf16_matmul_rate",
     "measure_ceilings",
     "measure_copy_bandwidth",
-    "measure_read_bandwidth",
     "nvfp4_matrix_bytes",
     "pct_of_floor",
     "ratio",
@@ -263,14 +262,6 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, device: str =
         return lambda: dst.copy_(src)
 
     return _streaming_rate(copy, 2, nbytes, iters, device)
-
-
-def measure_read_bandwidth(nbytes: int = 2 << 30, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:
-    """A float32 sum over ``nbytes`` (>> L2): bytes read per second, the ceiling a weight-streaming kernel could
-    reach (the copy's rate counts a read and a write, and writes cost HBM more). Median."""
-    import torch
-
-    return _streaming_rate(lambda src: lambda: src.view(torch.float32).sum(), 1, nbytes, iters, device)
 
 
 def measure_bf16_matmul_rate(n: int = 8192, iters: int = 20, device: str = "cuda") -> tuple[float, dict]:

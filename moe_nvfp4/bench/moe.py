@@ -569,7 +569,7 @@ def model_summaries(rows: list[dict]) -> list[str]:
     return out
 
 
-def summary_lines(meta: dict, rows: list[dict]) -> list[str]:
+def summary_lines(meta: dict) -> list[str]:
     c = meta["ceilings"]
     return [
         f"device: {meta.get('device')} (sm_{str(meta.get('capability', '')).replace('.', '')}), "
@@ -668,7 +668,7 @@ def write_reports(out: str, args: argparse.Namespace, meta: dict, rows: list[dic
     if "json" in targets:
         write_json(targets["json"], meta, rows)
     if "md" in targets:
-        write_markdown(targets["md"], "NVFP4 MoE forward", summary_lines(meta, rows),
+        write_markdown(targets["md"], "NVFP4 MoE forward", summary_lines(meta),
                        markdown_table(rows, columns(args.paths)), report_notes(args, rows))  # fmt: skip
     return list(targets.values())
 
@@ -677,7 +677,7 @@ def stdout_report(args: argparse.Namespace, meta: dict, rows: list[dict]) -> str
     """The summary, one line per model and the table (statuses clipped), for the terminal."""
     short = [dict(r, status=_clip(r.get("status"), 60)) for r in rows]
     table = markdown_table(short, [c for c in columns(args.paths) if c[0] != "touched_experts"])
-    return "\n".join(["", *summary_lines(meta, rows), *model_summaries(rows), table])
+    return "\n".join(["", *summary_lines(meta), *model_summaries(rows), table])
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = log) -> list[dict]:

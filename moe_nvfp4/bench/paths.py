@@ -18,10 +18,9 @@ from typing import Any, Callable
 
 from .harness import MoEShape
 
-__all__ = ["PATHS", "VLLM_PATHS", "Path", "build_path", "clone_tensors", "short_error"]
+__all__ = ["PATHS", "Path", "build_path", "clone_tensors", "short_error"]
 
 PATHS = ("ours", "marlin", "humming", "bf16", "torch")
-VLLM_PATHS = ("marlin", "humming", "bf16")  # the paths built from vLLM's code
 
 
 def short_error(exc: BaseException) -> str:

@@ -8,16 +8,18 @@ layout (``scale_layout`` in the kernel module, checked against ``layouts.swizzle
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..dispatch import sm_count
+from ..formats import NVFP4Tensor, grouped_operands
 
-from .grouped_w4a4_sm100 import TILE_K, TILE_M, GroupedW4A4Variant, compiled_kernel, kernel_arguments
+from .grouped_w4a4_sm100 import TILE_M, GroupedW4A4Variant, compiled_kernel, kernel_arguments
 
-__all__ = ["GroupedW4A4Sm100Plan", "plan_grouped_w4a4_sm100", "launch_grouped_w4a4_sm100", "num_ctas_for", "tile_walk"]
+__all__ = ["GroupedW4A4Sm100Plan", "plan_grouped_w4a4_sm100", "launch_grouped_w4a4_sm100", "num_ctas_for", "tile_walk",
+           "plan_grouped_nvfp4_sm100", "grouped_gemm_nvfp4_sm100"]  # fmt: skip
 
 DESCRIPTOR_WORDS = 4 * 128 // 8  # four 128-byte TMA descriptors per CTA, as int64
 _TMA_ALIGN = 16  # bytes: TMA global addresses and row strides
@@ -85,6 +87,19 @@ def plan_grouped_w4a4_sm100(
         num_ctas=num_ctas,
         variant=variant,
     )
+
+
+def plan_grouped_nvfp4_sm100(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
+                             out_dtype: torch.dtype) -> GroupedW4A4Sm100Plan:  # fmt: skip
+    """The cute backend's ``plan_grouped_gemm`` (inputs checked by the API)."""
+    operands, scale = grouped_operands(a, b, alpha)
+    return plan_grouped_w4a4_sm100(operands, scale, out_dtype)
+
+
+def grouped_gemm_nvfp4_sm100(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
+                             out_dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
+    """The cute backend's ``grouped_gemm``: plan, then one launch."""
+    return launch_grouped_w4a4_sm100(plan_grouped_nvfp4_sm100(a, b, alpha=alpha, out_dtype=out_dtype))
 
 
 def descriptor_workspace(num_ctas: int, device: torch.device) -> torch.Tensor:

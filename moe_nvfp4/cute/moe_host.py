@@ -1,4 +1,4 @@
-"""Host side of the sm_100a W4A4 fused MoE: weight packing (once), and per forward the padded token-sorted
+"""Host side of the sm_100a W4A4 fused MoE (weights in ``weight_layouts.Sm100Layout``): per forward the padded token-sorted
 row map, the per-expert pointer/size arrays (device tensors: no host synchronisation, CUDA-graph safe), and
 ``fused_moe_w4a4_sm100``, the Hopper path's ``fused_moe_sm90`` with input scales and this kernel.
 
@@ -10,107 +10,22 @@ The number of padded rows is ``128 * max_tiles(T * top_k, E, 128)``, fixed by th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from ..formats import NVFP4Tensor, ScaleLayout
-from ..layouts import swizzle_scales_128x4, unswizzle_scales_128x4
+from ..formats import NVFP4Tensor
+from ..weight_layouts import padded_intermediate
 from .grouped_w4a4_sm100 import TILE_M, GroupedW4A4Variant
 from .host import GroupedW4A4Sm100Plan, descriptor_workspace, launch_grouped_w4a4_sm100, num_ctas_for
-from .moe_w4a4_sm100 import GATE_UP_BLOCK, MoeDownVariant, MoeGateUpVariant
+from .moe_w4a4_sm100 import MoeDownVariant, MoeGateUpVariant
 
-__all__ = ["MoEWeightsSm100", "prepare_moe_weights_sm100", "PaddedRows", "padded_rows", "padded_intermediate", "expert_pointers",
-           "fused_moe_w4a4_sm100"]  # fmt: skip
+if TYPE_CHECKING:
+    from ..weights import MoEWeights
 
-
-@dataclass(frozen=True)
-class MoEWeightsSm100:
-    """Expert weights as the sm_100a kernels read them: K-major packed FP4 and 128x4-swizzled e4m3 scales,
-    stacked per expert.
-
-    w13: rows interleave gate and up in blocks of GATE_UP_BLOCK (both padded to I_pad = pad32(I) rows), so it
-    is not an NVFP4Tensor (whose segments are contiguous row ranges): packed uint8 [E, 2 I_pad, H/2], scales
-    [E, pad128(2 I_pad), pad4(H/16)], global scales fp32 [E, 2] (gate, up).
-    w2: an NVFP4Tensor [E, H, I_pad] with swizzled scales; K padded to I_pad with zero codes and scales."""
-
-    w13_interleaved: torch.Tensor
-    w13_interleaved_scale: torch.Tensor
-    gate_up_global: torch.Tensor
-    w2: NVFP4Tensor
-    intermediate: int
-
-    @property
-    def hidden(self) -> int:
-        return self.w2.n
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The six tensors in the order the custom op carries them (``from_tensors`` reverses it)."""
-        w2 = self.w2
-        return [self.w13_interleaved, self.w13_interleaved_scale, self.gate_up_global, w2.packed, w2.block_scale, w2.global_scale]
-
-    @classmethod
-    def from_tensors(cls, tensors: list[torch.Tensor], intermediate: int) -> "MoEWeightsSm100":
-        w13, w13_scale, gate_up_global, w2, w2_scale, w2_global = tensors
-        return cls(w13, w13_scale, gate_up_global, NVFP4Tensor(w2, w2_scale, w2_global, ScaleLayout.SWIZZLED_128x4),
-                   intermediate)  # fmt: skip
-
-    def to_nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        """Back to the checkpoint layout (gate rows then up rows, linear scales): the reference's input."""
-        e, inter, inter_pad = self.w13_interleaved.shape[0], self.intermediate, padded_intermediate(self.intermediate)
-        scales = unswizzle_scales_128x4(self.w13_interleaved_scale.view(torch.uint8), 2 * inter_pad, self.hidden // 16)
-
-        def deinterleave(t: torch.Tensor) -> torch.Tensor:
-            blocks = t.reshape(e, inter_pad // GATE_UP_BLOCK, 2, GATE_UP_BLOCK, t.shape[-1])
-            return torch.cat([blocks[:, :, h].reshape(e, inter_pad, -1)[:, :inter] for h in (0, 1)], 1)
-
-        w13 = NVFP4Tensor(deinterleave(self.w13_interleaved), deinterleave(scales).view(torch.float8_e4m3fn),
-                          self.gate_up_global)  # fmt: skip
-        w2 = self.w2.linear_scales()
-        w2 = NVFP4Tensor(w2.packed[..., : inter // 2], w2.block_scale[..., : inter // 16], w2.global_scale)
-        return w13, w2
-
-
-def padded_intermediate(intermediate: int) -> int:
-    """I_pad: gate and up each padded to whole interleave blocks (also GEMM2's K, a multiple of 32 for TMA)."""
-    return -(-intermediate // GATE_UP_BLOCK) * GATE_UP_BLOCK
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """[E, R, C] -> [E, rows, C], zeros below."""
-    return torch.cat((t, t.new_zeros(t.shape[0], rows - t.shape[1], t.shape[2])), 1)
-
-
-def prepare_moe_weights_sm100(w13: NVFP4Tensor, w2: NVFP4Tensor) -> MoEWeightsSm100:
-    """Checkpoint tensors (w13 [E, 2I, H], gate rows then up rows, global [E] or [E, 2]; w2 [E, H, I]) ->
-    the sm_100a layout (``api.prepare_moe_weights_w4a4`` validates them first).  Needs H % 32 == 0 (16-byte
-    TMA rows)."""
-    w13, w2 = w13.linear_scales(), w2.linear_scales()
-    e, hidden, inter = w13.packed.shape[0], w13.k, w2.k
-    if hidden % 32:
-        raise ValueError(f"hidden={hidden}; the sm_100a kernels need H % 32 == 0")
-    inter_pad = padded_intermediate(inter)
-
-    def interleave(t: torch.Tensor) -> torch.Tensor:
-        """[E, 2I, C] gate then up -> [E, 2 I_pad, C]: blocks of gate rows and up rows alternate."""
-        gate, up = (_pad_rows(half, inter_pad) for half in (t[:, :inter], t[:, inter:]))
-        blocks = (x.reshape(e, inter_pad // GATE_UP_BLOCK, 1, GATE_UP_BLOCK, t.shape[2]) for x in (gate, up))
-        return torch.cat(tuple(blocks), 2).reshape(e, 2 * inter_pad, t.shape[2])
-
-    def pad_k(t: torch.Tensor, columns: int) -> torch.Tensor:
-        return torch.cat((t, t.new_zeros(*t.shape[:-1], columns - t.shape[-1])), -1)
-
-    gs13 = w13.global_scale.float()
-    w2_scale = pad_k(w2.block_scale.view(torch.uint8), inter_pad // 16)
-    return MoEWeightsSm100(
-        w13_interleaved=interleave(w13.packed).contiguous(),
-        w13_interleaved_scale=swizzle_scales_128x4(interleave(w13.block_scale.view(torch.uint8))).view(torch.float8_e4m3fn),
-        gate_up_global=(gs13[:, None].expand(e, 2) if gs13.dim() == 1 else gs13).contiguous(),
-        w2=NVFP4Tensor(pad_k(w2.packed, inter_pad // 2).contiguous(), swizzle_scales_128x4(w2_scale).view(torch.float8_e4m3fn),
-                       w2.global_scale.float().contiguous(), ScaleLayout.SWIZZLED_128x4),
-        intermediate=inter,
-    )
+__all__ = ["PaddedRows", "padded_rows", "expert_pointers", "fused_moe_w4a4_sm100"]
 
 
 @dataclass(frozen=True)
@@ -227,7 +142,7 @@ def gather_rows(x: torch.Tensor, row_pairs: torch.Tensor, top_k: int) -> torch.T
 
 def fused_moe_w4a4_sm100(
     x: torch.Tensor,
-    weights: MoEWeightsSm100,
+    weights: MoEWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
@@ -249,7 +164,7 @@ def fused_moe_w4a4_sm100(
     out = torch.empty_like(x)
     if t == 0:
         return out
-    experts = weights.w13_interleaved.shape[0]
+    experts = weights.num_experts
     sorted_pairs, counts, offsets, tile_expert, tile_row, *_ = route(topk_ids, experts, TILE_M, expert_map)
     rows = padded_rows(sorted_pairs, counts, offsets, tile_expert, tile_row, topk_weights)
     num_ctas = num_ctas_for(x.device)
@@ -257,14 +172,14 @@ def fused_moe_w4a4_sm100(
     a1 = quantize_activations(gather_rows(x, rows.row_pairs, top_k), w13_input_scale)
     # Rows past each expert's pairs stay unwritten: they only feed padding rows of GEMM2, which are masked.
     act = torch.empty(rows.row_pairs.numel(), padded_intermediate(weights.intermediate), dtype=x.dtype, device=x.device)
-    alpha1 = weights.gate_up_global * w13_input_scale.reshape(())
-    launch_grouped_w4a4_sm100(_gemm_plan(MoeGateUpVariant(tile_n, x.dtype), a1, weights.w13_interleaved,
-                                         weights.w13_interleaved_scale, act, rows, alpha1, (), num_ctas))  # fmt: skip
+    alpha1 = weights.w13_global * w13_input_scale.reshape(())
+    launch_grouped_w4a4_sm100(_gemm_plan(MoeGateUpVariant(tile_n, x.dtype), a1, weights.w13_packed,
+                                         weights.w13_scale, act, rows, alpha1, (), num_ctas))  # fmt: skip
 
     a2 = quantize_activations(act, w2_input_scale)
     partial = torch.empty(t * top_k, hidden, dtype=torch.float32, device=x.device)  # [pair, H]
-    alpha2 = (weights.w2.global_scale * w2_input_scale.reshape(()))[:, None]
-    launch_grouped_w4a4_sm100(_gemm_plan(MoeDownVariant(tile_n), a2, weights.w2.packed, weights.w2.block_scale,
+    alpha2 = (weights.w2_global * w2_input_scale.reshape(()))[:, None]
+    launch_grouped_w4a4_sm100(_gemm_plan(MoeDownVariant(tile_n), a2, weights.w2_packed, weights.w2_scale,
                                          partial, rows, alpha2, (rows.row_pairs, rows.row_weights), num_ctas))  # fmt: skip
     combine(partial, topk_ids, expert_map, experts, out)
     return out

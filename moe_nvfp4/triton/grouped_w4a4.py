@@ -18,6 +18,7 @@ One persistent launch over every group's tiles: groups are found through the til
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,11 @@ import triton
 import triton.language as tl
 
 from ..dispatch import sm_count
+from ..formats import NVFP4Tensor, grouped_operands
 from .scale_layout import swizzled_offset
 
-__all__ = ["GroupedW4A4Plan", "plan_grouped_w4a4", "launch_grouped_w4a4"]
+__all__ = ["GroupedW4A4Plan", "plan_grouped_w4a4", "launch_grouped_w4a4", "plan_grouped_nvfp4",
+           "grouped_gemm_nvfp4_triton"]  # fmt: skip
 
 
 # Decoded operands are value * 2^-7 in bf16 (code bits in the exponent LSBs: code * 2^-126, times the block
@@ -309,3 +312,16 @@ def launch_grouped_w4a4(plan: GroupedW4A4Plan) -> list[torch.Tensor]:
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
     return plan.outs
+
+
+def plan_grouped_nvfp4(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> GroupedW4A4Plan:  # fmt: skip
+    """The triton backend's ``plan_grouped_gemm`` (inputs checked by the API)."""
+    operands, scale = grouped_operands(a, b, alpha)
+    return plan_grouped_w4a4(*operands, scale, out_dtype)
+
+
+def grouped_gemm_nvfp4_triton(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
+                              out_dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
+    """The triton backend's ``grouped_gemm``: plan, then one launch."""
+    return launch_grouped_w4a4(plan_grouped_nvfp4(a, b, alpha=alpha, out_dtype=out_dtype))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import NVFP4
+from ..formats import NVFP4, NVFP4Tensor, ScaleLayout
 from ..layouts import padded_scale_shape
 from .scale_layout import swizzled_offset
 
@@ -90,19 +90,21 @@ def _quantize_act_kernel(
     tl.store(scale_ptr + offset.to(tl.int64), scale_byte.to(tl.uint8), mask=(rows < m)[:, None] & (j < k // 16)[None, :])
 
 
-def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host wrapper (inputs checked by api.quantize_activations): returns (packed uint8 [M, K/2], e4m3 scales
-    [pad128(M), pad4(K/16)] in the 128x4 blocked layout)."""
+def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
+    """Host wrapper, the triton backend's ``quantize`` (inputs checked by api.quantize_activations; the global
+    scale 0-dim): packed uint8 [M, K/2], e4m3 scales [pad128(M), pad4(K/16)] in the 128x4 blocked layout."""
+    x = x.contiguous()
     m, k = x.shape
     prow, pcol = padded_scale_shape(m, k // NVFP4.block_size)
     packed = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     scales = torch.zeros(prow, pcol, dtype=NVFP4.scale_dtype, device=x.device)
+    result = NVFP4Tensor(packed, scales, input_global_scale, ScaleLayout.SWIZZLED_128x4)
     if m == 0:
-        return packed, scales
+        return result
     block_k = min(128, triton.next_power_of_2(k))
     block_m = 32
     _quantize_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
-        x, x.stride(0), input_global_scale, packed, scales.view(torch.uint8), m, k, pcol // 4,
+        x, x.stride(0), input_global_scale.reshape(1), packed, scales.view(torch.uint8), m, k, pcol // 4,
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
-    return packed, scales
+    return result

@@ -5,7 +5,6 @@ sm_90 module with the host's nvcc): our activation quantizer and our 128x4 swizz
 ``flashinfer.fp4_quantize`` and ``flashinfer.block_scale_interleave``, and our FlashInfer weight layout equals
 what vLLM 0.26's own ``prepare_static_weights_for_trtllm_fp4_moe`` builds with FlashInfer's CUDA helpers.
 sm_100/sm_103: the default W4A4 MoE (FlashInfer's fused MoE) against the reference.
-sm_90 with FlashInfer >= 0.7.1 installed beside the bundle: the cuTile W4A16 path against the reference.
 """
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.flashinfer_moe import prepare_moe_weights_flashinfer
+from moe_nvfp4.api import _packed
+from moe_nvfp4.weight_layouts import FlashInferLayout
 
 
 pytestmark = pytest.mark.gpu
@@ -86,13 +86,13 @@ def test_weight_layout_matches_vllm(e: int, h: int, i: int, gen) -> None:
     w2 = m.NVFP4Tensor(torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8),
                        (torch.rand(e, h, i // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
                        torch.rand(e, generator=gen) + 0.5)  # fmt: skip
-    ours = prepare_moe_weights_flashinfer(w13, w2)
+    ours = _packed(w13, w2, FlashInferLayout())
     swap = lambda t: torch.cat((t[:, i:], t[:, :i]), 1).contiguous().cuda()  # noqa: E731
     v13, s13, v2, s2 = prepare_static_weights_for_trtllm_fp4_moe(
         swap(w13.packed), w2.packed.cuda(), swap(w13.block_scale), w2.block_scale.cuda(), hidden_size=h,
         intermediate_size=i, num_experts=e, is_gated_activation=True,
     )  # fmt: skip
-    for name, got, want in (("w13", ours.w13, v13), ("w13_scale", ours.w13_scale, s13), ("w2", ours.w2, v2),
+    for name, got, want in (("w13", ours.w13_packed, v13), ("w13_scale", ours.w13_scale, s13), ("w2", ours.w2_packed, v2),
                             ("w2_scale", ours.w2_scale, s2)):  # fmt: skip
         assert torch.equal(got.view(torch.uint8), want.cpu().view(torch.uint8).reshape(got.shape)), name
 
@@ -119,21 +119,6 @@ def test_default_w4a4_moe_on_blackwell(e, h, i, t, top_k, gen) -> None:
     s13, s2 = torch.tensor([x.abs().max().item() / 2688]), torch.tensor([0.01])
     ref = m.fused_moe_torch(x, w13, w2, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
     weights = m.prepare_moe_weights_w4a4(w13.to("cuda"), w2.to("cuda"))
-    assert type(weights).__name__ == "MoEWeightsFlashInfer"
+    assert weights.layout == FlashInferLayout()
     out = m.fused_moe_w4a4(x.cuda(), weights, tw.cuda(), ti.cuda(), w13_input_scale=s13.cuda(), w2_input_scale=s2.cuda())
     assert _rel(out.cpu(), ref) < MOE_REL_TOL
-
-
-@pytest.mark.parametrize(("e", "h", "i", "t", "top_k"), [(8, 1024, 512, 1, 2), (16, 2048, 768, 300, 4)])
-def test_cutile_w4a16_path_on_hopper(e, h, i, t, top_k, gen) -> None:
-    """FlashInfer's cuTile NVFP4 x BF16 MoE (FlashInfer >= 0.7.1) against the W4A16 reference."""
-    flashinfer = _flashinfer()
-    if not hasattr(flashinfer.fused_moe, "CuTileNvfp4Bf16Config"):
-        pytest.skip(f"FlashInfer {flashinfer.__version__} has no cuTile NVFP4 MoE (>= 0.7.1; see design 005)")
-    from moe_nvfp4.flashinfer_moe import flashinfer_moe_path
-
-    w13, w2, x, tw, ti = _moe_inputs(gen, e, h, i, t, top_k)
-    ref = m.fused_moe_torch(x, w13, w2, tw, ti)
-    run = flashinfer_moe_path(w13.to("cuda"), w2.to("cuda"), top_k=top_k, max_tokens=t)
-    out = run(x.cuda(), tw.cuda(), ti.cuda())
-    assert _rel(out.cpu(), ref) < 1e-2  # bf16 activations both sides; fp32 vs bf16 accumulation order only
