@@ -233,11 +233,12 @@ def test_output_permissions_subdirectories_and_warnings(gen, tmp_path):
 
 
 _SLOW_CONVERT = """
-import sys, time
+import pathlib, sys, time
 from moe_nvfp4.convert import convert as c
 real = c._run_unit
 def slow(*a, **k):
-    time.sleep(0.5)
+    pathlib.Path(sys.argv[3]).touch()  # a unit is being converted: the signal lands mid-conversion
+    time.sleep(60)
     return real(*a, **k)
 c._run_unit = slow
 c.convert_checkpoint(sys.argv[1], sys.argv[2], progress=False)
@@ -247,13 +248,14 @@ c.convert_checkpoint(sys.argv[1], sys.argv[2], progress=False)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_removes_the_temp_directory(gen, tmp_path, sig):
     src = write_source(tmp_path / "src", expert_weights(gen))
-    out = tmp_path / "out"
+    out, converting = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}.converting"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(out)], env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(out), str(converting)], env=env,
+                            stderr=subprocess.PIPE)  # fmt: skip
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out.tmp-*")) and time.monotonic() < deadline:
+    while not converting.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert list(tmp_path.glob(".out.tmp-*")), "the converter never started writing"
+    assert converting.exists() and list(tmp_path.glob(".out.tmp-*")), "the converter never started writing"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0, err.decode()[-2000:]
