@@ -233,7 +233,8 @@ def test_output_permissions_subdirectories_and_warnings(gen, tmp_path):
 
 
 _SLOW_CONVERT = """
-import pathlib, sys, time
+import pathlib, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal: a background CI job starts us ignoring it
 from moe_nvfp4.convert import convert as c
 real = c._run_unit
 def slow(*a, **k):
