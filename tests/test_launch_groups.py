@@ -114,7 +114,8 @@ class _Names:
 def _describe(v, names: _Names):
     """A launch argument as the kernel can tell it (see the module docstring), as a short string or a list."""
     if isinstance(v, torch.Tensor):
-        return f"tensor {names.of(v)} offset {v.storage_offset()} shape {list(v.shape)} stride {list(v.stride())} {v.dtype}"
+        where = f"{names.of(v)} offset {v.storage_offset()}"
+        return f"tensor {where} shape {list(v.shape)} stride {list(v.stride())} {v.dtype}"
     if isinstance(v, TensorDescriptor):
         return [f"descriptor shape {v.shape} strides {v.strides} block {v.block_shape} {v.layout!r} {v.padding}",
                 _describe(v.base, names)]  # fmt: skip
