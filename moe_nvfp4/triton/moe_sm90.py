@@ -34,7 +34,8 @@ from . import sm90_common
 from .combine import _combine_kernel, combine
 from .routing_kernels import ROUTE_ONE_PROGRAM, _count_kernel, _route_kernel, route, route_chunks, routing_variants_from
 from .sm90_common import (_TL_DTYPES, BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES,
-                          Epilogue, _activation, _after_previous_kernel, _decode_words, _grouped_tile, plain_launches)
+                          Epilogue, GemmRouting, GemmWeights, _activation, _after_previous_kernel, _decode_words,
+                          _grouped_tile, plain_launches)
 
 # what other modules import from here (routing and the combine moved to modules of their own)
 __all__ = ["ROUTE_ONE_PROGRAM", "combine", "compiled_variants", "fused_moe_sm90", "plain_launches", "route",
@@ -281,6 +282,24 @@ def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
     return x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
 
 
+def launch_gemm(a: torch.Tensor, weights: GemmWeights, out: torch.Tensor, routing: GemmRouting,
+                config: MoEKernelConfig, epilogue: Epilogue, *, gated: bool, top_k: int, sms: int) -> None:
+    """One launch of _moe_gemm_kernel: GEMM1 when ``gated`` (config.gemm1's tiles), out[row] = act(a[pair // top_k]
+    @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = routing weight *
+    (a[row] @ W^T).  a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing
+    kernel's tile map is read (``routing.pair_tiles`` is the Gluon GEMMs' alone)."""
+    gemm = config.gemm1 if gated else config.gemm2
+    k, kp = a.shape[1], weights.packed.shape[-1] * 2
+    topk_weights = routing.topk_weights if gated else routing.topk_weights.reshape(-1)  # GEMM1 reads none
+    _moe_gemm_kernel[(sms * gemm.programs_per_sm,)](
+        a, a.stride(0), weights.packed, weights.scale, weights.global_scale, out, out.stride(0), *routing.tile_map,
+        topk_weights, out.shape[1], k, kp, epilogue,
+        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=config.block_m, BLOCK_K=128, EVEN_K=k == kp,
+        DTYPE=_TL_DTYPES[a.dtype], NUM_STAGES=gemm.num_stages, USE_ASM=a.is_cuda,  # the interpreter has no PTX
+        NARROW=gemm.narrow_tiles, **sm90_common._dependent_launch(a.device), **gemm.launch_options(),
+    )  # fmt: skip
+
+
 def fused_moe_sm90(
     x: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -324,13 +343,7 @@ def fused_moe_sm90(
         x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(t * top_k, hidden)
     epilogue1 = Epilogue.of(w13_bias, activation.name, activation.alpha, activation.limit, False)
     epilogue2 = Epilogue.of(w2_bias, None, None, None, not apply_router_weight_on_input)
-    dtype = _TL_DTYPES[x.dtype]
-    use_asm = x.is_cuda  # the Triton interpreter runs on CPU tensors and has no inline PTX
-    num_pairs = t * top_k
-    ids = topk_ids.reshape(-1)
-    sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     g1, g2 = config.gemm1, config.gemm2
-    programs1, programs2 = sms * g1.programs_per_sm, sms * g2.programs_per_sm
     ws_ok = _gluon_rows_ok(x, intermediate)
     ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
     # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids (and the expert map), and both GEMMs must
@@ -343,38 +356,18 @@ def fused_moe_sm90(
     else:
         sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
         tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
-    # constexprs both GEMMs share
-    shared = dict(BLOCK_M=config.block_m, BLOCK_K=128, DTYPE=dtype, USE_ASM=use_asm,
-                  **sm90_common._dependent_launch(x.device))
-    k1p = w13_packed.shape[-1] * 2
-    k2p = w2_packed.shape[-1] * 2
-    act = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)  # the activation
+    routing = GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
+    sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
+    act = torch.empty(t * top_k, intermediate, dtype=x.dtype, device=x.device)  # the activation
     if ws1 or ws2:
         from .moe_sm90_ws import launch_gemm_ws  # at each call: tools/ab_moe.py swaps it
-    pdl = shared["PDL"]
-    if ws1:
-        launch_gemm_ws(x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), tile_map, ids,
-                       pair_tiles, expert_map, topk_weights, intermediate, hidden, k1p, gather, True, g1, config.block_m,
-                       programs1, pdl, epilogue1)  # fmt: skip
-    else:
-        _moe_gemm_kernel[(programs1,)](
-            x, x.stride(0), w13_packed, w13_scale, w13_global, act, act.stride(0), *tile_map, topk_weights,
-            intermediate, hidden, k1p, epilogue1, TOP_K=gather,
-            GATED=True, BLOCK_N=g1.block_n, EVEN_K=hidden == k1p, NUM_STAGES=g1.num_stages, NARROW=g1.narrow_tiles,
-            **shared, **g1.launch_options(),
-        )  # fmt: skip
+    launch1 = launch_gemm_ws if ws1 else launch_gemm
+    launch1(x, GemmWeights(w13_packed, w13_scale, w13_global), act, routing, config, epilogue1, gated=True,
+           top_k=gather, sms=sms)  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
-    partial = torch.empty(num_pairs, hidden, dtype=partial_dtype, device=x.device)
-    if ws2:
-        launch_gemm_ws(act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), tile_map,
-                       ids, pair_tiles, expert_map, topk_weights.reshape(-1), hidden, intermediate, k2p, top_k, False,
-                       g2, config.block_m, programs2, pdl, epilogue2)  # fmt: skip
-    else:
-        _moe_gemm_kernel[(programs2,)](
-            act, act.stride(0), w2_packed, w2_scale, w2_global, partial, partial.stride(0), *tile_map,
-            topk_weights.reshape(-1), hidden, intermediate, k2p, epilogue2, TOP_K=top_k,
-            GATED=False, BLOCK_N=g2.block_n, EVEN_K=intermediate == k2p, NUM_STAGES=g2.num_stages,
-            NARROW=g2.narrow_tiles, **shared, **g2.launch_options(),
-        )  # fmt: skip
+    partial = torch.empty(t * top_k, hidden, dtype=partial_dtype, device=x.device)
+    launch2 = launch_gemm_ws if ws2 else launch_gemm
+    launch2(act, GemmWeights(w2_packed, w2_scale, w2_global), partial, routing, config, epilogue2, gated=False,
+           top_k=top_k, sms=sms)  # fmt: skip
     combine(partial, topk_ids, expert_map, num_experts, out)
     return out

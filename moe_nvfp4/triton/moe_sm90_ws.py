@@ -23,10 +23,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..configs import GemmConfig
+from ..configs import GemmConfig, MoEKernelConfig
 from ..layouts import FragmentLayout
+from . import sm90_common
 from .sm90_common import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words,
-                          Epilogue, _activation, _grouped_tile, _routed)
+                          Epilogue, GemmRouting, GemmWeights, _activation, _grouped_tile, _routed)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -490,45 +491,28 @@ def _mma_registers(gemm: GemmConfig) -> int:
     return min(256, per_warp // 8 * 8)
 
 
-def launch_gemm_ws(
-    a: torch.Tensor,
-    stride_a: int,
-    w_packed: torch.Tensor,
-    w_scale: torch.Tensor,
-    w_global: torch.Tensor,
-    out: torch.Tensor,
-    stride_out: int,
-    tile_map: tuple[torch.Tensor, ...],
-    topk_ids: torch.Tensor,
-    pair_tiles: bool,
-    expert_map: torch.Tensor | None,
-    topk_weights: torch.Tensor,
-    n_out: int,
-    k: int,
-    kp: int,
-    top_k: int,
-    gated: bool,
-    gemm: GemmConfig,
-    block_m: int,
-    programs: int,
-    pdl: bool,
-    epilogue: Epilogue,
-) -> None:
-    """One warp-specialized GEMM launch (GEMM1 when ``gated``), the same contract as the Triton kernel: tile_map is
-    (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles) from route().  With ``pair_tiles`` each (token,
-    k) pair of ``topk_ids`` (flat, global expert ids; through ``expert_map`` where given) is a token tile of its own
-    and its row is the pair's: tile_map goes unread and no routing kernel needs to run.  A pair routed nowhere
-    (routing.routed_pairs) is skipped: its output row is not written."""
-    w_desc, s_desc = _descriptors(w_packed, w_scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
-    num_experts = w_packed.shape[0]
-    has_map = pair_tiles and expert_map is not None  # routed tiles hold local experts already
-    _moe_gemm_ws_kernel[(programs,)](
-        a, stride_a, w_desc, s_desc, w_global, out, stride_out, *tile_map, topk_ids, topk_ids.numel(),
-        expert_map if has_map else topk_ids, expert_map.numel() if has_map else num_experts, num_experts, topk_weights,
-        n_out, k, kp, epilogue,
-        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=block_m, STAGES=gemm.num_stages,
+def launch_gemm_ws(a: torch.Tensor, weights: GemmWeights, out: torch.Tensor, routing: GemmRouting,
+                   config: MoEKernelConfig, epilogue: Epilogue, *, gated: bool, top_k: int, sms: int) -> None:
+    """One warp-specialized GEMM launch, moe_sm90.launch_gemm's contract: GEMM1 when ``gated`` (config.gemm1's
+    tiles), out[row] = act(a[pair // top_k] @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's),
+    out[pair] = routing weight * (a[row] @ W^T).  a [rows, K] and out [rows, N] in 16-byte aligned rows; ``sms``
+    programs per GemmConfig.programs_per_sm.  With ``routing.pair_tiles`` the tile map goes unread and no routing
+    kernel needs to run.  A pair routed nowhere (routing.routed_pairs) is skipped: its output row is not written."""
+    gemm = config.gemm1 if gated else config.gemm2
+    kp = weights.packed.shape[-1] * 2
+    w_desc, s_desc = _descriptors(weights.packed, weights.scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
+    num_experts = weights.packed.shape[0]
+    ids, expert_map = routing.topk_ids, routing.expert_map
+    has_map = routing.pair_tiles and expert_map is not None  # routed tiles hold local experts already
+    topk_weights = routing.topk_weights if gated else routing.topk_weights.reshape(-1)  # GEMM1 reads none
+    pdl = sm90_common._dependent_launch(a.device)["PDL"]
+    _moe_gemm_ws_kernel[(sms * gemm.programs_per_sm,)](
+        a, a.stride(0), w_desc, s_desc, weights.global_scale, out, out.stride(0), *routing.tile_map, ids, ids.numel(),
+        expert_map if has_map else ids, expert_map.numel() if has_map else num_experts, num_experts, topk_weights,
+        out.shape[1], a.shape[1], kp, epilogue,
+        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=config.block_m, STAGES=gemm.num_stages,
         DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
         LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
         MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        PAIR_TILES=pair_tiles, HAS_MAP=has_map, launch_pdl=pdl, **gemm.launch_options(),
+        PAIR_TILES=routing.pair_tiles, HAS_MAP=has_map, launch_pdl=pdl, **gemm.launch_options(),
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """What the sm_90 MoE GEMMs share, the Triton one (moe_sm90) and the Gluon one (moe_sm90_ws): the FP4 decode PTX and
-its constants, the tile order, the routing predicate, the epilogue variants and the activations; and what every Triton kernel of the
-forward (routing_kernels, the GEMM, combine) shares: programmatic dependent launch and the dtype map.  A module of
-its own so the kernel modules import it, not each other.
+its constants, the tile order, the routing predicate, the epilogue variants and the activations, the named groups a
+GEMM launch takes (GemmWeights, GemmRouting, Epilogue); and what every Triton kernel of the forward (routing_kernels,
+the GEMM, combine) shares: programmatic dependent launch and the dtype map.  A module of its own so the kernel
+modules import it, not each other.
 """
 from __future__ import annotations
 
@@ -18,7 +19,30 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..layouts import FragmentLayout
 
 __all__ = ["BLOCK_BYTES", "SCALE_BLOCK_BYTES", "DECODE_BF16", "DECODE_FP16", "BF16_EPILOGUE_FIX", "FP16_EPILOGUE_FIX",
-           "Epilogue"]
+           "Epilogue", "GemmRouting", "GemmWeights"]
+
+
+class GemmWeights(NamedTuple):
+    """One GEMM's expert weights in layouts.FragmentLayout, as a GEMM launch reads them (weights.MoEWeights' w13_*
+    or w2_* tensors).  packed: uint8 [E, N rows, K/2]; scale: uint8 [E, N rows, K/16]; global_scale: float32 [E, 2]
+    (GEMM1's gate and up) or [E]."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+
+
+class GemmRouting(NamedTuple):
+    """Where both GEMM launches of a forward find each token tile's expert and rows.  tile_map: routing_kernels.route()'s
+    (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles), as in routing.RoutingPlan, or with ``pair_tiles`` a stand-in that goes unread: each (token, k) pair of ``topk_ids`` (flat
+    [T * top_k], global expert ids; through ``expert_map`` where given) is then a tile of its own.  topk_weights:
+    float32 [T, top_k] as the caller passed them (GEMM2 reads them by flat pair index)."""
+
+    tile_map: tuple[torch.Tensor, ...]
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    expert_map: torch.Tensor | None
+    pair_tiles: bool
 
 
 class Epilogue(NamedTuple):
