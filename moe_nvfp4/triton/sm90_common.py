@@ -33,10 +33,11 @@ class GemmWeights(NamedTuple):
 
 
 class GemmRouting(NamedTuple):
-    """Where both GEMM launches of a forward find each token tile's expert and rows.  tile_map: routing_kernels.route()'s
-    (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles), as in routing.RoutingPlan, or with ``pair_tiles`` a stand-in that goes unread: each (token, k) pair of ``topk_ids`` (flat
-    [T * top_k], global expert ids; through ``expert_map`` where given) is then a tile of its own.  topk_weights:
-    float32 [T, top_k] as the caller passed them (GEMM2 reads them by flat pair index)."""
+    """Where both GEMM launches of a forward find each token tile's expert and rows.  tile_map:
+    routing_kernels.route()'s (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles), as in
+    routing.RoutingPlan, or with ``pair_tiles`` a stand-in that goes unread: each (token, k) pair of ``topk_ids``
+    (flat [T * top_k], global expert ids; through ``expert_map`` where given) is then a tile of its own.
+    topk_weights: float32 [T, top_k] as the caller passed them (GEMM2 reads them by flat pair index)."""
 
     tile_map: tuple[torch.Tensor, ...]
     topk_ids: torch.Tensor
