@@ -348,7 +348,6 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     run or the field off route."""
     import moe_nvfp4 as m
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-    from moe_nvfp4.triton import moe_sm90_ws as W
 
     class Routed(Exception):
         pass
@@ -359,7 +358,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     launches = []
     monkeypatch.setattr(K, "route", route)
     monkeypatch.setattr(K, "combine", lambda *args: None)
-    monkeypatch.setattr(W, "launch_gemm_ws", lambda a, weights, out, routing, *args, **kwargs: launches.append(routing))
+    monkeypatch.setattr(K, "launch_gemm_ws", lambda a, weights, out, routing, *args, **kwargs: launches.append(routing))
     gluon_rows = True
     monkeypatch.setattr(K, "_gluon_rows_ok", lambda x, intermediate: gluon_rows)
     e, h, i, t, k = 8, 256, 128, 1, 2

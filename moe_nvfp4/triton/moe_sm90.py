@@ -32,6 +32,7 @@ from ..dispatch import sm_count
 from ..expert_activation import SILU, ExpertActivation
 from . import sm90_common
 from .combine import _combine_kernel, combine
+from .moe_sm90_ws import launch_gemm_ws
 from .routing_kernels import ROUTE_ONE_PROGRAM, _count_kernel, _route_kernel, route, route_chunks, routing_variants_from
 from .sm90_common import (_TL_DTYPES, BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES,
                           Epilogue, GemmRouting, GemmWeights, _activation, _after_previous_kernel, _decode_words,
@@ -359,8 +360,6 @@ def fused_moe_sm90(
     routing = GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     act = torch.empty(t * top_k, intermediate, dtype=x.dtype, device=x.device)  # the activation
-    if ws1 or ws2:
-        from .moe_sm90_ws import launch_gemm_ws  # at each call: tools/ab_moe.py swaps it
     launch1 = launch_gemm_ws if ws1 else launch_gemm
     launch1(x, GemmWeights(w13_packed, w13_scale, w13_global), act, routing, config, epilogue1, gated=True,
            top_k=gather, sms=sms)  # fmt: skip
