@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4"]
+__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "GATE_UP_BLOCK", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4"]
+
+
+# The sm_100a layout interleaves w13 in blocks of this many gate rows, then as many up rows: one 128 x 32 epilogue
+# subtile of the CuTe DSL MoE holds a gate block and its up block.  Here, below both the weights object that packs
+# it and the kernels that read it.
+GATE_UP_BLOCK = 32
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,8 @@ from typing import ClassVar
 
 import torch
 
-from .cute.tiles import GATE_UP_BLOCK
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout
-from .layouts import FragmentLayout, swizzle_scales_128x4, unswizzle_scales_128x4
+from .layouts import GATE_UP_BLOCK, FragmentLayout, swizzle_scales_128x4, unswizzle_scales_128x4
 
 __all__ = ["MoELayout", "Sm90Layout", "Sm100Layout", "FlashInferLayout", "weight_layout", "padded_intermediate",
            "gated_rows_order", "shuffle_rows_order", "INTERMEDIATE_ALIGN", "HIDDEN_ALIGN"]  # fmt: skip

@@ -124,3 +124,22 @@ def test_kernels_never_import_the_layers_above_them() -> None:
               for m in kernels for target, line in graph[m].items()
               if target == "moe_nvfp4" or any(target == a or target.startswith(f"{a}.") for a in ABOVE_KERNELS)]
     assert not upward, "kernel modules import the layers above them:\n" + "\n".join(upward)
+
+
+def test_the_modules_under_the_kernels_never_import_them() -> None:
+    """What the kernel packages import (formats, layouts, weights, routing, configs, ... and all they import) stands
+    below them, so none of it may import a kernel module, not even a constant a kernel also reads: that import
+    runs back up a floor (weight_layouts.py took GATE_UP_BLOCK from cute/tiles.py until issue 41)."""
+    known = modules(PACKAGES)
+    graph = import_graph(known)
+    in_kernels = lambda m: m.startswith(tuple(f"{p}." for p in KERNEL_PACKAGES)) or m in KERNEL_PACKAGES  # noqa: E731
+    below, todo = set(), [t for m in graph if in_kernels(m) for t in graph[m] if not in_kernels(t)]
+    while todo:
+        m = todo.pop()
+        if m not in below:
+            below.add(m)
+            todo.extend(graph[m])
+    assert {"moe_nvfp4.formats", "moe_nvfp4.layouts", "moe_nvfp4.weights", "moe_nvfp4.weight_layouts"} <= below
+    upward = [f"{known[m].relative_to(ROOT)}:{line} imports {target}"
+              for m in sorted(below - {"moe_nvfp4"}) for target, line in graph[m].items() if in_kernels(target)]
+    assert not upward, "modules under the kernels import them:\n" + "\n".join(upward)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts import GATE_UP_BLOCK
+
 __all__ = ["TILE_M", "TILE_K", "SF_VEC", "GATE_UP_BLOCK"]
 
 TILE_M = 128  # rows of A per tile: one CTA's tcgen05 MMA M (cta_group::1)
 TILE_K = 256  # FP4 elements of K per smem stage: 4 MMAs of K = 64
 SF_VEC = 16  # NVFP4: one e4m3 scale per 16 K-elements
 _OUT_DTYPES = {torch.float16: "Float16", torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-GATE_UP_BLOCK = 32  # rows of gate, then of up, per interleaved block of w13: one 128 x 32 epilogue subtile
