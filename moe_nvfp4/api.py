@@ -92,19 +92,26 @@ def prepare_moe_weights(
     activation: ExpertActivation = SILU,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    reuse_input_memory: bool = False,
 ) -> MoEWeights:
-    """Validate and pack checkpoint tensors for the kernel, one expert at a time.
+    """Validate and pack checkpoint tensors for the kernel, one expert at a time (on the GPU by a Triton kernel).
 
     w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]), or [E, I, H] (global [E]) when
     ``activation`` is not gated; w2: [E, H, I] (global [E]).  Biases, any float dtype: w13_bias [E, 2I] (gate
-    then up; [E, I] non-gated), w2_bias [E, H]; stored float32.  The result lives on the inputs' device; peak
-    extra memory is one expert's temporaries.
+    then up; [E, I] non-gated), w2_bias [E, H]; stored float32.  The result lives on the inputs' device.
+    ``reuse_input_memory``: pack each of w13 and w2 that its layout does not pad (rows, gate and up apart, a
+    multiple of 64; K of 128) into its own memory, overwriting it, so the peak extra memory is one expert's block
+    instead of the packed layer (vLLM's method passes True: it drops the checkpoint tensors once packed).
     """
     if not isinstance(activation, ExpertActivation):
         raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")
     w13, w2 = _validated(w13, w2, activation.gated)
     e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
-    return MoEWeights(*LAYOUT.pack(w13, w2), hidden=h, intermediate=w2.k, activation=activation,
+    pack_block = None  # the CPU packs with the torch twin
+    if device.type == "cuda":
+        from .triton.fragment_pack import pack_fragment_block as pack_block  # triton is an optional dependency
+    tensors = LAYOUT.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=pack_block)
+    return MoEWeights(*tensors, hidden=h, intermediate=w2.k, activation=activation,
                       w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
                       w2_bias=_bias(w2_bias, "w2_bias", (e, h), device))  # fmt: skip
 

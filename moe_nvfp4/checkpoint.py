@@ -177,10 +177,12 @@ def validate_nvfp4(
     if bool(bad_gs.any()):
         got = gs[bad_gs].flatten()[:4].tolist()
         raise fail(global_key, f"global scale must be finite and positive, got {got}", bad_gs)
-    sf = scale.float()
-    nonfinite = ~torch.isfinite(sf)
-    if bool(nonfinite.any()):
-        raise fail(scale_key, f"{int(nonfinite.sum())} block scales are NaN or inf", nonfinite)
-    negative = sf < 0
-    if bool(negative.any()):
-        raise fail(scale_key, f"{int(negative.sum())} block scales are negative", negative)
+    # One matrix at a time: a layer's scales in float32 would be half its packed bytes of temporaries at load.
+    for index, matrix in enumerate(scale.reshape(-1, *scale.shape[-2:])):
+        sf = matrix.float()
+        nonfinite, negative = ~torch.isfinite(sf), sf < 0
+        if bool((nonfinite | negative).any()):
+            where = expert if not len(batch) else index
+            if bool(nonfinite.any()):
+                raise _error(f"{name}.{scale_key}", where, f"{int(nonfinite.sum())} block scales are NaN or inf")
+            raise _error(f"{name}.{scale_key}", where, f"{int(negative.sum())} block scales are negative")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -33,6 +33,8 @@ __all__ = ["MoELayout", "Sm90Layout", "Sm100Layout", "FlashInferLayout", "weight
            "gated_rows_order", "shuffle_rows_order", "INTERMEDIATE_ALIGN", "HIDDEN_ALIGN"]  # fmt: skip
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (packed [N, K/2], e4m3 scales [N, K/16], dst values, dst scale bytes) -> None: one block into FragmentLayout
+BlockPacker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -63,23 +65,34 @@ class Sm90Layout(MoELayout):
     name: ClassVar[str] = "sm90_fragments"
     fragments: FragmentLayout = field(default_factory=FragmentLayout)
 
-    def pack(self, w13: NVFP4Tensor, w2: NVFP4Tensor) -> Tensors:
-        """One expert at a time: peak extra memory is one expert's temporaries."""
+    def pack(self, w13: NVFP4Tensor, w2: NVFP4Tensor, *, reuse_input_memory: bool = False,
+             pack_block: BlockPacker | None = None) -> Tensors:
+        """One expert and gate/up block at a time.  ``pack_block(packed, scales, dst, dst_scales)`` packs one block
+        (default: the torch twin, ``FragmentLayout.pack``; on the GPU the API passes the Triton kernel).
+        ``reuse_input_memory``: a matrix whose layout adds no padding is packed into its own tensors (their
+        contents are overwritten), each block first copied aside, so the extra memory is one block, not a layer."""
         e, h, i = w13.packed.shape[0], w13.k, w2.k
         layout = self.fragments
+        pack_block = pack_block or self._pack_block
 
         def pack(q: NVFP4Tensor, row_blocks: tuple[tuple[int, int], ...], k: int) -> tuple[torch.Tensor, torch.Tensor]:
             """Each (start, rows) block of q's rows becomes its own padded run of rows (gate and up stay apart)."""
             np_, kp = sum(layout.padded_n(rows) for _, rows in row_blocks), layout.padded_k(k)
-            packed = torch.empty(e, np_, kp // 2, dtype=torch.uint8, device=q.packed.device)
-            scale = torch.empty(e, np_, kp // 16, dtype=torch.uint8, device=q.packed.device)
+            in_place = (reuse_input_memory and (np_, kp) == (q.n, k) and q.packed.is_contiguous()
+                        and q.block_scale.is_contiguous())  # fmt: skip
+            if in_place:
+                packed, scale = q.packed, q.block_scale.view(torch.uint8)
+            else:
+                packed = torch.empty(e, np_, kp // 2, dtype=torch.uint8, device=q.packed.device)
+                scale = torch.empty(e, np_, kp // 16, dtype=torch.uint8, device=q.packed.device)
             for expert in range(e):
                 row = 0
                 for start, rows in row_blocks:
                     end = row + layout.padded_n(rows)
-                    packed[expert, row:end], scale[expert, row:end] = layout.pack(
-                        q.packed[expert, start : start + rows], q.block_scale[expert, start : start + rows]
-                    )
+                    values, scales = q.packed[expert, start : start + rows], q.block_scale[expert, start : start + rows]
+                    if in_place:  # the block's rows are its destination: read from a copy
+                        values, scales = values.clone(), scales.clone()
+                    pack_block(values, scales, packed[expert, row:end], scale[expert, row:end])
                     row = end
             return packed, scale
 
@@ -87,6 +100,9 @@ class Sm90Layout(MoELayout):
         w13_packed, w13_scale = pack(w13, ((0, i), (i, i)) if w13.n == 2 * i else ((0, i),), h)
         w2_packed, w2_scale = pack(w2, ((0, h),), i)
         return w13_packed, w13_scale, w13.global_scale, w2_packed, w2_scale, w2.global_scale.float().contiguous()
+
+    def _pack_block(self, packed: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, dst_scales: torch.Tensor) -> None:
+        dst[:], dst_scales[:] = self.fragments.pack(packed, scales)
 
     def to_nvfp4(self, weights: MoEWeights) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         def unpack(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

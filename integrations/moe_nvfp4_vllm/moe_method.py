@@ -288,7 +288,9 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                                       self.w2_input_scale.max().reshape(1).float())  # fmt: skip
             setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2, expert_offset=global_ids[0]))
             return
-        weights = moe_nvfp4.prepare_moe_weights(w13, w2, activation=self.activation, w13_bias=w13_bias, w2_bias=w2_bias)
+        # packed into the checkpoint tensors' own memory (their parameters are gone): one expert's block extra
+        weights = moe_nvfp4.prepare_moe_weights(w13, w2, activation=self.activation, w13_bias=w13_bias,
+                                                w2_bias=w2_bias, reuse_input_memory=True)  # fmt: skip
         del w13, w2, w13_bias, w2_bias
         setattr(layer, WEIGHTS_ATTR, weights)
         self._warmup(layer, weights)

@@ -1,0 +1,119 @@
+"""Packing into the sm_90 fragment layout: the Triton kernel (triton/fragment_pack.py) under the interpreter gives
+the torch twin's bytes (``FragmentLayout.pack``) exactly, alone and inside ``Sm90Layout.pack``; and
+``reuse_input_memory`` packs into the checkpoint tensors' own memory where the layout adds no padding, with the
+same bytes as a fresh packing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+from moe_nvfp4.weight_layouts import Sm90Layout
+
+# Runs in a subprocess so TRITON_INTERPRET is set before triton is imported.
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from moe_nvfp4.formats import NVFP4, NVFP4Tensor
+    from moe_nvfp4.layouts import FragmentLayout
+    from moe_nvfp4.triton.fragment_pack import pack_fragment_block
+    from moe_nvfp4.weight_layouts import Sm90Layout
+    e, i, h, seed = map(int, sys.argv[1:])
+    g = torch.Generator().manual_seed(seed)
+
+    def matrix(*shape):  # every code, every non-negative finite e4m3 scale byte, zeros and -0.0 among them
+        packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=g, dtype=torch.uint8)
+        scale = torch.randint(0, 0x7F, (*shape[:-1], shape[-1] // 16), generator=g, dtype=torch.uint8)
+        scale[torch.rand(scale.shape, generator=g) < 0.1] = 0
+        scale[torch.rand(scale.shape, generator=g) < 0.05] = 0x80
+        return packed, scale.view(NVFP4.scale_dtype)
+
+    result = {}
+    packed, scale = matrix(2 * i, h)
+    want = FragmentLayout().pack(packed[i:], scale[i:])  # the up block of a w13: a row slice, as the layout reads it
+    got = [torch.full_like(t, 0xAB) for t in want]
+    pack_fragment_block(packed[i:], scale[i:], *got)
+    result["block"] = all(torch.equal(a, b) for a, b in zip(got, want))
+    (p13, s13), (p2, s2) = matrix(e, 2 * i, h), matrix(e, h, i)
+    w13 = NVFP4Tensor(p13, s13, torch.rand(e, 2) + 0.5)
+    w2 = NVFP4Tensor(p2, s2, torch.rand(e) + 0.5)
+    twin = Sm90Layout().pack(w13, w2)
+    for reuse in (False, True):
+        c13 = NVFP4Tensor(p13.clone(), s13.clone(), w13.global_scale)
+        c2 = NVFP4Tensor(p2.clone(), s2.clone(), w2.global_scale)
+        got = Sm90Layout().pack(c13, c2, reuse_input_memory=reuse, pack_block=pack_fragment_block)
+        result[f"layer_reuse={reuse}"] = all(torch.equal(a, b) for a, b in zip(got, twin))
+        result[f"in_place_reuse={reuse}"] = [got[0].data_ptr() == c13.packed.data_ptr(),
+                                             got[3].data_ptr() == c2.packed.data_ptr()]
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("e", "i", "h"), [(2, 128, 128), (2, 48, 144), (1, 64, 256)],
+                         ids=["both-in-place", "rows-and-k-padded", "w13-in-place-w2-k-padded"])  # fmt: skip
+def test_kernel_gives_the_twins_bytes(e: int, i: int, h: int, seed: int) -> None:
+    """I=48, H=144: rows and K padded inside the unit and chunk, so nothing is packed in place; I=64: w13 in place,
+    w2's K padded (64 -> 128); I=H=128: both in place."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(e), str(i), str(h), str(seed % 2**31)], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["block"] and result["layer_reuse=False"] and result["layer_reuse=True"], result
+    assert result["in_place_reuse=False"] == [False, False]
+    aligned = i % 64 == 0 and h % 128 == 0, h % 64 == 0 and i % 128 == 0
+    assert result["in_place_reuse=True"] == list(aligned), result
+
+
+def _checkpoint(e: int, i: int, h: int, gen: torch.Generator) -> tuple[m.NVFP4Tensor, m.NVFP4Tensor]:
+    w13 = torch.randn(e, 2 * i, h, generator=gen)
+    w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6])  # every code
+    return m.quantize_nvfp4(w13, segments=2), m.quantize_nvfp4(torch.randn(e, h, i, generator=gen))
+
+
+def _copy(q: m.NVFP4Tensor) -> m.NVFP4Tensor:
+    return m.NVFP4Tensor(q.packed.clone(), q.block_scale.clone(), q.global_scale.clone())
+
+
+@pytest.mark.parametrize(("i", "h"), [(64, 128), (128, 256), (96, 128), (64, 144)])
+def test_reuse_input_memory_packs_the_same_bytes_into_the_inputs(i: int, h: int, gen: torch.Generator) -> None:
+    """prepare_moe_weights(reuse_input_memory=True) on the CPU (torch twin): the same tensors as a fresh packing;
+    each matrix the layout does not pad lives in its input's memory afterwards, a padded one in new memory with
+    its input untouched."""
+    w13, w2 = _checkpoint(3, i, h, gen)
+    fresh = m.prepare_moe_weights(w13, w2)
+    c13, c2 = _copy(w13), _copy(w2)
+    reused = m.prepare_moe_weights(c13, c2, reuse_input_memory=True)
+    for name in ("w13_packed", "w13_scale", "w13_global", "w2_packed", "w2_scale", "w2_global"):
+        assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
+    layout = Sm90Layout().fragments
+    for q, orig, packed, scale, (rows, k) in ((c13, w13, reused.w13_packed, reused.w13_scale, (i, h)),
+                                              (c2, w2, reused.w2_packed, reused.w2_scale, (h, i))):  # fmt: skip
+        in_place = layout.padded_n(rows) == rows and layout.padded_k(k) == k
+        assert (packed.data_ptr() == q.packed.data_ptr()) == in_place
+        assert (scale.data_ptr() == q.block_scale.data_ptr()) == in_place
+        if not in_place:
+            assert torch.equal(q.packed, orig.packed) and torch.equal(q.block_scale.view(torch.uint8),
+                                                                       orig.block_scale.view(torch.uint8))
+    out = m.fused_moe(torch.randn(5, h, generator=gen).half(), reused, torch.rand(5, 2, generator=gen),
+                      torch.randint(0, 3, (5, 2), generator=gen))  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
+def test_a_bad_expert_is_named_before_any_memory_is_reused(gen: torch.Generator) -> None:
+    """Validation comes first, matrix by matrix: a NaN scale in expert 2 fails with its name, inputs unchanged."""
+    w13, w2 = _checkpoint(4, 64, 128, gen)
+    w2.block_scale.view(torch.uint8)[2, 5, 1] = 0x7F
+    before = w13.packed.clone()
+    with pytest.raises(m.CheckpointError, match=r"w2\.weight_scale \(expert 2\): 1 block scales are NaN or inf"):
+        m.prepare_moe_weights(w13, w2, reuse_input_memory=True)
+    assert torch.equal(w13.packed, before)
