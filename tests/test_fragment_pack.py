@@ -117,3 +117,20 @@ def test_a_bad_expert_is_named_before_any_memory_is_reused(gen: torch.Generator)
     with pytest.raises(m.CheckpointError, match=r"w2\.weight_scale \(expert 2\): 1 block scales are NaN or inf"):
         m.prepare_moe_weights(w13, w2, reuse_input_memory=True)
     assert torch.equal(w13.packed, before)
+
+
+def test_kernel_compiles_for_hopper() -> None:
+    """The kernel through Triton's whole sm_90 pipeline on this CPU machine (PTX, then ptxas to a cubin): a GPU
+    host would fail at the first load of a checkpoint otherwise, and the interpreter does not compile."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_nvfp4.triton.fragment_pack import _pack_fragments_kernel
+
+    signature = dict(src_ptr="*u8", src_scale_ptr="*u8", dst_ptr="*i32", dst_scale_ptr="*u8", bits_ptr="*i32",
+                     e5m3_ptr="*u8", n="i32", k="i32", src_stride="i32", scale_stride="i32", chunks="i32")  # fmt: skip
+    assert list(signature) == _pack_fragments_kernel.arg_names, "test signature out of date with the kernel"
+    compiled = triton.compile(ASTSource(_pack_fragments_kernel, signature), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))  # fmt: skip
+    assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
