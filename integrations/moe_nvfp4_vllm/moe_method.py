@@ -340,8 +340,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
     def _quantize_dense(self, layer: torch.nn.Module, name: str, global_ids: list[int],
                         interleaved: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """BF16 experts -> NVFP4, one expert at a time (gate and up get separate global scales)."""
-        w13 = layer.w13_weight.data
-        dense = {"w13": deinterleave_rows(w13) if interleaved else w13, "w2": layer.w2_weight.data}
+        dense = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
         out = {}
         for prefix, w in dense.items():
             e, n, k = w.shape
@@ -350,14 +349,17 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             segments = len(self.w13_shards) if prefix == "w13" else 1
             gs = torch.empty((e, segments) if segments > 1 else (e,), dtype=torch.float32, device=w.device)
             for expert in range(e):
-                if not bool(torch.isfinite(w[expert]).all()):
+                dense_expert = w[expert]
+                if prefix == "w13" and interleaved:  # one expert at a time: a copy of the layer is its BF16 size again
+                    dense_expert = deinterleave_rows(w[expert : expert + 1])[0]
+                if not bool(torch.isfinite(dense_expert).all()):
                     rows = n // segments
-                    bad_row = int((~torch.isfinite(w[expert])).any(-1).nonzero()[0, 0])
+                    bad_row = int((~torch.isfinite(dense_expert)).any(-1).nonzero()[0, 0])
                     shard = self.w13_shards[bad_row // rows] if prefix == "w13" else "w2"
                     raise CheckpointError(
                         f"{name}: expert {global_ids[expert]} {self._proj(layer, shard)}.weight holds NaN or inf"
                     )
-                q = quantize_nvfp4(w[expert], segments=segments)
+                q = quantize_nvfp4(dense_expert, segments=segments)
                 packed[expert], scale[expert], gs[expert] = q.packed, q.block_scale, q.global_scale
             out[prefix] = NVFP4Tensor(packed, scale, gs)
         return out["w13"], out["w2"]
