@@ -11,6 +11,7 @@ checked before any kernel launches.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -107,13 +108,20 @@ def prepare_moe_weights(
         raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")
     w13, w2 = _validated(w13, w2, activation.gated)
     e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
-    pack_block = None  # the CPU packs with the torch twin
-    if device.type == "cuda":
-        from .triton.fragment_pack import pack_fragment_block as pack_block  # triton is an optional dependency
-    tensors = LAYOUT.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=pack_block)
+    tensors = LAYOUT.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=_block_packer(device))
     return MoEWeights(*tensors, hidden=h, intermediate=w2.k, activation=activation,
                       w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
                       w2_bias=_bias(w2_bias, "w2_bias", (e, h), device))  # fmt: skip
+
+
+def _block_packer(device: torch.device):
+    """The Triton packing kernel on a GPU (triton/fragment_pack.py), for LAYOUT's fragments; None on the CPU, where
+    LAYOUT.pack runs its torch twin."""
+    if device.type != "cuda":
+        return None
+    from .triton.fragment_pack import pack_fragment_block  # triton is an optional dependency
+
+    return functools.partial(pack_fragment_block, layout=LAYOUT.fragments)
 
 
 def _packed(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: MoELayout) -> MoEWeights:

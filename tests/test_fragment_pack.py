@@ -134,3 +134,15 @@ def test_kernel_compiles_for_hopper() -> None:
     compiled = triton.compile(ASTSource(_pack_fragments_kernel, signature), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))  # fmt: skip
     assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
+
+
+def test_prepare_moe_weights_packs_with_the_kernel_on_a_gpu() -> None:
+    """The API's choice, read without a GPU: the kernel (for the layout's own fragments) on CUDA, the twin on the CPU."""
+    pytest.importorskip("triton")
+    from moe_nvfp4 import api
+    from moe_nvfp4.triton.fragment_pack import pack_fragment_block
+    from moe_nvfp4.weights import LAYOUT
+
+    packer = api._block_packer(torch.device("cuda", 0))
+    assert packer.func is pack_fragment_block and packer.keywords == {"layout": LAYOUT.fragments}
+    assert api._block_packer(torch.device("cpu")) is None
