@@ -8,7 +8,8 @@ percent within the hour, so only same-run comparisons decide a kernel change).
     cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
         python tools/ab_moe.py --variants configs=/tmp/before,shipped
 
-A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
+A case is ``zoo key:tokens`` (gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs
+and expert map, this rank holding the first E / EP experts).  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
@@ -87,19 +88,29 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     import torch
 
     from harness import time_graph
+    from moe_nvfp4 import prepare_moe_weights
+    from moe_nvfp4.bench.harness import MoEShape
+    from moe_nvfp4.bench.moe import make_inputs
     from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton import moe_sm90
-    from tune_moe import MODELS, packed_layer, rotated_weights, seeded_inputs
+    from moe_nvfp4.zoo import zoo_shape
+    from tune_moe import make_layer, rotated_weights, seeded_inputs
 
-    e, k, h, i = MODELS[model]
-    shape, device = LayerShape(e, k, h, i), device_traits(torch.device("cuda"))
+    zs = zoo_shape(model)
+    if not zs.activation.gated:
+        raise SystemExit(f"{model}: ab_moe times gated SiLU layers (make_layer's); {zs.activation.name} is not")
+    e, k, h, i, n_global = zs.experts, zs.top_k, zs.hidden, zs.intermediate, zs.global_experts
+    shape, device = LayerShape(e, k, h, i, global_experts=n_global), device_traits(torch.device("cuda"))
     cfg = select_config(tokens, shape, device)
     tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, shape, device))
                 for v in variants if v.startswith("configs=")}  # fmt: skip
-    x, tw, ti = seeded_inputs(model, tokens)
-    weights = packed_layer(model)
-    copies = rotated_weights(weights, ti)
+    if zs.ep > 1:  # bench_moe's inputs and rank (the first E / EP experts local), so a row of its is repeated
+        x, tw, ti, expert_map = make_inputs(MoEShape.from_zoo(zs), tokens, 0, "cuda")
+    else:
+        (x, tw, ti), expert_map = seeded_inputs(model, tokens), None
+    weights = prepare_moe_weights(*make_layer(e, h, i, "cuda")).tensors
+    copies = rotated_weights(weights, ti if expert_map is None else expert_map[ti.long()])
 
     def configured(variant: str):
         if variant in tuned_in:
@@ -114,7 +125,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         c = configured(variant)
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
         c = package_config(host, c) if variant.startswith("pkg=") else c
-        return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, None, i, c) for ws in copies]
+        return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, expert_map, i, c) for ws in copies]
 
     padded = FragmentLayout().padded_k
     invalid = [v for v in variants if v.startswith(("gemm1:", "gemm2:", "gemms:"))
