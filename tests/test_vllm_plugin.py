@@ -1143,3 +1143,22 @@ def test_moe_runner_forward_family_layers(plugin, gen, single_process_group, fam
     w13 = torch.cat([deq["gate_proj"], deq["up_proj"]], 1) if llama4 else deq["up_proj"]
     ref = _moe_reference(x, w13, deq["down_proj"], tw, ids, "silu" if llama4 else "relu2", on_input=llama4)
     assert out.shape == (T, H) and _rel(out, ref) <= FAMILY_REL_TOL
+
+
+def test_repack_packs_into_the_checkpoint_parameters_memory(plugin, gen, monkeypatch):
+    """H = I = 128 (no padding in the sm_90 layout): process_weights_after_loading packs w13 and w2 where the
+    loaded parameters' bytes were (reuse_input_memory), so loading a layer needs no second copy of it; the packed
+    weights still unpack to the checkpoint's exactly."""
+    monkeypatch.setitem(globals(), "H", 128)
+    ex = _experts(gen, inter=128)
+    layer = _routed_experts(_config(plugin, "modelopt"), inter=128)
+    list(layer.load_weights(iter(sorted(ex.tensors.items()))))
+    where = {n: p.data_ptr() for n, p in layer.named_parameters()}
+    layer.quant_method.process_weights_after_loading(layer)
+    weights = layer.moe_nvfp4_weights
+    assert weights.w13_packed.data_ptr() == where["w13_weight"] and weights.w2_packed.data_ptr() == where["w2_weight"]
+    assert weights.w13_scale.data_ptr() == where["w13_weight_scale"]
+    assert weights.w2_scale.data_ptr() == where["w2_weight_scale"]
+    w13, w2 = weights.to_nvfp4()
+    assert torch.equal(w13.packed, ex.w13.packed) and torch.equal(w2.packed, ex.w2.packed)
+    assert torch.equal(w2.block_scale.view(torch.uint8), ex.w2.block_scale.view(torch.uint8))
