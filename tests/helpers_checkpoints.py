@@ -121,10 +121,11 @@ def make_tiny_checkpoint(
     out = Path(out_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family)).to(torch.bfloat16)
-    if family in ("deepseek_v3", "nemotron_h"):
-        _spread_routers(model, seed)
+    if family in ("deepseek_v3", "nemotron_h"):  # sigmoid routers with spread scores and a correction bias
+        _redraw(model, seed + 1, {(".mlp.gate.weight", ".mixer.gate.weight"): DEEPSEEK_ROUTER_STD,
+                                  "gate.e_score_correction_bias": DEEPSEEK_BIAS_STD})  # fmt: skip
     if family == "gpt_oss":
-        _draw_expert_biases(model, seed)
+        _redraw(model, seed + 2, {("experts.gate_up_proj_bias", "experts.down_proj_bias"): GPT_OSS_BIAS_STD})
     if not stacked:
         total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
         model.save_pretrained(out, max_shard_size=max(total // shards, 1) if shards > 1 else "5GB")
@@ -133,23 +134,15 @@ def make_tiny_checkpoint(
     return out
 
 
-def _spread_routers(model: torch.nn.Module, seed: int) -> None:
-    """Sigmoid routers (DeepSeek-V3's ``mlp.gate``, NemotronH's ``mixer.gate``) with spread scores and a bias."""
-    g = torch.Generator().manual_seed(seed + 1)
+def _redraw(model: torch.nn.Module, seed: int, stds: dict) -> None:
+    """Each tensor whose name ends with a key of ``stds`` (a suffix or a tuple of them) drawn again as normal noise
+    of that std, in state-dict order from one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if name.endswith((".mlp.gate.weight", ".mixer.gate.weight")):
-                t.copy_(torch.randn(t.shape, generator=g) * DEEPSEEK_ROUTER_STD)
-            elif name.endswith("gate.e_score_correction_bias"):
-                t.copy_(torch.randn(t.shape, generator=g) * DEEPSEEK_BIAS_STD)
-
-
-def _draw_expert_biases(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
-                t.copy_(torch.randn(t.shape, generator=g) * GPT_OSS_BIAS_STD)
+            std = next((v for suffixes, v in stds.items() if name.endswith(suffixes)), None)
+            if std is not None:
+                t.copy_(torch.randn(t.shape, generator=g) * std)
 
 
 # A word-level tokenizer: id i < len(SPECIAL_TOKENS) is that special token, every other id i is the word f"w{i}",
