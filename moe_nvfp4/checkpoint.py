@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout
+from .layouts import padded_scale_shape
 
 __all__ = [
     "CheckpointError",
@@ -168,7 +169,7 @@ def validate_nvfp4(
     if q.scale_layout is ScaleLayout.LINEAR:
         want = (*packed.shape[:-2], n, sfk)
     else:
-        want = (*packed.shape[:-2], -(-n // 128) * 128, -(-sfk // 4) * 4)
+        want = (*packed.shape[:-2], *padded_scale_shape(n, sfk))
     if tuple(scale.shape) != want:
         raise fail(scale_key, f"shape {tuple(scale.shape)}, expected {want} for a [{n}, {k}] weight")
     if not (gs.shape == batch or (gs.shape[:-1] == batch and gs.dim() > 0 and n % gs.shape[-1] == 0)):

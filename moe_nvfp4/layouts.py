@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "GATE_UP_BLOCK", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4"]
+__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "GATE_UP_BLOCK", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4", "round_up"]
 
 
 # The sm_100a layout interleaves w13 in blocks of this many gate rows, then as many up rows: one 128 x 32 epilogue
@@ -35,12 +35,13 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def _ceil_to(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """x rounded up to a multiple of m."""
     return -(-x // m) * m
 
 
 def padded_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:
-    return _ceil_to(rows, 128), _ceil_to(scale_cols, 4)
+    return round_up(rows, 128), round_up(scale_cols, 4)
 
 
 def swizzled_offset(i: torch.Tensor | int, j: torch.Tensor | int, scale_cols: int):
@@ -158,10 +159,10 @@ class FragmentLayout:
     version: int = 2
 
     def padded_k(self, k: int) -> int:
-        return -(-k // self.chunk_k) * self.chunk_k
+        return round_up(k, self.chunk_k)
 
     def padded_n(self, n: int) -> int:
-        return -(-n // self.unit_rows) * self.unit_rows
+        return round_up(n, self.unit_rows)
 
     @property
     def block_bytes(self) -> int:

@@ -27,7 +27,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout
-from .layouts import GATE_UP_BLOCK, FragmentLayout, swizzle_scales_128x4, unswizzle_scales_128x4
+from .layouts import GATE_UP_BLOCK, FragmentLayout, round_up, swizzle_scales_128x4, unswizzle_scales_128x4
 
 __all__ = ["MoELayout", "Sm90Layout", "Sm100Layout", "FlashInferLayout", "weight_layout", "padded_intermediate",
            "gated_rows_order", "shuffle_rows_order", "INTERMEDIATE_ALIGN", "HIDDEN_ALIGN"]  # fmt: skip
@@ -122,7 +122,7 @@ class Sm90Layout(MoELayout):
 def padded_intermediate(intermediate: int) -> int:
     """I_pad of ``sm100_interleaved``: gate and up each padded to whole interleave blocks (also GEMM2's K, a
     multiple of 32 for TMA)."""
-    return -(-intermediate // GATE_UP_BLOCK) * GATE_UP_BLOCK
+    return round_up(intermediate, GATE_UP_BLOCK)
 
 
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -178,10 +178,6 @@ HIDDEN_ALIGN = 256
 SHUFFLE_BLOCK = 32  # rows per shuffle block: FlashInfer's choice for a 128-row epilogue tile (vLLM's value)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def shuffle_rows_order(rows: int) -> torch.Tensor:
     """int64 [rows]: new row i holds old row order[i].  In each block of 32, old row r moves to
     (r % 4) * 8 + r // 4 (TRT-LLM-gen's ``srcToDstBlk32RowMap``)."""
@@ -207,7 +203,7 @@ class FlashInferLayout(MoELayout):
 
     def pack(self, w13: NVFP4Tensor, w2: NVFP4Tensor) -> Tensors:
         h, i = w13.k, w2.k
-        i_pad, h_pad = _round_up(i, INTERMEDIATE_ALIGN), _round_up(h, HIDDEN_ALIGN)
+        i_pad, h_pad = round_up(i, INTERMEDIATE_ALIGN), round_up(h, HIDDEN_ALIGN)
         w13_rows = gated_rows_order(2 * i_pad)[shuffle_rows_order(2 * i_pad)].to(w13.packed.device)
         w2_rows = shuffle_rows_order(h_pad).to(w2.packed.device)
 
