@@ -277,6 +277,7 @@ VARIANT_SCRIPT = textwrap.dedent(
     x = torch.randn(t, h, generator=g).half()
     n_global = e + 2 if use_map else e
     logits = torch.randn(t, n_global, generator=g) + torch.linspace(2.5, -2.5, n_global)  # ragged, some empty
+    logits[0, 1] += 8  # token 0 on a local expert: never a case whose every pair lives on another rank (0/0)
     tw, ti = m.topk_softmax(logits, k, renormalize=not on_input)
     emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32) if use_map else None
     if via_api:  # the op: the host wrapper picks the config
