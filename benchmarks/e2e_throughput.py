@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     # Rows of earlier calls for other paths stay, so one path per call (each a few minutes) builds one table.
     earlier = json.loads((args.out / f"{stem}.json").read_text())["results"] if (args.out / f"{stem}.json").exists() else []
     fresh = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
-    results = report["results"] = [r for r in earlier if r["path"] not in args.paths] + fresh
+    results = [r for r in earlier if r["path"] not in args.paths] + fresh
+    results = report["results"] = sorted(results, key=lambda r: list(PATHS).index(r["path"]))  # columns stay put
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (args.out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))

@@ -54,23 +54,31 @@ START_S = 1200  # a full-depth start with Humming's first compile
 BENCH_S = 900
 
 
-def bench_once(port: int, name: str, tokenizer: Path, rate: float, args, out_dir: Path) -> dict:
-    """One ``vllm bench serve`` run; its result JSON."""
-    result = out_dir / f"serve_{args.model}_{name}_rate{rate}.json"
-    cmd = vllm_command() + [
-        "bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", name,
+def bench_arguments(port: int, name: str, tokenizer: Path, rate: float, args, result: Path) -> list[str]:
+    """``vllm bench serve``'s arguments for one request rate (its result JSON at ``result``)."""
+    return [
+        "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", name,
         "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--request-rate", str(rate), "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl",
-        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
+        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
         "--result-filename", result.name, "--disable-tqdm",
     ]  # fmt: skip
+
+
+def bench_once(port: int, name: str, tokenizer: Path, rate: float, args, out_dir: Path) -> dict:
+    """One ``vllm bench serve`` run; its result JSON."""
+    result = out_dir / f"serve_{args.model}_{name}_rate{rate}.json"
+    cmd = vllm_command() + ["bench", "serve", *bench_arguments(port, name, tokenizer, rate, args, result)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_S)
     if proc.returncode != 0 or not result.exists():
         return {"rate": rate, "error": (proc.stdout + proc.stderr)[-4000:]}
     raw = json.loads(result.read_text())
-    return {"rate": rate, **{m: raw.get(m) for m in METRICS}, "completed": raw.get("completed"),
-            "failed": raw.get("failed")}  # fmt: skip
+    row = {"rate": rate, **{m: raw.get(m) for m in METRICS}, "completed": raw.get("completed"),
+           "failed": raw.get("failed")}  # fmt: skip
+    if row["completed"] != args.num_prompts:  # timings over part of the requests are not this rate's numbers
+        row["error"] = f"{row['completed']} of {args.num_prompts} requests completed ({row['failed']} failed)"
+    return row
 
 
 def run_path(name: str, ckpt: Path, args, out_dir: Path) -> dict:
