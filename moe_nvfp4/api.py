@@ -12,6 +12,7 @@ checked before any kernel launches.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -116,12 +117,18 @@ def prepare_moe_weights(
 
 def _block_packer(device: torch.device):
     """The Triton packing kernel on a GPU (triton/fragment_pack.py), for LAYOUT's fragments; None on the CPU, where
-    LAYOUT.pack runs its torch twin."""
+    LAYOUT.pack runs its torch twin, and on a GPU where the kernel fails its known-answer check (slower loading
+    with more memory, the same weights)."""
     if device.type != "cuda":
         return None
-    from .triton.fragment_pack import pack_fragment_block  # triton is an optional dependency
+    from .triton import fragment_pack  # triton is an optional dependency
 
-    return functools.partial(pack_fragment_block, layout=LAYOUT.fragments)
+    if not fragment_pack.agrees_with_twin(device, LAYOUT.fragments):
+        version = fragment_pack.triton.__version__
+        warnings.warn(f"moe_nvfp4: the packing kernel gives other bytes than its torch twin on {device} (Triton "
+                      f"{version}); packing with the twin instead. Please report this.", RuntimeWarning, stacklevel=3)
+        return None
+    return functools.partial(fragment_pack.pack_fragment_block, layout=LAYOUT.fragments)
 
 
 def _packed(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: MoELayout) -> MoEWeights:

@@ -136,13 +136,50 @@ def test_kernel_compiles_for_hopper() -> None:
     assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
 
 
-def test_prepare_moe_weights_packs_with_the_kernel_on_a_gpu() -> None:
-    """The API's choice, read without a GPU: the kernel (for the layout's own fragments) on CUDA, the twin on the CPU."""
+def test_prepare_moe_weights_packs_with_the_kernel_on_a_gpu(monkeypatch) -> None:
+    """The API's choice, read without a GPU: the kernel (for the layout's own fragments) on CUDA where it passes
+    its known-answer check, else the twin with a warning that names the device; the twin on the CPU."""
     pytest.importorskip("triton")
     from moe_nvfp4 import api
-    from moe_nvfp4.triton.fragment_pack import pack_fragment_block
+    from moe_nvfp4.triton import fragment_pack
     from moe_nvfp4.weights import LAYOUT
 
+    checked = []
+    monkeypatch.setattr(fragment_pack, "agrees_with_twin", lambda device, layout: checked.append(layout) or True)
     packer = api._block_packer(torch.device("cuda", 0))
-    assert packer.func is pack_fragment_block and packer.keywords == {"layout": LAYOUT.fragments}
+    assert packer.func is fragment_pack.pack_fragment_block and packer.keywords == {"layout": LAYOUT.fragments}
+    assert checked == [LAYOUT.fragments]
     assert api._block_packer(torch.device("cpu")) is None
+    monkeypatch.setattr(fragment_pack, "agrees_with_twin", lambda device, layout: False)
+    with pytest.warns(RuntimeWarning, match=r"other bytes than its torch twin on cuda:0 \(Triton 3"):
+        assert api._block_packer(torch.device("cuda", 0)) is None
+
+
+KNOWN_ANSWER_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from moe_nvfp4.triton import fragment_pack
+    cpu = torch.device("cpu")
+    print(fragment_pack.agrees_with_twin(cpu))
+    kernel = fragment_pack.pack_fragment_block
+
+    def one_byte_off(packed, scales, dst, dst_scales, layout):  # a kernel built wrong in one place
+        kernel(packed, scales, dst, dst_scales, layout)
+        (dst if sys.argv[1] == "codes" else dst_scales).view(-1)[int(sys.argv[2])] ^= 1
+
+    fragment_pack.pack_fragment_block = one_byte_off
+    fragment_pack.agrees_with_twin.cache_clear()
+    print(fragment_pack.agrees_with_twin(cpu))
+    """
+)
+
+
+@pytest.mark.parametrize(("where", "offset"), [("codes", 0), ("codes", 24575), ("scales", 3071)])
+def test_known_answer_check_passes_the_kernel_and_catches_one_wrong_byte(where: str, offset: int) -> None:
+    """agrees_with_twin under the interpreter: the kernel agrees; one flipped bit anywhere in its output (first
+    and last code byte, last scale byte of the padded 128 x 384 block) does not."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", KNOWN_ANSWER_SCRIPT, where, str(offset)], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False"], proc.stdout

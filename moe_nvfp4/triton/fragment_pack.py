@@ -6,6 +6,8 @@ calls it per expert and gate/up block (design 001).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -13,7 +15,7 @@ import triton.language as tl
 from ..formats import NVFP4
 from ..layouts import FRAGMENT_WORD_BITS, FragmentLayout, encode_scale_e5m3
 
-__all__ = ["pack_fragment_block"]
+__all__ = ["agrees_with_twin", "pack_fragment_block"]
 
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -83,3 +85,20 @@ def pack_fragment_block(packed: torch.Tensor, scales: torch.Tensor, dst: torch.T
         packed, scales.view(torch.uint8), dst.view(torch.int32), dst_scales, bits, e5m3,
         n, k, packed.stride(0), scales.stride(0), kp // 128, num_warps=4,
     )  # fmt: skip
+
+
+@functools.cache
+def agrees_with_twin(device: torch.device, layout: FragmentLayout = FragmentLayout()) -> bool:
+    """Whether the kernel on ``device`` gives the torch twin's bytes for a known matrix: every code byte, every
+    scale byte from 0 (a zero block) to 0x7E and -0.0, rows and K padded (80 x 288 -> 128 x 384).  Once per device
+    and process, before any checkpoint memory is overwritten: a compiler or driver that builds the kernel wrong
+    must not turn into silently wrong weights (api._block_packer falls back to the twin)."""
+    n, k = 80, 288
+    packed = (torch.arange(n * k // 2) * 37 % 256).to(torch.uint8).reshape(n, k // 2)
+    scale = (torch.arange(n * k // 16) % 0x7F).to(torch.uint8)
+    scale[::29] = 0x80
+    scale = scale.reshape(n, k // 16).view(NVFP4.scale_dtype)
+    want = layout.pack(packed, scale)
+    got = tuple(torch.empty(t.shape, dtype=torch.uint8, device=device) for t in want)
+    pack_fragment_block(packed.to(device), scale.to(device), *got, layout=layout)
+    return all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
