@@ -17,19 +17,16 @@ from ..layouts import FRAGMENT_WORD_BITS, FragmentLayout, encode_scale_e5m3
 
 __all__ = ["agrees_with_twin", "pack_fragment_block"]
 
-_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.cache
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bit positions int32 [8 * 4]: FRAGMENT_WORD_BITS, e4m3 byte -> e5m3 byte uint8 [256]) on ``device``.  A
-    byte that is not a finite non-negative e4m3 maps to 0; the validator refuses such scales before packing."""
-    if device not in _TABLES:
-        e4m3 = torch.arange(256, dtype=torch.uint8).view(NVFP4.scale_dtype).float()
-        valid = torch.isfinite(e4m3) & (e4m3 >= 0)
-        e5m3 = torch.where(valid, encode_scale_e5m3(torch.where(valid, e4m3, 0.0)), 0).to(torch.uint8)
-        bits = torch.tensor(FRAGMENT_WORD_BITS, dtype=torch.int32).reshape(-1)
-        _TABLES[device] = (bits.to(device), e5m3.to(device))
-    return _TABLES[device]
+    """(bit positions int32 [8 * 4]: FRAGMENT_WORD_BITS, e4m3 byte -> e5m3 byte uint8 [256]) on ``device``, made
+    once per device.  A byte that is not a finite non-negative e4m3 maps to 0; the validator refuses such scales
+    before packing."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(NVFP4.scale_dtype).float()
+    valid = torch.isfinite(e4m3) & (e4m3 >= 0)
+    e5m3 = torch.where(valid, encode_scale_e5m3(torch.where(valid, e4m3, 0.0)), 0).to(torch.uint8)
+    bits = torch.tensor(FRAGMENT_WORD_BITS, dtype=torch.int32).reshape(-1)
+    return bits.to(device), e5m3.to(device)
 
 
 @triton.jit
