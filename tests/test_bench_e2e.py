@@ -57,6 +57,13 @@ def test_directly_written_checkpoint_is_clean_and_has_the_weights_rms(tmp_path, 
     assert (out / "config.json").stat().st_mtime_ns == mtime and not (tmp_path / "ckpt.partial").exists()
 
 
+@pytest.fixture
+def no_checkpoints(tmp_path, monkeypatch):
+    """e2e_throughput's checkpoints and environment stood in for: the tests below run no engine."""
+    monkeypatch.setattr(e2e, "checkpoints", lambda *a, **k: {"bf16": tmp_path / "bf16", "modelopt": tmp_path / "fp4"})
+    monkeypatch.setattr(e2e, "environment", lambda: ENV)
+
+
 def _fake_runner(rows_for: dict, returncode: int = 0):
     """run_runner's stand-in: writes the rows the engine would for the spec's quantization, or fails."""
 
@@ -68,11 +75,10 @@ def _fake_runner(rows_for: dict, returncode: int = 0):
     return run
 
 
+@pytest.mark.usefixtures("no_checkpoints")
 def test_throughput_rows_merge_per_path_and_a_failed_path_fails_the_run(tmp_path, monkeypatch):
     """One path per call builds one table; a rerun replaces that path's rows; a failed path is shown failed, keeps
     no stale rows and makes the exit status 1."""
-    monkeypatch.setattr(e2e, "checkpoints", lambda *a, **k: {"bf16": tmp_path / "bf16", "modelopt": tmp_path / "fp4"})
-    monkeypatch.setattr(e2e, "environment", lambda: ENV)
     speed = {"nvfp4_grouped": 300.0, "modelopt_fp4": 200.0, None: 100.0}
     rows = {q: [{"batch": b, "seconds": 1.0, "output_tokens_per_s": v * b} for b in (1, 16)] for q, v in speed.items()}
     monkeypatch.setattr(e2e, "run_runner", _fake_runner(rows))
@@ -92,11 +98,10 @@ def test_throughput_rows_merge_per_path_and_a_failed_path_fails_the_run(tmp_path
     assert "| 16 | failed | 3200 | 1600 | - | - |" in table and "`ours` failed" in table, table
 
 
+@pytest.mark.usefixtures("no_checkpoints")
 def test_load_memory_report_counts_experts_and_sets_the_first_moe_layer_apart(tmp_path, monkeypatch):
     """Peaks per layer as the runner records them: the first MoE layer (autotune, compile) apart, the other MoE
     layers' maximum in units of one expert's NVFP4 bytes; a path whose engine failed is shown failed."""
-    monkeypatch.setattr(e2e, "checkpoints", lambda *a, **k: {"bf16": tmp_path / "bf16", "modelopt": tmp_path / "fp4"})
-    monkeypatch.setattr(e2e, "environment", lambda: ENV)
     one = e2e.expert_bytes("qwen3-30b-a3b", None)
     moe = zoo_shape("qwen3-30b-a3b")
     assert one == 3 * (moe.intermediate * moe.hidden * 9 // 16 + 4)
