@@ -16,7 +16,9 @@ config-only directory with ``load_format="dummy"`` (vLLM's random weights).
 
 Per path, one LLM in a fresh subprocess (default CUDA-graph mode); per batch size B: B prompts of
 ``--input-len`` random token ids, ``max_tokens=--output-len``, ``ignore_eos``, greedy; one warm-up
-generate, then the median of ``--repeats`` timed generates; output tokens/s = B * output_len / seconds.
+generate, then the median of ``--repeats`` timed generates; output tokens/s = B * output_len / seconds.  Each
+path also records its engine start (``LLM(...)`` until it returns) and the plugin's load log lines (autotune and
+compile times).
 
 ``--load-memory``: per NVFP4 path, an engine in this process tree with vLLM's engine core in-process, whose
 ``process_weights_after_loading`` is timed for memory: per layer, ``torch.cuda.max_memory_allocated`` during its
@@ -46,6 +48,7 @@ MODELS = {  # what a full model adds to its MoE layer (whose shape is moe_nvfp4/
     "qwen3-30b-a3b": {"layers": 48, "vocab": VOCAB, "kv_heads": 4, "architecture": "Qwen3MoeForCausalLM"},
     "mixtral-8x7b": {"layers": 32, "vocab": 32000, "kv_heads": 8, "architecture": "MixtralForCausalLM"},
 }
+PLUGIN_LOG_LINES = 40  # the plugin logs a few lines per distinct layer shape
 PATHS = {  # name -> (checkpoint kind, quantization argument)
     "ours": ("modelopt", "nvfp4_grouped"),
     "vllm_modelopt_fp4": ("modelopt", "modelopt_fp4"),
@@ -61,7 +64,9 @@ if args["quantization"] == "nvfp4_grouped" and "nvfp4_grouped" not in {e.name fo
     from moe_nvfp4_vllm.plugin import register; register()
 import torch
 from vllm import LLM, SamplingParams
+t_start = time.perf_counter()
 llm = LLM(**args["engine"])
+start_s = time.perf_counter() - t_start
 g = torch.Generator().manual_seed(0)
 rows = []
 for b in args["batches"]:
@@ -233,7 +238,7 @@ def measured(module, target_device):  # wraps each layer's process_weights_after
 loader_utils.device_loading_context = measured
 from vllm import LLM
 LLM(**args["engine"])
-json.dump(rows, open(args["out"], "w"))
+json.dump({"engine_start_s": start_s, "rows": rows}, open(args["out"], "w"))
 """
 
 
@@ -258,7 +263,11 @@ def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Pa
         result["error"] = proc.stderr[-4000:]
         print(f"{name}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
     else:
-        result["rows"] = json.loads(out.read_text())
+        ran = json.loads(out.read_text())
+        result.update(engine_start_s=ran["engine_start_s"], rows=ran["rows"])
+    # What the plugin chose and how long its autotune and compiles took at load (vLLM logs to stdout).
+    result["plugin_log"] = [line for line in (proc.stdout or "").splitlines() + (proc.stderr or "").splitlines()
+                            if "nvfp4_grouped:" in line][:PLUGIN_LOG_LINES]
     return result
 
 
@@ -351,6 +360,9 @@ def markdown(report: dict) -> str:
             other = by.get(base, {}).get(b)
             ratios.append(f"{ours / other:.2f}x" if ours and other else "-")
         lines.append(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    starts = [f"{r['path']} {r['engine_start_s']:.0f} s" for r in paths if "engine_start_s" in r]
+    if starts:  # a fresh machine's first start also compiles (and, ours, autotunes): plugin_log in the JSON
+        lines += ["", "Engine start (`LLM(...)` until it returns): " + ", ".join(starts) + "."]
     for r in paths:
         if "error" in r:
             lines += ["", f"`{r['path']}` failed: see `error` in the JSON."]

@@ -64,13 +64,19 @@ def no_checkpoints(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "environment", lambda: ENV)
 
 
+START_S = {"nvfp4_grouped": 161.2, "modelopt_fp4": 62.0, None: 59.9}  # engine start by quantization
+
+
 def _fake_runner(rows_for: dict, returncode: int = 0):
     """run_runner's stand-in: writes the rows the engine would for the spec's quantization, or fails."""
 
     def run(runner: str, spec: dict):
         if returncode == 0:
-            Path(spec["out"]).write_text(json.dumps(rows_for[spec["quantization"]]))
-        return Namespace(returncode=returncode, stderr="Traceback: engine died")
+            rows = rows_for[spec["quantization"]]
+            ran = rows if runner == e2e.LOAD_RUNNER else {"engine_start_s": START_S[spec["quantization"]], "rows": rows}
+            Path(spec["out"]).write_text(json.dumps(ran))
+        log = "INFO nvfp4_grouped: compiled MoE kernels in 9.0 s\nINFO other line\n" if spec["quantization"] == "nvfp4_grouped" else ""
+        return Namespace(returncode=returncode, stdout=log, stderr="Traceback: engine died")
 
     return run
 
@@ -87,8 +93,10 @@ def test_throughput_rows_merge_per_path_and_a_failed_path_fails_the_run(tmp_path
         assert e2e.main(["--paths", path, *common]) == 0
     report = json.loads((tmp_path / "out" / "e2e_qwen3-30b-a3b_L2.json").read_text())
     assert [r["path"] for r in report["results"]] == ["ours", "vllm_modelopt_fp4", "bf16"]
+    assert [r["plugin_log"] for r in report["results"]] == [["INFO nvfp4_grouped: compiled MoE kernels in 9.0 s"], [], []]
     table = (tmp_path / "out" / "e2e_qwen3-30b-a3b_L2.md").read_text()
     assert "| 16 | 4800 | 3200 | 1600 | 1.50x | 3.00x |" in table, table
+    assert "Engine start (`LLM(...)` until it returns): ours 161 s, vllm_modelopt_fp4 62 s, bf16 60 s." in table, table
     monkeypatch.setattr(e2e, "run_runner", _fake_runner(rows, returncode=1))
     assert e2e.main(["--paths", "ours", *common]) == 1
     report = json.loads((tmp_path / "out" / "e2e_qwen3-30b-a3b_L2.json").read_text())
