@@ -106,6 +106,40 @@ def test_throughput_rows_merge_per_path_and_a_failed_path_fails_the_run(tmp_path
     assert "| 16 | failed | 3200 | 1600 | - | - |" in table and "`ours` failed" in table, table
 
 
+# A stand-in ``vllm`` for the runner script itself: an engine that logs as vLLM's does (to stdout) and returns
+# exactly the tokens asked for.
+FAKE_VLLM = """
+import time
+class SamplingParams:
+    def __init__(self, max_tokens, **kw):
+        self.max_tokens = max_tokens
+class _Out:
+    def __init__(self, n):
+        self.outputs = [type("Completion", (), {"token_ids": list(range(n))})()]
+class LLM:
+    def __init__(self, **kw):
+        print("INFO nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8) in 0.0 s", flush=True)
+    def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.01)
+        return [_Out(params.max_tokens) for _ in prompts]
+"""
+
+
+def test_the_throughput_runner_script_writes_what_run_path_reads(tmp_path, monkeypatch):
+    """RUNNER (the script each path's subprocess runs) with a stand-in vLLM: run_path gets every batch's rows, the
+    engine start and the plugin's log line, through the real subprocess and files."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    args = Namespace(model="qwen3-30b-a3b", batches=[1, 3], input_len=4, output_len=5, repeats=2,
+                     gpu_memory_utilization=0.5)
+    result = e2e.run_path("bf16", tmp_path / "ckpt", None, args, tmp_path)
+    assert "error" not in result, result.get("error")
+    assert [(r["batch"], len(r["seconds_all"])) for r in result["rows"]] == [(1, 2), (3, 2)]
+    assert all(r["output_tokens_per_s"] > 0 for r in result["rows"]) and result["engine_start_s"] >= 0
+    assert result["plugin_log"] == ["INFO nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8) in 0.0 s"]
+
+
 @pytest.mark.usefixtures("no_checkpoints")
 def test_load_memory_report_counts_experts_and_sets_the_first_moe_layer_apart(tmp_path, monkeypatch):
     """Peaks per layer as the runner records them: the first MoE layer (autotune, compile) apart, the other MoE
