@@ -588,3 +588,22 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
     assert len(unread) == 1 and _loaded_params(gemm2_unweighted) <= _loaded_params(gemm2)
     if family == "triton":
         assert unread == {str(list(GEMM_SIGNATURE).index("topk_weights_ptr"))}
+
+
+def test_ab_moe_table_averages_the_draws_of_an_expert_parallel_case() -> None:
+    """tools/ab_moe.py's table: one draw shows its median and range over rounds; several draws of a routing show
+    the mean of their medians, their range and each draw's local pairs; a variant a case skipped says so."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import ab_moe
+
+    def row(model, tokens, variant, median, draw=0, pairs=4):
+        return dict(model=model, tokens=tokens, variant=variant, median_us=median, min_us=median - 1,
+                    max_us=median + 1, draw=draw, local_pairs=pairs)
+
+    rows = [row("qwen3-30b-a3b", 1, "shipped", 14.0), row("qwen3-30b-a3b", 1, "x", 13.0),
+            row("dbrx-ep2", 1, "shipped", 80.0, 0, 2), row("dbrx-ep2", 1, "x", 60.0, 0, 2),
+            row("dbrx-ep2", 1, "shipped", 4.0, 1, 0), row("dbrx-ep2", 1, "x", 6.0, 1, 0)]
+    header, one, two = ab_moe.table(rows, ["qwen3-30b-a3b:1", "dbrx-ep2:1"], ["shipped", "x", "gemms:block_n=64"])
+    assert one.split()[1:] == ["14.0", "(13.0-15.0)", "13.0", "(12.0-14.0)", "skipped"], one
+    assert two.split()[1:7] == ["42.0", "(4.0-80.0)", "33.0", "(6.0-60.0)", "skipped", "local"], two
+    assert two.endswith("local pairs by draw [2, 0]"), two

@@ -15,7 +15,9 @@ configs directory such as an earlier copy of configs/ holds), or a boolean MoEKe
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
-variant's median over rounds and its range.
+variant's median over rounds and its range.  ``--draws N`` times an expert-parallel case over N routings (bench_moe's
+seeds 0..N-1): at a few tokens how many pairs land on this rank is a matter of the draw (none, at times), so a
+decision there rests on the mean over draws, which the table then gives with the range of the draws' medians.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def gemm_variant(cfg, variant: str):
     return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **overrides) for g in gemms})
 
 
-def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int) -> list[dict]:
+def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int, draw: int = 0) -> list[dict]:
     import torch
 
     from harness import time_graph
@@ -106,7 +108,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, shape, device))
                 for v in variants if v.startswith("configs=")}  # fmt: skip
     if zs.ep > 1:  # bench_moe's inputs and rank (the first E / EP experts local), so a row of its is repeated
-        x, tw, ti, expert_map = make_inputs(MoEShape.from_zoo(zs), tokens, 0, "cuda")
+        x, tw, ti, expert_map = make_inputs(MoEShape.from_zoo(zs), tokens, draw, "cuda")
     else:
         (x, tw, ti), expert_map = seeded_inputs(model, tokens), None
     weights = prepare_moe_weights(*make_layer(e, h, i, "cuda")).tensors
@@ -144,13 +146,39 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     for _ in range(rounds):
         for v in variants:
             times[v].append(time_graph(forwards(v)).median_us)
+    local_pairs = int((ti >= 0).sum() if expert_map is None else (expert_map[ti.long()] >= 0).sum())
     rows = []
     for v in variants:
-        rows.append(dict(model=model, tokens=tokens, variant=v, median_us=statistics.median(times[v]),
+        rows.append(dict(model=model, tokens=tokens, draw=draw, local_pairs=local_pairs, variant=v,
+                         median_us=statistics.median(times[v]),
                          min_us=min(times[v]), max_us=max(times[v]), rel_diff=errors[v], copies=len(copies),
                          config=configured(v).to_dict()))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def table(rows: list[dict], cases: list[str], variants: list[str]) -> list[str]:
+    """One line per case: each variant's median µs and its range over rounds; over several draws, the mean of the
+    draws' medians and their range, and the draws' local pairs."""
+    lines = [f"{'case':<22}" + "".join(f"{v[-25:]:>26}" for v in variants)]
+    for case in cases:
+        model, tokens = case.split(":")
+        mine = [r for r in rows if r["model"] == model and r["tokens"] == int(tokens)]
+        draws = sorted({r.get("draw", 0) for r in mine})
+        cells = []
+        for v in variants:
+            runs = [r for r in mine if r["variant"] == v]
+            if not runs:
+                cells.append("skipped")
+            elif len(draws) == 1:
+                cells.append(f"{runs[0]['median_us']:>9.1f} ({runs[0]['min_us']:.1f}-{runs[0]['max_us']:.1f})")
+            else:
+                medians = [r["median_us"] for r in runs]
+                cells.append(f"{statistics.mean(medians):>9.1f} ({min(medians):.1f}-{max(medians):.1f})")
+        pairs = {r.get("draw", 0): r.get("local_pairs") for r in mine}
+        note = f"  local pairs by draw {[pairs[d] for d in draws]}" if len(draws) > 1 else ""
+        lines.append(f"{case:<22}" + "".join(c.rjust(26) for c in cells) + note)
+    return lines
 
 
 def main() -> int:
@@ -159,6 +187,7 @@ def main() -> int:
                                       "qwen3-30b-a3b:16,qwen3-30b-a3b:64", help="model:tokens, comma separated")  # fmt: skip
     p.add_argument("--variants", default="shipped", help="shipped, pkg=DIR, configs=DIR or a MoEKernelConfig field, comma separated")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--draws", type=int, default=1, help="routings per expert-parallel case (bench_moe's seeds 0..N-1)")
     p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")
     args = p.parse_args()
     variants = args.variants.split(",")
@@ -166,16 +195,13 @@ def main() -> int:
         modules = {v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
                    for i, v in enumerate(variants) if v.startswith("pkg=")}  # fmt: skip
         rows = []
+        from moe_nvfp4.zoo import zoo_shape
+
         for case in args.cases.split(","):
             model, tokens = case.split(":")
-            rows += run_case(model, int(tokens), variants, modules, args.rounds)
-    print(f"\n{'case':<22}" + "".join(f"{v[-25:]:>26}" for v in variants))
-    for case in args.cases.split(","):
-        model, tokens = case.split(":")
-        cells = {r["variant"]: r for r in rows if r["model"] == model and r["tokens"] == int(tokens)}
-        timed = [f"{r['median_us']:>9.1f} ({r['min_us']:.1f}-{r['max_us']:.1f})" if r else "skipped"
-                 for r in map(cells.get, variants)]  # fmt: skip
-        print(f"{case:<22}" + "".join(t.rjust(26) for t in timed))
+            for draw in range(args.draws if zoo_shape(model).ep > 1 else 1):
+                rows += run_case(model, int(tokens), variants, modules, args.rounds, draw)
+    print("\n" + "\n".join(table(rows, args.cases.split(","), variants)))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0
