@@ -51,6 +51,7 @@ from moe_nvfp4.configs import (  # noqa: E402
     CONFIG_VERSION, KERNEL_NAME, PAIR_TILE_TOKENS, GemmConfig, LayerShape, MoEKernelConfig, config_path,
     default_config, device_traits, entry_shape, load_config_file, serving_entry,
 )
+from moe_nvfp4.layouts import FragmentLayout  # noqa: E402
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
 from moe_nvfp4.zoo import zoo_shapes  # noqa: E402
 
@@ -137,7 +138,8 @@ def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple
 
 
 def _valid(cfg: MoEKernelConfig, hidden: int, inter: int) -> bool:
-    return cfg.is_valid(-(-hidden // 128) * 128, -(-inter // 128) * 128)
+    padded = FragmentLayout().padded_k  # K as the packed layout stores it
+    return cfg.is_valid(padded(hidden), padded(inter))
 
 
 def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:

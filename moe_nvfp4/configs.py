@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .layouts import FragmentLayout
+from .layouts import FragmentLayout, round_up
 
 __all__ = [
     "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "DeviceTraits", "LayerShape", "default_config",
@@ -214,7 +214,7 @@ class MoEKernelConfig:
 
 
 def _pad(k: int) -> int:
-    return -(-k // CHUNK_K) * CHUNK_K
+    return round_up(k, CHUNK_K)
 
 
 @dataclass(frozen=True)

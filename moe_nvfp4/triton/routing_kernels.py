@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layouts import round_up
 from . import sm90_common
 from .sm90_common import _after_previous_kernel, _routed
 
@@ -179,7 +180,7 @@ def route(
     # on, so the kernels see the same pointer properties for every T (no recompilation).
     starts = [0]
     for size in sizes:
-        starts.append(starts[-1] + -(-size // 4) * 4)
+        starts.append(starts[-1] + round_up(size, 4))
     ints = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
     sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end, num_tiles, hist = (
         ints[start : start + size] for start, size in zip(starts, sizes)
