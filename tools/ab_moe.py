@@ -112,7 +112,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     else:
         (x, tw, ti), expert_map = seeded_inputs(model, tokens), None
     weights = prepare_moe_weights(*make_layer(e, h, i, "cuda")).tensors
-    copies = rotated_weights(weights, ti if expert_map is None else expert_map[ti.long()])
+    local_ids = ti if expert_map is None else expert_map[ti.long()]  # -1: another rank's expert
+    copies = rotated_weights(weights, local_ids)
 
     def configured(variant: str):
         if variant in tuned_in:
@@ -146,7 +147,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     for _ in range(rounds):
         for v in variants:
             times[v].append(time_graph(forwards(v)).median_us)
-    local_pairs = int((ti >= 0).sum() if expert_map is None else (expert_map[ti.long()] >= 0).sum())
+    local_pairs = int((local_ids >= 0).sum())
     rows = []
     for v in variants:
         rows.append(dict(model=model, tokens=tokens, draw=draw, local_pairs=local_pairs, variant=v,
@@ -191,12 +192,12 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")
     args = p.parse_args()
     variants = args.variants.split(",")
+    from moe_nvfp4.zoo import zoo_shape
+
     with tempfile.TemporaryDirectory() as tmp:
         modules = {v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
                    for i, v in enumerate(variants) if v.startswith("pkg=")}  # fmt: skip
         rows = []
-        from moe_nvfp4.zoo import zoo_shape
-
         for case in args.cases.split(","):
             model, tokens = case.split(":")
             for draw in range(args.draws if zoo_shape(model).ep > 1 else 1):

@@ -17,6 +17,7 @@ from ..layouts import FRAGMENT_WORD_BITS, FragmentLayout, encode_scale_e5m3
 
 __all__ = ["agrees_with_twin", "pack_fragment_block"]
 
+
 @functools.cache
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(bit positions int32 [8 * 4]: FRAGMENT_WORD_BITS, e4m3 byte -> e5m3 byte uint8 [256]) on ``device``, made
