@@ -374,8 +374,9 @@ def default_config(
     expected rows per busy expert ``m`` (LayerShape.rows_per_active_expert) and the SM count.
 
     * One or two tokens: pair tiles (no routing launch), 8-token tiles, both GEMMs warp-specialized; a GEMM whose
-      k x N / 64 tiles cannot fill the SMs splits each tile's K over two MMA warp groups, one with 64-row tiles for
-      every SM twice over takes 128-row ones.
+      pairs x N / 64 tiles cannot fill the SMs splits each tile's K over two MMA warp groups, one with 64-row tiles
+      for every SM twice over takes 128-row ones.  Pairs are the rank's expected ones, T k E/E_g (design 004
+      decision 9).
     * Decode (tiles of 8-32 tokens, m <= 20): both GEMMs warp-specialized, 8-wide MMAs in 8-token tiles, half-width
       ones in 16- and 32-token tiles.
     * 64-token tiles (m <= 96): the Gluon kernel with two MMA warp groups; GEMM2 on the Triton kernel where its K
@@ -389,16 +390,17 @@ def default_config(
     rows = shape.rows_per_active_expert(max(tokens, 1))
     k1, k2 = shape.padded_k
     if tokens <= PAIR_TILE_TOKENS:
-        block_m, pairs = 8, max(tokens, 1) * top_k
+        # the pairs this rank expects: under expert parallelism E/E_g of the T k (DBRX EP8 at one token: half a pair)
+        block_m, pairs = 8, max(tokens, 1) * top_k * experts / shape.global_experts
 
         def pair_gemm(n: int, k: int, two: bool) -> GemmConfig:
             units = pairs * -(-n // 64)  # tiles of 64 rows
             preset = WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
             return fit_gemm(preset, k, block_m, two, loader_warps=2)
 
-        # Under expert parallelism the same presets run on routed 8-row tiles: pair tiles through the expert map
-        # were slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 99 routed,
-        # Kimi-K2 EP8 49 against 36; H200, design 004), though the kernel runs them (an explicit config).
+        # Under expert parallelism the presets run on routed 8-row tiles: pair tiles through the expert map were
+        # slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 99 routed, Kimi-K2
+        # EP8 49 against 36; H200, design 004 decision 7), though the kernel runs them (an explicit config).
         cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, gated), pair_gemm(hidden, k2, False),
                               partials_in_x_dtype=top_k > 2, pair_tiles=shape.global_experts == experts)  # fmt: skip
     else:

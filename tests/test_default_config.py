@@ -259,18 +259,29 @@ def test_layer_shape_normalizes_dtype_and_global_experts() -> None:
     assert math.isclose(LayerShape(128, 8, 256, 256).rows_per_active_expert(16), 128 / (128 * (1 - (15 / 16) ** 16)))
 
 
-def test_expert_parallel_shapes_keep_the_pair_presets_on_routed_tiles(fresh_process) -> None:
-    """Under expert parallelism the default at T <= 2 is the pair-tile config of the whole layer with pair_tiles off:
-    the same presets on routed 8-row tiles (pair tiles through the map measured slower, design 004); the kernel
-    still takes pair tiles with a map when a config asks (test_sm90_ptx.test_pair_tiles_launch_no_routing_kernel)."""
+def test_expert_parallel_shapes_size_the_pair_presets_by_their_local_pairs(fresh_process) -> None:
+    """Under expert parallelism the default at T <= 2 runs the pair presets on routed 8-row tiles (pair tiles through
+    the map measured slower, design 004 decision 7; the kernel still takes them with a map when a config asks:
+    test_sm90_ptx.test_pair_tiles_launch_no_routing_kernel), sized by the pairs the rank expects, T k E/E_g
+    (decision 9): the whole layer's presets at that many pairs."""
     ep = [layer(s) for s in ZOO if s.global_experts != s.experts]
     assert ep
     for s in ep:
-        whole = dataclasses.replace(s, global_experts=0)
         for t in (1, 2):
-            local, full = select_config(t, s, H200), select_config(t, whole, H200)
-            assert full.pair_tiles and not local.pair_tiles, (s, t)
-            assert local.block_m == 8 and local.gemm1.warp_specialized and local.gemm2.warp_specialized
+            local = select_config(t, s, H200)
+            assert not local.pair_tiles and local.block_m == 8, (s, t)
+            assert local.gemm1.warp_specialized and local.gemm2.warp_specialized
+            pairs = t * s.top_k * s.experts / s.global_experts
+            for g, n in ((local.gemm1, s.intermediate), (local.gemm2, s.hidden)):
+                units = pairs * -(-n // 64)
+                assert (g.k_groups == 2) == (units < 132), (s, t, units, g)
+                assert (g.block_n == 128) == (units >= 2 * 132), (s, t, units, g)
         assert not select_config(3, s, H200).pair_tiles
+    # DBRX EP8 at one token expects half a pair: K groups, where the whole layer's four pairs take 128-row tiles
+    assert select_config(1, layer(zoo_shape("dbrx-ep8")), H200).gemm1.k_groups == 2
+    assert select_config(1, layer(zoo_shape("dbrx")), H200).gemm1.block_n == 128
+    # Qwen3-235B EP2 expects 4 pairs, 256 tiles of H: 64-row tiles, where the whole layer's 8 take 128-row ones
+    assert select_config(1, layer(zoo_shape("qwen3-235b-a22b-ep2")), H200).gemm2.block_n == 64
+    assert select_config(1, layer(zoo_shape("qwen3-235b-a22b")), H200).gemm2.block_n == 128
 
 

@@ -25,6 +25,7 @@ from moe_nvfp4.configs import (
     MoEKernelConfig,
     device_traits,
     load_config_file,
+    select_config,
     tuned_file_for,
 )
 from moe_nvfp4.triton.moe_sm90 import compiled_variants, fused_moe_sm90, route
@@ -137,6 +138,42 @@ def test_expert_map(dtype: torch.dtype, gen: torch.Generator) -> None:
     out = m.fused_moe(x, weights, tw, ti, expert_map=expert_map)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=expert_map, compute_dtype=torch.float64)
     assert _rel(out, ref) < REL_TOL[dtype]
+
+
+EP_DECODE = [  # (why, local experts, global experts, top-k, hidden, inter)
+    ("half a pair expected at one token: K groups on both GEMMs", 8, 64, 4, 1024, 512),
+    ("2-4 pairs expected: 64-row tiles, K groups on GEMM2", 8, 16, 4, 2048, 4096),
+]
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("ep", EP_DECODE, ids=[e[0] for e in EP_DECODE])
+def test_expert_parallel_decode_defaults_match_reference(ep: tuple, tokens: int, gen: torch.Generator) -> None:
+    """The default at one or two tokens under expert parallelism (presets sized by the rank's expected pairs, design
+    004 decision 9) on routings that leave the rank none of the pairs, one, and all: within REL_TOL of the reference,
+    every output row written (exact zeros where no pair is local)."""
+    why, local, total, k, h, i = ep
+    case = Case(why, local, k, h, i, tokens)
+    q13, q2 = _layer(case, gen, "cuda")
+    weights = m.prepare_moe_weights(q13, q2)
+    order = torch.randperm(total, generator=gen, device="cuda").to(torch.int32)
+    owned, others = order[:local], order[local:]
+    expert_map = torch.full((total,), -1, dtype=torch.int32, device="cuda")
+    expert_map[owned.long()] = torch.arange(local, dtype=torch.int32, device="cuda")
+    cfg = select_config(tokens, weights.layer_shape(k, torch.bfloat16, expert_map), device_traits(torch.device("cuda")))
+    assert not cfg.pair_tiles and cfg.block_m == 8 and (cfg.gemm2.k_groups == 2), cfg
+    x = torch.randn(tokens, h, generator=gen, device="cuda").bfloat16()
+    tw = torch.softmax(torch.randn(tokens, k, generator=gen, device="cuda"), -1)
+    for n_local in (0, 1, tokens * k):
+        is_local = (torch.arange(tokens * k, device="cuda") < n_local).view(tokens, k)
+        slot = torch.arange(k, device="cuda").expand(tokens, k)  # distinct experts within a token either way
+        ti = torch.where(is_local, owned[slot], others[slot]).to(torch.int32).contiguous()
+        out = _poisoned_run(x, (*weights.tensors, tw, ti, expert_map, i), cfg)
+        ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=expert_map, compute_dtype=torch.float64)
+        if n_local == 0:
+            assert not out.any(), "a rank with no local pair must return zeros"
+        else:
+            assert _rel(out, ref) < REL_TOL[torch.bfloat16], (n_local, cfg)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
