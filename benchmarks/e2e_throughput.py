@@ -49,6 +49,12 @@ MODELS = {  # what a full model adds to its MoE layer (whose shape is moe_nvfp4/
     "mixtral-8x7b": {"layers": 32, "vocab": 32000, "kv_heads": 8, "architecture": "MixtralForCausalLM"},
 }
 PLUGIN_LOG_LINES = 40  # the plugin logs a few lines per distinct layer shape
+# vLLM's own log lines for the phases of an engine start (weights and repack, torch.compile, profiling, CUDA graphs,
+# the whole init; vLLM 0.26 says "torch.compile took", earlier releases "takes"): with plugin_log they say where a
+# first start's time goes, for every path.
+START_LOG_MARKERS = ("Loading weights took", "Model loading took", "torch.compile took", "torch.compile takes",
+                     "Compiling a graph for", "Initial profiling/warmup run took", "Graph capturing finished",
+                     "init engine (profile, create kv cache, warmup model) took")  # fmt: skip
 PATHS = {  # name -> (checkpoint kind, quantization argument)
     "ours": ("modelopt", "nvfp4_grouped"),
     "vllm_modelopt_fp4": ("modelopt", "modelopt_fp4"),
@@ -266,8 +272,9 @@ def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Pa
         ran = json.loads(out.read_text())
         result.update(engine_start_s=ran["engine_start_s"], rows=ran["rows"])
     # What the plugin chose and how long its autotune and compiles took at load (vLLM logs to stdout).
-    result["plugin_log"] = [line for line in (proc.stdout or "").splitlines() + (proc.stderr or "").splitlines()
-                            if "nvfp4_grouped:" in line][:PLUGIN_LOG_LINES]
+    lines = (proc.stdout or "").splitlines() + (proc.stderr or "").splitlines()
+    result["plugin_log"] = [line for line in lines if "nvfp4_grouped:" in line][:PLUGIN_LOG_LINES]
+    result["start_log"] = [line for line in lines if any(m in line for m in START_LOG_MARKERS)][:PLUGIN_LOG_LINES]
     return result
 
 
@@ -361,7 +368,7 @@ def markdown(report: dict) -> str:
             ratios.append(f"{ours / other:.2f}x" if ours and other else "-")
         lines.append(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     starts = [f"{r['path']} {r['engine_start_s']:.0f} s" for r in paths if "engine_start_s" in r]
-    if starts:  # a fresh machine's first start also compiles (and, ours, autotunes): plugin_log in the JSON
+    if starts:  # a fresh machine's first start also compiles (and, ours, autotunes): plugin_log, start_log in the JSON
         lines += ["", "Engine start (`LLM(...)` until it returns): " + ", ".join(starts) + "."]
     for r in paths:
         if "error" in r:

@@ -119,6 +119,9 @@ class _Out:
 class LLM:
     def __init__(self, **kw):
         print("INFO nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8) in 0.0 s", flush=True)
+        print("INFO [default_loader.py:291] Loading weights took 0.98 seconds", flush=True)
+        print("INFO [monitor.py:53] torch.compile took 27.45 s in total", flush=True)
+        print("INFO some other line", flush=True)
     def generate(self, prompts, params, use_tqdm=False):
         time.sleep(0.01)
         return [_Out(params.max_tokens) for _ in prompts]
@@ -127,7 +130,7 @@ class LLM:
 
 def test_the_throughput_runner_script_writes_what_run_path_reads(tmp_path, monkeypatch):
     """RUNNER (the script each path's subprocess runs) with a stand-in vLLM: run_path gets every batch's rows, the
-    engine start and the plugin's log line, through the real subprocess and files."""
+    engine start, the plugin's log line and vLLM's start-phase lines, through the real subprocess and files."""
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -138,6 +141,8 @@ def test_the_throughput_runner_script_writes_what_run_path_reads(tmp_path, monke
     assert [(r["batch"], len(r["seconds_all"])) for r in result["rows"]] == [(1, 2), (3, 2)]
     assert all(r["output_tokens_per_s"] > 0 for r in result["rows"]) and result["engine_start_s"] >= 0
     assert result["plugin_log"] == ["INFO nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8) in 0.0 s"]
+    assert result["start_log"] == ["INFO [default_loader.py:291] Loading weights took 0.98 seconds",
+                                   "INFO [monitor.py:53] torch.compile took 27.45 s in total"]  # fmt: skip
 
 
 @pytest.mark.usefixtures("no_checkpoints")
