@@ -270,6 +270,7 @@ def test_expert_parallel_shapes_size_the_pair_presets_by_their_local_pairs(fresh
         for t in (1, 2):
             local = select_config(t, s, H200)
             assert not local.pair_tiles and local.block_m == 8, (s, t)
+            assert select_config(t, dataclasses.replace(s, global_experts=0), H200).pair_tiles  # no map: pair tiles
             assert local.gemm1.warp_specialized and local.gemm2.warp_specialized
             pairs = t * s.top_k * s.experts / s.global_experts
             for g, n in ((local.gemm1, s.intermediate), (local.gemm2, s.hidden)):

@@ -161,7 +161,7 @@ def test_expert_parallel_decode_defaults_match_reference(ep: tuple, tokens: int,
     expert_map = torch.full((total,), -1, dtype=torch.int32, device="cuda")
     expert_map[owned.long()] = torch.arange(local, dtype=torch.int32, device="cuda")
     cfg = select_config(tokens, weights.layer_shape(k, torch.bfloat16, expert_map), device_traits(torch.device("cuda")))
-    assert not cfg.pair_tiles and cfg.block_m == 8 and (cfg.gemm2.k_groups == 2), cfg
+    assert not cfg.pair_tiles and cfg.block_m == 8 and cfg.gemm2.k_groups == 2, cfg
     x = torch.randn(tokens, h, generator=gen, device="cuda").bfloat16()
     tw = torch.softmax(torch.randn(tokens, k, generator=gen, device="cuda"), -1)
     for n_local in (0, 1, tokens * k):
