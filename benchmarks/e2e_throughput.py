@@ -48,7 +48,7 @@ MODELS = {  # what a full model adds to its MoE layer (whose shape is moe_nvfp4/
     "qwen3-30b-a3b": {"layers": 48, "vocab": VOCAB, "kv_heads": 4, "architecture": "Qwen3MoeForCausalLM"},
     "mixtral-8x7b": {"layers": 32, "vocab": 32000, "kv_heads": 8, "architecture": "MixtralForCausalLM"},
 }
-PLUGIN_LOG_LINES = 40  # the plugin logs a few lines per distinct layer shape
+LOG_LINES_KEPT = 40  # per log list: the plugin logs a few lines per distinct layer shape, vLLM a few per start
 # vLLM's own log lines for the phases of an engine start (weights and repack, torch.compile, profiling, CUDA graphs,
 # the whole init; vLLM 0.26 says "torch.compile took", earlier releases "takes"): with plugin_log they say where a
 # first start's time goes, for every path.
@@ -273,8 +273,8 @@ def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Pa
         result.update(engine_start_s=ran["engine_start_s"], rows=ran["rows"])
     # What the plugin chose and how long its autotune and compiles took at load (vLLM logs to stdout).
     lines = (proc.stdout or "").splitlines() + (proc.stderr or "").splitlines()
-    result["plugin_log"] = [line for line in lines if "nvfp4_grouped:" in line][:PLUGIN_LOG_LINES]
-    result["start_log"] = [line for line in lines if any(m in line for m in START_LOG_MARKERS)][:PLUGIN_LOG_LINES]
+    result["plugin_log"] = [line for line in lines if "nvfp4_grouped:" in line][:LOG_LINES_KEPT]
+    result["start_log"] = [line for line in lines if any(m in line for m in START_LOG_MARKERS)][:LOG_LINES_KEPT]
     return result
 
 
