@@ -94,7 +94,6 @@ class GemmConfig:
     k_groups: int = 1
     narrow_tiles: int = 0
     loader_warps: int = 4
-    decode_warps: bool = False
 
     def is_valid(self, k_padded: int) -> bool:
         chunks = k_padded // CHUNK_K
@@ -110,13 +109,7 @@ class GemmConfig:
             and chunks % self.chunks_per_stage == 0
             and 1 <= self.programs_per_sm <= 8
             and (self.max_registers is None or (64 <= self.max_registers <= 255 and self.max_registers % 8 == 0))
-            and (not self.decode_warps or self._decode_warps_ok())
         )
-
-    def _decode_warps_ok(self) -> bool:
-        # the prefill kernel's tile is fixed (two 64-row weight blocks, whole 128-wide K chunks, one MMA warp group)
-        return (self.block_n == 128 and not self.warp_specialized and self.chunks_per_stage == 1 and self.k_groups == 1
-                and self.narrow_tiles == 0 and self.num_warps == 4)
 
     @property
     def narrowest_mma(self) -> int:
@@ -191,7 +184,6 @@ class MoEKernelConfig:
             (self.block_m in (16, 32, 64, 128, 256)
              or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
             and all(self.block_m >> g.narrow_tiles >= g.narrowest_mma for g in (self.gemm1, self.gemm2))
-            and all(self.block_m in (64, 128) for g in (self.gemm1, self.gemm2) if g.decode_warps)
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))

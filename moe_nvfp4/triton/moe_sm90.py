@@ -27,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import GemmConfig, LayerShape, MoEKernelConfig, device_traits, select_config
+from ..configs import LayerShape, MoEKernelConfig, device_traits, select_config
 from ..dispatch import sm_count
 from ..expert_activation import SILU, ExpertActivation
 from . import sm90_common
 from .combine import _combine_kernel, combine
-from .moe_sm90_prefill import launch_gemm_prefill
 from .moe_sm90_ws import launch_gemm_ws
 from .routing_kernels import ROUTE_ONE_PROGRAM, _count_kernel, _route_kernel, route, route_chunks, routing_variants_from
 from .sm90_common import (_TL_DTYPES, BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES,
@@ -302,14 +301,6 @@ def launch_gemm(a: torch.Tensor, weights: GemmWeights, out: torch.Tensor, routin
     )  # fmt: skip
 
 
-def _launcher(gemm: GemmConfig, warp_specialized: bool, gluon_ok: bool):
-    """The GEMM kernel a config names: the prefill Gluon kernel (decode warps), the decode Gluon kernel, or the
-    Triton kernel, which computes the same sums wherever the Gluon kernels cannot run (_gluon_rows_ok)."""
-    if gemm.decode_warps and gluon_ok:
-        return launch_gemm_prefill
-    return launch_gemm_ws if warp_specialized else launch_gemm
-
-
 def fused_moe_sm90(
     x: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -369,12 +360,12 @@ def fused_moe_sm90(
     routing = GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     act = torch.empty(t * top_k, intermediate, dtype=x.dtype, device=x.device)  # the activation
-    launch1 = _launcher(g1, ws1, ws_ok)
+    launch1 = launch_gemm_ws if ws1 else launch_gemm
     launch1(x, GemmWeights(w13_packed, w13_scale, w13_global), act, routing, config, epilogue1, gated=True,
            top_k=gather, sms=sms)  # fmt: skip
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(t * top_k, hidden, dtype=partial_dtype, device=x.device)
-    launch2 = _launcher(g2, ws2, ws_ok)
+    launch2 = launch_gemm_ws if ws2 else launch_gemm
     launch2(act, GemmWeights(w2_packed, w2_scale, w2_global), partial, routing, config, epilogue2, gated=False,
            top_k=top_k, sms=sms)  # fmt: skip
     combine(partial, topk_ids, expert_map, num_experts, out)
