@@ -2,12 +2,16 @@
 
     python benchmarks/serve_bench.py --model qwen3-30b-a3b --paths ours          # one path per call: ~5 min on an H200
     python benchmarks/serve_bench.py --model mixtral-8x7b --paths vllm_modelopt_fp4 bf16
+    python benchmarks/serve_bench.py --workload prefill-heavy --paths ours humming   # 2048 in, 128 out
 
 Per path: ``vllm serve`` (tests/helpers_engine.py ``VllmServer``: loopback, a free port, its log under ``--out``)
 on the checkpoints of e2e_throughput.py (the NVFP4 checkpoint written directly; BF16 from a config-only directory
 with ``--load-format dummy``), then vLLM 0.26's own client, ``vllm bench serve``, once per request rate in
 ``--rates`` (``inf`` and two fixed rates by default): random dataset of ``--num-prompts`` prompts of
 ``--input-len`` tokens, ``--output-len`` output tokens with ``--ignore-eos``, TTFT / TPOT / ITL median and p99.
+``--workload`` names the lengths: ``default`` (512 in, 256 out) or ``prefill-heavy`` (2048 in, 128 out: chunked
+prefill runs the MoE at thousands of tokens a step, where prefill throughput decides); ``--input-len`` and
+``--output-len`` override it.
 The random dataset needs a tokenizer: a word-level one of the model's vocabulary is written beside each
 checkpoint (tests/helpers_checkpoints.py ``write_word_tokenizer``), so nothing is downloaded.
 
@@ -16,10 +20,12 @@ Paths: ``ours`` = ``--quantization nvfp4_grouped``; ``vllm_modelopt_fp4`` = vLLM
 ``bf16`` = random BF16 weights.  Every server gets the settings for hosts without NVLink multicast
 (docs/vllm-plugin.md) in case ``--tensor-parallel-size`` > 1.
 
-Writes ``<out>/serve_<model>_L<layers>.json`` and ``.md`` (output tok/s, TTFT and TPOT p50/p99 per path and rate,
-ours / each baseline) with device, versions and the command; rows of earlier calls for other paths in the same
-file are kept, so one path per call builds up one table.  Expected on one H200 at full depth: server start 2-4
-min per path (load, torch.compile, CUDA graphs, our autotune <= 50 s), each rate 0.5-1.5 min with the defaults.
+Writes ``<out>/serve_<model>_L<layers>.json`` and ``.md`` (``serve_<model>_L<layers>_<workload>`` for another
+workload; output tok/s, TTFT and TPOT p50/p99 per path and rate, ours / each baseline) with device, versions, the
+workload and the command; rows of earlier calls for other paths in the same file are kept when their workload
+(lengths, prompts) was the same, so one path per call builds up one table (another workload there is refused).
+Expected on one H200 at full depth: server start 2-4 min per path (load, torch.compile, CUDA graphs, our autotune
+<= 50 s), each rate 0.5-1.5 min with the defaults.
 """
 from __future__ import annotations
 
@@ -52,6 +58,9 @@ NO_MULTICAST_ARGS = ["--compilation-config", json.dumps({"pass_config": {"fuse_a
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 START_S = 1200  # a full-depth start with Humming's first compile
 BENCH_S = 900
+# --workload: (input tokens, output tokens) per prompt
+WORKLOADS = {"default": (512, 256), "prefill-heavy": (2048, 128)}
+WORKLOAD_KEYS = ("workload", "input_len", "output_len", "num_prompts")  # what rows merged into one table share
 
 
 def bench_arguments(port: int, name: str, tokenizer: Path, rate: float, args, result: Path) -> list[str]:
@@ -68,7 +77,7 @@ def bench_arguments(port: int, name: str, tokenizer: Path, rate: float, args, re
 
 def bench_once(port: int, name: str, tokenizer: Path, rate: float, args, out_dir: Path) -> dict:
     """One ``vllm bench serve`` run; its result JSON."""
-    result = out_dir / f"serve_{args.model}_{name}_rate{rate}.json"
+    result = out_dir / f"serve_{args.model}_{name}_{args.input_len}in{args.output_len}out_rate{rate}.json"
     cmd = vllm_command() + ["bench", "serve", *bench_arguments(port, name, tokenizer, rate, args, result)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_S)
     if proc.returncode != 0 or not result.exists():
@@ -110,8 +119,9 @@ def markdown(report: dict) -> str:
         "# Serving through vllm serve (vllm bench serve, random dataset)", "",
         f"Device {env['device']}; vLLM {env['vllm']}, torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, "
         f"moe_nvfp4 @ {env['git_commit']}; {env['date']}.",
-        f"Model: {a['model']} shapes, {report['layers']} layers, random weights; {a['num_prompts']} prompts of "
-        f"{a['input_len']} tokens, {a['output_len']} output tokens (ignore_eos), TP {a['tensor_parallel_size']}.", "",
+        f"Model: {a['model']} shapes, {report['layers']} layers, random weights; workload {a.get('workload', 'default')}: "
+        f"{a['num_prompts']} prompts of {a['input_len']} tokens, {a['output_len']} output tokens (ignore_eos), "
+        f"TP {a['tensor_parallel_size']}.", "",
         f"Command: `{report['command']}`", "",
         "| rate (req/s) | path | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ours tok/s / path | "
         "ours TPOT p50 / path |",
@@ -132,30 +142,62 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's full depth)")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=["ours", "vllm_modelopt_fp4", "bf16"])
     ap.add_argument("--rates", type=float, nargs="+", default=[math.inf, 4.0, 16.0], help="requests/s (inf: all at once)")
     ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="default",
+                    help=", ".join(f"{name}: {i} tokens in, {o} out" for name, (i, o) in WORKLOADS.items()))
+    ap.add_argument("--input-len", type=int, default=None, help="tokens per prompt (default: the workload's)")
+    ap.add_argument("--output-len", type=int, default=None, help="output tokens per prompt (default: the workload's)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/moe_nvfp4_e2e"), help="checkpoints (reused if present)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
+    input_len, output_len = WORKLOADS[args.workload]
+    args.input_len = args.input_len or input_len
+    args.output_len = args.output_len or output_len
+    return args
+
+
+def report_stem(args: argparse.Namespace, layers: int) -> Path:
+    """Where the report goes: one file per model, depth and workload (the default workload's name left out)."""
+    return args.out / (f"serve_{args.model}_L{layers}" + ("" if args.workload == "default" else f"_{args.workload}"))
+
+
+def earlier_results(path: Path, args: argparse.Namespace) -> dict:
+    """The results of earlier calls in the report at ``path`` (one path per call builds one table); ValueError
+    when they ran another workload (lengths or prompts), whose rows are no comparison for this call's."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    theirs = {"workload": "default", **earlier["args"]}  # reports from before --workload ran the default
+    differ = [k for k in WORKLOAD_KEYS if theirs.get(k) != getattr(args, k)]
+    if differ:
+        raise ValueError(f"{path} holds runs with another workload ({', '.join(f'{k}={theirs.get(k)}' for k in differ)}"
+                         f"); give another --out or the same workload")  # fmt: skip
+    return earlier["results"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     layers = args.layers or MODELS[args.model]["layers"]
+    stem = report_stem(args, layers)
+    try:
+        results = dict(earlier_results(stem.with_suffix(".json"), args))
+    except ValueError as e:
+        print(f"serve_bench: {e}", file=sys.stderr)
+        return 2
     ckpts = checkpoints(args.work_dir, args.layers, ["ours" if PATHS[p][0] == "modelopt" else "bf16" for p in args.paths],
                         model=args.model)  # fmt: skip
     for ckpt in ckpts.values():
         if not (ckpt / "tokenizer.json").exists():
             write_word_tokenizer(ckpt, MODELS[args.model]["vocab"])
-    stem = args.out / f"serve_{args.model}_L{layers}"
-    earlier = json.loads(stem.with_suffix(".json").read_text())["results"] if stem.with_suffix(".json").exists() else {}
-    results = {**earlier}
     for p in args.paths:
         t0 = time.perf_counter()
         results[p] = {**run_path(p, ckpts[PATHS[p][0]], args, args.out), "wall_s": time.perf_counter() - t0}

@@ -7,14 +7,19 @@ parallelism splits it), ``top_k`` and ``hidden`` unchanged.
 
     zoo_shapes()                  every shape: each model at TP=1, then its per-rank shapes
     zoo_shapes("qwen3-235b-a22b") one model's shapes;  zoo_shape("kimi-k2-ep8") one shape
+    random_models(16, seed=0)     16 layers drawn at random (generality beyond the zoo); random_model("random-s0-03")
 """
 from __future__ import annotations
 
+import math
+import random
+import re
 from dataclasses import dataclass
 
 from .expert_activation import RELU2, SILU, ExpertActivation
 
-__all__ = ["ZooModel", "ZooShape", "MODELS", "SPLITS", "zoo_shape", "zoo_shapes"]
+__all__ = ["ZooModel", "ZooShape", "MODELS", "SPLITS", "RANDOM_BOUNDS", "RandomBounds", "random_model", "random_models",
+           "zoo_shape", "zoo_shapes"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +126,65 @@ def zoo_shape(key: str) -> ZooShape:
         if shape.key == key:
             return shape
     raise ValueError(f"unknown zoo shape {key!r}; choose from {[s.key for s in zoo_shapes()]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Random layers: a kernel's default must hold on shapes nobody tuned (issue 58), so the bench draws some
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RandomBounds:
+    """What random_models draws from: E log-uniform in [min_experts, max_experts] (as many small-E layers as large
+    ones), top-k uniform in [1, min(max_top_k, E)], H and I uniform over the multiples of ``dim_step`` in
+    [min_dim, max_dim]; gated SiLU experts.  A draw with more expert parameters (E x 3 x H x I) than
+    ``max_params`` is drawn again: a layer beyond the zoo's largest would not fit all the bench's paths (ours,
+    Marlin, Humming and the BF16 copy) beside each other on one GPU."""
+
+    min_experts: int = 8
+    max_experts: int = 512
+    max_top_k: int = 10
+    min_dim: int = 1024
+    max_dim: int = 8192
+    dim_step: int = 128
+    max_params: int = max(m.experts * (3 if m.activation.gated else 2) * m.hidden * m.intermediate for m in MODELS)
+
+
+RANDOM_BOUNDS = RandomBounds()
+RANDOM_SEED = 0  # random_models' seed when none is given
+_RANDOM_KEY = re.compile(r"random-s(\d+)-(\d+)")
+
+
+def _uniform_int(rng: random.Random, low: int, high: int) -> int:
+    """An integer in [low, high] from rng.random() alone: Python keeps random()'s sequence for a seed across
+    versions, not randrange's or choice's."""
+    return low + min(int(rng.random() * (high - low + 1)), high - low)
+
+
+def random_models(count: int, seed: int = RANDOM_SEED, bounds: RandomBounds = RANDOM_BOUNDS) -> list[ZooModel]:
+    """The first ``count`` layers of ``seed``'s sequence (so random_models(4, s) is random_models(16, s)[:4]), keyed
+    ``random-s<seed>-<index>`` (random_model reads the key back) and named by their shape."""
+    if count < 1:
+        raise ValueError(f"count={count}: draw at least one random layer")
+    if seed < 0:
+        raise ValueError(f"seed={seed}: must be >= 0")
+    rng = random.Random(seed)
+    out: list[ZooModel] = []
+    steps = (bounds.max_dim - bounds.min_dim) // bounds.dim_step
+    log_low, log_high = math.log(bounds.min_experts), math.log(bounds.max_experts + 1)
+    while len(out) < count:
+        experts = min(int(math.exp(log_low + rng.random() * (log_high - log_low))), bounds.max_experts)
+        top_k = _uniform_int(rng, 1, min(bounds.max_top_k, experts))
+        hidden, inter = (bounds.min_dim + bounds.dim_step * _uniform_int(rng, 0, steps) for _ in range(2))
+        if experts * 3 * hidden * inter > bounds.max_params:
+            continue
+        key = f"random-s{seed}-{len(out):02d}"
+        out.append(ZooModel(key, f"{key} E={experts} top-{top_k} H={hidden} I={inter}", experts, top_k, hidden, inter))
+    return out
+
+
+def random_model(key: str) -> ZooModel:
+    """The layer a ``random-s<seed>-<index>`` key names (random_models' keys): a row of a random sweep, rerun."""
+    match = _RANDOM_KEY.fullmatch(key)
+    if match is None:
+        raise ValueError(f"{key!r} is not a random layer's key (random-s<seed>-<index>, e.g. random-s0-03)")
+    seed, index = int(match.group(1)), int(match.group(2))
+    return random_models(index + 1, seed)[index]

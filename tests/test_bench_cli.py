@@ -26,7 +26,7 @@ def _dims(shape) -> tuple[int, int, int, int, int]:
 
 
 def test_defaults_are_qwen3_the_full_token_sweep_and_the_available_paths(monkeypatch):
-    monkeypatch.setattr(bench, "available_paths", lambda: ["ours", "torch"])
+    monkeypatch.setattr(bench, "available_paths", lambda device: ["ours", "torch"])
     args = _args()
     assert list(args.models) == ["qwen3-30b-a3b"] and _dims(args.models["qwen3-30b-a3b"]) == (128, 8, 2048, 768, 128)
     assert args.tokens == list(bench.TOKENS) and args.paths == ["ours", "torch"]

@@ -10,6 +10,10 @@
 vLLM and humming are imported inside the paths that need them, when they are built: importing this module needs
 neither.  A non-gated shape (MoEShape.activation relu2) runs vLLM's paths with MoEActivation.RELU2_NO_MUL (Marlin's
 weights prepared with is_act_and_mul=False), what vLLM 0.26 serves Nemotron-H with; Humming refuses it.
+
+A path is one ``Path`` subclass listed in REGISTRY: its class attributes (label, the weights it reads, the packages
+it needs) give the bench its columns, its error checks and ``--paths auto``, so adding one is that class and its
+line in REGISTRY.
 """
 from __future__ import annotations
 
@@ -18,16 +22,15 @@ from typing import Any, Callable
 
 from .harness import MoEShape
 
-__all__ = ["PATHS", "Path", "build_path", "clone_tensors", "short_error"]
-
-PATHS = ("ours", "marlin", "humming", "bf16", "torch")
+__all__ = ["BASELINES", "NVFP4_PATHS", "PATHS", "REGISTRY", "Path", "build_path", "clone_tensors", "short_error"]
 
 
 def short_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
-
-
+    first = text[0][:160] if text else ""
+    if type(exc).__name__ == "OutOfMemoryError":  # torch's; said plainly, since a row shows it as its reason
+        return f"does not fit in GPU memory (OutOfMemoryError: {first})"
+    return f"{type(exc).__name__}: {first}"
 
 
 def clone_tensors(obj: Any) -> Any:
@@ -54,14 +57,16 @@ def clone_tensors(obj: Any) -> Any:
     return obj
 
 
-
-
 # --------------------------------------------------------------------------------------------------
-# The paths.  Each builder returns a callable make_fn(copy_index) -> (() -> out) and the number of
-# weight copies it holds; copies beyond the first are clones made up front.
+# The paths.  Each is built on make_weights' experts holding ``copies`` weight copies (clones made up front);
+# fn(copy, ...) is one forward of a copy.
 # --------------------------------------------------------------------------------------------------
 class Path:
     name: str
+    label: str  # in table headers and summaries
+    weights = "nvfp4"  # what it reads: the NVFP4 experts (its error is checked), or "bf16", their dequantized copy
+    requires: tuple[str, ...] = ()  # modules it imports: --paths auto takes it where all of them are installed
+    auto_unless: tuple[str, ...] = ()  # ... and none of these (a fallback baseline)
     graphable = True  # whether a CUDA graph can capture its forward (False: it synchronises with the host)
 
     def __init__(self, copies: int):
@@ -77,7 +82,7 @@ class Path:
 
 
 class Ours(Path):
-    name = "ours"
+    name, label = "ours", "ours"
 
     def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
@@ -110,7 +115,7 @@ class Marlin(Path):
     process_weights_after_loading -> convert_to_nvfp4_moe_kernel_format -> prepare_nvfp4_moe_layer_for_marlin,
     then MarlinExperts.apply -> fused_marlin_moe with g1/g2_alphas = the processed weight_scale_2."""
 
-    name = "marlin"
+    name, label, requires = "marlin", "Marlin", ("vllm",)
 
     def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
@@ -215,7 +220,7 @@ class Humming(Path):
     a fresh H200 (2026-11-26) the warm-up forward here took 17-30 s per shape, in the setup time, not in the first
     row.  Weight copies clone the converted layer (the kernels see the same metadata)."""
 
-    name = "humming"
+    name, label, requires = "humming", "Humming", ("vllm", "humming")
 
     def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
@@ -317,7 +322,7 @@ class Humming(Path):
 class BF16(Path):
     """vLLM 0.26 Triton fused_experts on the dequantized bf16 weights (unquantized config)."""
 
-    name = "bf16"
+    name, label, weights, requires = "bf16", "BF16", "bf16", ("vllm",)
 
     def __init__(self, shape: MoEShape, w13_bf16, w2_bf16, copies: int):
         super().__init__(copies)
@@ -341,7 +346,7 @@ class Torch(Path):
     """moe_nvfp4.moe_dense_torch in bf16 on the dequantized weights: a loop over the experts, the forward a user
     without vLLM would write.  It reads which experts are routed on the host, so it runs eagerly (no CUDA graph)."""
 
-    name = "torch"
+    name, label, weights, auto_unless = "torch", "torch", "bf16", ("vllm",)  # the baseline without vLLM
     graphable = False
 
     def __init__(self, shape: MoEShape, w13_bf16, w2_bf16, copies: int):
@@ -372,16 +377,18 @@ def _vllm_activation(shape: MoEShape):
     return names[shape.activation]
 
 
+# Every path, in the order of the table's columns; ours first, the others its baselines.
+REGISTRY: dict[str, type[Path]] = {cls.name: cls for cls in (Ours, Marlin, Humming, BF16, Torch)}
+PATHS = tuple(REGISTRY)
+BASELINES = PATHS[1:]
+NVFP4_PATHS = tuple(name for name, cls in REGISTRY.items() if cls.weights == "nvfp4")
+
+
 def build_path(name: str, shape: MoEShape, weights: tuple, copies: int) -> Path:
-    """Path ``name`` on make_weights' (w13_q, w2_q, w13_deq, w2_deq), holding ``copies`` weight copies."""
-    w13_q, w2_q, w13_deq, w2_deq = weights
-    builders = {  # a path name, not a kernel backend (those live in moe_nvfp4.backends)
-        "ours": lambda: Ours(shape, w13_q, w2_q, copies),
-        "marlin": lambda: Marlin(shape, w13_q, w2_q, copies),
-        "humming": lambda: Humming(shape, w13_q, w2_q, copies),
-        "bf16": lambda: BF16(shape, w13_deq, w2_deq, copies),
-        "torch": lambda: Torch(shape, w13_deq, w2_deq, copies),
-    }
-    if name not in builders:
+    """Path ``name`` on make_weights' (w13_q, w2_q, w13_deq, w2_deq), holding ``copies`` weight copies; a path
+    (not a kernel backend: those live in moe_nvfp4.backends)."""
+    if name not in REGISTRY:
         raise ValueError(f"unknown path {name!r}; choose from {list(PATHS)}")
-    return builders[name]()
+    cls = REGISTRY[name]
+    w13, w2 = weights[:2] if cls.weights == "nvfp4" else weights[2:]
+    return cls(shape, w13, w2, copies)
