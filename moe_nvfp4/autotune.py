@@ -1,8 +1,12 @@
-"""Autotuning at load: per token bucket, time the configs one step from the one ``select_config`` serves, keep the
-fastest, and cache the winners on disk.
+"""Autotuning: per token bucket, time the configs one step from the one ``select_config`` serves, keep the fastest,
+and cache the winners on disk.
 
     report = autotune_fused_moe(weights, top_k, torch.bfloat16, max_tokens=8192)   # weights on the GPU
     print(report.summary())
+
+Tuning is explicit (design 004, decision 10): ``moe-nvfp4 tune`` (``tune_cli``) runs it ahead of serving and fills
+the cache; at load the vLLM plugin only reads it (``load_configs``: ``cached_configs``), unless MOE_NVFP4_AUTOTUNE=1
+asks it to tune there.  Without a cache entry the default config serves.
 
 For one layer shape (``configs.LayerShape``) on one device (``configs.DeviceTraits``):
 1. Buckets (``token_buckets``): the token counts after which the serving config may change (the shape's entry
@@ -22,6 +26,7 @@ For one layer shape (``configs.LayerShape``) on one device (``configs.DeviceTrai
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -59,9 +64,10 @@ if TYPE_CHECKING:
     from .api import MoEWeights
 
 __all__ = ["AutotuneReport", "BucketResult", "autotune_enabled", "autotune_fused_moe", "cache_dir", "cache_key",
-           "neighbours", "search", "token_buckets", "tune_layer"]  # fmt: skip
+           "cached_configs", "gpu_timer", "load_configs", "neighbours", "search", "token_buckets", "tune_layer"]  # fmt: skip
 
-SWITCH_ENV = "MOE_NVFP4_AUTOTUNE"  # "0" turns autotuning at load off (the vLLM plugin asks autotune_enabled)
+SWITCH_ENV = "MOE_NVFP4_AUTOTUNE"  # "1" tunes at load (the vLLM plugin asks autotune_enabled); unset or "0": it does not
+_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 DEFAULT_BUDGET_S = 50.0  # the search, compiles included; with the final warm-up under a minute a layer shape
 MIN_GAIN = 0.03  # a neighbour must beat the bucket's best by this fraction: medians of REPS cold runs vary ~1-2%
@@ -180,8 +186,13 @@ def search(
 
 
 def autotune_enabled() -> bool:
-    """Whether autotuning at load is on: unless MOE_NVFP4_AUTOTUNE is 0 (or false, off, no)."""
-    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether autotuning at load is on: MOE_NVFP4_AUTOTUNE=1 (or true, on, yes); unset or 0 (false, off, no), the
+    default, reads the cache only.  Another value is refused rather than guessed."""
+    value = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"{SWITCH_ENV}={os.environ[SWITCH_ENV]!r}: use 1 to autotune at load, or 0 / unset (the "
+                         "default) to read the cache `moe-nvfp4 tune` fills")  # fmt: skip
+    return value in _ON
 
 
 # ---- the disk cache ----
@@ -244,27 +255,66 @@ def write_cache(path: Path, key: dict, max_tokens: int, entries: list[dict], sec
 
 @dataclass
 class AutotuneReport:
-    """What autotune_fused_moe did for one layer shape."""
+    """What autotune_fused_moe (or cached_configs) did for one layer shape."""
 
     shape: LayerShape
     device: DeviceTraits
     buckets: list[BucketResult]
     seconds: float
-    source: str  # "timed", "cache" (read from cache_path), "process" (already tuned here) or "cpu" (nothing to tune)
+    # "timed"; "cache" (read from cache_path); "process" (already chosen in this process); "default" (no usable
+    # cache file: the tuned file's entries or the default config serve); "cpu" (nothing to tune)
+    source: str
     cache_path: Path | None = None
+    covered: int = 0  # "cache": the most tokens the file covers (past them, what serves untuned)
 
     def summary(self) -> str:
         s = self.shape
         head = (f"E={s.experts}" + (f"/{s.global_experts}" if s.global_experts != s.experts else "")
-                + f" top-{s.top_k} H={s.hidden} I={s.intermediate} {s.dtype} on {self.device.name}")  # fmt: skip
+                + f" top-{s.top_k} H={s.hidden} I={s.intermediate} {s.dtype}" + ("" if s.gated else " non-gated")
+                + f" on {self.device.name}")  # fmt: skip
+        if self.source == "default":
+            return (f"{head}: default configs (no autotune cache at {self.cache_path}; `moe-nvfp4 tune` "
+                    "fills it)")  # fmt: skip
         if self.source != "timed":
-            return f"{head}: configs from {self.source}" + (f" ({self.cache_path})" if self.cache_path else "")
+            where = f" ({self.cache_path}" + (f", up to {self.covered} tokens" if self.covered else "") + ")"
+            return f"{head}: configs from {self.source}" + (where if self.cache_path else "")
         changed = [f"T<={b.tokens} {b.start_us:.1f}->{b.us:.1f} us" for b in self.buckets
                    if b.config != b.start and b.us is not None and b.start_us is not None]  # fmt: skip
         timed = sum(b.timed for b in self.buckets)
         return (f"{head}: {timed} timings over {len(self.buckets)} buckets in {self.seconds:.1f} s; "
                 f"{len(changed)} changed" + (f" ({', '.join(changed)})" if changed else "")
                 + (f"; cache {self.cache_path}" if self.cache_path else ""))  # fmt: skip
+
+
+def _served_entries(shape: LayerShape, device: DeviceTraits, buckets: Sequence[int]) -> list[dict]:
+    """The configs that serve ``buckets`` now (the tuned file's or the default), as untimed entries."""
+    return [BucketResult(t, select_config(t, shape, device), select_config(t, shape, device)).entry(shape)
+            for t in buckets]  # fmt: skip
+
+
+def cached_configs(
+    shape: LayerShape, device: DeviceTraits, max_tokens: int, *, directory: Path | None = None
+) -> AutotuneReport:
+    """What a start without autotuning serves ``shape`` with up to ``max_tokens`` tokens: the cache file's entries
+    where ``cache_dir()`` (or ``directory``) has one for this key, registered as tune_layer registers them, and past
+    the tokens it covers the configs that served before (so a file tuned to fewer tokens than the scheduler's
+    budget changes nothing above them); no file, or one that cannot be read: source "default", nothing
+    registered.  Times nothing."""
+    began = time.monotonic()
+    if measured_entries(shape, device):
+        return AutotuneReport(shape, device, [], 0.0, "process")
+    key = cache_key(shape, device)
+    path = cache_path(key, directory)
+    cached = read_cache(path, key)
+    if cached is None:
+        return AutotuneReport(shape, device, [], 0.0, "default", path)
+    covered, entries = cached
+    past = _served_entries(shape, device, [t for t in token_buckets(max_tokens, shape, device) if t > covered])
+    try:
+        register_entries(device, entries + past)
+    except (KeyError, TypeError, ValueError):  # a damaged file: what served before still does
+        return AutotuneReport(shape, device, [], 0.0, "default", path)
+    return AutotuneReport(shape, device, [], time.monotonic() - began, "cache", path, covered)
 
 
 # ---- on the GPU ----
@@ -299,21 +349,22 @@ def tune_layer(
     *,
     budget_s: float = DEFAULT_BUDGET_S,
     directory: Path | None = None,
+    force: bool = False,
 ) -> AutotuneReport:
     """Steps 1, 2 and 4 of the module docstring for ``shape`` on ``device``, timing with ``measure(cfg, tokens)``
     (microseconds, None for a failed or wrong candidate): the cache first, then the search for the buckets it does
-    not cover."""
+    not cover.  ``force``: search every bucket again and overwrite the cache file."""
     began = time.monotonic()
-    if measured_entries(shape, device):
+    if measured_entries(shape, device) and not force:
         return AutotuneReport(shape, device, [], 0.0, "process")
     key = cache_key(shape, device)
     path = cache_path(key, directory)
-    cached = read_cache(path, key)
+    cached = None if force else read_cache(path, key)
     known = {e["max_tokens"]: e for e in cached[1]} if cached else {}
     if cached and cached[0] >= max_tokens:
         try:
             register_entries(device, cached[1])
-            return AutotuneReport(shape, device, [], time.monotonic() - began, "cache", path)
+            return AutotuneReport(shape, device, [], time.monotonic() - began, "cache", path, cached[0])
         except (KeyError, TypeError, ValueError):  # a damaged file: tune again and overwrite it
             known = {}
     covered = cached[0] if known else 0  # tune only the buckets past what the cache covers
@@ -327,26 +378,18 @@ def tune_layer(
     return AutotuneReport(shape, device, results, seconds, "timed", path)
 
 
-def autotune_fused_moe(
-    weights: MoEWeights,
-    top_k: int,
-    dtype: torch.dtype,
-    max_tokens: int,
-    *,
-    expert_map: torch.Tensor | None = None,
-    budget_s: float = DEFAULT_BUDGET_S,
-    directory: Path | None = None,
-    seed: int = 0,
-) -> AutotuneReport:
-    """Choose, time and register configs for ``weights``' layer shape up to ``max_tokens`` tokens (the module
-    docstring says how); ``directory`` overrides cache_dir().  CPU weights: nothing to tune."""
+@contextlib.contextmanager
+def gpu_timer(
+    weights: MoEWeights, top_k: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None, *, seed: int = 0
+) -> Iterator[Callable[[MoEKernelConfig, int], float | None]]:
+    """``measure(cfg, tokens)`` for ``weights`` on their GPU (step 3 of the module docstring): microseconds, None
+    where the candidate fails or disagrees with the first config timed at that count.  Random x and softmax
+    routing over the routing's experts, drawn once per token count; its buffers are freed on exit."""
     from .routing import topk_softmax
     from .triton.moe_sm90 import fused_moe_sm90
 
     device = weights.w13_packed.device
     shape = weights.layer_shape(top_k, dtype, expert_map)
-    if device.type != "cuda" or max_tokens < 1:
-        return AutotuneReport(shape, device_traits(device), [], 0.0, "cpu")
     gen = torch.Generator(device=device).manual_seed(seed)
     flush = _flush_buffer(device)
     inputs: dict[int, tuple] = {}
@@ -373,7 +416,48 @@ def autotune_fused_moe(
             return None
 
     try:
-        return tune_layer(shape, device_traits(device), max_tokens, measure, budget_s=budget_s, directory=directory)
+        yield measure
     finally:
         del inputs, baseline, flush
         torch.cuda.empty_cache()
+
+
+def autotune_fused_moe(
+    weights: MoEWeights,
+    top_k: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+    budget_s: float = DEFAULT_BUDGET_S,
+    directory: Path | None = None,
+    seed: int = 0,
+) -> AutotuneReport:
+    """Choose, time and register configs for ``weights``' layer shape up to ``max_tokens`` tokens (the module
+    docstring says how); ``directory`` overrides cache_dir().  CPU weights: nothing to tune."""
+    device = weights.w13_packed.device
+    shape = weights.layer_shape(top_k, dtype, expert_map)
+    if device.type != "cuda" or max_tokens < 1:
+        return AutotuneReport(shape, device_traits(device), [], 0.0, "cpu")
+    with gpu_timer(weights, top_k, dtype, expert_map, seed=seed) as measure:
+        return tune_layer(shape, device_traits(device), max_tokens, measure, budget_s=budget_s, directory=directory)
+
+
+def load_configs(
+    weights: MoEWeights,
+    top_k: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+) -> AutotuneReport:
+    """What a serving engine runs at load, once per layer shape, before its warm-up: the cache's configs
+    (``cached_configs``; the default where there is none), or with MOE_NVFP4_AUTOTUNE=1 ``autotune_fused_moe``
+    (which times what the cache does not cover).  CPU weights: nothing (source "cpu")."""
+    device = weights.w13_packed.device
+    tune = autotune_enabled()  # a bad MOE_NVFP4_AUTOTUNE is refused on every device
+    if device.type != "cuda" or max_tokens < 1:
+        return AutotuneReport(weights.layer_shape(top_k, dtype, expert_map), device_traits(device), [], 0.0, "cpu")
+    if tune:
+        return autotune_fused_moe(weights, top_k, dtype, max_tokens, expert_map=expert_map)
+    return cached_configs(weights.layer_shape(top_k, dtype, expert_map), device_traits(device), max_tokens)

@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_convert(sub)
     _add_inspect(sub)
+    from .tune_cli import add_tune_parser  # moe-nvfp4 tune: its own module
+
+    add_tune_parser(sub)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""Autotuning at load (moe_nvfp4.autotune) on the CPU: buckets, candidates, the search and its budget, the disk
-cache (keys, reuse, damage), with a stand-in for the GPU timing.  The GPU test is tests/gpu/test_autotune_gpu.py.
+"""Autotuning (moe_nvfp4.autotune) on the CPU: buckets, candidates, the search and its budget, the disk cache (keys,
+reuse, damage), what a start reads without tuning (the default since issue 53) and the switch that tunes at load,
+with a stand-in for the GPU timing.  The GPU tests are tests/gpu/test_autotune_gpu.py and test_tune_cli_gpu.py.
 
 No tolerances: configs, buckets, cache contents and call counts are exact; time bounds are stated per test.
 """
@@ -9,8 +10,10 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import moe_nvfp4.autotune as autotune
 import moe_nvfp4.configs as configs
@@ -143,13 +146,20 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path) -> None:
     assert autotune.cache_dir() == Path.home() / ".cache" / "moe_nvfp4" / "autotune"
 
 
-@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
-def test_the_switch(monkeypatch, value, on) -> None:
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True),
+                                      ("True", True), (" on ", True)])  # fmt: skip
+def test_the_switch_is_off_unless_asked_for(monkeypatch, value, on) -> None:
     if value is None:
         monkeypatch.delenv(autotune.SWITCH_ENV, raising=False)
     else:
         monkeypatch.setenv(autotune.SWITCH_ENV, value)
     assert autotune.autotune_enabled() is on
+
+
+def test_a_switch_value_that_means_nothing_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(autotune.SWITCH_ENV, "maybe")
+    with pytest.raises(ValueError, match="MOE_NVFP4_AUTOTUNE='maybe': use 1"):
+        autotune.autotune_enabled()
 
 
 def test_a_second_start_reads_the_cache_and_times_nothing(tmp_path, monkeypatch) -> None:
@@ -222,11 +232,85 @@ def test_tuning_is_bounded_in_time(tmp_path) -> None:
 
 
 def test_cpu_weights_have_nothing_to_tune() -> None:
-    import torch
-
     import moe_nvfp4
 
     q13 = moe_nvfp4.quantize_nvfp4(torch.randn(4, 128, 64), segments=2)
     q2 = moe_nvfp4.quantize_nvfp4(torch.randn(4, 64, 64))
     report = autotune.autotune_fused_moe(moe_nvfp4.prepare_moe_weights(q13, q2), 2, torch.bfloat16, 64)
     assert report.source == "cpu" and report.buckets == [] and "configs from cpu" in report.summary()
+
+
+def test_a_start_without_a_cache_serves_the_default_and_registers_nothing(tmp_path) -> None:
+    report = autotune.cached_configs(QWEN3, H100, 8192, directory=tmp_path)
+    assert report.source == "default" and report.cache_path == autotune.cache_path(cache_key(QWEN3, H100), tmp_path)
+    assert configs.measured_entries(QWEN3, H100) == [] and "moe-nvfp4 tune" in report.summary()
+    assert select_config(64, QWEN3, H100) == configs.default_config(64, 128, 8, 2048, 768, device=H100)
+
+
+def test_a_start_without_tuning_serves_exactly_what_the_tuner_cached(tmp_path, monkeypatch) -> None:
+    """The cache a tune wrote (here up to 1024 tokens) is what cached_configs registers, entry for entry, as the
+    autotuner's own second start did; past its 1024 tokens the default still serves, bucket by bucket."""
+    winner = neighbours(select_config(64, KIMI_EP8, H100), 64, KIMI_EP8)[2]
+    tuned = tune_layer(KIMI_EP8, H100, 1024, _fake({winner: 10.0}, []), budget_s=60, directory=tmp_path)
+    monkeypatch.setattr(configs, "_MEASURED", {})  # a new process
+    default = {t: select_config(t, KIMI_EP8, H100) for t in (2000, 4096, 8192)}
+    report = autotune.cached_configs(KIMI_EP8, H100, 8192, directory=tmp_path)
+    assert report.source == "cache" and report.covered == 1024 and "up to 1024 tokens" in report.summary()
+    written = json.loads(tuned.cache_path.read_text())["entries"]
+    registered = configs.measured_entries(KIMI_EP8, H100)
+    assert registered[: len(written)] == written and select_config(64, KIMI_EP8, H100) == winner
+    assert [e["max_tokens"] for e in registered[len(written) :]] == [
+        t for t in token_buckets(8192, KIMI_EP8, H100) if t > 1024]  # fmt: skip
+    assert {t: select_config(t, KIMI_EP8, H100) for t in default} == default
+    assert autotune.cached_configs(KIMI_EP8, H100, 8192, directory=tmp_path).source == "process"
+
+
+def test_a_damaged_cache_leaves_the_default_serving_at_a_start(tmp_path) -> None:
+    key = cache_key(QWEN3, H100)
+    bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=configs.GemmConfig())
+    entry = dict(experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64,
+                 config=bad.to_dict())  # fmt: skip
+    autotune.write_cache(autotune.cache_path(key, tmp_path), key, 64, [entry], 1.0)
+    assert autotune.cached_configs(QWEN3, H100, 64, directory=tmp_path).source == "default"
+    assert configs.measured_entries(QWEN3, H100) == []
+
+
+def test_force_times_again_what_the_cache_holds(tmp_path, monkeypatch) -> None:
+    tune_layer(QWEN3, H100, 64, _fake({}, []), budget_s=60, directory=tmp_path)
+    monkeypatch.setattr(configs, "_MEASURED", {})
+    calls: list = []
+    report = tune_layer(QWEN3, H100, 64, _fake({}, calls), budget_s=60, directory=tmp_path, force=True)
+    assert report.source == "timed" and {t for _, t in calls} == set(token_buckets(64, QWEN3, H100))
+
+
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_load_reads_the_cache_and_tunes_only_when_switched_on(switch, tmp_path, monkeypatch) -> None:
+    """What the vLLM plugin runs at load: by default (and with 0) the cache (cached_configs), never a timing; with
+    MOE_NVFP4_AUTOTUNE=1 the autotuner, with the scheduler's token budget and the expert map."""
+    weights = SimpleNamespace(w13_packed=SimpleNamespace(device=torch.device("cuda", 0)),  # where and what shape only
+                              layer_shape=lambda top_k, dtype, expert_map=None: QWEN3)  # fmt: skip
+    monkeypatch.setattr(autotune, "device_traits", lambda device: H100)
+    monkeypatch.setenv("MOE_NVFP4_CACHE_DIR", str(tmp_path))
+    if switch is None:
+        monkeypatch.delenv(autotune.SWITCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(autotune.SWITCH_ENV, switch)
+    tuned: list = []
+    monkeypatch.setattr(autotune, "autotune_fused_moe", lambda *a, **k: tuned.append((a[1:], k)) or "timed")
+    report = autotune.load_configs(weights, 8, "bfloat16", 4096, expert_map=None)
+    if switch == "1":
+        assert report == "timed" and tuned == [((8, "bfloat16", 4096), {"expert_map": None})]
+    else:
+        assert tuned == [] and report.source == "default" and report.cache_path.parent == tmp_path / "autotune"
+
+
+def test_load_on_cpu_weights_chooses_nothing_but_still_refuses_a_bad_switch(monkeypatch) -> None:
+    import moe_nvfp4
+
+    q13 = moe_nvfp4.quantize_nvfp4(torch.randn(4, 128, 64), segments=2)
+    w = moe_nvfp4.prepare_moe_weights(q13, moe_nvfp4.quantize_nvfp4(torch.randn(4, 64, 64)))
+    monkeypatch.delenv(autotune.SWITCH_ENV, raising=False)
+    assert autotune.load_configs(w, 2, torch.bfloat16, 64).source == "cpu"
+    monkeypatch.setenv(autotune.SWITCH_ENV, "2")
+    with pytest.raises(ValueError, match="MOE_NVFP4_AUTOTUNE"):
+        autotune.load_configs(w, 2, torch.bfloat16, 64)

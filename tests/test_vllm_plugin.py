@@ -412,10 +412,14 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
     from moe_nvfp4_vllm import moe_method
 
     calls = []
+
+    def warm(w, k, dtype, tokens, *, forward, expert_map=None, apply_router_weight_on_input=False, threads=None):
+        assert forward is moe_nvfp4.fused_moe and threads >= 1  # what serving runs, in the configured threads
+        calls.append((w.num_experts, k, dtype, tokens, expert_map is None, apply_router_weight_on_input))
+        return []
+
     monkeypatch.setattr(moe_method, "_WARMED", set())
-    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None,
-                        apply_router_weight_on_input=False: calls.append(
-        (w.num_experts, k, dtype, tokens, expert_map is None, apply_router_weight_on_input)) or [])  # fmt: skip
+    monkeypatch.setattr(moe_method, "compile_kernels", warm)
     budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
     ex = _experts(gen)
     for _ in range(2):
@@ -427,9 +431,10 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
     assert calls[2:] == [(E, TOPK, torch.bfloat16, budget, True, True)]
 
 
-def test_autotune_runs_once_per_shape_before_the_warmup_unless_switched_off(plugin, gen, monkeypatch):
-    """Autotuning at load is on by default: once per process and shape, before the warm-up compiles what it chose,
-    with the scheduler's token budget and the layer's expert map; MOE_NVFP4_AUTOTUNE=0 leaves only the warm-up."""
+def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(plugin, gen, monkeypatch):
+    """Since issue 53 the load step takes the configs `moe-nvfp4 tune` cached (autotune.load_configs: no timing
+    unless MOE_NVFP4_AUTOTUNE=1, tested in test_autotune.py) instead of autotuning: once per process and shape,
+    before the warm-up compiles what it chose, with the scheduler's token budget and the layer's expert map."""
     import moe_nvfp4
     from vllm.config import DeviceConfig, VllmConfig
 
@@ -439,26 +444,22 @@ def test_autotune_runs_once_per_shape_before_the_warmup_unless_switched_off(plug
 
     steps = []
 
-    def tune(w, k, dtype, tokens, expert_map=None):
-        steps.append(("tune", w.num_experts, k, dtype, tokens, None if expert_map is None else expert_map.numel()))
+    def configs(w, k, dtype, tokens, expert_map=None):
+        steps.append(("configs", w.num_experts, k, dtype, tokens, None if expert_map is None else expert_map.numel()))
         return AutotuneReport(w.layer_shape(k, dtype, expert_map), CPU_TRAITS, [], 0.0, "cpu")
 
     monkeypatch.delenv("MOE_NVFP4_AUTOTUNE", raising=False)
     monkeypatch.setattr(moe_method, "_WARMED", set())
-    monkeypatch.setattr(moe_method, "autotune_fused_moe", tune)
-    monkeypatch.setattr(moe_nvfp4, "warmup_fused_moe", lambda w, k, dtype, tokens, expert_map=None,
-                        apply_router_weight_on_input=False: steps.append(("warm", w.num_experts)) or [])  # fmt: skip
+    monkeypatch.setattr(moe_method, "load_configs", configs)
+    monkeypatch.setattr(moe_method, "compile_kernels", lambda w, *a, **k: steps.append(("warm", w.num_experts)) or [])
+    assert not hasattr(moe_method, "autotune_fused_moe")  # the plugin reaches the autotuner only through load_configs
     budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
     ex = _experts(gen)
     for _ in range(2):
         _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
-    assert steps == [("tune", E, TOPK, torch.bfloat16, budget, None), ("warm", E)]
+    assert steps == [("configs", E, TOPK, torch.bfloat16, budget, None), ("warm", E)]
     _load(_routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=0), ex.tensors)
-    assert steps[2:] == [("tune", E // 2, TOPK, torch.bfloat16, budget, E), ("warm", E // 2)]
-    monkeypatch.setenv("MOE_NVFP4_AUTOTUNE", "0")
-    monkeypatch.setattr(moe_method, "_WARMED", set())
-    _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
-    assert steps[4:] == [("warm", E)]
+    assert steps[2:] == [("configs", E // 2, TOPK, torch.bfloat16, budget, E), ("warm", E // 2)]
 
 
 def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
@@ -1032,7 +1033,6 @@ def test_moe_runner_forward_calls_our_apply(plugin, gen, single_process_group, c
     import moe_nvfp4
     from vllm.forward_context import set_forward_context
 
-    monkeypatch.setenv("MOE_NVFP4_AUTOTUNE", "0")
     ex = _experts(gen, convention or "modelopt")
     layer, vllm_config = _moe_layer(_config(plugin, convention))
     method = layer.routed_experts.quant_method
@@ -1109,7 +1109,6 @@ def test_moe_runner_forward_family_layers(plugin, gen, single_process_group, fam
     from vllm.model_executor.layers.fused_moe import config as moe_config_module
     from vllm.model_executor.layers.fused_moe import layer as moe_layer
 
-    monkeypatch.setenv("MOE_NVFP4_AUTOTUNE", "0")
     llama4 = family == "llama4"
     top_k = 1 if llama4 else TOPK
     projs = {"gate_proj": None, "up_proj": None, "down_proj": None} if llama4 else {"up_proj": None, "down_proj": None}

@@ -11,10 +11,10 @@ Life of a layer (``RoutedExperts``, the same in vLLM 0.26 and 0.33; ``compat`` h
    non-positive scales as multipliers, outlier W4A4 input scales), gate and up keep their own global scales, BF16 experts are
    quantized expert by expert, ``moe_nvfp4.prepare_moe_weights`` packs for the kernel and the checkpoint
    parameters are freed.
-   Then, once per process and layer shape, ``moe_nvfp4.autotune.autotune_fused_moe`` times a few configs around
-   the served ones for each token bucket up to the scheduler's token budget and keeps the fastest (cached on disk
-   for the next start; ``MOE_NVFP4_AUTOTUNE=0`` turns it off), and ``moe_nvfp4.warmup_fused_moe`` compiles every
-   kernel variant up to that budget, so no request ever waits on a Triton compile.
+   Then, once per process and layer shape, ``moe_nvfp4.autotune.load_configs`` registers the configs
+   ``moe-nvfp4 tune`` cached for this GPU and shape, if any (else the default serves; ``MOE_NVFP4_AUTOTUNE=1``
+   times configs here first), and ``moe_nvfp4.warmup.compile_kernels`` compiles every kernel variant up to the
+   scheduler's token budget, in threads, so no request ever waits on a Triton compile.
 3. ``apply``: ``moe_nvfp4.fused_moe`` with the router's ``topk_weights`` / ``topk_ids`` (the MoE runner calls
    ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map.
    No host synchronisation, so vLLM's CUDA graphs capture it.  The output is always finalized (the top-k sum).
@@ -38,11 +38,12 @@ from vllm.logger import init_logger
 from vllm.model_executor.utils import set_weight_attrs
 
 import moe_nvfp4
-from moe_nvfp4.autotune import autotune_enabled, autotune_fused_moe
+from moe_nvfp4.autotune import load_configs
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
 from moe_nvfp4.validate import check_moe_layer, raise_first_error
+from moe_nvfp4.warmup import compile_kernels, warmup_threads
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
 from .compat import MoEMethodCompat, keep_finalized
@@ -296,8 +297,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         self._warmup(layer, weights)
 
     def _warmup(self, layer: torch.nn.Module, weights: moe_nvfp4.MoEWeights) -> None:
-        """Autotune (unless MOE_NVFP4_AUTOTUNE=0), then compile the kernels for every token count now (Triton
-        compiles lazily, per config)."""
+        """Take the configs cached for this shape (MOE_NVFP4_AUTOTUNE=1: tune them here first), then compile the
+        kernels for every token count now (Triton compiles lazily, per config), in threads."""
         dtype, top_k, expert_map = self.moe.in_dtype, self.moe.experts_per_token, layer.expert_map
         on_input = layer.apply_router_weight_on_input  # its own GEMM1 gather and combine: compiled apart
         key = (weights.w13_packed.shape, weights.w2_packed.shape, weights.w13_packed.device, dtype, top_k,
@@ -305,18 +306,17 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                self.moe.has_bias, on_input)  # fmt: skip
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
-        if autotune_enabled():
-            report = autotune_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
-            if report.source != "cpu":  # CPU weights run the torch reference: nothing was tuned
-                logger.info("nvfp4_grouped: autotune %s", report.summary())
-        start = time.perf_counter()
-        counts = moe_nvfp4.warmup_fused_moe(weights, top_k, dtype, self.max_tokens, expert_map=expert_map,
-                                            apply_router_weight_on_input=on_input)  # fmt: skip
+        report = load_configs(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
+        if report.source != "cpu":  # CPU weights run the torch reference: nothing to choose
+            logger.info("nvfp4_grouped: autotune %s", report.summary())
+        start, threads = time.perf_counter(), warmup_threads()
+        counts = compile_kernels(weights, top_k, dtype, self.max_tokens, forward=moe_nvfp4.fused_moe,
+                                 expert_map=expert_map, apply_router_weight_on_input=on_input, threads=threads)  # fmt: skip
         _WARMED.add(key)
         if counts:
             torch.cuda.empty_cache()  # the warm-up's temporaries are not the model's memory
-            logger.info("nvfp4_grouped: compiled MoE kernels for token counts %s (up to %d) in %.1f s",
-                        counts, self.max_tokens, time.perf_counter() - start)  # fmt: skip
+            logger.info("nvfp4_grouped: compiled MoE kernels for token counts %s (up to %d) in %.1f s, %d threads",
+                        counts, self.max_tokens, time.perf_counter() - start, threads)  # fmt: skip
 
     def _by_kind(self, layer: torch.nn.Module, prefix: str, kind: str) -> torch.Tensor:
         p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))

@@ -1,0 +1,126 @@
+"""The warm-up: compile every kernel variant a layer can launch up to ``max_tokens`` tokens before serving, one
+forward on zeros at the fewest tokens of each, in threads (Triton compiles in its C++ passes and ptxas, outside
+the GIL) or serially.
+
+    counts = compile_kernels(weights, top_k, torch.bfloat16, 8192, forward=moe_nvfp4.fused_moe)
+
+The forwards are those ``api.warmup_fused_moe`` runs, with the same arguments; only their order and threads
+differ, so the same variants compile (a variant is keyed by the arguments' dtypes, alignment and constexprs,
+never by the stream or thread) and every later forward finds them compiled.  MOE_NVFP4_WARMUP_THREADS: how
+many threads (1: serially, in the calling thread, fewest tokens first; unset: ``min(8, CPUs)``).  At most
+``max_tokens`` tokens are in flight at once: no more activation memory than one forward at the scheduler's token
+budget, which vLLM's own profiling run needs anyway.  The forward is passed in (``api.fused_moe``) so that the
+API can delegate its warm-up here without an import cycle.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from .configs import configs_up_to, device_traits
+from .dispatch import select_backends
+
+if TYPE_CHECKING:
+    from .weights import MoEWeights
+
+__all__ = ["THREADS_ENV", "compile_kernels", "run_bounded", "warmup_threads", "warmup_token_counts"]
+
+THREADS_ENV = "MOE_NVFP4_WARMUP_THREADS"
+MAX_THREADS = 8  # 8 threads took Qwen3-30B-A3B's warm-up from 34.4 s to 14.7 s, 16 only to 14.3 (design 004)
+
+
+def warmup_threads() -> int:
+    """MOE_NVFP4_WARMUP_THREADS as a count >= 1 (1: serial); unset or empty: min(MAX_THREADS, this process's CPUs)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(MAX_THREADS, cpus))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_ENV}={value!r}: give a thread count >= 1 (1 compiles serially)")
+    return int(value)
+
+
+def warmup_token_counts(
+    weights: MoEWeights, top_k: int, dtype: torch.dtype, max_tokens: int, expert_map: torch.Tensor | None = None
+) -> list[int]:
+    """The token counts whose forwards compile every variant up to ``max_tokens``: the fewest tokens of each config
+    ``select_config`` serves (``configs_up_to``) and of each routing variant; empty where nothing compiles (the
+    CPU's torch reference) or ``max_tokens`` < 1."""
+    device = weights.w13_packed.device
+    if select_backends(device).moe_w4a16.reference or max_tokens < 1:
+        return []
+    from .triton.moe_sm90 import routing_variants_from
+
+    first = configs_up_to(max_tokens, weights.layer_shape(top_k, dtype, expert_map), device_traits(device))
+    return sorted(set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)})
+
+
+def run_bounded(counts: Sequence[int], run: Callable[[int], object], *, threads: int, budget: int) -> None:
+    """``run(t)`` once for each t of ``counts``: with one thread in ascending order in the calling thread, else in
+    ``threads`` threads, the most tokens first, never more than ``budget`` tokens in flight (a count over the
+    budget runs alone).  The first exception raised by a run is raised here once all have ended."""
+    if threads <= 1:
+        for t in sorted(counts):
+            run(t)
+        return
+    in_flight = [0]
+    changed = threading.Condition()
+
+    def bounded(t: int) -> None:
+        with changed:
+            changed.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + t <= budget)
+            in_flight[0] += t
+        try:
+            run(t)
+        finally:
+            with changed:
+                in_flight[0] -= t
+                changed.notify_all()
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe_nvfp4-warmup") as pool:
+        futures = [pool.submit(bounded, t) for t in sorted(counts, reverse=True)]
+    for f in futures:
+        f.result()
+
+
+def compile_kernels(
+    weights: MoEWeights,
+    top_k: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    forward: Callable[..., torch.Tensor],
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    threads: int | None = None,
+) -> list[int]:
+    """``api.warmup_fused_moe`` in ``threads`` threads (None: ``warmup_threads()``), each forward on a stream of
+    its own: ``forward(x, weights, topk_weights, topk_ids, expert_map=, apply_router_weight_on_input=)`` (the
+    signature of ``api.fused_moe``) on zeros at each of ``warmup_token_counts``, which it returns."""
+    threads = warmup_threads() if threads is None else threads
+    counts = warmup_token_counts(weights, top_k, dtype, max_tokens, expert_map)
+    device = weights.w13_packed.device
+    n_global = weights.num_experts if expert_map is None else expert_map.numel()
+    cuda = device.type == "cuda"
+    serial = threads <= 1 or len(counts) <= 1
+
+    def run(t: int) -> None:
+        with contextlib.ExitStack() as stack:
+            if cuda and not serial:  # CUDA's current device is per thread: this one's, and a stream of its own
+                stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
+            x = torch.zeros(t, weights.hidden, dtype=dtype, device=device)
+            ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
+            forward(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map,
+                    apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
+            if cuda and not serial:
+                torch.cuda.current_stream(device).synchronize()  # its memory is free again when it leaves the budget
+
+    run_bounded(counts, run, threads=1 if serial else threads, budget=max_tokens)
+    return counts

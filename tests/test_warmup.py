@@ -1,0 +1,129 @@
+"""The threaded warm-up (moe_nvfp4.warmup) on the CPU: it runs exactly the forwards api.warmup_fused_moe runs (same
+token counts, same arguments), each once, never more tokens in flight than the budget, serially where asked, and a
+failing forward fails it.  Forwards are stand-ins that record their arguments (on the CPU nothing compiles); the
+GPU test is tests/gpu/test_tune_cli_gpu.py's warm-up case.
+
+No tolerances: token counts, arguments and call counts are exact.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import moe_nvfp4
+import moe_nvfp4.api as api
+import moe_nvfp4.warmup as warmup
+from moe_nvfp4.warmup import THREADS_ENV, compile_kernels, run_bounded, warmup_threads
+
+KERNELS = SimpleNamespace(moe_w4a16=SimpleNamespace(reference=False))  # a backend that compiles, on CPU tensors
+
+
+def _weights(experts: int = 8, hidden: int = 128, inter: int = 64) -> moe_nvfp4.MoEWeights:
+    q13 = moe_nvfp4.quantize_nvfp4(torch.randn(experts, 2 * inter, hidden), segments=2)
+    return moe_nvfp4.prepare_moe_weights(q13, moe_nvfp4.quantize_nvfp4(torch.randn(experts, hidden, inter)))
+
+
+def _recorder(calls: list, lock: threading.Lock):
+    def forward(x, weights, topk_weights, topk_ids, *, expert_map=None, apply_router_weight_on_input=False):
+        with lock:
+            calls.append((tuple(x.shape), x.dtype, bool((x == 0).all()), topk_weights.dtype, topk_weights.tolist(),
+                          topk_ids.dtype, topk_ids.tolist(), expert_map, apply_router_weight_on_input))  # fmt: skip
+        return torch.empty_like(x)
+
+    return forward
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("ep,on_input", [(False, False), (True, False), (False, True)])
+def test_the_same_forwards_as_the_apis_warmup(monkeypatch, threads: int, ep: bool, on_input: bool) -> None:
+    weights = _weights()
+    expert_map = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7] + [-1] * 24, dtype=torch.int32) if ep else None
+    for module in (api, warmup):
+        monkeypatch.setattr(module, "select_backends", lambda device: KERNELS)
+    lock = threading.Lock()
+    theirs: list = []
+    monkeypatch.setattr(api, "fused_moe", _recorder(theirs, lock))
+    counts = api.warmup_fused_moe(weights, 4, torch.bfloat16, 4096, expert_map=expert_map,
+                                  apply_router_weight_on_input=on_input)  # fmt: skip
+    ours: list = []
+    got = compile_kernels(weights, 4, torch.bfloat16, 4096, forward=_recorder(ours, lock), expert_map=expert_map,
+                          apply_router_weight_on_input=on_input, threads=threads)  # fmt: skip
+    assert got == counts and len(counts) > 3
+    assert sorted(ours, key=lambda c: c[0]) == theirs  # every forward once, argument for argument
+    if threads == 1:
+        assert ours == theirs  # serially: the API's order too
+
+
+def test_nothing_to_compile_on_the_reference_backend() -> None:
+    calls: list = []
+    assert compile_kernels(_weights(), 4, torch.bfloat16, 4096, forward=_recorder(calls, threading.Lock())) == []
+    assert calls == []
+
+
+def test_at_most_the_budget_in_flight_and_every_count_once() -> None:
+    """Each run sleeps so that runs overlap; the tokens in flight never pass the budget, a count over the budget
+    runs alone, and with room for all of them several run at once."""
+    in_flight, seen, ran = [0], [], []
+    lock = threading.Lock()
+
+    def run(t: int) -> None:
+        with lock:
+            in_flight[0] += t
+            seen.append(in_flight[0])
+            ran.append(t)
+        time.sleep(0.02)
+        with lock:
+            in_flight[0] -= t
+
+    counts = [1, 3, 17, 65, 129, 257, 1025, 1921, 2817, 9000]
+    run_bounded(counts, run, threads=4, budget=3000)
+    assert sorted(ran) == counts and max(seen) == 9000  # over the budget: alone
+    assert all(s <= 3000 for s in seen if s != 9000)
+    seen.clear()
+    run_bounded(counts[:6], run, threads=4, budget=3000)
+    assert max(seen) > 257  # several at once
+
+
+def test_serial_runs_in_the_calling_thread_fewest_tokens_first() -> None:
+    order = []
+    run_bounded([40, 1, 3], lambda t: order.append((t, threading.current_thread())), threads=1, budget=10)
+    assert order == [(1, threading.current_thread()), (3, threading.current_thread()), (40, threading.current_thread())]
+
+
+def test_a_failing_forward_fails_the_warmup_after_the_others_ended() -> None:
+    ran = []
+
+    def run(t: int) -> None:
+        if t == 17:
+            raise RuntimeError("compile failed at 17")
+        time.sleep(0.01)
+        ran.append(t)
+
+    with pytest.raises(RuntimeError, match="compile failed at 17"):
+        run_bounded([1, 3, 17, 65], run, threads=2, budget=100)
+    assert sorted(ran) == [1, 3, 65]
+
+
+@pytest.mark.parametrize("value,threads", [("1", 1), ("16", 16), (" 4 ", 4)])
+def test_the_thread_count_from_the_environment(monkeypatch, value: str, threads: int) -> None:
+    monkeypatch.setenv(THREADS_ENV, value)
+    assert warmup_threads() == threads
+
+
+def test_the_default_thread_count_is_bounded_by_the_cpus(monkeypatch) -> None:
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr(warmup.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert warmup_threads() == 2
+    monkeypatch.setattr(warmup.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert warmup_threads() == warmup.MAX_THREADS
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_a_bad_thread_count_is_refused(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(THREADS_ENV, value)
+    with pytest.raises(ValueError, match="MOE_NVFP4_WARMUP_THREADS"):
+        warmup_threads()
