@@ -1,0 +1,50 @@
+"""GPU tier for the threaded warm-up (moe_nvfp4.warmup; run with ``pytest -m gpu`` on the GPU machine): after
+``compile_kernels`` in threads, no token count up to max_tokens compiles anything, and the outputs are right.
+
+Tolerance (REL_TOL), ||out - ref|| / ||ref|| against the float64 reference on the same NVFP4 weights (bf16
+rounding of x, the intermediate and the output).
+"""
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+from moe_nvfp4.triton import moe_sm90_ws
+from moe_nvfp4.triton.moe_sm90 import compiled_variants
+from moe_nvfp4.warmup import compile_kernels
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 1e-2
+
+
+def _variants() -> int:
+    """Triton's compiled variants of the MoE's kernels in this process, the Gluon GEMM's included."""
+    gluon = getattr(moe_sm90_ws._moe_gemm_ws_kernel, "device_caches", {})
+    return compiled_variants() + sum(len(caches[0]) for caches in gluon.values())
+
+
+@pytest.mark.parametrize("threads", [8, 3])
+def test_threaded_warmup_leaves_nothing_to_compile(threads: int) -> None:
+    """After the threaded warm-up, the serial one (api.warmup_fused_moe: the same token counts) and every token
+    count up to max_tokens compile nothing; the outputs match the reference."""
+    seed = secrets.randbelow(2**31)
+    print(f"seed {seed}")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    experts, top_k, hidden, inter, max_tokens = 24, 3, 128 * threads, 128, 700
+    q13 = m.quantize_nvfp4(torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5, segments=2)
+    q2 = m.quantize_nvfp4(torch.randn(experts, hidden, inter, generator=gen, device="cuda") / inter**0.5)
+    w = m.prepare_moe_weights(q13, q2)
+    counts = compile_kernels(w, top_k, torch.bfloat16, max_tokens, forward=m.fused_moe, threads=threads)
+    before = _variants()
+    assert m.warmup_fused_moe(w, top_k, torch.bfloat16, max_tokens) == counts and _variants() == before
+    for t in sorted({1, 2, 5, 16, 42, 43, 100, 257, 341, 342, 699, 700, *counts}):
+        x = torch.randn(t, hidden, generator=gen, device="cuda").bfloat16()
+        tw, ti = m.topk_softmax(torch.randn(t, experts, generator=gen, device="cuda"), top_k)
+        out = m.fused_moe(x, w, tw, ti)
+        assert _variants() == before, f"T={t} compiled a new kernel variant after the threaded warm-up"
+        ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < REL_TOL, t
