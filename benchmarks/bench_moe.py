@@ -4,10 +4,12 @@ its flags, with this repository's defaults, and moe.png beside the reports.
     python benchmarks/bench_moe.py --out benchmarks/results            # Mixtral and Qwen3 (< 8 min on an H200)
     python benchmarks/bench_moe.py --quick --out /tmp/moe               # 3 token counts, fewer replays
     python benchmarks/bench_moe.py --models zoo --out benchmarks/results/zoo/ranks
-    python benchmarks/bench_moe.py --device cpu --models tiny --out /tmp/smoke   # the script itself, host clock
+    python benchmarks/bench_moe.py --models random:16 --tokens 1024,4096,16384 --out /tmp/random   # 16 random layers
+    python benchmarks/bench_moe.py --device cpu --out /tmp/smoke        # the script itself, host clock, seconds
 
-Defaults here: --models mixtral,qwen3, --paths ours,marlin,humming,bf16 (a path that cannot run says why in its
-rows), --out benchmarks/results (moe.json, moe.md, and moe.png when matplotlib is importable).
+Defaults here: --models mixtral,qwen3 (on the CPU tiny), --paths ours,marlin,humming,bf16 (a path that cannot run
+says why in its rows, as vLLM's do on the CPU), --out benchmarks/results (moe.json, moe.md, and moe.png when
+matplotlib is importable).
 """
 from __future__ import annotations
 

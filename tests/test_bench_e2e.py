@@ -1,6 +1,7 @@
 """The end-to-end benchmarks on the CPU, so a GPU lease never finds their defects: e2e_throughput.py's directly
 written NVFP4 checkpoint (what inspect and the loaders read), its tables and row merging, and serve_bench.py's
-client arguments (parsed by vLLM's own ``vllm bench serve`` parser), its partial-run refusal and its table."""
+client arguments (parsed by vLLM's own ``vllm bench serve`` parser), its partial-run refusal, its table and its
+workloads (the default and prefill-heavy, each in its own report)."""
 from __future__ import annotations
 
 import json
@@ -230,3 +231,54 @@ def test_serving_table_keeps_earlier_paths_and_sets_ours_against_each(tmp_path, 
     table = (tmp_path / "out" / "serve_qwen3-30b-a3b_L2.md").read_text()
     assert "| inf | vllm_modelopt_fp4 | 4000 | 20.0 / 40.0 | 8.00 / 12.00 | 1.50x | 0.62x |" in table, table
     assert "| 4.0 | vllm_modelopt_fp4 | failed | | | | |" in table, table
+
+
+def _fake_serving(monkeypatch, tmp_path, seen):
+    monkeypatch.setattr(serve_bench, "checkpoints", lambda *a, **k: {"bf16": tmp_path, "modelopt": tmp_path})
+    monkeypatch.setattr(serve_bench, "write_word_tokenizer", lambda *a: None)
+    monkeypatch.setattr(serve_bench, "environment", lambda: ENV)
+
+    def run_path(name, ckpt, args, out_dir):
+        seen.append((name, args.input_len, args.output_len, args.workload))
+        return {"path": name, "rows": [{"rate": r, "output_throughput": 100.0, "median_ttft_ms": 20.0, "p99_ttft_ms": 40.0,
+                                        "median_tpot_ms": 5.0, "p99_tpot_ms": 6.0} for r in args.rates]}  # fmt: skip
+
+    monkeypatch.setattr(serve_bench, "run_path", run_path)
+
+
+def test_the_prefill_heavy_workload_is_2048_in_128_out_in_its_own_report(tmp_path, monkeypatch):
+    """--workload prefill-heavy sends 2048-token prompts for 128 tokens each and writes its own report (the default
+    workload's table stays as it was); the lengths can still be given; the Markdown says the workload."""
+    assert (serve_bench.parse_args([]).input_len, serve_bench.parse_args([]).output_len) == (512, 256)
+    heavy = serve_bench.parse_args(["--workload", "prefill-heavy"])
+    assert (heavy.workload, heavy.input_len, heavy.output_len) == ("prefill-heavy", 2048, 128)
+    assert serve_bench.parse_args(["--workload", "prefill-heavy", "--input-len", "4096"]).input_len == 4096
+    seen: list = []
+    _fake_serving(monkeypatch, tmp_path, seen)
+    common = ["--layers", "2", "--out", str(tmp_path / "out"), "--rates", "inf"]
+    assert serve_bench.main(["--paths", "ours", *common]) == 0
+    assert serve_bench.main(["--paths", "ours", "humming", "--workload", "prefill-heavy", *common]) == 0
+    assert seen == [("ours", 512, 256, "default"), ("ours", 2048, 128, "prefill-heavy"),
+                    ("humming", 2048, 128, "prefill-heavy")]  # fmt: skip
+    report = json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2_prefill-heavy.json").read_text())
+    assert list(report["results"]) == ["ours", "humming"] and report["args"]["workload"] == "prefill-heavy"
+    assert list(json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text())["results"]) == ["ours"]
+    table = (tmp_path / "out" / "serve_qwen3-30b-a3b_L2_prefill-heavy.md").read_text()
+    assert "workload prefill-heavy: 256 prompts of 2048 tokens, 128 output tokens (ignore_eos)" in table, table
+
+
+def test_a_report_of_another_workload_is_never_merged_into(tmp_path, monkeypatch, capsys):
+    """Rows of other lengths in the same file are no comparison: the call is refused (exit 2) and the file kept."""
+    seen: list = []
+    _fake_serving(monkeypatch, tmp_path, seen)
+    common = ["--layers", "2", "--out", str(tmp_path / "out"), "--rates", "inf"]
+    assert serve_bench.main(["--paths", "ours", *common]) == 0
+    before = (tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text()
+    assert serve_bench.main(["--paths", "bf16", "--input-len", "1024", *common]) == 2
+    assert "holds runs with another workload (input_len=512)" in capsys.readouterr().err
+    assert (tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text() == before and len(seen) == 1
+    old = json.loads(before)  # a report from before --workload: its runs were the default workload
+    del old["args"]["workload"]
+    (tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").write_text(json.dumps(old))
+    assert serve_bench.main(["--paths", "bf16", *common]) == 0
+    assert list(json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text())["results"]) == ["ours", "bf16"]

@@ -2,7 +2,9 @@
 
   harness  timing (CUDA graphs, rotating weight copies), measured ceilings, bytes/FLOPs, floors, reports
   paths    the MoE forwards compared: ours, vLLM's Marlin / Humming NVFP4 and Triton BF16, a torch BF16 loop
-  moe      the layer benchmark: shapes from the zoo or given, token counts, rows, JSON/Markdown
+  moe      the layer benchmark's command line and run: shapes from the zoo, drawn at random or given, token counts
+  layer    one shape's rows: weights, inputs, the paths built, outputs checked, timed in turns, ratios
+  report   columns, per-model lines, the prefill summary, the header (GPU or CPU), JSON/Markdown
   device   which device a command runs on, and the one-line refusal when it cannot
 
 Importing them needs neither a GPU nor vLLM: each path imports its own packages when it is built.

@@ -35,6 +35,7 @@ COLUMNS = [
 # speedup over the BF16 and Humming paths).
 PREFILL_TOKENS = 1024
 PREFILL_TARGETS = {"pct_of_compute_floor": 75.0, "speedup_vs_bf16": 1.0, "speedup_vs_humming": 1.3}
+_PREFILL_STATS = list(dict.fromkeys([*PREFILL_TARGETS, *(f"speedup_vs_{p}" for p in BASELINES)]))  # targets first
 
 
 def columns(paths: list[str]) -> list[tuple[str, str, str]]:
@@ -78,7 +79,7 @@ def prefill_summary(rows: list[dict], min_tokens: int = PREFILL_TOKENS) -> dict[
     prefill = [r for r in rows if r.get("tokens", 0) >= min_tokens and r.get("ours_us") is not None]
     if not prefill:
         return {}
-    stats = ["pct_of_compute_floor", *(f"speedup_vs_{p}" for p in BASELINES)]
+    stats = _PREFILL_STATS
     groups = {m: [r for r in prefill if r["model"] == m] for m in dict.fromkeys(r["model"] for r in prefill)}
     groups["all"] = prefill
 
@@ -97,8 +98,7 @@ def prefill_table(summary: dict[str, Any]) -> list[str]:
     if not summary:
         return []
     by_model = summary["by_model"]
-    stats = [c for c in ("pct_of_compute_floor", *(f"speedup_vs_{p}" for p in BASELINES))
-             if any(s[c] for s in by_model.values())]  # fmt: skip
+    stats = [c for c in _PREFILL_STATS if any(s[c] for s in by_model.values())]
     header = {"pct_of_compute_floor": "ours % compute floor",
               **{f"speedup_vs_{p}": f"× {_LABEL[p]}" for p in BASELINES}}  # fmt: skip
     cell = lambda mm, spec: "-" if mm is None else f"{mm['min']:{spec}} / {mm['median']:{spec}}"  # noqa: E731
@@ -142,8 +142,8 @@ def _random_line(meta: dict) -> list[str]:
     b = rnd["bounds"]
     return [f"random layers: seed {', '.join(map(str, rnd['seeds']))} (default {rnd['default_seed']}), "
             f"{len(rnd['layers'])} drawn: E {b['min_experts']}-{b['max_experts']} (log-uniform), "
-            f"top-k 1-{b['max_top_k']}, H and I multiples of {b['dim_step']} in {b['min_dim']}-{b['max_dim']}, gated SiLU, at most "
-            f"{b['max_params'] / 1e9:.1f} G expert parameters (the zoo's largest layer)"]  # fmt: skip
+            f"top-k 1-{b['max_top_k']}, H and I multiples of {b['dim_step']} in {b['min_dim']}-{b['max_dim']}, "
+            f"gated SiLU, at most {b['max_params'] / 1e9:.1f} G expert parameters (the zoo's largest layer)"]  # fmt: skip
 
 
 def summary_lines(meta: dict) -> list[str]:
@@ -210,8 +210,8 @@ def write_reports(out: str, args, meta: dict, rows: list[dict]) -> list[str]:
         write_json(targets["json"], meta, rows)
     if "md" in targets:
         notes = report_notes(args.repro_command, rows, meta)
-        write_markdown(targets["md"], "NVFP4 MoE forward", summary_lines(meta), markdown_table(rows, columns(args.paths)),
-                       notes)  # fmt: skip
+        table = markdown_table(rows, columns(args.paths))
+        write_markdown(targets["md"], "NVFP4 MoE forward", summary_lines(meta), table, notes)
     return list(targets.values())
 
 
