@@ -22,7 +22,8 @@ from .activations import _check_global_scale, quantize_activations
 from .checkpoint import validate_nvfp4
 from .dispatch import select_backends
 from .expert_activation import RELU2, SILU, SWIGLU_OAI, ExpertActivation
-from .formats import NVFP4, NVFP4Tensor
+from .formats import NVFP4, NVFP4Tensor, ScaleLayout, input_scale_or_nan
+from .layouts import padded_scale_shape
 from .weight_layouts import MoELayout, weight_layout
 from .weights import LAYOUT, MoEWeights
 
@@ -43,10 +44,23 @@ MAX_TOP_K = 16
 def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor, gated: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Shape and value checks shared by both weight layouts; returns both with linear scales and w13's
     global scale as [E, 2] (gate, up), or [E] where not ``gated`` (w13 then [E, I, H])."""
+    for name, q in (("w13", w13), ("w2", w2)):
+        if not isinstance(q, NVFP4Tensor):
+            raise TypeError(f"{name} must be an NVFP4Tensor, got {type(q).__name__}")
+        devices = {t.device for t in (q.packed, q.block_scale, q.global_scale)}
+        if any(d.type == "meta" for d in devices):  # packing and the value checks read the values
+            raise ValueError(f"{name} is on the meta device: prepare the weights from loaded tensors (after "
+                             "to_empty / load_state_dict)")  # fmt: skip
+        if devices != {w13.packed.device}:
+            raise ValueError(f"w13 and w2 (packed, block scales, global scales) must be on one device, {name} has "
+                             f"{sorted(map(str, devices))}, w13.packed {w13.packed.device}")  # fmt: skip
     if w13.packed.dim() != 3 or w2.packed.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}")
     e, n13, h = w13.packed.shape[0], w13.n, w13.k
     i = n13 // 2 if gated else n13
+    if h < NVFP4.block_size or i < NVFP4.block_size:
+        raise ValueError(f"hidden size H={h} and intermediate size I={i} (from w13 [E, {n13}, {h}]) must be positive "
+                         f"multiples of {NVFP4.block_size}")  # fmt: skip
     rows = "2I" if gated else "I (non-gated activation)"
     if (gated and n13 % 2) or w2.packed.shape[0] != e or (w2.n, w2.k) != (h, i):
         raise ValueError(f"w13 [E={e}, {rows}={n13}, H={h}] and w2 [{w2.packed.shape[0]}, {w2.n}, {w2.k}] do not "
@@ -177,10 +191,13 @@ def _kernel_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     not refused: the kernels address a row's values as consecutive (any row stride is fine), and the copy of
     [T, H] costs little beside the expert weights every forward streams; it has a fixed shape, so it captures
     in a CUDA graph like the rest.  int64 ids and entries past int32 saturate (to -1 or int32's max, both out of
-    range) instead of wrapping onto a valid expert."""
+    range) instead of wrapping onto a valid expert.  topk_weights and topk_ids are made contiguous (once,
+    after the cast, which copies anyway when it converts): the kernels index them by flat pair t * k + j, so a
+    strided view (``ids[:, :1]``, every other row, a column slice of a wider buffer) would be read as other
+    pairs' values; the copy is [T, k], fixed-size, graph-capturable."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     emap = None if expert_map is None else _int32_saturated(expert_map).contiguous()
-    return x, topk_weights.float(), _int32_saturated(topk_ids), emap
+    return x, topk_weights.float().contiguous(), _int32_saturated(topk_ids).contiguous(), emap
 
 
 def _int32_saturated(t: torch.Tensor) -> torch.Tensor:
@@ -247,7 +264,9 @@ def fused_moe_w4a4(
 ) -> torch.Tensor:
     """W4A4 NVFP4 MoE forward: ``fused_moe`` with the activations entering each GEMM quantized to NVFP4 with a
     fixed global scale (one float32 value each: ModelOpt's ``input_scale``, a multiplier), the semantics of
-    ``fused_moe_torch(..., w13_input_scale=, w2_input_scale=)``.
+    ``fused_moe_torch(..., w13_input_scale=, w2_input_scale=)``.  A scale that is NaN, inf, <= 0 or outside
+    ``formats.INPUT_SCALE_RANGE`` gives NaN output (``input_scale_or_nan``); so does a token holding NaN or inf,
+    as with ``fused_moe`` (``quantize_activations``).
 
     The kernels are those ``prepare_moe_weights_w4a4`` laid the weights out for: on sm_100/sm_103 FlashInfer's
     NVFP4 fused MoE by default, our CuTe DSL kernels with MOE_NVFP4_BACKEND=cute (compiled and checked, not yet
@@ -272,9 +291,11 @@ def fused_moe_w4a4(
     from .ops import fused_moe_w4a4_op
 
     x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
+    # Per-call scales: checked on the device (a bad one becomes NaN, so the output is NaN), not on the host,
+    # which would synchronise every forward and break CUDA-graph capture.
+    s13, s2 = (input_scale_or_nan(s.reshape(1)) for s in (w13_input_scale, w2_input_scale))
     return fused_moe_w4a4_op(x, list(weights.tensors), topk_weights, topk_ids, expert_map, weights.hidden,
-                             weights.intermediate, layout.name, layout.expert_offset, w13_input_scale.reshape(1),
-                             w2_input_scale.reshape(1))  # fmt: skip
+                             weights.intermediate, layout.name, layout.expert_offset, s13, s2)  # fmt: skip
 
 
 def warmup_fused_moe(
@@ -381,6 +402,35 @@ def _check_grouped(
                 raise ValueError(f"group {g}: {name} is not entirely on {device}")
         if ag.k != bg.k or ag.k % NVFP4.block_size:
             raise ValueError(f"group {g}: A has K={ag.k}, B has K={bg.k}; they must agree and be multiples of 16")
+        for name, t in (("A", ag), ("B", bg)):  # a smaller scale tensor would leave rows scaled by its padding
+            rows, cols = t.n, t.k // NVFP4.block_size
+            want = (rows, cols) if t.scale_layout is ScaleLayout.LINEAR else padded_scale_shape(rows, cols)
+            if tuple(t.block_scale.shape) != want:
+                raise ValueError(f"group {g}: {name}.block_scale ({t.scale_layout.value}) must be {want} for a "
+                                 f"[{rows}, {t.k}] operand, got {tuple(t.block_scale.shape)}")  # fmt: skip
     if alpha is not None and (alpha.shape != (len(a),) or alpha.dtype != torch.float32 or alpha.device != device):
         raise ValueError(f"alpha must be float32 [{len(a)}] on {device}, got {alpha.dtype} {tuple(alpha.shape)} "
                          f"on {alpha.device}")  # fmt: skip
+    _check_grouped_scale_values(a, b)
+
+
+def _check_grouped_scale_values(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor]) -> None:
+    """Global scales finite and positive, block scales neither NaN nor negative (the Triton kernel reads their
+    magnitude bits only: NaN as 480, -s as s).  Values, so one host synchronisation; both entries that call this
+    plan on the host anyway (a plan's launch, the graph-capturable part, checks nothing)."""
+    operands = [(g, name, t) for g, pair in enumerate(zip(a, b)) for name, t in zip("AB", pair)]
+
+    def bad(t: NVFP4Tensor) -> torch.Tensor:
+        gs = t.global_scale.float()
+        scale_bits = t.linear_scales().block_scale.view(torch.uint8)  # real scales only, not the swizzle padding
+        bad_block = ((scale_bits & 0x7F) == 0x7F) | (scale_bits > 0x80)  # NaN, or negative and non-zero
+        return torch.stack(((~torch.isfinite(gs) | (gs <= 0)).any(), bad_block.any()))
+
+    flags = torch.stack([bad(t) for _, _, t in operands]).cpu()
+    if bool(flags.any()):
+        i, what = (int(v) for v in flags.nonzero()[0])
+        g, name, t = operands[i]
+        if what == 0:
+            raise ValueError(f"group {g}: {name}.global_scale must be finite and positive, got "
+                             f"{t.global_scale.float().reshape(-1).tolist()}")  # fmt: skip
+        raise ValueError(f"group {g}: {name}.block_scale holds NaN or negative e4m3 scales")

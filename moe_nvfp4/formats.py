@@ -33,6 +33,8 @@ __all__ = [
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "quantize_activations_nvfp4",
+    "INPUT_SCALE_RANGE",
+    "input_scale_or_nan",
     "grouped_operands",
 ]
 
@@ -165,41 +167,78 @@ def _row_scales(global_scale: torch.Tensor, batch_shape: torch.Size, n: int) -> 
     return gs.repeat_interleave(n // segments, dim=-1).unsqueeze(-1)
 
 
-def quantize_nvfp4(
-    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, segments: int = 1
-) -> NVFP4Tensor:
-    """Quantize a float weight ``[..., N, K]`` to NVFP4 with LINEAR scales.
-
-    global_scale: float32 ``[...]`` (or ``[..., S]``); by default ``amax / (6 * 448)`` per batch index, or
-    per row segment when ``segments`` > 1 (gate and up of a fused w13 with their own scales).
-    Block scale = ``block_amax / (6 * global_scale)`` rounded to e4m3; a block whose scale is zero
-    (all zeros, or too small to represent) gets 1.0 and quantizes to zeros.
-    """
+def _matrix_shape(w: torch.Tensor, name: str) -> tuple[torch.Size, int, int]:
+    """(batch shape, N, K) of a float ``[..., N, K]`` argument, K a multiple of the block size."""
+    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {getattr(w, 'dtype', type(w))}")
     if w.dim() < 2:
-        raise ValueError(f"quantize_nvfp4: expected [..., N, K], got shape {tuple(w.shape)}")
+        raise ValueError(f"{name}: expected [..., N, K], got shape {tuple(w.shape)}")
     *batch, n, k = w.shape
-    batch_shape = torch.Size(batch)
     if k % NVFP4.block_size:
-        raise ValueError(f"quantize_nvfp4: K={k} is not a multiple of {NVFP4.block_size}")
-    if n % segments:
-        raise ValueError(f"quantize_nvfp4: N={n} does not split into {segments} segments")
-    wf = w.float()
-    if global_scale is None:
-        seg = wf.reshape(*batch, segments, n // segments, k)
-        global_scale = global_scale_for(seg, batch_dims=len(batch) + 1)
-        if segments == 1:
-            global_scale = global_scale.squeeze(-1)
-    global_scale = global_scale.float().to(w.device)
-    row_scale = _row_scales(global_scale, batch_shape, n)  # [..., N, 1]
+        raise ValueError(f"{name}: K={k} is not a multiple of {NVFP4.block_size}")
+    return torch.Size(batch), n, k
 
+
+def _quantize(wf: torch.Tensor, row_scale: torch.Tensor, poison_nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[..., N, K]`` and its per-row global scales ``[..., N, 1]`` -> (packed, e4m3 block scales).
+    ``poison_nonfinite``: a block holding NaN or inf, or under a NaN global scale, gets a NaN scale (e4m3 byte
+    0x7F) and codes 0, so it dequantizes to NaN (otherwise NaN would encode as 0 and inf saturate)."""
+    *batch, n, k = wf.shape
     blocks = wf.reshape(*batch, n, k // NVFP4.block_size, NVFP4.block_size)
     block_amax = blocks.abs().amax(dim=-1)
     scale = (block_amax / (NVFP4.value_max * row_scale)).clamp(max=NVFP4.scale_max)
     scale_f = scale.to(NVFP4.scale_dtype).float()  # rounded to e4m3
     scale_f = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    block_scale = scale_f.to(NVFP4.scale_dtype)
     codes = encode_e2m1(blocks / (scale_f * row_scale).unsqueeze(-1))
-    return NVFP4Tensor(pack_fp4(codes.reshape(*batch, n, k)), block_scale, global_scale)
+    if poison_nonfinite:
+        poisoned = ~torch.isfinite(blocks).all(dim=-1) | torch.isnan(row_scale)
+        scale_f = torch.where(poisoned, float("nan"), scale_f)
+        codes = torch.where(poisoned.unsqueeze(-1), 0, codes)
+    return pack_fp4(codes.reshape(*batch, n, k)), scale_f.to(NVFP4.scale_dtype)
+
+
+def quantize_nvfp4(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, segments: int = 1
+) -> NVFP4Tensor:
+    """Quantize a float weight ``[..., N, K]`` to NVFP4 with LINEAR scales.
+
+    global_scale: float32 ``[...]`` (or ``[..., S]``), or one 0-dim value for every batch index; by default
+    ``amax / (6 * 448)`` per batch index, or per row segment when ``segments`` > 1 (gate and up of a fused w13
+    with their own scales).  Block scale = ``block_amax / (6 * global_scale)`` rounded to e4m3; a block whose
+    scale is zero (all zeros, or too small to represent) gets 1.0 and quantizes to zeros.
+
+    Weights are quantized once, at load or conversion time, so their values are checked here (one host
+    synchronisation): NaN or inf in ``w`` and a global scale that is not finite and positive are ValueErrors
+    (NVFP4 has no code for them: NaN would quantize to 0).
+    """
+    batch_shape, n, k = _matrix_shape(w, "quantize_nvfp4: w")
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"quantize_nvfp4: segments must be an int >= 1, got {segments!r}")
+    if n % segments:
+        raise ValueError(f"quantize_nvfp4: N={n} does not split into {segments} segments")
+    nonfinite = ~torch.isfinite(w)
+    if bool(nonfinite.any()):
+        where = tuple(nonfinite.nonzero()[0].tolist())
+        raise ValueError(f"quantize_nvfp4: w has {int(nonfinite.sum())} NaN/inf values (the first at {where}); "
+                         "NVFP4 has no code for them")  # fmt: skip
+    wf = w.float()
+    if global_scale is None:
+        seg = wf.reshape(*batch_shape, segments, n // segments, k)
+        global_scale = global_scale_for(seg, batch_dims=len(batch_shape) + 1)
+        if segments == 1:
+            global_scale = global_scale.squeeze(-1)
+    if not isinstance(global_scale, torch.Tensor):
+        raise TypeError(f"quantize_nvfp4: global_scale must be a tensor, got {type(global_scale).__name__}")
+    global_scale = global_scale.float().to(w.device)
+    if global_scale.dim() == 0 and batch_shape:  # one scale for every batch index
+        global_scale = global_scale.expand(batch_shape).contiguous()
+    row_scale = _row_scales(global_scale, batch_shape, n)  # [..., N, 1]
+    bad = ~torch.isfinite(global_scale) | (global_scale <= 0)
+    if bool(bad.any()):
+        got = global_scale[bad].flatten()[:4].tolist()
+        raise ValueError(f"quantize_nvfp4: global_scale must be finite and positive, got {got}")
+    packed, block_scale = _quantize(wf, row_scale, poison_nonfinite=False)
+    return NVFP4Tensor(packed, block_scale, global_scale)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -212,14 +251,38 @@ def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torc
     return scaled.reshape(*batch, n, k).to(dtype)
 
 
+# An activation global scale (ModelOpt's input_scale: calibrated amax / (6 * 448)) outside this range cannot come
+# from a calibration: below it every activation above 6 * 448 * 2^-40 (2.4e-9) saturates to one code, above it every
+# activation below 2^-10 * 2^40 (1e9) quantizes to zero.  ``input_scale_or_nan`` turns such a scale into NaN.
+INPUT_SCALE_RANGE = (2.0**-40, 2.0**40)
+
+
+def input_scale_or_nan(scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``scale`` where it lies in INPUT_SCALE_RANGE, NaN elsewhere (NaN, inf, zero, negative, absurdly
+    small or large).  Elementwise on the scale's device: activation scales arrive with every forward, where a check
+    on the host would synchronise (and break CUDA-graph capture), so a bad one makes the output NaN instead of
+    zeros or a flipped sign."""
+    scale = scale.float()
+    lo, hi = INPUT_SCALE_RANGE
+    return torch.where((scale >= lo) & (scale <= hi), scale, float("nan"))
+
+
 def quantize_activations_nvfp4(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
     """Quantize activations ``[M, K]`` with a fixed (calibrated) global input scale.
 
     input_global_scale follows ModelOpt's ``input_scale`` (a multiplier, ``amax / (6 * 448)``); it is a
     0-dim or [1] float32 tensor.  Block scales are LINEAR; values past the calibrated range saturate.
+    NaN propagates, as through a 16-bit GEMM: a block holding NaN or inf gets a NaN block scale (codes 0),
+    and a scale outside INPUT_SCALE_RANGE becomes NaN (``input_scale_or_nan``), so all of x dequantizes to NaN.
     """
-    gs = input_global_scale.float().reshape(())
-    return quantize_nvfp4(x, gs.expand(x.shape[:-2]) if x.dim() > 2 else gs)
+    batch_shape, n, _ = _matrix_shape(x, "quantize_activations_nvfp4: x")
+    if not isinstance(input_global_scale, torch.Tensor) or input_global_scale.numel() != 1:
+        raise ValueError(f"quantize_activations_nvfp4: input_global_scale must be a tensor of one value, got "
+                         f"{getattr(input_global_scale, 'shape', type(input_global_scale))}")  # fmt: skip
+    gs = input_scale_or_nan(input_global_scale.reshape(()).to(x.device))
+    gs = gs.expand(batch_shape).contiguous() if batch_shape else gs
+    packed, block_scale = _quantize(x.float(), _row_scales(gs, batch_shape, n), poison_nonfinite=True)
+    return NVFP4Tensor(packed, block_scale, gs)
 
 
 def grouped_operands(

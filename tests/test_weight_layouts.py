@@ -60,7 +60,8 @@ def test_fragments_hold_a_non_gated_w13_as_one_block(gen: torch.Generator) -> No
     gated13, w2 = _checkpoint(gen, e, h, i)
     w13 = m.NVFP4Tensor(gated13.packed[:, :i], gated13.block_scale[:, :i], gated13.global_scale[:, 0].contiguous())
     layout = Sm90Layout()
-    weights = m.MoEWeights(*layout.pack(w13.linear_scales(), w2), hidden=h, intermediate=i, layout=layout)
+    weights = m.MoEWeights(*layout.pack(w13.linear_scales(), w2), hidden=h, intermediate=i, layout=layout,
+                          activation=m.RELU2)  # a one-block w13 is a non-gated activation's
     assert weights.w13_packed.shape == (e, layout.fragments.padded_n(i), layout.fragments.padded_k(h) // 2)
     back13, back2 = weights.to_nvfp4()
     for got, want in ((back13, w13), (back2, w2)):

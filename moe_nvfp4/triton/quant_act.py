@@ -20,6 +20,7 @@ from .scale_layout import swizzled_offset
 __all__ = ["quantize_activations_sm90"]
 
 E4M3_ONE: tl.constexpr = tl.constexpr(0x38)  # the e4m3 byte of 1.0, the scale of a block that rounds to zero
+E4M3_NAN: tl.constexpr = tl.constexpr(0x7F)  # the scale of a block holding NaN or inf (formats._quantize)
 
 
 @triton.jit
@@ -75,8 +76,15 @@ def _quantize_act_kernel(
     zero = scale == 0.0  # all-zero (or too small) block: scale 1.0, codes 0
     scale = tl.where(zero, 1.0, scale)
     scale_byte = tl.where(zero, E4M3_ONE, scale_byte)
+    # NaN propagates (as through a 16-bit GEMM): a block holding NaN or inf, or every block under a NaN global
+    # scale (api: input_scale_or_nan), gets a NaN scale and codes 0.  |v| < inf is false for NaN and inf alike;
+    # tl.max would drop a NaN on the GPU.
+    finite = tl.min((tl.abs(blocks) < float("inf")).to(tl.int32), axis=2)  # 1, or 0 where NaN or inf
+    poisoned = finite - (gs != gs).to(tl.int32) < 1
+    scale_byte = tl.where(poisoned, E4M3_NAN, scale_byte)
 
     codes = _encode_e2m1(tl.math.div_rn(blocks, (scale * gs)[:, :, None]))
+    codes = tl.where(poisoned[:, :, None], 0, codes)
     even, odd = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
     pairs = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     pair_ok = (rows < m)[:, None] & (pairs < k // 2)[None, :]
@@ -92,7 +100,7 @@ def _quantize_act_kernel(
 
 def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
     """Host wrapper, the triton backend's ``quantize`` (inputs checked by api.quantize_activations; the global
-    scale 0-dim): packed uint8 [M, K/2], e4m3 scales [pad128(M), pad4(K/16)] in the 128x4 blocked layout."""
+    scale 0-dim, NaN where it was unusable): packed uint8 [M, K/2], e4m3 scales [pad128(M), pad4(K/16)] in the 128x4 blocked layout."""
     x = x.contiguous()
     m, k = x.shape
     prow, pcol = padded_scale_shape(m, k // NVFP4.block_size)
