@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -18,12 +18,12 @@ import torch
 from ..checkpoint import TENSOR_NAMES, CheckpointError, Convention, NVFP4Linear, detect_convention, from_checkpoint, to_checkpoint
 from ..formats import dequantize_nvfp4, quantize_nvfp4
 from ..validate import check_moe_layer, lost_blocks
-from .names import PROJECTION_ROLES, Role, gated_experts
+from .names import PROJECTION_ROLES, Role, claimed_experts, expert_id_problem, gated_experts
 from .quant_config import GATE_UP_SHARED, METADATA_KEY, read_settings
 from .source import ConversionError, SourceCheckpoint, open_checkpoint
 from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, shard_metadata, write_json
 
-__all__ = ["FIX_MAX_RELATIVE_ERROR", "Problem", "InspectReport", "checkpoint_problems", "inspect_checkpoint", "fix_checkpoint"]
+__all__ = ["FIX_MAX_RELATIVE_ERROR", "JSON_SCHEMA_VERSION", "Problem", "InspectReport", "checkpoint_problems", "inspect_checkpoint", "fix_checkpoint"]
 
 _SUFFIXES = sorted({s for names in TENSOR_NAMES.values() for s in names[:4]}, key=len, reverse=True)
 _EXPERT_TENSOR = re.compile(
@@ -33,7 +33,8 @@ _QUANTIZED_MARKERS = ("weight_scale", "weight_scale_2", "weight_packed", "weight
 # --fix refuses a gate/up pair whose requantization to the shared (max) global scale moves a projection by
 # more than this (||requantized - stored|| / ||stored||); ordinary pairs move by about one e2m1 step (< 0.12).
 FIX_MAX_RELATIVE_ERROR = 0.25
-_NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+PROBLEMS_SHOWN = 20  # the text report lists this many problems (besides the gate/up summary), then a count
+JSON_SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Problem:
 
 @dataclass(frozen=True)
 class InspectReport:
+    """What ``inspect`` found.  ``str()`` is the text report (repeated gate/up warnings summed up in one line, at
+    most ``PROBLEMS_SHOWN`` other problems); ``to_json()`` the machine-readable one, every problem listed."""
+
     root: Path
     conventions: tuple[str, ...]
     quant_algo: str | None
@@ -69,18 +73,65 @@ class InspectReport:
         """0: no problems; 1: errors; 3: warnings only (as ``moe-nvfp4 inspect --help`` says)."""
         return 0 if not self.problems else 3 if self.ok else 1
 
+    def _gate_up_summary(self) -> str | None:
+        """One line for every expert whose gate and up global scales differ (one warning each: thousands on a
+        real model)."""
+        if not self.gate_up_pairs:
+            return None
+        per_layer = Counter(gate.rsplit(".", 2)[0] for gate, _, _ in self.gate_up_pairs)
+        counts = set(per_layer.values())
+        where = (f"{counts.pop()} experts x {len(per_layer)} layers" if len(counts) == 1
+                 else f"{len(self.gate_up_pairs)} experts over {len(per_layer)} layers")  # fmt: skip
+        first = next(p for p in self.problems if p.fixable)
+        return (f"warning: {where} have separate gate/up global scales (first: {first.module}: {first.message}) "
+                "[fixable with --fix]")
+
     def __str__(self) -> str:
         lines = [
             f"{self.root}",
             f"  format:    {', '.join(self.conventions) or 'no NVFP4 tensors'}; quant_algo {self.quant_algo}",
-            f"  ours:      {self.metadata}" if self.metadata else "  ours:      no moe_nvfp4 metadata",
+            f"  ours:      {_metadata_text(self.metadata)}" if self.metadata else "  ours:      no moe_nvfp4 metadata",
             f"  quantized: {self.quantized_modules} modules; {len(self.experts_per_layer)} MoE layers",
         ]
         lines += [f"    {prefix}: {n} experts" for prefix, n in self.experts_per_layer.items()]
         lines += [f"    {role}: [N, K] = {list(shape)}" for role, shape in self.shapes.items()]
         lines.append(f"  problems:  {len(self.problems)}" + ("" if self.problems else " (OK)"))
-        lines += [f"    {p}" for p in self.problems]
+        summary = self._gate_up_summary()
+        if summary:
+            lines.append(f"    {summary}")
+        others = [p for p in self.problems if not p.fixable]
+        lines += [f"    {p}" for p in others[:PROBLEMS_SHOWN]]
+        if len(others) > PROBLEMS_SHOWN:
+            lines.append(f"    ... and {len(others) - PROBLEMS_SHOWN} more (inspect --json lists every one)")
         return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON (``inspect --json``), schema version ``JSON_SCHEMA_VERSION``:
+
+        ``schema`` int; ``root`` str; ``formats`` list of "modelopt" / "compressed-tensors"; ``quant_algo`` str
+        or null; ``moe_nvfp4`` object (the converter's metadata) or null; ``quantized_modules`` int;
+        ``moe_layers`` {layer prefix: number of experts}; ``shapes`` {"gate" | "up" | "down" | "linear": [N, K]};
+        ``ok`` bool (no errors); ``exit_code`` int (0, 1 or 3, as the command's); ``problems`` list of
+        {``module`` str, ``severity`` "error" | "warning", ``message`` str, ``fixable`` bool}, every one.
+        """
+        return {
+            "schema": JSON_SCHEMA_VERSION,
+            "root": str(self.root),
+            "formats": list(self.conventions),
+            "quant_algo": self.quant_algo,
+            "moe_nvfp4": self.metadata,
+            "quantized_modules": self.quantized_modules,
+            "moe_layers": dict(self.experts_per_layer),
+            "shapes": {role: list(shape) for role, shape in self.shapes.items()},
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "problems": [{"module": p.module, "severity": p.severity, "message": p.message, "fixable": p.fixable}
+                         for p in self.problems],  # fmt: skip
+        }
+
+
+def _metadata_text(metadata: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in metadata.items())
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):
@@ -97,15 +148,6 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-def _num_experts(config: dict[str, Any]) -> int | None:
-    for holder in (config, config.get("text_config")):
-        if isinstance(holder, dict):
-            for key in _NUM_EXPERTS_KEYS:
-                if isinstance(holder.get(key), int) and not isinstance(holder.get(key), bool) and holder[key] > 0:
-                    return holder[key]
-    return None
 
 
 def _expert_layers(src: SourceCheckpoint) -> dict[str, dict[int, dict[str, dict[str, str]]]]:
@@ -161,23 +203,23 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
     shapes: dict[str, tuple[int, int]] = {}
     pairs: list[tuple[str, str, int]] = []
     layers = _expert_layers(src)
-    n_experts = _num_experts(src.config)
+    claimed = claimed_experts(src.config)
     quantized = 0
     for prefix, experts in layers.items():
         convention = _convention(experts)
         conventions.add(convention.value)
         projections = _projections(experts, gated_experts(src.config))
         lazy = {e: {p: _LazyTensors(src, names) for p, names in projs.items()} for e, projs in experts.items()}
-        expected = range(n_experts if n_experts is not None else max(experts) + 1)
-        for f in check_moe_layer(prefix, lazy, convention=convention, expected_experts=expected,
+        ids = sorted(experts)  # the experts present, never a claimed count: a hostile one would loop for ever
+        wrong_ids = expert_id_problem(prefix, ids, claimed)
+        if wrong_ids:
+            problems.append(Problem(*wrong_ids))
+        for f in check_moe_layer(prefix, lazy, convention=convention, expected_experts=ids,
                                  projections=projections, require_input_scales=bool(w4a4)):  # fmt: skip
             gate_up = f.severity == "warning"
             problems.append(Problem(f.tensor, f.message, f.severity, fixable=gate_up))
             if gate_up:
                 pairs.append((f"{prefix}.{f.expert}.{projections[0]}", f"{prefix}.{f.expert}.{projections[1]}", f.expert))
-        extra = sorted(set(experts) - set(expected))
-        if extra:
-            problems.append(Problem(f"{prefix}.{extra[0]}", f"expert id outside the config's {len(expected)} experts"))
         quantized += sum(len(projs) for projs in experts.values())
         packed_key = TENSOR_NAMES[convention][0]
         for role, proj in zip(Role if len(projections) == 3 else (Role.UP, Role.DOWN), projections):

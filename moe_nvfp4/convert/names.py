@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Sequence
 
 __all__ = [
     "Role",
@@ -32,6 +33,8 @@ __all__ = [
     "Other",
     "TensorKind",
     "classify",
+    "claimed_experts",
+    "expert_id_problem",
     "gated_experts",
     "stacked_output_name",
 ]
@@ -71,6 +74,9 @@ NOT_LINEAR: dict[str, str] = {
 
 # Model types whose experts have no gate projection (vLLM builds them with a ``*_no_mul`` activation).
 NON_GATED_MODEL_TYPES = ("nemotron_h",)
+
+# config.json keys (top level or text_config) that give the number of routed experts, per model family.
+NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>[a-z0-9_]+)\.weight$")
 _STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
@@ -146,3 +152,40 @@ def gated_experts(config: dict) -> bool:
 def stacked_output_name(prefix: str, expert: int, role: Role) -> str:
     """Per-expert module name written for one expert of a stacked tensor."""
     return f"{prefix}.{expert}.{STACKED_OUTPUT_PROJECTION[role]}"
+
+
+def claimed_experts(config: dict[str, Any]) -> tuple[str, int] | None:
+    """(key, count) of the routed experts config.json (or its text_config) declares, or None."""
+    for holder in (config, config.get("text_config")):
+        if isinstance(holder, dict):
+            for key in NUM_EXPERTS_KEYS:
+                value = holder.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return key, value
+    return None
+
+
+def expert_id_problem(layer: str, ids: Sequence[int], claimed: tuple[str, int] | None) -> tuple[str, str] | None:
+    """(the first expert at fault, what is wrong) with one MoE layer's expert ids, or None.
+
+    ``ids`` are sorted and distinct, as the tensor names give them.  Engines load experts ``0 .. E-1``: ids with
+    gaps, or a count other than config.json's, would load as missing or shifted experts.  Works from the ids
+    present (never loops up to a claimed count or the largest id, which a hostile name can make 10**12) and
+    names the first few missing ids.
+    """
+    if ids and ids[-1] != len(ids) - 1:
+        missing, expected = [], 0
+        for i in ids:
+            missing += range(expected, min(i, expected + 3 - len(missing)))
+            expected = i + 1
+            if len(missing) >= 3:
+                break
+        more = " ..." if ids[-1] + 1 - len(ids) > len(missing) else ""
+        return f"{layer}.{missing[0]}", (f"missing: expert ids have gaps, {len(ids)} experts with ids up to {ids[-1]} "
+                                         f"(missing {missing}{more}); a layer's experts are numbered 0..E-1")  # fmt: skip
+    if claimed is not None and len(ids) != claimed[1]:
+        key, count = claimed
+        what = "missing" if len(ids) < count else "outside the config's experts"
+        return f"{layer}.{min(len(ids), count)}", (f"{what}: the checkpoint has {len(ids)} experts (0..{len(ids) - 1}), "
+                                                    f"config.json says {count} ({key}); the two must agree")  # fmt: skip
+    return None

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from ..formats import NVFP4
-from .names import (ExpertWeight, LinearWeight, Other, Role, StackedExperts, TensorKind, classify, gated_experts,
-                    stacked_output_name)  # fmt: skip
+from .names import (ExpertWeight, LinearWeight, Other, Role, StackedExperts, TensorKind, claimed_experts, classify,
+                    expert_id_problem, gated_experts, stacked_output_name)  # fmt: skip
 from .source import ConversionError, SourceCheckpoint, TensorInfo
 
 __all__ = ["Selection", "QuantUnit", "Plan", "make_plan"]
@@ -235,6 +235,18 @@ def _stacked_units(info: TensorInfo, kind: StackedExperts, shared: bool, transpo
     return units
 
 
+def _check_expert_ids(src: SourceCheckpoint, kinds: dict[str, TensorKind], layers: dict[str, list[str]]) -> None:
+    """Each quantized MoE layer's experts are ``0 .. E-1`` with E what config.json says (where it says), checked
+    from the names present (``names.expert_id_problem``) before anything is written."""
+    claimed = claimed_experts(src.config)
+    for prefix, names in layers.items():
+        stacked = [src.tensors[n].shape[0] for n in names if isinstance(kinds[n], StackedExperts)]
+        ids = range(max(stacked)) if stacked else sorted({k.expert for n in names if isinstance(k := kinds[n], ExpertWeight)})
+        problem = expert_id_problem(prefix, ids, claimed)
+        if problem:
+            raise ConversionError(f"{problem[0]}: {problem[1]}")
+
+
 def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_scales: bool = False) -> Plan:
     """Classify every tensor, check the selected ones, and order the work as the source files hold it."""
     kinds = {name: classify(name, info.shape) for name, info in src.tensors.items()}
@@ -286,6 +298,7 @@ def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_s
             anchored[name].append(QuantUnit((kind.module,), name, None, info.nbytes, False, _load_one(name)))
     for anchor, unit in _expert_units(src, experts, shared):
         anchored[anchor].append(unit)
+    _check_expert_ids(src, kinds, {prefix: names for prefix, names in layers.items() if names[0] in chosen})
 
     covered = {n for n in chosen if n not in skipped}
     for prefix, names in layers.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,11 @@ __all__ = ["ConversionError", "SourceCheckpoint", "TensorInfo", "open_checkpoint
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
-# What reading a shard can raise besides SafetensorError (a header the library accepts but torch cannot map).
-_READ_ERRORS = (SafetensorError, OSError, RuntimeError, TypeError, ValueError, OverflowError)
+# What reading a shard can raise besides SafetensorError (a header the library accepts but torch cannot map);
+# MemoryError: safetensors maps the whole shard, which a memory limit (ulimit -v) on a huge shard refuses.
+_READ_ERRORS = (SafetensorError, OSError, RuntimeError, TypeError, ValueError, OverflowError, MemoryError)
+# safetensors' own bound on the JSON header; a larger length field is a corrupt file, not a header to read.
+MAX_HEADER_BYTES = 100_000_000
 
 # safetensors dtype string -> bytes per element
 DTYPE_BYTES: dict[str, int] = {
@@ -75,18 +79,28 @@ class SourceCheckpoint:
 
     def load(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
+        handle = self._handle(info.shard)  # its own ConversionError names the shard
         try:
-            return self._handle(info.shard).get_tensor(name)
+            return handle.get_tensor(name)
         except _READ_ERRORS as e:
-            raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name} ({e})") from e
+            raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name} {_what(info, e)}") from e
 
     def load_expert(self, name: str, expert: int) -> torch.Tensor:
         """Row ``expert`` of a stacked ``[E, ...]`` tensor, reading only that slice."""
         info = self.tensors[name]
+        handle = self._handle(info.shard)
         try:
-            return self._handle(info.shard).get_slice(name)[expert]
+            return handle.get_slice(name)[expert]
         except _READ_ERRORS as e:
-            raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name}[{expert}] ({e})") from e
+            raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name}[{expert}] {_what(info, e)}") from e
+
+
+def _what(info: TensorInfo, e: BaseException) -> str:
+    """Why a read failed, in words: a memory limit is named as one (a MemoryError prints as 'Cannot allocate')."""
+    if isinstance(e, MemoryError):
+        return (f"({info.nbytes / 1e9:.3g} GB, shape {list(info.shape)}): out of memory mapping or reading it ({e}); "
+                "a memory limit (ulimit -v, a container) smaller than the shard?")
+    return f"({e})"
 
 
 def regular_file(path: Path) -> bool:
@@ -112,6 +126,9 @@ def _open_shard(path: Path) -> Any:
         raise ConversionError(f"{path}: shard is missing")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
+    except MemoryError as e:
+        raise ConversionError(f"{path}: cannot map the shard ({path.stat().st_size / 1e9:.3g} GB) into memory ({e}); "
+                              "a memory limit (ulimit -v, a container) smaller than the shard?") from e  # fmt: skip
     except _READ_ERRORS as e:
         raise ConversionError(f"{path}: cannot read safetensors shard ({e}); the file may be truncated or corrupt") from e
 
@@ -136,18 +153,71 @@ def _weight_map(path: Path) -> dict[str, str]:
     return weight_map
 
 
+def _header_entries(path: Path) -> list[TensorInfo]:
+    """A shard's tensors from its JSON header alone: 8 bytes of length, then the header, read with plain reads.
+
+    Nothing is mapped (safetensors maps the whole file, which a memory limit refuses for a huge shard), so
+    opening a checkpoint costs its headers' bytes, whatever its size.  The checks are safetensors' own: shapes
+    of non-negative integers, each tensor's byte range its dtype and shape, ranges tiling the data exactly (a
+    truncated file fails here, before anything is written).
+    """
+    def bad(why: str) -> ConversionError:
+        return ConversionError(f"{path}: cannot read safetensors header ({why}); the file may be truncated or corrupt")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise bad(f"header length {length} past the file's {size} bytes or safetensors' {MAX_HEADER_BYTES}")
+            text = f.read(length)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read ({e.strerror or e})") from e
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    infos, ranges = [], []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise bad(f"{name}: entry is {type(entry).__name__}, not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or not dtype:
+            raise bad(f"{name}: dtype {dtype!r} is not a dtype name")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"{name}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+            raise bad(f"{name}: data_offsets {offsets!r} is not [start, end]")
+        info = TensorInfo(name, path.name, dtype, tuple(shape))
+        if dtype in DTYPE_BYTES and offsets[1] - offsets[0] != info.nbytes:  # others (F4, E8M0): safetensors checks
+            raise bad(f"{name}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, {dtype} {shape} needs {info.nbytes}")
+        infos.append(info)
+        ranges.append(offsets)
+    end = 0
+    for start, stop in sorted(ranges):
+        if start != end:
+            raise bad(f"tensor data ranges overlap or leave a gap at byte {min(start, end)}")
+        end = stop
+    if end != size - 8 - length:
+        raise bad(f"the tensors hold {end} bytes of data, the file {size - 8 - length}")
+    return infos
+
+
 def _headers(root: Path, shards: list[str]) -> dict[str, TensorInfo]:
     """Every tensor of every shard; a name in two shards is refused (which copy is meant is ambiguous)."""
     tensors: dict[str, TensorInfo] = {}
     for shard in shards:
         path = root / shard
-        with _open_shard(path) as f:
-            try:
-                entries = [(name, f.get_slice(name)) for name in f.keys()]
-                infos = [TensorInfo(name, shard, sl.get_dtype(), tuple(sl.get_shape())) for name, sl in entries]
-            except _READ_ERRORS as e:
-                raise ConversionError(f"{path}: cannot read safetensors header ({e})") from e
-        for info in infos:
+        if not regular_file(path):
+            raise ConversionError(f"{path}: shard is missing")
+        for info in _header_entries(path):
             if info.name in tensors:
                 raise ConversionError(
                     f"{info.name}: in two shards, {tensors[info.name].shard} and {shard}; remove the stale copy"
