@@ -1,8 +1,18 @@
-"""Command line: ``moe-nvfp4 demo | bench | convert | inspect``."""
+"""Command line: ``moe-nvfp4 demo | bench | convert | inspect``, ``moe-nvfp4 --version``.
+
+Every command: Ctrl-C prints one line and exits 130 (convert and ``inspect --fix`` remove their partial output
+first); output cut off by a closed pipe (``moe-nvfp4 inspect DIR | head``) ends quietly with status 141, the
+128 + SIGPIPE a shell reports for any tool cut off that way (not 0: the rest of the report went unread).
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
 def _fail(command: str, message: str) -> int:
@@ -127,14 +137,20 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         report = inspect_checkpoint(args.dir)
-        print(report)
-        if args.fix is not None:
-            report = fix_checkpoint(args.dir, args.fix)
-            print(f"\nfixed copy written; its inspection:\n{report}")
+        if not args.json:
+            print(report, flush=True)  # before a --fix that may take minutes
+        fixed = None if args.fix is None else fix_checkpoint(args.dir, args.fix)
     except (ConversionError, CheckpointError) as e:
         print(f"moe-nvfp4 inspect: error: {e}", file=sys.stderr)
         return 1
-    return report.exit_code
+    if args.json:
+        obj = report.to_json()
+        if fixed is not None:
+            obj["fixed"] = fixed.to_json()
+        print(json.dumps(obj, indent=2))
+    elif fixed is not None:
+        print(f"\nfixed copy written; its inspection:\n{fixed}")
+    return (fixed or report).exit_code
 
 
 def _add_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -168,16 +184,41 @@ def _add_inspect(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
         help="report an NVFP4 checkpoint's format, layers and problems (exit 1 on errors, 3 on warnings only)",
         description="Reads a ModelOpt or compressed-tensors NVFP4 checkpoint and validates every quantized module "
         "with the validator the converter and the vLLM loader use.",
-        epilog=f"{INSPECT_EXIT_CODES}. With --fix, the status is that of the fixed copy's inspection.",
+        epilog=f"{INSPECT_EXIT_CODES}. With --fix, the status is that of the fixed copy's inspection. "
+        "--json: one JSON object, schema in moe_nvfp4.convert.InspectReport.to_json (with --fix, the copy's "
+        "report under the key 'fixed').",
     )
     p.add_argument("dir", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (every problem listed)")
     p.add_argument("--fix", metavar="OUT", default=None, help="write a copy with gate/up global scales shared (their max); "
                    "refused, naming the expert, where requantizing costs a projection relative error > 0.25")
     p.set_defaults(func=_inspect)
 
 
+def _version() -> str:
+    import platform
+
+    import torch
+
+    from . import __version__
+
+    return f"moe-nvfp4 {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
+class _VersionAction(argparse.Action):
+    """--version, importing torch only when asked (argparse's own would build the string for every command)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(_version())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-nvfp4", description="NVFP4 Mixture-of-Experts tools")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_bench(sub)
@@ -191,7 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
+    except KeyboardInterrupt:
+        writes = args.command == "convert" or getattr(args, "fix", None) is not None
+        removed = "; the partial output was removed" if writes else ""
+        print(f"\nmoe-nvfp4 {args.command}: interrupted (Ctrl-C){removed}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":

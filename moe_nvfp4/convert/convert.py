@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Convention, NVFP4Linear, to_checkpoint
-from ..formats import NVFP4Tensor, dequantize_nvfp4, global_scale_for, quantize_nvfp4
+from ..formats import NVFP4, NVFP4Tensor, dequantize_nvfp4, global_scale_for, quantize_nvfp4
 from .inspect import checkpoint_problems
 from .plan import Plan, QuantUnit, Selection, make_plan
 from .quant_config import QuantSettings, hf_quant_config, quantization_config
@@ -24,6 +24,7 @@ from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, sha
 __all__ = ["ConvertOptions", "ConvertSummary", "convert_checkpoint", "quantize_group", "verify_output"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+WARNINGS_SHOWN = 5  # the summary prints this many warnings, then a count
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,10 @@ class ConvertSummary:
         ]
         lines += [f"  left unquantized:  {name}: {why}" for name, why in self.skipped.items()]
         lines += [f"  not copied:        {name}/ (a subdirectory)" for name in self.left_out]
-        lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  warning: {w}" for w in self.warnings[:WARNINGS_SHOWN]]
+        if len(self.warnings) > WARNINGS_SHOWN:  # one per expert on a real model would bury the summary
+            lines.append(f"  ... and {len(self.warnings) - WARNINGS_SHOWN} more warnings like these "
+                         f"({len(self.warnings)} in all; ConvertSummary.warnings lists every one)")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -148,10 +152,18 @@ def verify_output(root: Path) -> None:
 
 
 def _check_device(device: str) -> None:
+    """The device must hold real values: ``meta`` (shapes only) would write no weights, so it is refused by name."""
     try:
-        torch.empty(0, device=torch.device(device))
+        probe = torch.ones(NVFP4.block_size, device=torch.device(device))
     except (RuntimeError, AssertionError, ValueError, TypeError) as e:
         raise ConversionError(f"--device {device}: not usable on this machine ({e})") from e
+    if probe.is_meta:
+        raise ConversionError(f"--device {device}: a meta device holds shapes, not values, so nothing could be "
+                              "quantized; use cpu or a GPU (e.g. cuda)")  # fmt: skip
+    try:
+        float(probe.sum())
+    except (RuntimeError, NotImplementedError) as e:
+        raise ConversionError(f"--device {device}: cannot compute on it ({e}); use cpu or a GPU (e.g. cuda)") from e
 
 
 def _write_configs(src: SourceCheckpoint, out: Path, settings: QuantSettings, plan: Plan) -> None:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from .source import INDEX_NAME, ConversionError, regular_file
 
-__all__ = ["ShardedWriter", "atomic_output_dir", "copy_non_weight_files", "shard_metadata", "write_json"]
+__all__ = ["ShardedWriter", "atomic_output_dir", "copy_non_weight_files", "shard_metadata", "umask_mode", "write_json"]
 
 # Files that hold weights (or their index / the configs we rewrite): never copied from the source.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
@@ -46,6 +46,14 @@ def _sigterm_raises() -> Iterator[list[int]]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def umask_mode(mode: int) -> int:
+    """``mode`` less the process umask: what ``open``/``mkdir`` would have given (safetensors writes 0600 and
+    mkdtemp 0700, which a server running as another user could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 @contextmanager
 def atomic_output_dir(dst: str | Path) -> Iterator[Path]:
     """Yield a fresh temp directory beside ``dst``; rename it to ``dst`` on success, delete it on any error,
@@ -60,9 +68,7 @@ def atomic_output_dir(dst: str | Path) -> Iterator[Path]:
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)
+            tmp.chmod(umask_mode(0o777))
             yield tmp
             if received:
                 raise ConversionError("interrupted by SIGTERM; the partial output was removed")
@@ -125,6 +131,7 @@ class ShardedWriter:
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
         self._names: set[str] = set()
+        self._file_mode = umask_mode(0o666)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._names:
@@ -144,6 +151,7 @@ class ShardedWriter:
             save_file(self._pending, str(path), metadata=self.metadata)
         except SafetensorError as e:  # I/O errors (a full disk) may come back as SafetensorError
             raise OSError(None, str(e), str(path)) from e
+        path.chmod(self._file_mode)  # safetensors creates 0600 whatever the umask
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
