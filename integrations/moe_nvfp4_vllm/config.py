@@ -12,6 +12,10 @@ compressed-tensors            NVFP4GroupedMoEMethod, CT names              Compr
 nvfp4-pack-quantized          (weight_packed, weight_global_scale, ...)
 BF16 (no quantization_config) BF16 parameters quantized on load            UnquantizedLinearMethod
 ============================  ===========================================  =================================
+
+A malformed quantization config (a list, ``config_groups`` as a list, a group without ``targets``, ``group_size``
+"16.0", an invalid ``re:`` pattern, ...) is refused by ``from_config`` with ``QuantConfigError`` (a ValueError)
+naming the field, before vLLM's own parsers see it (``moe_nvfp4.convert.quant_config.check_quantization_config``).
 """
 from __future__ import annotations
 
@@ -23,11 +27,12 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from moe_nvfp4.checkpoint import Convention
+from moe_nvfp4.convert.quant_config import QuantConfigError, check_quantization_config
 
 from . import compat
 from .names import QUANTIZATION_NAME
 
-__all__ = ["NVFP4GroupedConfig", "is_modelopt_nvfp4", "is_compressed_tensors_nvfp4"]
+__all__ = ["NVFP4GroupedConfig", "QuantConfigError", "is_modelopt_nvfp4", "is_compressed_tensors_nvfp4"]
 
 _MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
 _CT_FORMAT = "nvfp4-pack-quantized"
@@ -46,7 +51,7 @@ def _modelopt_algo(cfg: dict[str, Any]) -> str | None:
 
 def is_modelopt_nvfp4(cfg: dict[str, Any] | None) -> bool:
     """A ModelOpt config (flat config.json form or nested hf_quant_config.json form) with an NVFP4 algo."""
-    return bool(cfg) and _modelopt_algo(cfg) in _MODELOPT_ALGOS
+    return isinstance(cfg, dict) and bool(cfg) and _modelopt_algo(cfg) in _MODELOPT_ALGOS
 
 
 def _ct_nvfp4_weights(args: Any) -> bool:
@@ -61,10 +66,10 @@ def _ct_nvfp4_weights(args: Any) -> bool:
 
 def is_compressed_tensors_nvfp4(cfg: dict[str, Any] | None) -> bool:
     """compressed-tensors with at least one NVFP4 (nvfp4-pack-quantized) config group."""
-    if not cfg or str(cfg.get("quant_method", "")).lower().replace("_", "-") != "compressed-tensors":
+    if not isinstance(cfg, dict) or str(cfg.get("quant_method", "")).lower().replace("_", "-") != "compressed-tensors":
         return False
-    groups = cfg.get("config_groups") or {}
-    return any(
+    groups = cfg.get("config_groups")
+    return isinstance(groups, dict) and any(
         isinstance(g, dict) and (g.get("format", cfg.get("format")) == _CT_FORMAT or _ct_nvfp4_weights(g.get("weights")))
         for g in groups.values()
     )
@@ -125,32 +130,32 @@ class NVFP4GroupedConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NVFP4GroupedConfig":
-        """Build from the checkpoint's quantization config (ModelOpt NVFP4, compressed-tensors NVFP4, or empty)."""
-        if not config:
+        """Build from the checkpoint's quantization config (ModelOpt NVFP4, compressed-tensors NVFP4, or empty).
+
+        QuantConfigError (a ValueError naming the field) for a malformed config or one that is none of these.
+        """
+        if config is None or config == {}:
             return cls()
+        check_quantization_config(config)
         if str(config.get("quant_method", "")).lower() == QUANTIZATION_NAME and _modelopt_algo(config) is None:
             return cls()
         if is_modelopt_nvfp4(config):
             from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
-            group = (config.get("quantization") if isinstance(config.get("quantization"), dict) else config).get(
-                "group_size", 16
-            )
-            if group is not None and int(group) != 16:
-                raise ValueError(f"nvfp4_grouped: NVFP4 needs group_size 16, the checkpoint declares {group}")
-            delegate = ModelOptNvFp4Config.from_config(config)
+            delegate = _delegate(ModelOptNvFp4Config, config)
             return cls(Convention.MODELOPT, delegate=delegate, input_scales=delegate.quant_method == "NVFP4")
         if is_compressed_tensors_nvfp4(config):
             from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
                 CompressedTensorsConfig,
             )
 
-            delegate = CompressedTensorsConfig.from_config(config)
+            delegate = _delegate(CompressedTensorsConfig, config)
             return cls(Convention.COMPRESSED_TENSORS, delegate=delegate, input_scales=_ct_w4a4(config))
-        raise ValueError(
+        raise QuantConfigError(
+            "quant_method",
             "nvfp4_grouped loads ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4), compressed-tensors "
             "nvfp4-pack-quantized, or BF16 checkpoints; this checkpoint declares "
-            f"quant_method={config.get('quant_method')!r}, quant_algo={_modelopt_algo(config)!r}"
+            f"quant_method={config.get('quant_method')!r}, quant_algo={_modelopt_algo(config)!r}",
         )
 
     @classmethod
@@ -162,8 +167,8 @@ class NVFP4GroupedConfig(QuantizationConfig):
         vLLM 0.26 and 0.33 (``ModelConfig._verify_quantization``) probe custom configs first, so without the user's
         request this returns None and vLLM's own ``modelopt_fp4`` / ``compressed-tensors`` keep the checkpoint.
         """
-        if user_quant != QUANTIZATION_NAME:
-            return None
+        if user_quant != QUANTIZATION_NAME or not isinstance(hf_quant_cfg, dict):
+            return None  # a malformed config: from_config names what is wrong with it
         if str(hf_quant_cfg.get("quant_method", "")).lower() == QUANTIZATION_NAME:
             return QUANTIZATION_NAME
         if is_modelopt_nvfp4(hf_quant_cfg) or is_compressed_tensors_nvfp4(hf_quant_cfg):
@@ -212,6 +217,16 @@ class NVFP4GroupedConfig(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
         if self.delegate is not None:
             self.delegate.maybe_update_config(model_name, hf_config=hf_config, revision=revision)
+
+
+def _delegate(config_cls: type[QuantizationConfig], config: dict[str, Any]) -> QuantizationConfig:
+    """vLLM's own config for the checkpoint; its refusals (ValueError, pydantic's ValidationError, an assert, the
+    NotImplementedError of compressed-tensors for a float of other than 4 or 8 bits, the DeprecationWarning
+    raised for a sparsity config) as QuantConfigError: a bad config is one error type whatever vLLM parses it."""
+    try:
+        return config_cls.from_config(config)
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, NotImplementedError, DeprecationWarning) as e:
+        raise QuantConfigError("", f"vLLM's {config_cls.__name__} refuses it: {type(e).__name__}: {e}") from e
 
 
 def _is_ct_nvfp4_scheme(scheme: dict[str, Any]) -> bool:
