@@ -311,3 +311,49 @@ def test_the_gpu_header_names_humming_kernels_and_the_random_layers():
     assert lines[-1] == ("random layers: seed 0 (default 0), 16 drawn: E 8-512 (log-uniform), top-k 1-10, H and I "
                          "multiples of 128 in 1024-8192, gated SiLU, at most 16.9 G expert parameters (the zoo's "
                          "largest layer)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# runs taken apart, one report
+# --------------------------------------------------------------------------------------------------
+def _run_meta(command: str, device: str = "NVIDIA H200", **extra) -> dict:
+    return dict(device_kind="cuda", device=device, capability="9.0", torch="2.11", triton="3.6.0", vllm="0.26.0",
+                humming_kernels="0.1.10", command=command, date="today", git_commit="abc", l2_policy="rotating",
+                config_dir="/tmp/empty", wall_s=100.0, args={"paths": ["ours", "bf16"], "repro_command": "b"},
+                ceilings={"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0, "copy": {}, "matmul": {"n": 8192}},
+                **extra)  # fmt: skip
+
+
+def test_merged_runs_make_one_report(tmp_path, capsys):
+    """Two runs (one per GPU, say; one gzipped): one moe.json and moe.md whose configs line and prefill summary count
+    every row, with each run's command kept; runs from two devices are refused."""
+    import gzip
+    import importlib.util
+    import os
+
+    from moe_nvfp4.bench.harness import write_json
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_moe.py")
+    spec = importlib.util.spec_from_file_location("bench_moe", script)
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    first = [dict(_row("A", 1024, 100.0, 110.0, 140.0, 80.0), config_source="default", bf16_us=110.0)]
+    second = [dict(_row("random-s0-00 E=268", 4096, 400.0, 380.0, 480.0, 240.0), config_source="tuned")]
+    random_part = bench.random_meta(_args("--models", "random:1").models)
+    write_json(str(tmp_path / "gpu0" / "moe.json"), _run_meta("run 0"), first)
+    write_json(str(tmp_path / "gpu1.json"), _run_meta("run 1", random=random_part), second)
+    with open(tmp_path / "gpu1.json", "rb") as f, gzip.open(tmp_path / "gpu1.json.gz", "wb") as g:
+        g.write(f.read())
+    runs = [str(tmp_path / "gpu0"), str(tmp_path / "gpu1.json.gz")]
+    assert lab.main(["--merge", *runs, "--out", str(tmp_path / "m")]) == 0
+    data = json.loads((tmp_path / "m" / "moe.json").read_text())
+    meta = data["meta"]
+    assert [r["model"] for r in data["rows"]] == ["A", "random-s0-00 E=268"]
+    assert [m["command"] for m in meta["merged_from"]] == ["run 0", "run 1"] and meta["wall_s"] == 200.0
+    assert meta["tuned_entries"] is True and meta["config_sources"] == {"default": 1, "tuned": 1}
+    assert meta["prefill"]["by_model"]["all"]["rows"] == 2 and meta["random"]["layers"][0]["key"] == "random-s0-00"
+    md = (tmp_path / "m" / "moe.md").read_text()
+    assert "one of 2 runs merged" in md and "| **all** | 2 |" in md and "tuned entries served 1 of 2 rows" in md, md
+    write_json(str(tmp_path / "h100.json"), _run_meta("run 2", device="NVIDIA H100 80GB HBM3"), first)
+    with pytest.raises(SystemExit, match="different devices"):
+        lab.main(["--merge", str(tmp_path / "gpu0"), str(tmp_path / "h100.json"), "--out", str(tmp_path / "n")])

@@ -5,6 +5,8 @@ Everything here works on rows and meta alone (no torch), so the CPU tests check 
 """
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import statistics
 from typing import Any
@@ -12,8 +14,9 @@ from typing import Any
 from .harness import markdown_table, write_json, write_markdown
 from .paths import BASELINES, NVFP4_PATHS, PATHS, REGISTRY
 
-__all__ = ["COLUMNS", "PREFILL_TARGETS", "PREFILL_TOKENS", "columns", "configs_meta", "model_summaries",
-           "prefill_summary", "prefill_table", "stdout_report", "summary_lines", "write_reports"]  # fmt: skip
+__all__ = ["COLUMNS", "PREFILL_TARGETS", "PREFILL_TOKENS", "columns", "configs_meta", "merge_reports",
+           "model_summaries", "prefill_summary", "prefill_table", "read_report", "stdout_report", "summary_lines",
+           "write_reports"]  # fmt: skip
 
 _LABEL = {name: cls.label for name, cls in REGISTRY.items()}
 COLUMNS = [
@@ -166,11 +169,12 @@ def summary_lines(meta: dict) -> list[str]:
             f"timing: host clock around eager calls, median per call; {meta.get('rounds', 1)} round(s)",
             *_random_line(meta),
         ]
+    merged = meta.get("merged_from") or []
     return [
         f"device: {meta.get('device')} (sm_{str(meta.get('capability', '')).replace('.', '')}), {versions}",
         f"copy bandwidth {c['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s "
         f"({c['matmul'].get('n')}^3, cuBLAS)",
-        command,
+        command + (f"; one of {len(merged)} runs merged (each in meta.merged_from)" if merged else ""),
         f"timing: CUDA graph replay, median per call; {meta.get('rounds', 1)} rounds, the paths in turn, each row the "
         f"median round; L2: {meta['l2_policy']}",
         _configs_line(meta),
@@ -226,3 +230,42 @@ def stdout_report(args, meta: dict, rows: list[dict]) -> str:
     prefill = prefill_table(meta.get("prefill") or {})
     return "\n".join(["", *summary_lines(meta), *model_summaries(rows), *(["", *prefill] if prefill else []), "",
                       table])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs taken apart (one process per GPU of a host, or one command per lease) made one report
+# --------------------------------------------------------------------------------------------------
+def read_report(path: str) -> tuple[dict, list[dict]]:
+    """(meta, rows) of a moe.json (or moe.json.gz), or of the moe.json in directory ``path``."""
+    if os.path.isdir(path):
+        found = [p for p in (os.path.join(path, "moe.json"), os.path.join(path, "moe.json.gz")) if os.path.exists(p)]
+        path = found[0] if found else os.path.join(path, "moe.json")
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        data = json.load(f)
+    return data["meta"], data["rows"]
+
+
+def merge_reports(reports: list[tuple[dict, list[dict]]]) -> tuple[dict, list[dict]]:
+    """Several runs' (meta, rows) as one: the rows in order, the first run's meta with each run's command, date,
+    commit and device under ``merged_from``, the paths and random layers of all, and the configs line and the
+    prefill summary counted again over every row.  ValueError where the runs were taken on different devices."""
+    if not reports:
+        raise ValueError("no reports to merge")
+    devices = {(m.get("device_kind"), m.get("device")) for m, _ in reports}
+    if len(devices) > 1:
+        raise ValueError(f"the runs were taken on different devices ({sorted(map(str, devices))}): one report a "
+                         "device")  # fmt: skip
+    meta = dict(reports[0][0])
+    rows = [r for _, run_rows in reports for r in run_rows]
+    meta["merged_from"] = [{k: m.get(k) for k in ("command", "date", "git_commit", "git_dirty", "device", "wall_s")}
+                           for m, _ in reports]  # fmt: skip
+    paths = list(dict.fromkeys(p for m, _ in reports for p in m.get("args", {}).get("paths", [])))
+    meta["args"] = {**meta.get("args", {}), "paths": paths}
+    layers = [layer for m, _ in reports for layer in (m.get("random") or {}).get("layers", [])]
+    if layers:
+        seeds = sorted({s for m, _ in reports for s in (m.get("random") or {}).get("seeds", [])})
+        meta["random"] = {**next(m["random"] for m, _ in reports if m.get("random")), "seeds": seeds, "layers": layers}
+    meta.update(configs_meta(rows))
+    meta["prefill"] = prefill_summary(rows)
+    meta["wall_s"] = sum(m.get("wall_s") or 0.0 for m, _ in reports)
+    return meta, rows
