@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_fuzz_plugin_config import BAD_CONFIGS, EXAMPLES_VLLM, assert_names_a_field, configs
 
 pytestmark = pytest.mark.vllm
 
@@ -1161,3 +1162,36 @@ def test_repack_packs_into_the_checkpoint_parameters_memory(plugin, gen, monkeyp
     w13, w2 = weights.to_nvfp4()
     assert torch.equal(w13.packed, ex.w13.packed) and torch.equal(w2.packed, ex.w2.packed)
     assert torch.equal(w2.block_scale.view(torch.uint8), ex.w2.block_scale.view(torch.uint8))
+
+
+# ---------------------------------------------------------------- malformed quantization configs (issue 54)
+
+
+@pytest.mark.parametrize("why, cfg, field", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+def test_malformed_config_is_refused_naming_the_field(plugin, why, cfg, field):
+    """Each of these crashed with a raw TypeError / AttributeError / re.error before issue 54."""
+    import copy
+
+    with pytest.raises(plugin.QuantConfigError) as info:
+        plugin.NVFP4GroupedConfig.from_config(copy.deepcopy(cfg))
+    assert info.value.field == field, str(info.value)
+
+
+def test_from_config_fuzz(plugin):
+    """Hostile configs (test_fuzz_plugin_config.configs) through vLLM's own parsers: each parses or raises
+    QuantConfigError naming a field of the config.  Hypothesis inside one test: the plugin fixture is built once."""
+    import copy
+
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=EXAMPLES_VLLM, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(configs())
+    def parse(cfg):
+        try:
+            qc = plugin.NVFP4GroupedConfig.from_config(copy.deepcopy(cfg))
+        except plugin.QuantConfigError as e:
+            assert_names_a_field(cfg, e)
+            return
+        assert isinstance(qc, plugin.NVFP4GroupedConfig)
+
+    parse()
