@@ -112,10 +112,13 @@ def test_splits_the_plugin_would_refuse_are_refused(tp, ep, match) -> None:
     (["--shape", "16,4,512,256", "--tp", "32"], "256 / 32"),
     (["NOWHERE"], "no config.json there"),
     (["NOMOE"], "no MoE layer"),
-    (["--shape", "16,4,512,256"], "sees no CUDA GPU"),  # this machine: a run that would time needs a GPU
+    (["--shape", "16,4,512,256"], "sees no CUDA GPU"),  # a run that would time needs a GPU
 ])  # fmt: skip
-def test_bad_arguments_get_one_line_and_status_2(tmp_path, capsys, argv, message) -> None:
+def test_bad_arguments_get_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, message) -> None:
+    import torch
     from transformers import LlamaConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU host: no case may start timing
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(tmp_path / "NOMOE")
     tiny_config("mixtral").save_pretrained(tmp_path / "DIR")
