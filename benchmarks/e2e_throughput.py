@@ -23,7 +23,8 @@ compile times).
 ``--load-memory``: per NVFP4 path, an engine in this process tree with vLLM's engine core in-process, whose
 ``process_weights_after_loading`` is timed for memory: per layer, ``torch.cuda.max_memory_allocated`` during its
 quant method's call minus what was allocated before it, next to one expert's and one layer's NVFP4 bytes.  Our
-first MoE layer also autotunes and compiles (its activations count there), so the report gives it apart.
+first MoE layer also compiles (and, with ``MOE_NVFP4_AUTOTUNE=1``, autotunes: its activations count there), so the
+report gives it apart.
 
 Writes ``<out>/e2e_<model>_L<layers>.json`` and ``.md`` (``e2e_load_memory_...`` for ``--load-memory``) with
 device, versions and the command; a path's rows replace its earlier ones there, other paths' stay.  Expected on one H200: writing the checkpoint 1-3 min (once, reused), each path
@@ -368,7 +369,7 @@ def markdown(report: dict) -> str:
             ratios.append(f"{ours / other:.2f}x" if ours and other else "-")
         lines.append(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     starts = [f"{r['path']} {r['engine_start_s']:.0f} s" for r in paths if "engine_start_s" in r]
-    if starts:  # a fresh machine's first start also compiles (and, ours, autotunes): plugin_log, start_log in the JSON
+    if starts:  # a fresh machine's first start also compiles (and, ours with MOE_NVFP4_AUTOTUNE=1, autotunes): plugin_log, start_log in the JSON
         lines += ["", "Engine start (`LLM(...)` until it returns): " + ", ".join(starts) + "."]
     for r in paths:
         if "error" in r:
