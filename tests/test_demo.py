@@ -3,6 +3,7 @@ supported or not, through mocks of torch.cuda)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,29 @@ def test_demo_on_the_cpu_takes_an_explicit_shape(capsys, seed):
     assert "E=5 top-3 H=64 I=48 T=7" in out, out
     for name, rel, cos in _rows(out):
         assert 0.0 < float(rel) < TOL["max_rel_error"] and TOL["min_cosine"] < float(cos) <= 1.0, (name, rel, cos)
+
+
+# The README's CPU sample is this run's output (seed 0, the default shape and tokens); its printed digits may move by
+# one in the last place on another CPU's float summation order, so numbers compare within that.
+README_DIGITS = {"rel. error": 1e-4, "cosine": 1e-5}
+
+
+def test_readme_cpu_sample_is_what_the_demo_prints():
+    """Issue 54: the README showed numbers no run with its seed gave.  Its block after "What `moe-nvfp4 demo` prints"
+    must be the demo's output line for line (the timing line aside)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme[readme.index("What `moe-nvfp4 demo` prints"):]
+    block = block[block.index("```\n") + 4:]
+    sample = block[: block.index("```")].rstrip().splitlines()
+    out = demo.run_reference_demo(seed=0).splitlines()
+    assert len(sample) == len(out) and sample[-1].startswith("quantize ") and out[-1].startswith("quantize ")
+    for want, got in zip(sample[:-1], out[:-1]):
+        if ROW.match(want):
+            (name, rel, cos), (name_got, rel_got, cos_got) = ROW.match(want).groups(), ROW.match(got).groups()
+            assert name == name_got and abs(float(rel) - float(rel_got)) <= README_DIGITS["rel. error"], (want, got)
+            assert abs(float(cos) - float(cos_got)) <= README_DIGITS["cosine"], (want, got)
+        else:
+            assert want == got
 
 
 # --------------------------------------------------------------------------------------------------
