@@ -115,7 +115,8 @@ class MoEWeights:
         return self.layout.to_nvfp4(self)
 
 
-def _expected_tensors(layout: MoELayout, e: int, h: int, i: int, gated: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _expected_tensors(layout: MoELayout, e: int, h: int, i: int,
+                      gated: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # fmt: skip
     """Field name -> (shape, dtype) of every tensor of ``MoEWeights`` with these dimensions in ``layout``, as its
     ``pack`` writes them (weight_layouts)."""
     u8, e4m3, f32 = torch.uint8, NVFP4.scale_dtype, torch.float32
@@ -124,7 +125,8 @@ def _expected_tensors(layout: MoELayout, e: int, h: int, i: int, gated: bool) ->
     if isinstance(layout, Sm90Layout):
         f = layout.fragments
         rows13 = (2 if gated else 1) * f.padded_n(i)
-        return {"w13_packed": ((e, rows13, f.padded_k(h) // 2), u8), "w13_scale": ((e, rows13, f.padded_k(h) // 16), u8),
+        return {"w13_packed": ((e, rows13, f.padded_k(h) // 2), u8),
+                "w13_scale": ((e, rows13, f.padded_k(h) // 16), u8),
                 "w2_packed": ((e, f.padded_n(h), f.padded_k(i) // 2), u8),
                 "w2_scale": ((e, f.padded_n(h), f.padded_k(i) // 16), u8), **common}  # fmt: skip
     if isinstance(layout, Sm100Layout):

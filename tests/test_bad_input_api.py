@@ -121,7 +121,8 @@ METADATA_CASES = [  # (fields replaced, what the error must say)
     (dict(w2_global=torch.ones(4, 2)), r"MoEWeights\.w2_global must be torch\.float32 \(4,\)"),
     (dict(w13_global=torch.ones(4, 2, dtype=torch.float64)), r"MoEWeights\.w13_global must be torch\.float32"),
     (dict(w2_packed=torch.zeros(4, 64, 64, dtype=torch.int8)), r"MoEWeights\.w2_packed must be torch\.uint8"),
-    (dict(w2_packed=torch.zeros(4, 64, 128, dtype=torch.uint8)[:, :, ::2]), r"MoEWeights\.w2_packed must be contiguous"),
+    (dict(w2_packed=torch.zeros(4, 64, 128, dtype=torch.uint8)[:, :, ::2]),
+     r"MoEWeights\.w2_packed must be contiguous"),
     (dict(w2_scale=torch.zeros(4, 64, 8, dtype=torch.uint8, device="meta")), r"MoEWeights\.w2_scale is on meta"),
     (dict(w13_bias=torch.zeros(4, 32)), r"MoEWeights\.w13_bias must be torch\.float32 \(4, 64\)"),
     (dict(w2_bias=torch.zeros(4, 64, dtype=torch.float16)), r"MoEWeights\.w2_bias must be torch\.float32"),
@@ -130,7 +131,8 @@ METADATA_CASES = [  # (fields replaced, what the error must say)
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("change,match", METADATA_CASES, ids=[f"{i}-{','.join(c)}" for i, (c, _) in enumerate(METADATA_CASES)])
+@pytest.mark.parametrize("change,match", METADATA_CASES,
+                         ids=[f"{i}-{','.join(c)}" for i, (c, _) in enumerate(METADATA_CASES)])
 def test_weights_metadata_is_checked_against_the_tensors(change: dict, match: str, gen: torch.Generator) -> None:
     """dataclasses.replace and the public constructor both reach __post_init__: sizes, dtypes, devices and
     contiguity that disagree with the tensors are refused, naming the field (before: the kernels read past the

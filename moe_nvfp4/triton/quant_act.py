@@ -100,7 +100,8 @@ def _quantize_act_kernel(
 
 def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:
     """Host wrapper, the triton backend's ``quantize`` (inputs checked by api.quantize_activations; the global
-    scale 0-dim, NaN where it was unusable): packed uint8 [M, K/2], e4m3 scales [pad128(M), pad4(K/16)] in the 128x4 blocked layout."""
+    scale 0-dim, NaN where it was unusable): packed uint8 [M, K/2], e4m3 scales [pad128(M), pad4(K/16)] in the
+    128x4 blocked layout."""
     x = x.contiguous()
     m, k = x.shape
     prow, pcol = padded_scale_shape(m, k // NVFP4.block_size)
