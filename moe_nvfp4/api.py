@@ -310,27 +310,15 @@ def warmup_fused_moe(
     """Compile every kernel variant ``fused_moe`` can launch for 1..max_tokens tokens, now, not mid-serving.
 
     The kernels are compiled per tuned config (one per token-count range) and per routing variant;
-    this runs one forward on zeros at the fewest tokens of each.  Later calls with any T <= max_tokens,
-    same weights (shape and variant), dtype, top_k, expert-map presence and ``apply_router_weight_on_input``,
-    compile nothing.  Returns the token counts run (empty on CPU, where nothing is compiled).
+    this runs one forward on zeros at the fewest tokens of each, in threads (``warmup.compile_kernels``;
+    MOE_NVFP4_WARMUP_THREADS=1: serially).  Later calls with any T <= max_tokens, same weights (shape and
+    variant), dtype, top_k, expert-map presence and ``apply_router_weight_on_input``, compile nothing.  Returns
+    the token counts run (empty on CPU, where nothing is compiled).
     """
-    from .configs import configs_up_to, device_traits
+    from .warmup import compile_kernels
 
-    device = weights.w13_packed.device
-    if select_backends(device).moe_w4a16.reference or max_tokens < 1:
-        return []
-    from .triton.moe_sm90 import routing_variants_from
-
-    shape = weights.layer_shape(top_k, dtype, expert_map)
-    first = configs_up_to(max_tokens, shape, device_traits(device))
-    counts = sorted(set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)})
-    h, n_global = weights.hidden, shape.global_experts
-    for t in counts:
-        x = torch.zeros(t, h, dtype=dtype, device=device)
-        ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
-        fused_moe(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map,
-                  apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
-    return counts
+    return compile_kernels(weights, top_k, dtype, max_tokens, forward=fused_moe, expert_map=expert_map,
+                           apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
 
 
 def grouped_gemm_nvfp4(

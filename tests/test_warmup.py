@@ -45,8 +45,9 @@ def test_the_same_forwards_as_the_apis_warmup(monkeypatch, threads: int, ep: boo
     for module in (api, warmup):
         monkeypatch.setattr(module, "select_backends", lambda device: KERNELS)
     lock = threading.Lock()
-    theirs: list = []
+    theirs: list = []  # the API's warm-up, serially: the order the forwards were always run in
     monkeypatch.setattr(api, "fused_moe", _recorder(theirs, lock))
+    monkeypatch.setenv("MOE_NVFP4_WARMUP_THREADS", "1")
     counts = api.warmup_fused_moe(weights, 4, torch.bfloat16, 4096, expert_map=expert_map,
                                   apply_router_weight_on_input=on_input)  # fmt: skip
     ours: list = []
