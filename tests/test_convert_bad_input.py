@@ -232,7 +232,9 @@ def test_output_permissions_subdirectories_and_warnings(gen, tmp_path):
     assert f"(expert 0)" not in text
 
 
-_SLOW_CONVERT = """
+# a converter whose every unit takes a minute (argv: source, output, a file it touches once converting), then the
+# line that converts; test_convert_edges.py runs the same through the CLI
+SLOW_CONVERTER = """
 import pathlib, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal: a background CI job starts us ignoring it
 from moe_nvfp4.convert import convert as c
@@ -242,8 +244,8 @@ def slow(*a, **k):
     time.sleep(60)
     return real(*a, **k)
 c._run_unit = slow
-c.convert_checkpoint(sys.argv[1], sys.argv[2], progress=False)
 """
+_SLOW_CONVERT = SLOW_CONVERTER + "c.convert_checkpoint(sys.argv[1], sys.argv[2], progress=False)\n"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

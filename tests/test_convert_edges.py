@@ -22,7 +22,7 @@ from moe_nvfp4.cli import EXIT_INTERRUPTED, main
 from moe_nvfp4.convert import ConversionError, ConvertOptions, convert_checkpoint
 from moe_nvfp4.convert.convert import WARNINGS_SHOWN
 
-from test_convert_bad_input import CONFIG, PREFIX, expert_weights, write_source
+from test_convert_bad_input import CONFIG, PREFIX, SLOW_CONVERTER, expert_weights, write_source
 
 
 def _renumbered(gen: torch.Generator, ids: list[int]) -> dict[str, torch.Tensor]:
@@ -98,19 +98,9 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith(f"moe-nvfp4 {__version__} (torch {torch.__version__}, python ")
 
 
-_SLOW_CLI_CONVERT = """
-import pathlib, signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal: a background CI job starts us ignoring it
-from moe_nvfp4.convert import convert as c
-from moe_nvfp4.cli import main
-real = c._run_unit
-def slow(*a, **k):
-    pathlib.Path(sys.argv[3]).touch()  # a unit is being converted: the signal lands mid-conversion
-    time.sleep(60)
-    return real(*a, **k)
-c._run_unit = slow
-sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--quiet"]))
-"""
+_SLOW_CLI_CONVERT = SLOW_CONVERTER + (
+    'from moe_nvfp4.cli import main\nsys.exit(main(["convert", sys.argv[1], sys.argv[2], "--quiet"]))\n'
+)
 
 
 def test_ctrl_c_in_convert_is_one_line_and_removes_the_partial_output(gen, tmp_path):
