@@ -108,7 +108,8 @@ def compile_kernels(
     device = weights.w13_packed.device
     n_global = weights.num_experts if expert_map is None else expert_map.numel()
     cuda = device.type == "cuda"
-    serial = threads <= 1 or len(counts) <= 1
+    # the Triton interpreter (CPU tensors) compiles nothing and is not thread-safe (its grid index is global)
+    serial = threads <= 1 or len(counts) <= 1 or not cuda
 
     def run(t: int) -> None:
         with contextlib.ExitStack() as stack:

@@ -290,7 +290,8 @@ def device_meta(args: argparse.Namespace) -> dict:
     meta = environment(extra_modules=("vllm",))
     meta["humming_kernels"] = package_version("humming-kernels")
     meta["device_kind"] = args.device
-    meta["ours_backend"] = select_backends(torch.device(args.device)).moe_w4a16.name
+    backend = select_backends(torch.device(args.device)).moe_w4a16
+    meta["ours_backend"], meta["ours_reference"] = backend.name, backend.reference
     if args.device == "cpu":  # a GPU beside the CPU run is not what ran
         for key in ("device", "capability", "sm_count", "memory_gib", "l2_bytes"):
             meta.pop(key, None)

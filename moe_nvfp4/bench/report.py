@@ -158,7 +158,7 @@ def summary_lines(meta: dict) -> list[str]:
     command = (f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}"
                + (" (dirty)" if meta.get("git_dirty") else ""))  # fmt: skip
     if meta.get("device_kind") == "cpu":
-        ours = ("the torch reference (moe_nvfp4.reference), no kernel" if meta.get("ours_backend") == "torch" else
+        ours = ("the torch reference (moe_nvfp4.reference), no kernel" if meta.get("ours_reference") else
                 f"the {meta.get('ours_backend')} backend's kernels under the Triton interpreter")  # fmt: skip
         return [
             f"device: CPU ({meta.get('cpu')}, {meta.get('cpu_threads')} torch threads): a smoke test of the bench, "
