@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "GATE_UP_BLOCK", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4", "round_up"]
+__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "GATE_UP_BLOCK", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4", "round_up", "rows_16_aligned"]
 
 
 # The sm_100a layout interleaves w13 in blocks of this many gate rows, then as many up rows: one 128 x 32 epilogue
@@ -38,6 +38,12 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 def round_up(x: int, m: int) -> int:
     """x rounded up to a multiple of m."""
     return -(-x // m) * m
+
+
+def rows_16_aligned(x: torch.Tensor) -> bool:
+    """Whether 2-D activations ``x`` have the row layout the sm_90 Gluon GEMMs read: data on a 16-byte boundary and a
+    row stride of a multiple of 16 elements (what Triton's JIT marks divisible; their cp.async copies 16 bytes)."""
+    return x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0
 
 
 def padded_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_nvfp4.formats import NVFP4Tensor, ScaleLayout, dequantize_nvfp4, quantize_nvfp4
-from moe_nvfp4.layouts import padded_scale_shape, swizzle_scales_128x4, swizzled_offset, unswizzle_scales_128x4
+from moe_nvfp4.layouts import (padded_scale_shape, rows_16_aligned, swizzle_scales_128x4, swizzled_offset,
+                               unswizzle_scales_128x4)
 
 # Tolerance bounds of this file: layouts move bytes, so every check is bit-exact.
 TOL = {"swizzle": 0.0, "unswizzle": 0.0, "dequantize_either_layout": 0.0}
@@ -204,3 +205,15 @@ def test_fragment_layout_rejects_wrong_shape() -> None:
 
     with pytest.raises(ValueError, match="do not hold"):
         FragmentLayout().unpack(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8), 64, 256)
+
+
+def test_rows_16_aligned_is_what_the_gluon_gemms_read() -> None:
+    """Data on a 16-byte boundary and a row stride of 16 elements or a multiple: contiguous rows of H = 16 k are,
+    a column slice of a wider buffer (even one row of it) and a view one element in are not (api._kernel_inputs
+    copies those on a GPU)."""
+    buf = torch.zeros(4, 19, dtype=torch.float16)
+    flat = torch.zeros(65, dtype=torch.bfloat16)
+    assert rows_16_aligned(torch.zeros(3, 48, dtype=torch.float16))
+    assert not rows_16_aligned(buf[:, :16]) and not rows_16_aligned(buf[:1, :16])
+    assert not rows_16_aligned(flat[1:].view(4, 16))
+    assert rows_16_aligned(flat[:64].view(4, 16)) == (flat.data_ptr() % 16 == 0)

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..configs import LayerShape, MoEKernelConfig, device_traits, select_config
 from ..dispatch import sm_count
 from ..expert_activation import SILU, ExpertActivation
+from ..layouts import rows_16_aligned
 from . import sm90_common
 from .combine import _combine_kernel, combine
 from .moe_sm90_ws import launch_gemm_ws
@@ -280,7 +281,7 @@ def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
     """Whether the warp-specialized Gluon GEMMs can run: sm_90 code whose cp.async row copies are 16 bytes,
     compiled only where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors)
     and other rows run the Triton kernel with the same tiles, which computes the same sums."""
-    return x.is_cuda and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0 and intermediate % 16 == 0
+    return x.is_cuda and rows_16_aligned(x) and intermediate % 16 == 0
 
 
 def launch_gemm(a: torch.Tensor, weights: GemmWeights, out: torch.Tensor, routing: GemmRouting,
