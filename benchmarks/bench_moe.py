@@ -12,6 +12,7 @@ Defaults here: --models mixtral,qwen3 (on the CPU tiny), --paths ours,marlin,hum
 says why in its rows, as vLLM's do on the CPU), --out benchmarks/results (moe.json, moe.md, and moe.png when
 matplotlib is importable).
 """
+
 from __future__ import annotations
 
 import argparse

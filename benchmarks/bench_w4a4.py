@@ -10,6 +10,7 @@ fp16 output) / measured copy bandwidth, and FLOPs / measured bf16 matmul rate.  
 1.5x of the memory floor.  ``--device cpu --shrink 64`` runs the script under the Triton interpreter
 (TRITON_INTERPRET=1) on tiny shapes, host-clock timed, to check the script itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,16 @@ sys.path.insert(0, HERE)  # harness.py
 sys.path.insert(0, os.path.dirname(HERE))
 
 from harness import (  # noqa: E402
-    environment, floors, markdown_table, measure_ceilings, nvfp4_matrix_bytes, pct_of_floor, rotation_copies,
-    time_with_fallback, write_json, write_markdown,
+    environment,
+    floors,
+    markdown_table,
+    measure_ceilings,
+    nvfp4_matrix_bytes,
+    pct_of_floor,
+    rotation_copies,
+    time_with_fallback,
+    write_json,
+    write_markdown,
 )
 
 # (M per group, N, K) of the four problems
@@ -78,7 +87,9 @@ def run_problem(index: int, problem, args, ceilings, l2_bytes: int) -> dict:
         raise AssertionError(f"problem {index}: ||out - ref|| / ||ref|| = {rel_err:.3g} >= {args.tol}")
     # distinct inputs per launch so the L2 does not serve repeated weights (one set when they cannot fit)
     copies = 1 if args.device == "cpu" else rotation_copies(moved, l2_bytes)
-    plans = [m.plan_grouped_gemm_nvfp4(*make_problem(ms, n, k, args.device, seed=index + 100 * c)) for c in range(copies)]
+    plans = [
+        m.plan_grouped_gemm_nvfp4(*make_problem(ms, n, k, args.device, seed=index + 100 * c)) for c in range(copies)
+    ]
     timing = time_with_fallback([lambda p=p: m.launch_grouped_gemm_nvfp4(p) for p in plans])
     row = dict(problem=index + 1, groups=len(ms), m_total=sum(ms), n=n, k=k, ms=ms, bytes=moved, flops=flops,
                us=timing.median_us, timing=timing.as_dict(), rel_err=rel_err, copies=copies,

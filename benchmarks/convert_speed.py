@@ -5,6 +5,7 @@ and times ``convert_checkpoint`` on it.  Repro:
 
     python benchmarks/convert_speed.py --layers 2 --experts 64 --hidden 2048 --intermediate 768 [--device cuda]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,9 @@ from moe_nvfp4.convert import ConvertOptions, convert_checkpoint
 def build(root: Path, *, layers: int, experts: int, hidden: int, intermediate: int, shard_bytes: int) -> int:
     """Write the synthetic checkpoint; return its expert bytes."""
     root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": hidden, "num_experts": experts}))
+    (root / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_moe", "hidden_size": hidden, "num_experts": experts})
+    )
     gen = torch.Generator().manual_seed(0)
     weight_map, shard, shard_size, shards, total = {}, {}, 0, [], 0
 
@@ -37,7 +40,11 @@ def build(root: Path, *, layers: int, experts: int, hidden: int, intermediate: i
 
     for layer in range(layers):
         for e in range(experts):
-            for proj, shape in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)), ("down_proj", (hidden, intermediate))):
+            for proj, shape in (
+                ("gate_proj", (intermediate, hidden)),
+                ("up_proj", (intermediate, hidden)),
+                ("down_proj", (hidden, intermediate)),
+            ):
                 t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
                 shard[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = t
                 shard_size += t.numel() * 2
@@ -46,7 +53,9 @@ def build(root: Path, *, layers: int, experts: int, hidden: int, intermediate: i
                 flush()
     if shard:
         flush()
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 

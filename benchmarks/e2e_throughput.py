@@ -30,6 +30,7 @@ Writes ``<out>/e2e_<model>_L<layers>.json`` and ``.md`` (``e2e_load_memory_...``
 device, versions and the command; a path's rows replace its earlier ones there, other paths' stay.  Expected on one H200: writing the checkpoint 1-3 min (once, reused), each path
 3-5 min (engine start 1.5-3 min, 4 batch sizes x 4 generates); ``--load-memory`` 2-3 min a path.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -170,8 +171,10 @@ def write_nvfp4_checkpoint(out: Path, model: str, layers: int | None) -> Path:
             t = {
                 f"{p}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
                 f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                f"{p}.self_attn.q_proj.weight": rnd(q * hd, h), f"{p}.self_attn.k_proj.weight": rnd(kv * hd, h),
-                f"{p}.self_attn.v_proj.weight": rnd(kv * hd, h), f"{p}.self_attn.o_proj.weight": rnd(h, q * hd),
+                f"{p}.self_attn.q_proj.weight": rnd(q * hd, h),
+                f"{p}.self_attn.k_proj.weight": rnd(kv * hd, h),
+                f"{p}.self_attn.v_proj.weight": rnd(kv * hd, h),
+                f"{p}.self_attn.o_proj.weight": rnd(h, q * hd),
                 f"{p}.{moe}.gate.weight": rnd(e, h),
             }
             if model == "qwen3-30b-a3b":
@@ -188,7 +191,9 @@ def write_nvfp4_checkpoint(out: Path, model: str, layers: int | None) -> Path:
     settings = QuantSettings(separate_gate_up_scales=True)
     cfg["quantization_config"] = quantization_config(settings, sorted(ignore))
     (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(settings, sorted(ignore)), indent=2))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tmp.rename(out)
     return out
@@ -201,8 +206,9 @@ def write_config_only(out: Path, model: str, layers: int | None) -> Path:
     return out
 
 
-def engine_kwargs(model: Path, quantization: str | None, batches: list[int], input_len: int, output_len: int,
-                  mem: float) -> dict:
+def engine_kwargs(
+    model: Path, quantization: str | None, batches: list[int], input_len: int, output_len: int, mem: float
+) -> dict:
     """``LLM(...)`` arguments shared by every path here and by tools/profile_e2e.py (the same engine).  A directory
     without weights runs with vLLM's random (dummy) weights."""
     kwargs = dict(model=str(model), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
@@ -258,11 +264,18 @@ def run_runner(runner: str, spec: dict) -> subprocess.CompletedProcess:
 
 def run_path(name: str, model: Path, quantization: str | None, args, out_dir: Path) -> dict:
     out = out_dir / f"e2e_{args.model}_{name}.rows.json"
-    spec = {"engine": engine_kwargs(model, quantization, args.batches, args.input_len, args.output_len,
-                                    args.gpu_memory_utilization),
-            "quantization": quantization, "batches": args.batches, "input_len": args.input_len,
-            "output_len": args.output_len, "repeats": args.repeats, "vocab": MODELS[args.model]["vocab"],
-            "out": str(out)}
+    spec = {
+        "engine": engine_kwargs(
+            model, quantization, args.batches, args.input_len, args.output_len, args.gpu_memory_utilization
+        ),
+        "quantization": quantization,
+        "batches": args.batches,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "vocab": MODELS[args.model]["vocab"],
+        "out": str(out),
+    }
     t0 = time.perf_counter()
     proc = run_runner(RUNNER, spec)
     result = {"path": name, "quantization": quantization, "checkpoint": str(model), "wall_s": time.perf_counter() - t0}
@@ -338,8 +351,13 @@ def environment() -> dict:
         commit = None
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "vllm": version("vllm"), "triton": version("triton"),
-        "moe_nvfp4": version("moe_nvfp4"), "git_commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "vllm": version("vllm"),
+        "triton": version("triton"),
+        "moe_nvfp4": version("moe_nvfp4"),
+        "git_commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
@@ -396,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpts = checkpoints(args.work_dir, args.layers, args.paths, model=args.model)
     report = {
         "environment": environment(),
-        "command": "python " + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:])),
+        "command": "python "
+        + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:])),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "layers": layers,
     }
@@ -410,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         print(load_memory_markdown(report))
         return 0 if all("rows" in r for r in report["load_memory"]) else 1
     # Rows of earlier calls for other paths stay, so one path per call (each a few minutes) builds one table.
-    earlier = json.loads((args.out / f"{stem}.json").read_text())["results"] if (args.out / f"{stem}.json").exists() else []
+    earlier = (
+        json.loads((args.out / f"{stem}.json").read_text())["results"] if (args.out / f"{stem}.json").exists() else []
+    )
     fresh = [run_path(p, ckpts[PATHS[p][0]], PATHS[p][1], args, args.out) for p in args.paths]
     results = [r for r in earlier if r["path"] not in args.paths] + fresh
     results = report["results"] = sorted(results, key=lambda r: list(PATHS).index(r["path"]))  # columns stay put

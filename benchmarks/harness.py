@@ -1,6 +1,7 @@
 """The benchmark harness for the scripts beside this file and the lab tools in tools/: ``moe_nvfp4.bench.harness``,
 which ships in the package (``moe-nvfp4 bench`` uses it), under the name they import (``from harness import
 time_graph``)."""
+
 from __future__ import annotations
 
 import os

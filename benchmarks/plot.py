@@ -1,7 +1,8 @@
 """Plot a bench_moe result: time per forward vs tokens, one panel per model, log-log, with the floor.
 
-    python benchmarks/plot.py benchmarks/results/moe.json [out.png]      (or a gzipped moe.json.gz)
+python benchmarks/plot.py benchmarks/results/moe.json [out.png]      (or a gzipped moe.json.gz)
 """
+
 from __future__ import annotations
 
 import gzip
@@ -33,7 +34,7 @@ def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") 
     small = len(models) > COLUMNS  # a zoo's dozens of panels: smaller panels, a small file
     size = (4.0, 3.0) if small else (6.0, 4.5)
     fig, axes = plt.subplots(rows_of_panels, cols, figsize=(size[0] * cols, size[1] * rows_of_panels), squeeze=False)
-    for ax in axes.flat[len(models):]:
+    for ax in axes.flat[len(models) :]:
         ax.set_visible(False)
     for ax, model in zip(axes.flat, models):
         mine = sorted((r for r in rows if r["model"] == model and r.get("tokens")), key=lambda r: r["tokens"])

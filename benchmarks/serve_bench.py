@@ -27,6 +27,7 @@ workload and the command; rows of earlier calls for other paths in the same file
 Expected on one H200 at full depth: server start 2-4 min per path (load, torch.compile, CUDA graphs, our autotune
 <= 50 s), each rate 0.5-1.5 min with the defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -147,10 +148,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's full depth)")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=["ours", "vllm_modelopt_fp4", "bf16"])
-    ap.add_argument("--rates", type=float, nargs="+", default=[math.inf, 4.0, 16.0], help="requests/s (inf: all at once)")
+    ap.add_argument(
+        "--rates", type=float, nargs="+", default=[math.inf, 4.0, 16.0], help="requests/s (inf: all at once)"
+    )
     ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--workload", choices=list(WORKLOADS), default="default",
-                    help=", ".join(f"{name}: {i} tokens in, {o} out" for name, (i, o) in WORKLOADS.items()))
+    ap.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default="default",
+        help=", ".join(f"{name}: {i} tokens in, {o} out" for name, (i, o) in WORKLOADS.items()),
+    )
     ap.add_argument("--input-len", type=int, default=None, help="tokens per prompt (default: the workload's)")
     ap.add_argument("--output-len", type=int, default=None, help="output tokens per prompt (default: the workload's)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -203,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         results[p] = {**run_path(p, ckpts[PATHS[p][0]], args, args.out), "wall_s": time.perf_counter() - t0}
     report = {
         "environment": environment(),
-        "command": "python " + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:])),
+        "command": "python "
+        + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:])),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "layers": layers,
         "results": results,

@@ -29,6 +29,7 @@ file's earlier starts) and rebuilds ``start_<model>_L<layers>.{json,md}`` from e
 in parallel (CUDA_VISIBLE_DEVICES), or a few repeats per call, build one table.  Parallel calls share the host's
 CPUs, which compile for both: the table says how each start ran.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -243,12 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's full depth)")
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=["ours", "vllm_modelopt_fp4"])
     ap.add_argument("--repeats", type=int, default=3, help="starts per path in this call")
-    ap.add_argument("--warm", action="store_true", help="second starts: keep each path's caches (filled by one start first)")
-    ap.add_argument("--variant", default="", help="a name for this configuration (e.g. serial), kept apart in the table")
+    ap.add_argument(
+        "--warm", action="store_true", help="second starts: keep each path's caches (filled by one start first)"
+    )
+    ap.add_argument(
+        "--variant", default="", help="a name for this configuration (e.g. serial), kept apart in the table"
+    )
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set for the starts (repeatable)")
     ap.add_argument("--reset", action="store_true", help="drop this path/variant/mode's starts of earlier calls")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/moe_nvfp4_e2e"), help="checkpoints (reused), warm caches")
+    ap.add_argument(
+        "--work-dir", type=Path, default=Path("/tmp/moe_nvfp4_e2e"), help="checkpoints (reused), warm caches"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -260,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpts = checkpoints(args.model, layers, args.paths, args.work_dir)
     for kind in {e2e.PATHS[p][0] for p in args.paths}:
         print(f"{ckpts[kind]}: read in {preread(ckpts[kind]):.1f} s (page cache)")
-    command = "python " + " ".join(shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:]))
+    command = "python " + " ".join(
+        shlex.quote(x) for x in [str(Path(__file__).relative_to(REPO))] + (argv or sys.argv[1:])
+    )
     env = e2e.environment()
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         env["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]

@@ -28,6 +28,7 @@ one is written.  --max-candidates bounds the timings per size, sweeps included.
 --jobs N compiles each batch of candidates in N processes first (Triton's on-disk cache then serves the
 timing process), as compiling, not timing, is most of a sweep's time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
 from moe_nvfp4.configs import (  # noqa: E402
-    CONFIG_VERSION, KERNEL_NAME, PAIR_TILE_TOKENS, GemmConfig, LayerShape, MoEKernelConfig, config_path,
-    default_config, device_traits, entry_shape, load_config_file, serving_entry,
+    CONFIG_VERSION,
+    KERNEL_NAME,
+    PAIR_TILE_TOKENS,
+    GemmConfig,
+    LayerShape,
+    MoEKernelConfig,
+    config_path,
+    default_config,
+    device_traits,
+    entry_shape,
+    load_config_file,
+    serving_entry,
 )
 from moe_nvfp4.layouts import FragmentLayout  # noqa: E402
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
@@ -155,19 +166,26 @@ def candidates(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -
     return sorted(out, key=lambda c: json.dumps(c.to_dict(), sort_keys=True))
 
 
-def neighbors(cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[MoEKernelConfig]:
+def neighbors(
+    cfg: MoEKernelConfig, tokens: int, experts: int, top_k: int, hidden: int, inter: int
+) -> list[MoEKernelConfig]:
     """Valid configs differing from ``cfg`` in one value: a MoE-level field (token tile, partials' dtype,
     pair tiles; a token tile with narrow_tiles lowered where it must be, with_token_tile) or one parameter of
     one GEMM (so GEMM1 and GEMM2 may end up with different tiles, warps or programs per SM)."""
     moe, choices = search_space(tokens, experts, top_k)
-    out = [cfg.with_token_tile(v) if f == "block_m" else dataclasses.replace(cfg, **{f: v})
-           for f, values in moe.items() for v in values if v != getattr(cfg, f)]
+    out = [
+        cfg.with_token_tile(v) if f == "block_m" else dataclasses.replace(cfg, **{f: v})
+        for f, values in moe.items()
+        for v in values
+        if v != getattr(cfg, f)
+    ]
     for gemm in ("gemm1", "gemm2"):
         g = getattr(cfg, gemm)
         for f, values in choices.items():
             # switching kernels starts from their common settings (the Triton kernel: one chunk a stage, one group)
-            reset = {} if f != "warp_specialized" else dict(chunks_per_stage=1, k_groups=1, narrow_tiles=0,
-                                                            loader_warps=4)
+            reset = (
+                {} if f != "warp_specialized" else dict(chunks_per_stage=1, k_groups=1, narrow_tiles=0, loader_warps=4)
+            )
             out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **reset})})
                     for v in values if v != getattr(g, f)]  # fmt: skip
     return [c for c in out if _valid(c, hidden, inter)]
@@ -210,8 +228,10 @@ def _warp_specialized(
     """``cfg`` with one GEMM warp-specialized in each of ``settings`` (GemmConfig fields), the valid ones in order;
     the other GEMM and the token tile kept."""
     g = getattr(cfg, gemm)
-    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, warp_specialized=True, **fields)})
-           for fields in settings]
+    out = [
+        dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, warp_specialized=True, **fields)})
+        for fields in settings
+    ]
     return [c for c in out if _valid(c, hidden, inter)]
 
 
@@ -356,25 +376,45 @@ def main() -> int:
     p.add_argument("--probe", action="store_true", help="time the default heuristic only")
     p.add_argument("--max-candidates", type=int, default=24)
     p.add_argument("--out", default=None, help="JSON to write (default: configs/fused_moe_sm90/<device>.json)")
-    p.add_argument("--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now")
-    p.add_argument("--climb", action="store_true",
-                   help="no spread: climb from the config the file serves this size with (its entry, or the entry "
-                        "select_config picks; the default for a shape the file lacks) only")
+    p.add_argument(
+        "--update", action="store_true", help="keep the file's entries for shapes and token counts not tuned now"
+    )
+    p.add_argument(
+        "--climb",
+        action="store_true",
+        help="no spread: climb from the config the file serves this size with (its entry, or the entry "
+        "select_config picks; the default for a shape the file lacks) only",
+    )
     p.add_argument("--sweep", action="store_true", help="sweep GEMM1's, then GEMM2's, launch shapes before climbing")
-    p.add_argument("--sweep-ws", action="store_true",
-                   help="time each GEMM warp-specialized in every tile shape x stages x residency x token tile "
-                        "before climbing")
-    p.add_argument("--sweep-gemms", default="gemm1,gemm2", choices=("gemm1,gemm2", "gemm1", "gemm2"),
-                   help="the GEMMs the --sweep* options sweep (in this order)")
-    p.add_argument("--sweep-groups", action="store_true",
-                   help="time each GEMM warp-specialized with 2 K groups per tile, every ring, before climbing")
-    p.add_argument("--sweep-loader", action="store_true",
-                   help="time each GEMM in every narrow_tiles (x loader_warps where warp-specialized) before climbing")
+    p.add_argument(
+        "--sweep-ws",
+        action="store_true",
+        help="time each GEMM warp-specialized in every tile shape x stages x residency x token tile before climbing",
+    )
+    p.add_argument(
+        "--sweep-gemms",
+        default="gemm1,gemm2",
+        choices=("gemm1,gemm2", "gemm1", "gemm2"),
+        help="the GEMMs the --sweep* options sweep (in this order)",
+    )
+    p.add_argument(
+        "--sweep-groups",
+        action="store_true",
+        help="time each GEMM warp-specialized with 2 K groups per tile, every ring, before climbing",
+    )
+    p.add_argument(
+        "--sweep-loader",
+        action="store_true",
+        help="time each GEMM in every narrow_tiles (x loader_warps where warp-specialized) before climbing",
+    )
     p.add_argument("--jobs", type=int, default=0, help="compile each batch of candidates in this many processes first")
     p.add_argument("--log", default=None, help="append every timing here (JSON lines)")
-    p.add_argument("--no-rotate", action="store_true",
-                   help="time one weight copy, which L2 may hold between calls at small T; by default each config "
-                        "is timed as bench_moe.py times it, rotating weight copies")
+    p.add_argument(
+        "--no-rotate",
+        action="store_true",
+        help="time one weight copy, which L2 may hold between calls at small T; by default each config "
+        "is timed as bench_moe.py times it, rotating weight copies",
+    )
     args = p.parse_args()
     log = open(args.log, "a") if args.log else None
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
@@ -435,7 +475,9 @@ def main() -> int:
 
             def prepare(batch: list[MoEKernelConfig]) -> None:
                 if pool is not None and len(batch) > 1:
-                    pool.map(_compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1)
+                    pool.map(
+                        _compile_worker, [(specs, t, e, k, h, i, args.dtype, c.to_dict()) for c in batch], chunksize=1
+                    )
 
             # each sweep asked for, in this order, over the GEMMs asked for
             kinds = [gemm_sweep] * args.sweep + [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups
@@ -452,7 +494,9 @@ def main() -> int:
                 else:
                     start = spread(candidates(t, e, k, h, i), max(1, args.max_candidates // 2), first)
                     start = incumbent + [c for c in start if c not in incumbent]  # --update: never worse than before
-                found = search(measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates, sweeps, prepare)
+                found = search(
+                    measure, start, lambda c: neighbors(c, t, e, k, h, i), args.max_candidates, sweeps, prepare
+                )
             if found is None:
                 lines.append(f"{model:>14} T={t:>5}: no valid config")
                 continue

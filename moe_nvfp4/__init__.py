@@ -1,4 +1,5 @@
 """moe-nvfp4: NVFP4 Mixture-of-Experts kernels and formats.  Public names only; no import-time side effects."""
+
 from .api import (
     MoEWeights,
     fused_moe,

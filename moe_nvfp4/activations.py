@@ -1,5 +1,6 @@
 """Activation quantization, the entry point for both kernel families: the Blackwell MoE host quantizes its GEMM
 inputs through it, below the API layer that re-exports it."""
+
 from __future__ import annotations
 
 import torch

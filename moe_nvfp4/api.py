@@ -9,6 +9,7 @@ separate global scales; the expert activations of ``expert_activation`` (gated S
 non-gated ReLU^2), per-expert biases on both GEMMs, the router weight applied to the input.  Everything is
 checked before any kernel launches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,9 +33,22 @@ if TYPE_CHECKING:
     from .triton.grouped_w4a4 import GroupedW4A4Plan
 
 __all__ = [
-    "MoEWeights", "prepare_moe_weights", "fused_moe", "warmup_fused_moe", "prepare_moe_weights_w4a4", "fused_moe_w4a4",
-    "quantize_activations", "grouped_gemm_nvfp4", "plan_grouped_gemm_nvfp4", "launch_grouped_gemm_nvfp4",
-    "MAX_EXPERTS", "MAX_TOP_K", "ExpertActivation", "SILU", "SWIGLU_OAI", "RELU2",
+    "MoEWeights",
+    "prepare_moe_weights",
+    "fused_moe",
+    "warmup_fused_moe",
+    "prepare_moe_weights_w4a4",
+    "fused_moe_w4a4",
+    "quantize_activations",
+    "grouped_gemm_nvfp4",
+    "plan_grouped_gemm_nvfp4",
+    "launch_grouped_gemm_nvfp4",
+    "MAX_EXPERTS",
+    "MAX_TOP_K",
+    "ExpertActivation",
+    "SILU",
+    "SWIGLU_OAI",
+    "RELU2",
 ]
 
 MAX_EXPERTS = 1024
@@ -55,7 +69,9 @@ def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor, gated: bool = True) -> tuple[N
             raise ValueError(f"w13 and w2 (packed, block scales, global scales) must be on one device, {name} has "
                              f"{sorted(map(str, devices))}, w13.packed {w13.packed.device}")  # fmt: skip
     if w13.packed.dim() != 3 or w2.packed.dim() != 3:
-        raise ValueError(f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}")
+        raise ValueError(
+            f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}"
+        )
     e, n13, h = w13.packed.shape[0], w13.n, w13.k
     i = n13 // 2 if gated else n13
     if h < NVFP4.block_size or i < NVFP4.block_size:
@@ -139,8 +155,12 @@ def _block_packer(device: torch.device):
 
     if not fragment_pack.agrees_with_twin(device, LAYOUT.fragments):
         version = fragment_pack.triton.__version__
-        warnings.warn(f"moe_nvfp4: the packing kernel gives other bytes than its torch twin on {device} (Triton "
-                      f"{version}); packing with the twin instead. Please report this.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"moe_nvfp4: the packing kernel gives other bytes than its torch twin on {device} (Triton "
+            f"{version}); packing with the twin instead. Please report this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
     return functools.partial(fragment_pack.pack_fragment_block, layout=LAYOUT.fragments)
 
@@ -151,8 +171,15 @@ def _packed(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: MoELayout) -> MoEWeights:
     return MoEWeights(*layout.pack(w13, w2), hidden=w13.k, intermediate=w2.k, layout=layout)
 
 
-def _check_inputs(x: torch.Tensor, hidden: int, num_experts: int, weights_device: torch.device,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> None:
+def _check_inputs(
+    x: torch.Tensor,
+    hidden: int,
+    num_experts: int,
+    weights_device: torch.device,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+) -> None:
     """Metadata checks only (no host synchronisation): the values of topk_ids and expert_map are never read here.
     Ids outside [0, E_global) and map entries outside [0, E) are not errors: they route the pair nowhere
     (routing.routed_pairs), masked in the kernels, so a corrupt id costs its pair, never memory safety."""
@@ -177,15 +204,18 @@ def _check_inputs(x: torch.Tensor, hidden: int, num_experts: int, weights_device
         raise ValueError(f"expert_map must be a 1-D int32 or int64 tensor, got {expert_map.dtype} "
                          f"{tuple(expert_map.shape)}")  # fmt: skip
     if expert_map.device != topk_ids.device:
-        raise ValueError(f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}: they must share a device")
+        raise ValueError(
+            f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}: they must share a device"
+        )
     # Its length is the global expert count the ids index: one entry per global expert, so at least the local ones.
     if expert_map.numel() < num_experts:
         raise ValueError(f"expert_map has {expert_map.numel()} entries but the weights hold {num_experts} local "
                          "experts: it needs one entry per global expert (the ids' range)")  # fmt: skip
 
 
-def _kernel_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   expert_map: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _kernel_inputs(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
     """What the kernels read, checked inputs in their forms: x with unit stride along H and, on a GPU, rows the
     Gluon GEMMs can read (layouts.rows_16_aligned), topk_weights float32, topk_ids int32, expert_map contiguous int32.
     A strided x (``x[:, ::2]``) or one whose rows start off 16-byte boundaries (a column slice of a wider buffer) is
@@ -343,7 +373,9 @@ def grouped_gemm_nvfp4(
     graph, plan once with ``plan_grouped_gemm_nvfp4`` and launch the plan.
     """
     _check_grouped(a, b, alpha, out_dtype)
-    return select_backends(a[0].packed.device).grouped_gemm.entry("grouped_gemm")(a, b, alpha=alpha, out_dtype=out_dtype)
+    return select_backends(a[0].packed.device).grouped_gemm.entry("grouped_gemm")(
+        a, b, alpha=alpha, out_dtype=out_dtype
+    )
 
 
 def plan_grouped_gemm_nvfp4(

@@ -24,6 +24,7 @@ For one layer shape (``configs.LayerShape``) on one device (``configs.DeviceTrai
    written to ``cache_dir()``, keyed by device, shape, dtype and the package, kernel-source, Triton and torch
    versions (``cache_key``), so the next start reads them and times nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,7 +67,9 @@ if TYPE_CHECKING:
 __all__ = ["AutotuneReport", "BucketResult", "autotune_enabled", "autotune_fused_moe", "cache_dir", "cache_key",
            "cached_configs", "gpu_timer", "load_configs", "neighbours", "search", "token_buckets", "tune_layer"]  # fmt: skip
 
-SWITCH_ENV = "MOE_NVFP4_AUTOTUNE"  # "1" tunes at load (the vLLM plugin asks autotune_enabled); unset or "0": it does not
+SWITCH_ENV = (
+    "MOE_NVFP4_AUTOTUNE"  # "1" tunes at load (the vLLM plugin asks autotune_enabled); unset or "0": it does not
+)
 _ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 DEFAULT_BUDGET_S = 50.0  # the search, compiles included; with the final warm-up under a minute a layer shape

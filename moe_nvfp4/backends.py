@@ -20,6 +20,7 @@ The 16-bit-activation MoE has one kernel family: its op runs the reference where
 
 Architectures are CUDA capabilities written ``sm_<major><minor>`` (``sm_90``, ``sm_100``), or ``cpu``.
 """
+
 from __future__ import annotations
 
 import importlib

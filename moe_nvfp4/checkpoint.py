@@ -6,6 +6,7 @@ compressed-tensors: weight_packed, weight_scale, weight_global_scale (= 1 / weig
                     input_global_scale (= 1 / input_scale)
 Scalars may be 0-dim or [1]; both are accepted and returned 0-dim.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -164,7 +165,9 @@ def validate_nvfp4(
     if k % NVFP4.block_size:
         raise fail(packed_key, f"K={k} is not a multiple of {NVFP4.block_size}")
     if expected_shape is not None and (n, k) != tuple(expected_shape):
-        raise fail(packed_key, f"shape {tuple(packed.shape)} holds a [{n}, {k}] weight, expected {tuple(expected_shape)}")
+        raise fail(
+            packed_key, f"shape {tuple(packed.shape)} holds a [{n}, {k}] weight, expected {tuple(expected_shape)}"
+        )
     sfk = k // NVFP4.block_size
     if q.scale_layout is ScaleLayout.LINEAR:
         want = (*packed.shape[:-2], n, sfk)

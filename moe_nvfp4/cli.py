@@ -4,6 +4,7 @@ Every command: Ctrl-C prints one line and exits 130 (convert and ``inspect --fix
 first); output cut off by a closed pipe (``moe-nvfp4 inspect DIR | head``) ends quietly with status 141, the
 128 + SIGPIPE a shell reports for any tool cut off that way (not 0: the rest of the report went unread).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
             chosen = resolve_models(args.model or DEFAULT_MODEL)
             if len(chosen) != 1:
                 raise ValueError(f"--model {args.model!r}: the demo runs one model (moe-nvfp4 bench runs several)")
-        (key, shape), = chosen.items()
+        ((key, shape),) = chosen.items()
         device = pick_device(args.device)
     except (ValueError, DeviceError) as e:
         return _fail("demo", str(e))
@@ -72,8 +73,12 @@ def _add_demo(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> Non
         "the torch reference, its time against the BF16 paths (torch; vLLM's Triton BF16 and Marlin NVFP4 when vLLM "
         "is installed) and the HBM floor. On a CPU: the torch reference's accuracy against the BF16 layer.",
     )
-    p.add_argument("--model", default=None, help="zoo shape key, e.g. qwen3-30b-a3b (the GPU default), mixtral-8x7b, kimi-k2-ep8")
-    p.add_argument("--shape", default=None, metavar="E,K,H,I", help="experts, top-k, hidden, intermediate of your own layer")
+    p.add_argument(
+        "--model", default=None, help="zoo shape key, e.g. qwen3-30b-a3b (the GPU default), mixtral-8x7b, kimi-k2-ep8"
+    )
+    p.add_argument(
+        "--shape", default=None, metavar="E,K,H,I", help="experts, top-k, hidden, intermediate of your own layer"
+    )
     p.add_argument("--tokens", type=int, default=64, help="tokens in the batch (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto (default): the GPU where torch sees one")
@@ -166,14 +171,53 @@ def _add_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     )
     p.add_argument("src", help="HF checkpoint directory (config.json + *.safetensors)")
     p.add_argument("dst", help="output directory (created; written beside it first, renamed at the end)")
-    p.add_argument("--all-linear", action="store_true", help="also quantize non-expert linear layers (never routers, embeddings, norms, lm_head)")
-    p.add_argument("--include", action="append", default=[], metavar="REGEX", help="quantize only tensors whose name matches (repeatable; replaces the default selection)")
-    p.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="do not quantize tensors whose name matches (repeatable)")
-    p.add_argument("--format", choices=["modelopt", "compressed-tensors"], default="modelopt", help="tensor naming and config convention (default modelopt)")
-    p.add_argument("--separate-gate-up-scales", action="store_true", help="exact global scale per gate and per up (default: both share the max)")
-    p.add_argument("--input-amax", type=float, default=None, metavar="A", help="W4A4: write input_scale = A / (6*448) on every quantized layer (uncalibrated)")
-    p.add_argument("--device", default="cpu", help="torch device to quantize on, e.g. cuda (output bytes are identical)")
-    p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), metavar="SIZE", help="output shard size, e.g. 5GB (default)")
+    p.add_argument(
+        "--all-linear",
+        action="store_true",
+        help="also quantize non-expert linear layers (never routers, embeddings, norms, lm_head)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="quantize only tensors whose name matches (repeatable; replaces the default selection)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="do not quantize tensors whose name matches (repeatable)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["modelopt", "compressed-tensors"],
+        default="modelopt",
+        help="tensor naming and config convention (default modelopt)",
+    )
+    p.add_argument(
+        "--separate-gate-up-scales",
+        action="store_true",
+        help="exact global scale per gate and per up (default: both share the max)",
+    )
+    p.add_argument(
+        "--input-amax",
+        type=float,
+        default=None,
+        metavar="A",
+        help="W4A4: write input_scale = A / (6*448) on every quantized layer (uncalibrated)",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="torch device to quantize on, e.g. cuda (output bytes are identical)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=_size("5GB"),
+        metavar="SIZE",
+        help="output shard size, e.g. 5GB (default)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_convert)
 
@@ -190,8 +234,13 @@ def _add_inspect(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     )
     p.add_argument("dir", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (every problem listed)")
-    p.add_argument("--fix", metavar="OUT", default=None, help="write a copy with gate/up global scales shared (their max); "
-                   "refused, naming the expert, where requantizing costs a projection relative error > 0.25")
+    p.add_argument(
+        "--fix",
+        metavar="OUT",
+        default=None,
+        help="write a copy with gate/up global scales shared (their max); "
+        "refused, naming the expert, where requantizing costs a projection relative error > 0.25",
+    )
     p.set_defaults(func=_inspect)
 
 

@@ -13,6 +13,7 @@ entries for the shape):
 3. ``default_config``, a deterministic model of the problem and the device.
 An entry serves token counts up to ``max_tokens`` (the smallest such entry wins; past the largest, the largest).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,20 @@ import torch
 from .layouts import FragmentLayout, round_up
 
 __all__ = [
-    "GemmConfig", "MoEKernelConfig", "CONFIG_VERSION", "DeviceTraits", "LayerShape", "default_config",
-    "device_traits", "load_config_file", "select_config", "serving_entry", "configs_up_to", "entries_for",
-    "register_entries", "tuned_file_for",
+    "GemmConfig",
+    "MoEKernelConfig",
+    "CONFIG_VERSION",
+    "DeviceTraits",
+    "LayerShape",
+    "default_config",
+    "device_traits",
+    "load_config_file",
+    "select_config",
+    "serving_entry",
+    "configs_up_to",
+    "entries_for",
+    "register_entries",
+    "tuned_file_for",
 ]
 
 # 2: FragmentLayout kernel (block_n in 64-row units, no join_halves); 3: no tile group, K split or stream-K fields
@@ -123,8 +135,12 @@ class GemmConfig:
 
     def _k_groups_fit(self) -> bool:
         mma_warps = self.num_warps * self.k_groups
-        return (self.k_groups == 2 and self.num_stages % self.k_groups == 0
-                and self.max_registers is not None and 32 * self.max_registers * (mma_warps + 4) <= SM_REGISTERS)
+        return (
+            self.k_groups == 2
+            and self.num_stages % self.k_groups == 0
+            and self.max_registers is not None
+            and 32 * self.max_registers * (mma_warps + 4) <= SM_REGISTERS
+        )
 
     def ws_shared_bytes(self, gated: bool, block_m: int) -> int:
         """Shared memory of the warp-specialized kernel: its ring (per stage and chunk, the token rows (16-bit)
@@ -154,8 +170,10 @@ class GemmConfig:
 def _refuse_unknown_keys(d: dict, cls: type, where: str) -> None:
     unknown = sorted(set(d) - {f.name for f in fields(cls)})
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}, not {cls.__name__} fields "
-                         f"(config version {CONFIG_VERSION})")
+        raise ValueError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}, not {cls.__name__} fields "
+            f"(config version {CONFIG_VERSION})"
+        )
 
 
 @dataclass(frozen=True)
@@ -181,14 +199,18 @@ class MoEKernelConfig:
     def is_valid(self, hidden_padded: int, intermediate_padded: int, gated: bool = True) -> bool:
         """``gated``: GEMM1 streams gate and up rows (two matrices in the Gluon kernel's ring), else one."""
         return (
-            (self.block_m in (16, 32, 64, 128, 256)
-             or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized))
+            (
+                self.block_m in (16, 32, 64, 128, 256)
+                or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized)
+            )
             and all(self.block_m >> g.narrow_tiles >= g.narrowest_mma for g in (self.gemm1, self.gemm2))
             and self.gemm1.is_valid(hidden_padded)
             and self.gemm2.is_valid(intermediate_padded)
             and not (self.pair_tiles and not (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
-            and all(not g.warp_specialized or g.ws_shared_bytes(two, self.block_m) <= WS_SMEM_LIMIT
-                    for g, two in ((self.gemm1, gated), (self.gemm2, False)))
+            and all(
+                not g.warp_specialized or g.ws_shared_bytes(two, self.block_m) <= WS_SMEM_LIMIT
+                for g, two in ((self.gemm1, gated), (self.gemm2, False))
+            )
         )
 
     @classmethod
@@ -367,8 +389,15 @@ def fit_gemm(preset: dict, k_padded: int, block_m: int, gated: bool, **fields) -
 
 @lru_cache(maxsize=4096)  # select_config asks on every forward of a shape without entries
 def default_config(
-    tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, *, global_experts: int = 0,
-    device: DeviceTraits = HOPPER_132, gated: bool = True,
+    tokens: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    global_experts: int = 0,
+    device: DeviceTraits = HOPPER_132,
+    gated: bool = True,
 ) -> MoEKernelConfig:
     """The config for a layer with no tuned entry: a deterministic model of what the tuned entries chose, from the
     expected rows per busy expert ``m`` (LayerShape.rows_per_active_expert) and the SM count.
@@ -395,7 +424,9 @@ def default_config(
 
         def pair_gemm(n: int, k: int, two: bool) -> GemmConfig:
             units = pairs * -(-n // 64)  # tiles of 64 rows
-            preset = WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
+            preset = (
+                WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
+            )
             return fit_gemm(preset, k, block_m, two, loader_warps=2)
 
         # Under expert parallelism the presets run on routed 8-row tiles: pair tiles through the expert map were
@@ -500,7 +531,9 @@ def register_entries(device: DeviceTraits, entries: Sequence[dict]) -> None:
     for entry in entries:
         cfg = MoEKernelConfig.from_dict(entry["config"])
         if not entry_shape(entry).accepts(cfg):
-            raise ValueError(f"entry for {entry_shape(entry)} up to {entry['max_tokens']} tokens has an invalid config {cfg}")
+            raise ValueError(
+                f"entry for {entry_shape(entry)} up to {entry['max_tokens']} tokens has an invalid config {cfg}"
+            )
     table = _MEASURED.setdefault(device.name, {})
     for entry in entries:
         key = entry_shape(entry).entry_key

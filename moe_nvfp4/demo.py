@@ -5,6 +5,7 @@ the torch reference on the same NVFP4 weights and times it against the BF16 path
 bench's own code (``moe_nvfp4.bench.moe.run_model``).  On a CPU it runs the torch reference (no kernel) and shows
 what NVFP4 costs in accuracy against the BF16 layer.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -11,6 +11,7 @@ architecture; triton also runs CPU tensors under TRITON_INTERPRET=1).  The W4A4 
 at all, so ``triton`` keeps 16-bit activations on Blackwell and ``cute`` picks our CuTe DSL MoE over FlashInfer's.
 Other operations keep the device default.
 """
+
 from __future__ import annotations
 
 import functools

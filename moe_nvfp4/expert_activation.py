@@ -10,6 +10,7 @@ On GEMM1's float32 output row (bias added), with g the gate half and u the up ha
 * ``relu2`` (Nemotron-H; vLLM's ``relu2_no_mul``, not gated): relu(h)^2 on the whole row h; GEMM1 then has I
   rows per expert, not 2I.
 """
+
 from __future__ import annotations
 
 import math

@@ -8,6 +8,7 @@ In the kernel's SwiGLU, ``out1 = scale_c * up_acc * silu(scale_gate * gate_acc)`
 ``trtllm/batched_gemm/KernelRunner.h``), so gate and up keep their own global scales exactly: scale_gate =
 a13 * gs_gate, scale_c = a13 * gs_up / a2 (the second GEMM's input is quantized with 1 / a2).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

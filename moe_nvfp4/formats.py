@@ -8,6 +8,7 @@ compressed-tensors stores its reciprocal (``weight_global_scale``).
 Everything here is plain torch and runs on any device.  Batched tensors carry leading dimensions
 (experts) before ``[N, K]``.
 """
+
 from __future__ import annotations
 
 import math
@@ -197,9 +198,7 @@ def _quantize(wf: torch.Tensor, row_scale: torch.Tensor, poison_nonfinite: bool)
     return pack_fp4(codes.reshape(*batch, n, k)), scale_f.to(NVFP4.scale_dtype)
 
 
-def quantize_nvfp4(
-    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, segments: int = 1
-) -> NVFP4Tensor:
+def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None, *, segments: int = 1) -> NVFP4Tensor:
     """Quantize a float weight ``[..., N, K]`` to NVFP4 with LINEAR scales.
 
     global_scale: float32 ``[...]`` (or ``[..., S]``), or one 0-dim value for every batch index; by default
@@ -299,7 +298,9 @@ def grouped_operands(
             if tuple(t.block_scale.shape) != want:
                 raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
                                  f"expected {want}")  # fmt: skip
-    scale = torch.stack([ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)])
+    scale = torch.stack(
+        [ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)]
+    )
     if alpha is not None:
         scale = scale * alpha
     operands = ([t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],

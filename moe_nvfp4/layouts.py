@@ -5,13 +5,28 @@ For row i and scale column j of an [N, SFK] scale matrix the byte sits at
 ``((i // 128) * ceil(SFK / 4) + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4``,
 with rows padded to 128 and columns to 4 (per expert when batched).  Padding bytes are zero.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentLayout", "FRAGMENT_WORD_BITS", "GATE_UP_BLOCK", "encode_scale_e5m3", "decode_scale_e5m3", "padded_scale_shape", "swizzle_scales_128x4", "unswizzle_scales_128x4", "swizzled_offset", "pack_fp4", "unpack_fp4", "round_up", "rows_16_aligned"]
+__all__ = [
+    "FragmentLayout",
+    "FRAGMENT_WORD_BITS",
+    "GATE_UP_BLOCK",
+    "encode_scale_e5m3",
+    "decode_scale_e5m3",
+    "padded_scale_shape",
+    "swizzle_scales_128x4",
+    "unswizzle_scales_128x4",
+    "swizzled_offset",
+    "pack_fp4",
+    "unpack_fp4",
+    "round_up",
+    "rows_16_aligned",
+]
 
 
 # The sm_100a layout interleaves w13 in blocks of this many gate rows, then as many up rows: one 128 x 32 epilogue
@@ -95,10 +110,14 @@ def unswizzle_scales_128x4(swizzled: torch.Tensor, rows: int, scale_cols: int) -
 #   values 0-1: w & P;  2-3: (w << 3) & P;  4-5: ((w & 0x40074007) * 66) & P;
 #   6-7: (((w >> 3) & 0x05C005C0) * 33) & P  with P = 0x81C081C0 (the multiplies add disjoint shifted copies).
 FRAGMENT_WORD_BITS: tuple[tuple[int, int, int, int], ...] = (
-    (6, 7, 8, 15), (22, 23, 24, 31),
-    (3, 4, 5, 12), (19, 20, 21, 28),
-    (0, 1, 2, 14), (16, 17, 18, 30),
-    (9, 10, 11, 13), (25, 26, 27, 29),
+    (6, 7, 8, 15),
+    (22, 23, 24, 31),
+    (3, 4, 5, 12),
+    (19, 20, 21, 28),
+    (0, 1, 2, 14),
+    (16, 17, 18, 30),
+    (9, 10, 11, 13),
+    (25, 26, 27, 29),
 )
 
 
@@ -191,7 +210,12 @@ class FragmentLayout:
         s[:n, : k // 16] = scales.float()
         codes = codes.view(np_, kp // 16, 16).masked_fill_((s == 0)[..., None], 0).view(np_, kp)
         units, chunks = np_ // self.unit_rows, kp // self.chunk_k
-        v = codes.view(_value_dims(units, chunks)).permute(_VALUE_ORDER).reshape(units, chunks, 128, 8, 8).to(torch.int64)
+        v = (
+            codes.view(_value_dims(units, chunks))
+            .permute(_VALUE_ORDER)
+            .reshape(units, chunks, 128, 8, 8)
+            .to(torch.int64)
+        )
         word = torch.zeros(v.shape[:-1], dtype=torch.int64, device=packed.device)
         for j, positions in enumerate(FRAGMENT_WORD_BITS):
             for bit, pos in enumerate(positions):

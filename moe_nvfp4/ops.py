@@ -1,4 +1,5 @@
 """torch.library custom ops with fake implementations, so torch.compile and CUDA graphs see one opaque op."""
+
 from __future__ import annotations
 
 import functools

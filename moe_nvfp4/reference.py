@@ -5,6 +5,7 @@ Shapes: x [T, H]; w13 NVFP4Tensor [E, 2I, H] (gate rows first, then up; global s
 topk_ids [T, k] (global expert ids); biases float [E, 2I] (or [E, I]) and [E, H].  A pair whose id is
 outside [0, E_global) or whose expert-map entry is outside [0, E) contributes nothing (``routing.routed_pairs``).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -15,8 +16,13 @@ from .expert_activation import SILU, ExpertActivation
 from .formats import NVFP4Tensor, dequantize_nvfp4, quantize_activations_nvfp4
 from .routing import routed_pairs
 
-__all__ = ["moe_dense_torch", "fused_moe_torch", "grouped_gemm_nvfp4_torch", "fake_quantize_activations",
-           "expert_activation_torch"]
+__all__ = [
+    "moe_dense_torch",
+    "fused_moe_torch",
+    "grouped_gemm_nvfp4_torch",
+    "fake_quantize_activations",
+    "expert_activation_torch",
+]
 
 
 def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:

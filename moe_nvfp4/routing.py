@@ -4,6 +4,7 @@ Every output has a size fixed by (T, top_k, E, block_m), never by the routing de
 grid built from it is the same on every call and the whole forward can be captured in a CUDA graph.
 Plain torch here (CPU and GPU, no host synchronisation); the GPU kernels consume the same RoutingPlan.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,6 +14,7 @@ stays, anything else runs bfloat16).  A rank's shape is what the plugin keys its
 for at most ``--budget-s`` a shape and writes ``autotune.cache_dir()``; ``vllm serve`` on a GPU of the same model,
 with the same package, Triton and torch, then serves those configs without timing anything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -152,10 +153,16 @@ def random_layer(shape: TuneShape, device):
 
     def matrix(n: int, k: int) -> NVFP4Tensor:
         packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=device, dtype=torch.uint8)
-        scale = (0.75 + 0.5 * torch.rand(e, n, k // NVFP4.block_size, generator=gen, device=device)).to(NVFP4.scale_dtype)
+        scale = (0.75 + 0.5 * torch.rand(e, n, k // NVFP4.block_size, generator=gen, device=device)).to(
+            NVFP4.scale_dtype
+        )
         return NVFP4Tensor(packed, scale, torch.full((e,), 0.3 / k**0.5, device=device))
 
-    biases = dict(w13_bias=torch.zeros(e, rows, device=device), w2_bias=torch.zeros(e, h, device=device)) if shape.biases else {}
+    biases = (
+        dict(w13_bias=torch.zeros(e, rows, device=device), w2_bias=torch.zeros(e, h, device=device))
+        if shape.biases
+        else {}
+    )
     weights = prepare_moe_weights(matrix(rows, h), matrix(h, i), activation=shape.activation, **biases)
     expert_map = None
     if shape.global_experts and shape.global_experts != e:
@@ -285,19 +292,48 @@ def add_tune_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         "Run it on the GPU model and software versions you serve with; under TP or EP give the same --tp / --ep.",
         epilog="exit status: 0 tuned (or already cached); 2 bad arguments or no usable GPU",
     )
-    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="local checkpoint directory (config.json)")
-    p.add_argument("--shape", default=None, metavar="E,K,H,I", help="experts, top-k, hidden, intermediate of one layer instead")
-    p.add_argument("--activation", default="silu", choices=ACTIVATION_NAMES, help="with --shape: the experts' activation (relu2: not gated)")
+    p.add_argument(
+        "model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="local checkpoint directory (config.json)"
+    )
+    p.add_argument(
+        "--shape", default=None, metavar="E,K,H,I", help="experts, top-k, hidden, intermediate of one layer instead"
+    )
+    p.add_argument(
+        "--activation",
+        default="silu",
+        choices=ACTIVATION_NAMES,
+        help="with --shape: the experts' activation (relu2: not gated)",
+    )
     ranks = p.add_mutually_exclusive_group()
-    ranks.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size: tune one rank's slice of I")
-    ranks.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel size (TP x DP with --enable-expert-parallel): E/N local experts")
+    ranks.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size: tune one rank's slice of I"
+    )
+    ranks.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="expert-parallel size (TP x DP with --enable-expert-parallel): E/N local experts",
+    )
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="T",
                    help=f"tokens per forward to tune up to: vLLM's --max-num-batched-tokens times the data-parallel size "
                    f"(default {DEFAULT_MAX_TOKENS}, vllm serve's on a >= 70 GiB GPU)")  # fmt: skip
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16"), help="activation dtype (auto: as vLLM's --dtype auto)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, metavar="S",
-                   help=f"search time per shape, compiles included (default {DEFAULT_BUDGET_S:g})")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16"),
+        help="activation dtype (auto: as vLLM's --dtype auto)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        metavar="S",
+        help=f"search time per shape, compiles included (default {DEFAULT_BUDGET_S:g})",
+    )
     p.add_argument("--force", action="store_true", help="time again what the cache already holds, and overwrite it")
-    p.add_argument("--dry-run", action="store_true", help="print the shapes and the cache directory; time nothing (no GPU needed)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the shapes and the cache directory; time nothing (no GPU needed)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

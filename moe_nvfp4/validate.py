@@ -13,6 +13,7 @@ with one scale, the max over experts, so one absurd expert would zero the layer)
 that differ are a warning (both formats store one per projection and our loader keeps both exact; engines
 that fuse w13 with one scale lose precision).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

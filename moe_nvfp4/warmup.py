@@ -12,6 +12,7 @@ many threads (1: serially, in the calling thread, fewest tokens first; unset: ``
 budget, which vLLM's own profiling run needs anyway.  The forward is passed in (``api.fused_moe``) so that the
 API can delegate its warm-up here without an import cycle.
 """
+
 from __future__ import annotations
 
 import contextlib

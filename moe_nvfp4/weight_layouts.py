@@ -18,6 +18,7 @@ checkpoint layout (the reference's input).  Backends name the layout their W4A4 
 Every layout's w13_global is fp32 [E, 2] (gate, up) and w2_global fp32 [E].  ``MoEWeights`` is named in annotations
 only: weights.py imports this module.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -65,8 +66,14 @@ class Sm90Layout(MoELayout):
     name: ClassVar[str] = "sm90_fragments"
     fragments: FragmentLayout = field(default_factory=FragmentLayout)
 
-    def pack(self, w13: NVFP4Tensor, w2: NVFP4Tensor, *, reuse_input_memory: bool = False,
-             pack_block: BlockPacker | None = None) -> Tensors:
+    def pack(
+        self,
+        w13: NVFP4Tensor,
+        w2: NVFP4Tensor,
+        *,
+        reuse_input_memory: bool = False,
+        pack_block: BlockPacker | None = None,
+    ) -> Tensors:
         """One expert and gate/up block at a time.  ``pack_block(packed, scales, dst, dst_scales)`` packs one block
         (default: the torch twin, ``FragmentLayout.pack``; on the GPU the API passes the Triton kernel).
         ``reuse_input_memory``: a matrix whose layout adds no padding is packed into its own tensors (their
@@ -101,7 +108,9 @@ class Sm90Layout(MoELayout):
         w2_packed, w2_scale = pack(w2, ((0, h),), i)
         return w13_packed, w13_scale, w13.global_scale, w2_packed, w2_scale, w2.global_scale.float().contiguous()
 
-    def _pack_block(self, packed: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, dst_scales: torch.Tensor) -> None:
+    def _pack_block(
+        self, packed: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, dst_scales: torch.Tensor
+    ) -> None:
         dst[:], dst_scales[:] = self.fragments.pack(packed, scales)
 
     def to_nvfp4(self, weights: MoEWeights) -> tuple[NVFP4Tensor, NVFP4Tensor]:
@@ -168,7 +177,9 @@ class Sm100Layout(MoELayout):
 
         w13 = NVFP4Tensor(deinterleave(weights.w13_packed), deinterleave(scales).view(NVFP4.scale_dtype),
                           weights.w13_global)  # fmt: skip
-        w2 = NVFP4Tensor(weights.w2_packed, weights.w2_scale, weights.w2_global, ScaleLayout.SWIZZLED_128x4).linear_scales()
+        w2 = NVFP4Tensor(
+            weights.w2_packed, weights.w2_scale, weights.w2_global, ScaleLayout.SWIZZLED_128x4
+        ).linear_scales()
         w2 = NVFP4Tensor(w2.packed[..., : inter // 2], w2.block_scale[..., : inter // 16], w2.global_scale)
         return w13, w2
 
@@ -245,7 +256,9 @@ class FlashInferLayout(MoELayout):
         """The kernel routes by the contiguous local range, whatever the map says: a map of that range (CPU)."""
         global_experts = num_experts if expert_map is None else expert_map.numel()
         local = torch.arange(num_experts, dtype=torch.int32) + self.expert_offset
-        return torch.full((global_experts,), -1, dtype=torch.int32).index_put_((local.long(),), local - self.expert_offset)
+        return torch.full((global_experts,), -1, dtype=torch.int32).index_put_(
+            (local.long(),), local - self.expert_offset
+        )
 
 
 _BY_NAME = {layout.name: layout for layout in (Sm90Layout, Sm100Layout, FlashInferLayout)}

@@ -1,6 +1,7 @@
 """``MoEWeights``: the MoE's expert weights in the layout of the kernels that read them (``weight_layouts``), one
 type for every backend.  A module of its own so the op layer builds them without importing the API that packs
 them; ``api`` re-exports it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ parallelism splits it), ``top_k`` and ``hidden`` unchanged.
     zoo_shapes("qwen3-235b-a22b") one model's shapes;  zoo_shape("kimi-k2-ep8") one shape
     random_models(16, seed=0)     16 layers drawn at random (generality beyond the zoo); random_model("random-s0-03")
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,18 @@ from dataclasses import dataclass
 
 from .expert_activation import RELU2, SILU, ExpertActivation
 
-__all__ = ["ZooModel", "ZooShape", "MODELS", "SPLITS", "RANDOM_BOUNDS", "RandomBounds", "random_model", "random_models",
-           "zoo_shape", "zoo_shapes"]
+__all__ = [
+    "ZooModel",
+    "ZooShape",
+    "MODELS",
+    "SPLITS",
+    "RANDOM_BOUNDS",
+    "RandomBounds",
+    "random_model",
+    "random_models",
+    "zoo_shape",
+    "zoo_shapes",
+]
 
 
 @dataclass(frozen=True)

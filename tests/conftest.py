@@ -10,6 +10,7 @@ Every run draws a new session seed (so CPU tests see fresh random inputs each ti
 header; ``MOE_NVFP4_TEST_SEED=<seed>`` replays a run.  The ``gen`` fixture gives each test its own
 ``torch.Generator`` derived from that seed and the test's id, and a failing test reports its seed.
 """
+
 from __future__ import annotations
 
 import hashlib

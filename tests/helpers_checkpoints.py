@@ -6,6 +6,7 @@ first, and ``mlp.experts.down_proj`` ``[E, H, I]``) but ``save_pretrained`` writ
 (Mixtral ``block_sparse_moe.experts.E.w1/w2/w3``, Qwen3-MoE ``mlp.experts.E.gate_proj/up_proj/down_proj``).
 ``stacked=True`` writes the in-memory ``state_dict`` instead, as a raw dump would.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,14 @@ def tiny_config(family: Family):
     """The transformers config of the tiny model (hidden 64, 4 experts of intermediate 64, 2 layers, vocab 256,
     4 attention heads and 2 KV heads of dim 32; DeepSeek-V3: see ``DEEPSEEK_*``, 8 MLA heads; NemotronH:
     ``NEMOTRON_LAYERS``; Llama-4: top-1, router weight on the input, a shared expert; gpt-oss: ``GPT_OSS_*``)."""
-    from transformers import DeepseekV3Config, GptOssConfig, Llama4TextConfig, MixtralConfig, NemotronHConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        GptOssConfig,
+        Llama4TextConfig,
+        MixtralConfig,
+        NemotronHConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         hidden_size=HIDDEN,
@@ -70,7 +78,10 @@ def tiny_config(family: Family):
         return MixtralConfig(intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=EXPERTS, **common)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(
-            intermediate_size=2 * EXPERT_INTERMEDIATE, moe_intermediate_size=EXPERT_INTERMEDIATE, num_experts=EXPERTS, **common
+            intermediate_size=2 * EXPERT_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            num_experts=EXPERTS,
+            **common,
         )
     if family == "deepseek_v3":
         # topk_method and scoring_func are not DeepseekV3Config fields in transformers 5, but vLLM 0.26 reads them
@@ -198,5 +209,8 @@ def _save_state_dict(model: torch.nn.Module, out: Path, shards: int) -> None:
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({k: state[k] for k in group}, str(out / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in group})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        "weight_map": weight_map,
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

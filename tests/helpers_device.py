@@ -1,4 +1,5 @@
 """A GPU as torch.cuda reports it, faked for the CPU tests of the commands' device choice (demo, bench)."""
+
 from __future__ import annotations
 
 import torch

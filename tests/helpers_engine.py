@@ -13,6 +13,7 @@ in the failure, which is how the TP=2 hang in vLLM's KV-cache write was found.
 ``MOE_NVFP4_ENGINE_LOGS=<dir>`` also writes each engine's stderr to ``<dir>/<tag>.log`` line by line, so it
 survives a run that is killed from outside (a device call's time limit) before pytest reports anything.
 """
+
 from __future__ import annotations
 
 import os
@@ -112,7 +113,9 @@ def run_until_written(
             proc.wait()
         reader.join(timeout=5)
     if not out.exists():
-        pytest.fail(f"{tag}: no results (rc {proc.returncode}, limit {timeout_s} s):\n{''.join(stderr)[-6000:]}{kernels}")
+        pytest.fail(
+            f"{tag}: no results (rc {proc.returncode}, limit {timeout_s} s):\n{''.join(stderr)[-6000:]}{kernels}"
+        )
     if proc.returncode not in (0, -signal.SIGKILL):
         warnings.warn(f"{tag}: wrote its results, then exited with rc {proc.returncode}")
     return "".join(stderr)
@@ -249,8 +252,9 @@ GREEDY_MAX_TOKENS = 16
 TOP_LOGPROBS = 2  # top-2 log-probabilities name the steps where greedy decoding is a tie
 
 
-def request_mix(n: int, *, vocab: int, first_word: int, max_model_len: int, count_chat_tokens, seed: int = 0
-                ) -> list[RequestSpec]:
+def request_mix(
+    n: int, *, vocab: int, first_word: int, max_model_len: int, count_chat_tokens, seed: int = 0
+) -> list[RequestSpec]:
     """``n`` requests: completions (token-id and text prompts) and chat, streamed and not, prompts of
     ``PROMPT_LENS`` tokens and outputs of ``OUTPUT_LENS``, greedy and sampled, in a shuffled order, plus
     ``GREEDY_GROUPS * GREEDY_COPIES`` greedy completions with log-probabilities that must repeat each other.
@@ -370,8 +374,9 @@ def response_problems(spec: RequestSpec, response: dict | list[dict], *, vocab: 
     return out + _usage_problems(response.get("usage"), spec)
 
 
-async def drive(base_url: str, model: str, specs: list[RequestSpec], bad: list[dict] = (), *, concurrency: int,
-                timeout_s: float) -> tuple[list, list]:
+async def drive(
+    base_url: str, model: str, specs: list[RequestSpec], bad: list[dict] = (), *, concurrency: int, timeout_s: float
+) -> tuple[list, list]:
     """Send ``specs`` and the raw ``bad`` bodies through the ``openai`` client, ``concurrency`` at a time, within
     ``timeout_s``.  Returns the answers in order (a response dict, or a stream's chunk dicts) and, per bad body,
     the HTTP status it got (or "accepted")."""
@@ -428,5 +433,7 @@ def greedy_divergence(first: dict, other: dict, *, tie: float) -> str | None:
         best = sorted(top.values(), reverse=True)
         if len(best) >= 2 and best[0] - best[1] <= tie:
             return None
-        return f"step {step}: token {b}, first answer {a} (top-2 margin {best[0] - best[1] if len(best) > 1 else 'n/a'})"
+        return (
+            f"step {step}: token {b}, first answer {a} (top-2 margin {best[0] - best[1] if len(best) > 1 else 'n/a'})"
+        )
     return None

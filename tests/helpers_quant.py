@@ -1,4 +1,5 @@
 """Inputs for the activation-quantization tests (interpreter and GPU tiers share them)."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,8 @@ def hard_activations(rows: int, k: int, dtype: torch.dtype, seed: int) -> tuple[
     g = torch.Generator().manual_seed(seed)
     gs = torch.tensor(GLOBAL_SCALE)
     x = torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-14, 6, (rows, 1), generator=g).float())
-    full_range = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, -0.0])
-    ties = torch.tensor([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, -6])
+    full_range = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, -0.0])
+    ties = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -6])
     for r, s in ((0, 1.0), (1, 0.25), (2, 2.0**-9), (3, 448.0)):  # e4m3 block scales, the last two extreme
         x[r, :16] = full_range * s * gs
         x[r, 16:32] = ties * s * gs

@@ -1,4 +1,5 @@
 """Groups for the W4A4 grouped-GEMM tests (interpreter and GPU tiers share them)."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Tolerances: an e4m3 value keeps 4 significant bits, so a rounded element is with
 the normal range); the layer-level bounds are the orders of magnitude the record reports (W4A16 ~3e-3, W4A8 ~4e-2,
 W4A4 ~1.3e-1) with a factor of two or more of room.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -28,13 +29,19 @@ def gen() -> torch.Generator:
 
 
 def test_e4m3_rows_keep_four_significant_bits(gen: torch.Generator) -> None:
-    a = torch.randn(16, 256, generator=gen, dtype=torch.float64) * torch.rand(16, 1, generator=gen, dtype=torch.float64) * 100
+    a = (
+        torch.randn(16, 256, generator=gen, dtype=torch.float64)
+        * torch.rand(16, 1, generator=gen, dtype=torch.float64)
+        * 100
+    )
     q = A.e4m3_per_row(a)
     scale = a.abs().amax(-1, keepdim=True) / A.E4M3_MAX
     normal = a.abs() >= scale * 2.0**-6  # e4m3's smallest normal, times the row's scale
     assert ((q - a).abs() <= a.abs() * 2.0**-4 + 1e-12)[normal].all()
-    assert torch.equal(A.e4m3_per_row(torch.tensor([[1.0, -2.0, 448.0, 0.5]], dtype=torch.float64)),
-                       torch.tensor([[1.0, -2.0, 448.0, 0.5]], dtype=torch.float64))  # representable: exact
+    assert torch.equal(
+        A.e4m3_per_row(torch.tensor([[1.0, -2.0, 448.0, 0.5]], dtype=torch.float64)),
+        torch.tensor([[1.0, -2.0, 448.0, 0.5]], dtype=torch.float64),
+    )  # representable: exact
 
 
 def test_folded_weights_round_each_product_once(gen: torch.Generator) -> None:

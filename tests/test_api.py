@@ -3,6 +3,7 @@
 Bound: on CPU fused_moe runs the torch reference on the unpacked weights, so it must equal
 fused_moe_torch exactly (same function, same float32 math).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -183,7 +184,9 @@ def test_strided_x_is_copied_not_misread(gen: torch.Generator) -> None:
     wide = torch.randn(5, 96, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
     assert wide[:, ::2].stride() == (96, 2)
-    assert torch.equal(m.fused_moe(wide[:, ::2], weights, tw, ti), m.fused_moe(wide[:, ::2].contiguous(), weights, tw, ti))
+    assert torch.equal(
+        m.fused_moe(wide[:, ::2], weights, tw, ti), m.fused_moe(wide[:, ::2].contiguous(), weights, tw, ti)
+    )
 
 
 def test_grouped_gemm_refuses_block_scales_that_are_not_e4m3(gen: torch.Generator) -> None:
@@ -214,5 +217,6 @@ def test_int64_routing_past_int32_does_not_wrap_onto_an_expert(gen: torch.Genera
     emap[2] = 2**32 + 2
     ids = torch.tensor([[2, 1], [2, 3], [0, 2]], dtype=torch.int32)
     no_expert_2 = torch.tensor([0, 1, -1, 3], dtype=torch.int32)
-    assert torch.equal(m.fused_moe(x, weights, tw, ids, expert_map=emap),
-                       m.fused_moe(x, weights, tw, ids, expert_map=no_expert_2))
+    assert torch.equal(
+        m.fused_moe(x, weights, tw, ids, expert_map=emap), m.fused_moe(x, weights, tw, ids, expert_map=no_expert_2)
+    )

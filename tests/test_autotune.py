@@ -4,6 +4,7 @@ with a stand-in for the GPU timing.  The GPU tests are tests/gpu/test_autotune_g
 
 No tolerances: configs, buckets, cache contents and call counts are exact; time bounds are stated per test.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -190,7 +191,8 @@ def test_a_larger_budget_of_tokens_tunes_only_the_buckets_past_the_cache(tmp_pat
     assert report.source == "timed" and {t for _, t in calls} == {b for b in token_buckets(4096, QWEN3, H100)
                                                                    if b > 256}  # fmt: skip
     assert [e["max_tokens"] for e in json.loads(report.cache_path.read_text())["entries"]] == token_buckets(
-        4096, QWEN3, H100)
+        4096, QWEN3, H100
+    )
 
 
 @pytest.mark.parametrize("damage", ["not json", json.dumps([1, 2]), "key"])

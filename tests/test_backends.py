@@ -1,5 +1,6 @@
 """The backend registry and the per-device selection (``backends.py``, ``dispatch.py``): defaults per architecture,
 the MOE_NVFP4_BACKEND override, refusals, and that no module outside them compares backend names."""
+
 from __future__ import annotations
 
 import pathlib

@@ -8,6 +8,7 @@ Tolerances, ||out - ref|| / ||ref||:
   exact                 CPU paths (the torch reference) with strided routing against contiguous routing, and the
                         Triton quantizer's bytes against the reference's for NaN/inf blocks and unusable scales.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,10 @@ def test_strided_routing_on_cpu_equals_contiguous(gen: torch.Generator) -> None:
         assert not si.is_contiguous(), why
         cw, ci = sw.contiguous(), si.contiguous()
         assert torch.equal(m.fused_moe(x, weights, sw, si), m.fused_moe(x, weights, cw, ci)), why
-        assert torch.equal(m.fused_moe_w4a4(x, w4a4, sw, si, w13_input_scale=scale, w2_input_scale=scale),
-                           m.fused_moe_w4a4(x, w4a4, cw, ci, w13_input_scale=scale, w2_input_scale=scale)), why
+        assert torch.equal(
+            m.fused_moe_w4a4(x, w4a4, sw, si, w13_input_scale=scale, w2_input_scale=scale),
+            m.fused_moe_w4a4(x, w4a4, cw, ci, w13_input_scale=scale, w2_input_scale=scale),
+        ), why
 
 
 # Runs in a subprocess so TRITON_INTERPRET is set before triton is imported.
@@ -131,8 +134,9 @@ METADATA_CASES = [  # (fields replaced, what the error must say)
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("change,match", METADATA_CASES,
-                         ids=[f"{i}-{','.join(c)}" for i, (c, _) in enumerate(METADATA_CASES)])
+@pytest.mark.parametrize(
+    "change,match", METADATA_CASES, ids=[f"{i}-{','.join(c)}" for i, (c, _) in enumerate(METADATA_CASES)]
+)
 def test_weights_metadata_is_checked_against_the_tensors(change: dict, match: str, gen: torch.Generator) -> None:
     """dataclasses.replace and the public constructor both reach __post_init__: sizes, dtypes, devices and
     contiguity that disagree with the tensors are refused, naming the field (before: the kernels read past the

@@ -1,6 +1,7 @@
 """`moe-nvfp4 bench` on the CPU: its arguments (zoo keys, --shape, tokens, paths, --out), its refusals (one line,
 exit 2), the device check (a GPU absent; present via mocks), that the package module imports no vLLM, and a
 host-clock run writing today's JSON and Markdown forms."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 written NVFP4 checkpoint (what inspect and the loaders read), its tables and row merging, and serve_bench.py's
 client arguments (parsed by vLLM's own ``vllm bench serve`` parser), its partial-run refusal, its table and its
 workloads (the default and prefill-heavy, each in its own report)."""
+
 from __future__ import annotations
 
 import json
@@ -76,7 +77,11 @@ def _fake_runner(rows_for: dict, returncode: int = 0):
             rows = rows_for[spec["quantization"]]
             ran = rows if runner == e2e.LOAD_RUNNER else {"engine_start_s": START_S[spec["quantization"]], "rows": rows}
             Path(spec["out"]).write_text(json.dumps(ran))
-        log = "INFO nvfp4_grouped: compiled MoE kernels in 9.0 s\nINFO other line\n" if spec["quantization"] == "nvfp4_grouped" else ""
+        log = (
+            "INFO nvfp4_grouped: compiled MoE kernels in 9.0 s\nINFO other line\n"
+            if spec["quantization"] == "nvfp4_grouped"
+            else ""
+        )
         return Namespace(returncode=returncode, stdout=log, stderr="Traceback: engine died")
 
     return run
@@ -94,7 +99,11 @@ def test_throughput_rows_merge_per_path_and_a_failed_path_fails_the_run(tmp_path
         assert e2e.main(["--paths", path, *common]) == 0
     report = json.loads((tmp_path / "out" / "e2e_qwen3-30b-a3b_L2.json").read_text())
     assert [r["path"] for r in report["results"]] == ["ours", "vllm_modelopt_fp4", "bf16"]
-    assert [r["plugin_log"] for r in report["results"]] == [["INFO nvfp4_grouped: compiled MoE kernels in 9.0 s"], [], []]
+    assert [r["plugin_log"] for r in report["results"]] == [
+        ["INFO nvfp4_grouped: compiled MoE kernels in 9.0 s"],
+        [],
+        [],
+    ]
     table = (tmp_path / "out" / "e2e_qwen3-30b-a3b_L2.md").read_text()
     assert "| 16 | 4800 | 3200 | 1600 | 1.50x | 3.00x |" in table, table
     assert "Engine start (`LLM(...)` until it returns): ours 161 s, vllm_modelopt_fp4 62 s, bf16 60 s." in table, table
@@ -135,8 +144,9 @@ def test_the_throughput_runner_script_writes_what_run_path_reads(tmp_path, monke
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    args = Namespace(model="qwen3-30b-a3b", batches=[1, 3], input_len=4, output_len=5, repeats=2,
-                     gpu_memory_utilization=0.5)
+    args = Namespace(
+        model="qwen3-30b-a3b", batches=[1, 3], input_len=4, output_len=5, repeats=2, gpu_memory_utilization=0.5
+    )
     result = e2e.run_path("bf16", tmp_path / "ckpt", None, args, tmp_path)
     assert "error" not in result, result.get("error")
     assert [(r["batch"], len(r["seconds_all"])) for r in result["rows"]] == [(1, 2), (3, 2)]
@@ -153,14 +163,20 @@ def test_load_memory_report_counts_experts_and_sets_the_first_moe_layer_apart(tm
     one = e2e.expert_bytes("qwen3-30b-a3b", None)
     moe = zoo_shape("qwen3-30b-a3b")
     assert one == 3 * (moe.intermediate * moe.hidden * 9 // 16 + 4)
-    layer = [{"module": "RoutedExperts", "before": 0, "peak_extra": p, "kept_extra": 0} for p in (50 * one, one // 2, one)]
+    layer = [
+        {"module": "RoutedExperts", "before": 0, "peak_extra": p, "kept_extra": 0} for p in (50 * one, one // 2, one)
+    ]
     rows = {"nvfp4_grouped": [{"module": "QKVParallelLinear", "before": 0, "peak_extra": 3, "kept_extra": 0}, *layer]}
     monkeypatch.setattr(e2e, "run_runner", _fake_runner(rows))
     out = tmp_path / "out"
     assert e2e.main(["--load-memory", "--paths", "ours", "bf16", "--out", str(out)]) == 0
     report = json.loads((out / "e2e_load_memory_qwen3-30b-a3b_L48.json").read_text())
     (r,) = report["load_memory"]  # bf16 repacks nothing: not measured
-    assert (r["first_moe_peak_extra"], r["other_moe_peak_extra_max"], r["any_layer_peak_extra_max"]) == (50 * one, one, 50 * one)
+    assert (r["first_moe_peak_extra"], r["other_moe_peak_extra_max"], r["any_layer_peak_extra_max"]) == (
+        50 * one,
+        one,
+        50 * one,
+    )
     table = (out / "e2e_load_memory_qwen3-30b-a3b_L48.md").read_text()
     assert "(50.0 experts) |" in table and "(1.0 experts) |" in table, table
     monkeypatch.setattr(e2e, "run_runner", _fake_runner(rows, returncode=1))
@@ -281,4 +297,7 @@ def test_a_report_of_another_workload_is_never_merged_into(tmp_path, monkeypatch
     del old["args"]["workload"]
     (tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").write_text(json.dumps(old))
     assert serve_bench.main(["--paths", "bf16", *common]) == 0
-    assert list(json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text())["results"]) == ["ours", "bf16"]
+    assert list(json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text())["results"]) == [
+        "ours",
+        "bf16",
+    ]

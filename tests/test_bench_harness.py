@@ -3,6 +3,7 @@ writers; and of benchmarks/bench_moe.py, the lab's user of the package's bench (
 
 No GPU: the timing code itself is exercised only by the host-clock smoke run of bench_moe.py at the end.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -225,8 +226,9 @@ def test_time_eager_on_host_clock():
 # the script
 # --------------------------------------------------------------------------------------------------
 def test_bench_moe_help():
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_moe.py"), "--help"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "bench_moe.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     for flag in ("--out", "--models", "--tokens", "--quick", "--paths"):
         assert flag in out.stdout
@@ -260,8 +262,16 @@ def test_bench_moe_takes_the_zoo():
     assert list(bench.parse_args(["--models", "zoo"]).models) == [s.key for s in zoo_shapes()]
     assert list(bench.parse_args(["--models", "zoo-models"]).models) == [m.key for m in MODELS]
     ep8 = bench.parse_args(["--models", "kimi-k2-ep8,glm-4.5-tp4"]).models
-    assert (ep8["kimi-k2-ep8"].num_experts, ep8["kimi-k2-ep8"].routed_experts, ep8["kimi-k2-ep8"].inter) == (48, 384, 2048)
-    assert (ep8["glm-4.5-tp4"].num_experts, ep8["glm-4.5-tp4"].routed_experts, ep8["glm-4.5-tp4"].inter) == (160, 160, 384)
+    assert (ep8["kimi-k2-ep8"].num_experts, ep8["kimi-k2-ep8"].routed_experts, ep8["kimi-k2-ep8"].inter) == (
+        48,
+        384,
+        2048,
+    )
+    assert (ep8["glm-4.5-tp4"].num_experts, ep8["glm-4.5-tp4"].routed_experts, ep8["glm-4.5-tp4"].inter) == (
+        160,
+        160,
+        384,
+    )
 
 
 def test_bench_moe_expert_parallel_inputs_map_the_first_experts_to_this_rank():
@@ -275,8 +285,10 @@ def test_bench_moe_expert_parallel_inputs_map_the_first_experts_to_this_rank():
 
 def test_model_summaries_give_min_and_median_per_model():
     bench = _load_bench()
-    rows = [dict(model="A", config_source="default", speedup_vs_marlin=s, pct_of_floor=p)
-            for s, p in ((1.0, 50.0), (2.0, 70.0), (3.0, 90.0))] + [dict(model="B", status="failed")]
+    rows = [
+        dict(model="A", config_source="default", speedup_vs_marlin=s, pct_of_floor=p)
+        for s, p in ((1.0, 50.0), (2.0, 70.0), (3.0, 90.0))
+    ] + [dict(model="B", status="failed")]
     a, b = bench.model_summaries(rows)
     assert a == "A (default): x Marlin min 1.00 median 2.00; % floor min 50.00 median 70.00"
     assert b == "B (no config): no timed rows"
@@ -342,8 +354,11 @@ def test_plot_rows(tmp_path):
     pytest.importorskip("matplotlib")
     import plot
 
-    rows = [{"model": m, "tokens": t, "ours_us": 10.0 * t, "floor_us": 5.0 * t, "hbm_floor_us": 4.0 * t}
-            for m in ("A", "B") for t in (1, 16, 256)]
+    rows = [
+        {"model": m, "tokens": t, "ours_us": 10.0 * t, "floor_us": 5.0 * t, "hbm_floor_us": 4.0 * t}
+        for m in ("A", "B")
+        for t in (1, 16, 256)
+    ]
     rows.append({"model": "A", "status": "failed"})
     path = plot.plot_rows(rows, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 1000
@@ -353,8 +368,22 @@ def test_plot_rows(tmp_path):
 def test_bench_moe_cpu_smoke(tmp_path):
     """The whole script on a tiny shape with the host clock: rows, JSON and Markdown come out even when the
     vLLM paths cannot run here (each path fails on its own and the run goes on)."""
-    cmd = [sys.executable, os.path.join(BENCH, "bench_moe.py"), "--device", "cpu", "--models", "tiny",
-           "--tokens", "1,8", "--replays", "2", "--rounds", "2", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        os.path.join(BENCH, "bench_moe.py"),
+        "--device",
+        "cpu",
+        "--models",
+        "tiny",
+        "--tokens",
+        "1,8",
+        "--replays",
+        "2",
+        "--rounds",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "moe.json").read_text())

@@ -3,6 +3,7 @@ modular kernel, forward context, workspaces) runs on CPU; only the humming-kerne
 vLLM imports it through (``vllm.utils.humming``: weight schemas and HummingMethod), and so are the experts' GPU
 kernels (HummingIndexedExperts.apply).  Whether the kernels compute the right thing is the GPU bench's rel-err check.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,8 +81,11 @@ class FakeHumming:
             def convert_humming(self, tensors, shape_n_stacks, shape_k_stacks, param_dtype, num_experts):
                 fake.calls.append(("convert", dict(tensors), shape_n_stacks, shape_k_stacks, param_dtype, num_experts))
                 gs = tensors["weight_scale_2"].reshape(num_experts, -1)[:, 0]
-                return HummingWeightSchema(), {"weight": tensors["weight"].view(torch.int32),
-                                               "weight_scale": tensors["weight_scale"], "global_scale": gs}
+                return HummingWeightSchema(), {
+                    "weight": tensors["weight"].view(torch.int32),
+                    "weight_scale": tensors["weight_scale"],
+                    "global_scale": gs,
+                }
 
         class HummingMethod:
             @staticmethod
@@ -178,7 +182,12 @@ def test_prepare_hands_vllm_the_modelopt_checkpoint(bench, vllm_humming):
     for sub, (n, k) in {"w13": (2 * i, h), "w2": (h, i)}.items():
         kw = metas[sub]
         assert (kw["shape_n"], kw["shape_k"], kw["num_experts"], kw["torch_dtype"], kw["has_bias"]) == (
-            n, k, e, torch.bfloat16, False)
+            n,
+            k,
+            e,
+            torch.bfloat16,
+            False,
+        )
         assert (kw["pad_n_to_multiple"], kw["pad_k_to_multiple"]) == (256, 128)
     # transform sees the converted parameters only: the checkpoint's scale_2 and activation scales are gone
     assert fake.of("transform") == [

@@ -6,6 +6,7 @@ from the configs that served the rows, the humming-kernels version, the prefill 
 Tolerances: none; every check here is exact (shapes drawn, counts, strings), except the one host-clock run, whose
 errors are held to the bench's own bound (2e-2: the same dequantized weights, bf16 rounding only).
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,11 @@ def test_no_random_layer_is_larger_than_the_zoos_largest_so_every_path_fits_an_h
     """The cap is Kimi-K2's layer; at the cap the BF16 copy plus four NVFP4 copies (the quantized experts, ours',
     Marlin's and Humming's) stay well inside an H200, leaving room for T=16384's workspaces."""
     kimi = MoEShape.from_zoo(zoo_shape("kimi-k2"))
-    assert RANDOM_BOUNDS.max_params == 384 * 3 * 7168 * 2048 == max(
-        m.experts * 3 * m.hidden * m.intermediate for m in MODELS if m.activation.gated)
+    assert (
+        RANDOM_BOUNDS.max_params
+        == 384 * 3 * 7168 * 2048
+        == max(m.experts * 3 * m.hidden * m.intermediate for m in MODELS if m.activation.gated)
+    )
     weights = kimi.num_experts * (kimi.expert_bf16_bytes() + 4 * kimi.expert_nvfp4_bytes())
     assert weights < 0.6 * H200_GIB * 2**30, weights / 2**30
     for m in random_models(64):

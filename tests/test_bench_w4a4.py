@@ -1,5 +1,6 @@
 """benchmarks/bench_w4a4.py: sizes, bytes, and a host-clock smoke run of the whole script under the Triton
 interpreter on shrunken shapes (the GPU run is the benchmark itself)."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Every validation failure must raise CheckpointError whose message names the tens
 (``<layer>.<suffix>``) and the expert: the caller's for per-expert tensors, the first bad one for
 stacked ``[E, ...]`` tensors.
 """
+
 from __future__ import annotations
 
 import math

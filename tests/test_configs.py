@@ -1,5 +1,6 @@
 """Kernel configs: every shipped JSON file loads and validates, and each config field's validity rules.  How a
 config is chosen (entries, files, the default model) is tests/test_default_config.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,15 @@ def test_register_cap_is_checked_and_reaches_the_launch() -> None:
     assert MoEKernelConfig.from_dict({"block_m": 16, "gemm1": {}, "gemm2": {}}).gemm1.max_registers is None
 
 
-@pytest.mark.parametrize("where,key,value", [("gemm2", "split_k", 1), ("gemm1", "stream_k", False),
-                                             ("gemm1", "group_m", 8), ("config", "route_in_gemm", False)])
+@pytest.mark.parametrize(
+    "where,key,value",
+    [
+        ("gemm2", "split_k", 1),
+        ("gemm1", "stream_k", False),
+        ("gemm1", "group_m", 8),
+        ("config", "route_in_gemm", False),
+    ],
+)
 def test_unknown_keys_are_refused(where: str, key: str, value, tmp_path: Path) -> None:
     """from_dict refuses a key that is no field, naming it, even at what was its default: version 2's split_k,
     stream_k and group_m (their modes are removed; a file that asks for one must not run as something else)."""

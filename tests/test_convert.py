@@ -1,5 +1,6 @@
 """Offline converter: tiny random Mixtral / Qwen3-MoE / NemotronH / Llama-4 / gpt-oss checkpoints made with transformers,
 converted to NVFP4."""
+
 from __future__ import annotations
 
 import json
@@ -71,7 +72,9 @@ def source_expert(src: dict[str, torch.Tensor], family: str, stacked: bool, laye
 def assert_within_bound(w: torch.Tensor, q: NVFP4Tensor, what: str) -> None:
     wf = w.float()
     scale = (q.block_scale.float() * q.global_scale.float()).repeat_interleave(NVFP4.block_size, dim=-1)
-    block_amax = wf.abs().reshape(*wf.shape[:-1], -1, NVFP4.block_size).amax(-1).repeat_interleave(NVFP4.block_size, dim=-1)
+    block_amax = (
+        wf.abs().reshape(*wf.shape[:-1], -1, NVFP4.block_size).amax(-1).repeat_interleave(NVFP4.block_size, dim=-1)
+    )
     bound = HALF_WIDEST_GAP * scale + (block_amax - NVFP4.value_max * scale).clamp(min=0)
     err = (dequantize_nvfp4(q) - wf).abs()
     assert bool((err <= bound * (1 + 1e-6)).all()), f"{what}: error {float((err - bound).max())} past the bound"
@@ -133,7 +136,9 @@ def test_sharded_output_matches_single_shard(sources, tmp_path):
     convert_checkpoint(src_dir, tmp_path / "many", ConvertOptions(max_shard_bytes=40_000), progress=False)
     assert len(list((tmp_path / "many").glob("model-*-of-*.safetensors"))) > 3
     one, many = read_all(tmp_path / "one"), read_all(tmp_path / "many")
-    assert one.keys() == many.keys() and all(torch.equal(one[k].view(torch.uint8), many[k].view(torch.uint8)) for k in one if one[k].dim())
+    assert one.keys() == many.keys() and all(
+        torch.equal(one[k].view(torch.uint8), many[k].view(torch.uint8)) for k in one if one[k].dim()
+    )
 
 
 def test_deterministic_bytes(sources, tmp_path):
@@ -155,7 +160,9 @@ def test_cuda_bytes_match_cpu(sources, tmp_path):
         a, b = cpu[name], cuda[name]
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         differ = (a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum().item()
-        assert differ == 0, f"{name}: {differ} bytes differ between CPU and CUDA, e.g. {a.flatten()[:4]} vs {b.flatten()[:4]}"
+        assert differ == 0, (
+            f"{name}: {differ} bytes differ between CPU and CUDA, e.g. {a.flatten()[:4]} vs {b.flatten()[:4]}"
+        )
     files = sorted(p.name for p in (tmp_path / "cpu").glob("*.safetensors"))
     assert all((tmp_path / "cpu" / f).read_bytes() == (tmp_path / "cuda" / f).read_bytes() for f in files)
 
@@ -215,7 +222,9 @@ def test_compressed_tensors_output(sources, tmp_path):
     convert_checkpoint(src_dir, tmp_path / "out", options, progress=False)
     src, out = read_all(src_dir), read_all(tmp_path / "out")
     module = "model.layers.0.mlp.experts.1.down_proj"
-    q = NVFP4Tensor(out[f"{module}.weight_packed"], out[f"{module}.weight_scale"], 1.0 / out[f"{module}.weight_global_scale"])
+    q = NVFP4Tensor(
+        out[f"{module}.weight_packed"], out[f"{module}.weight_scale"], 1.0 / out[f"{module}.weight_global_scale"]
+    )
     assert_within_bound(src[f"{module}.weight"], q, module)
     assert f"{module}.weight" not in out and not (tmp_path / "out" / "hf_quant_config.json").exists()
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
@@ -336,8 +345,11 @@ def test_nemotron_h_non_gated_experts(family_sources, tmp_path, convention):
     src, out = read_all(src_dir), read_all(tmp_path / "out")
     moe_layers = [n for n, kind in enumerate(tiny_config("nemotron_h").layers_block_type) if kind == "moe"]
     assert summary.quantized_modules == len(moe_layers) * EXPERTS * 2
-    names = ("weight_packed", "weight_scale", "weight_global_scale") if convention is Convention.COMPRESSED_TENSORS else (
-        "weight", "weight_scale", "weight_scale_2")
+    names = (
+        ("weight_packed", "weight_scale", "weight_global_scale")
+        if convention is Convention.COMPRESSED_TENSORS
+        else ("weight", "weight_scale", "weight_scale_2")
+    )
     for layer in moe_layers:
         for e in range(EXPERTS):
             for proj in ("up_proj", "down_proj"):
@@ -363,10 +375,18 @@ def _edit(src: Path, dst: Path, fn) -> Path:
 def test_nemotron_h_expert_with_a_gate_or_without_up_is_refused(family_sources, tmp_path):
     src_dir = family_sources["nemotron_h"]
     expert = "backbone.layers.1.mixer.experts.2"
-    gated = _edit(src_dir, tmp_path / "gated", lambda t: {**t, f"{expert}.gate_proj.weight": t[f"{expert}.up_proj.weight"].clone()})
-    with pytest.raises(ConversionError, match=rf"{expert}: {expert}.gate_proj.weight: model_type nemotron_h has non-gated"):
+    gated = _edit(
+        src_dir,
+        tmp_path / "gated",
+        lambda t: {**t, f"{expert}.gate_proj.weight": t[f"{expert}.up_proj.weight"].clone()},
+    )
+    with pytest.raises(
+        ConversionError, match=rf"{expert}: {expert}.gate_proj.weight: model_type nemotron_h has non-gated"
+    ):
         convert_checkpoint(gated, tmp_path / "out", progress=False)
-    no_up = _edit(src_dir, tmp_path / "no-up", lambda t: {k: v for k, v in t.items() if k != f"{expert}.up_proj.weight"})
+    no_up = _edit(
+        src_dir, tmp_path / "no-up", lambda t: {k: v for k, v in t.items() if k != f"{expert}.up_proj.weight"}
+    )
     with pytest.raises(ConversionError, match=rf"{expert}: expert has no \['up'\] projection"):
         convert_checkpoint(no_up, tmp_path / "out", progress=False)
 

@@ -4,6 +4,7 @@ correct conversion with a warning.  Sources are tiny synthetic BF16 Mixtral-styl
 
 Tolerances: none; stacked orientations must give byte-identical output.
 """
+
 from __future__ import annotations
 
 import errno
@@ -105,6 +106,7 @@ def _duplicate(root: Path) -> None:
 
 def _moved(root: Path) -> None:
     """The index names one shard, the tensor sits in the other."""
+
     def edit(index: dict) -> dict:
         name, shard = next(iter(index["weight_map"].items()))
         index["weight_map"][name] = next(s for s in set(index["weight_map"].values()) if s != shard)
@@ -149,20 +151,42 @@ def _transposed_per_expert(root: Path) -> None:
 
 # (why, corruption of a 2-shard source, what the ConversionError must say)
 BAD_SOURCES = [
-    ("config.json is a list", lambda r: (r / "config.json").write_text("[1, 2]"), r"config.json: expected a JSON object, got list"),
-    ("index is a string", lambda r: (r / "model.safetensors.index.json").write_text('"x"'), r"index.json: expected a JSON object"),
-    ("index shard is a number", lambda r: _edit_index(r, lambda i: {**i, "weight_map": {**i["weight_map"], "x": 3}}),
-     r"weight_map entry 'x' -> 3 is not a shard file name"),
-    ("index shard escapes the directory", lambda r: _edit_index(r, lambda i: {"weight_map": {k: "../" + v for k, v in i["weight_map"].items()}}),
-     r"is not a shard file name"),
+    (
+        "config.json is a list",
+        lambda r: (r / "config.json").write_text("[1, 2]"),
+        r"config.json: expected a JSON object, got list",
+    ),
+    (
+        "index is a string",
+        lambda r: (r / "model.safetensors.index.json").write_text('"x"'),
+        r"index.json: expected a JSON object",
+    ),
+    (
+        "index shard is a number",
+        lambda r: _edit_index(r, lambda i: {**i, "weight_map": {**i["weight_map"], "x": 3}}),
+        r"weight_map entry 'x' -> 3 is not a shard file name",
+    ),
+    (
+        "index shard escapes the directory",
+        lambda r: _edit_index(r, lambda i: {"weight_map": {k: "../" + v for k, v in i["weight_map"].items()}}),
+        r"is not a shard file name",
+    ),
     ("tensor in two shards", _duplicate, r"w2.weight: in two shards"),
     ("index names the other shard", _moved, r"index.json names shard model-0000\d-of-00002.safetensors, but it is in"),
     ("symlink loop", _symlink_loop, r"config.json: cannot stat .*symlink loop"),
     ("FIFO as config.json", lambda r: _fifo(r / "config.json"), r"config.json: not a regular file"),
-    ("FIFO as a shard", lambda r: _fifo(r / "model-00002-of-00002.safetensors"), r"00002.safetensors: not a regular file"),
+    (
+        "FIFO as a shard",
+        lambda r: _fifo(r / "model-00002-of-00002.safetensors"),
+        r"00002.safetensors: not a regular file",
+    ),
     ("FIFO beside the weights", lambda r: _fifo(r / "tokenizer.json"), r"tokenizer.json: not a regular file"),
     ("zero experts", _restack(_zero_experts), r"experts.down_proj: shape \(0, 64, 32\) holds zero experts"),
-    ("stacked shape fits neither orientation", _restack(_wrong_stacked_shape), r"down_proj: shape \(2, 64, 48\) fits neither"),
+    (
+        "stacked shape fits neither orientation",
+        _restack(_wrong_stacked_shape),
+        r"down_proj: shape \(2, 64, 48\) fits neither",
+    ),
     ("stacked without sizes in config", _restack(lambda t: None, {"model_type": "mixtral"}), r"no hidden_size"),
     ("per-expert weight stored transposed", _transposed_per_expert, r"w1.weight: shape \(64, 32\) is the transpose"),
 ]
@@ -223,7 +247,11 @@ def test_output_permissions_subdirectories_and_warnings(gen, tmp_path):
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.endswith(".safetensors")) == [
-        "config.json", "hf_quant_config.json", "model.safetensors.index.json", "tokenizer.json"]
+        "config.json",
+        "hf_quant_config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
     assert summary.left_out == ("original",)
     text = "\n".join(summary.warnings)
     assert "model.embed_tokens.weight: copied unchanged with 1 NaN values" in text

@@ -5,6 +5,7 @@ cut to a count; ``moe-nvfp4 --version``.
 
 Tolerances: none (refusals, file modes and messages).
 """
+
 from __future__ import annotations
 
 import os

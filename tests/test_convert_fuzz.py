@@ -4,6 +4,7 @@ named errors (ConversionError; inspect turns CheckpointError into reported probl
 
 Tolerances: none.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,19 +37,26 @@ plausible_config = st.fixed_dictionaries(
     {"hidden_size": st.sampled_from([32, 32, 64]) | sizes, "intermediate_size": st.sampled_from([16, 16, 32]) | sizes},
     optional={"num_local_experts": st.integers(-1, 4), "model_type": st.sampled_from(["mixtral", "gpt_oss"])},
 )
-configs = plausible_config | plausible_config | json_values | st.fixed_dictionaries(
-    {},
-    optional={
-        "hidden_size": sizes | json_values,
-        "intermediate_size": sizes,
-        "moe_intermediate_size": sizes,
-        "num_local_experts": sizes | json_values,
-        "model_type": st.sampled_from(["mixtral", "gpt_oss", "llama4"]) | json_values,
-        "text_config": json_values,
-        "quantization_config": json_values
-        | st.fixed_dictionaries({"quant_method": st.sampled_from(["modelopt", "compressed-tensors"]) | json_values},
-                                optional={"quant_algo": json_values, "config_groups": json_values, "moe_nvfp4": json_values}),
-    },
+configs = (
+    plausible_config
+    | plausible_config
+    | json_values
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "hidden_size": sizes | json_values,
+            "intermediate_size": sizes,
+            "moe_intermediate_size": sizes,
+            "num_local_experts": sizes | json_values,
+            "model_type": st.sampled_from(["mixtral", "gpt_oss", "llama4"]) | json_values,
+            "text_config": json_values,
+            "quantization_config": json_values
+            | st.fixed_dictionaries(
+                {"quant_method": st.sampled_from(["modelopt", "compressed-tensors"]) | json_values},
+                optional={"quant_algo": json_values, "config_groups": json_values, "moe_nvfp4": json_values},
+            ),
+        },
+    )
 )
 
 
@@ -75,7 +83,9 @@ def shard_bytes(draw: st.DrawFn) -> tuple[bytes, list[str]]:
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}
         offset = max(offset, end)
     if draw(st.booleans()):
-        header["__metadata__"] = draw(st.dictionaries(st.text(max_size=4), st.text(max_size=4) | json_values, max_size=2))
+        header["__metadata__"] = draw(
+            st.dictionaries(st.text(max_size=4), st.text(max_size=4) | json_values, max_size=2)
+        )
     text = json.dumps(header).encode()
     if draw(st.integers(0, 19)) == 0:
         text = text[: draw(st.integers(0, len(text)))]
@@ -96,7 +106,9 @@ def checkpoints(draw: st.DrawFn) -> dict[str, bytes]:
     weight_map = {t: name for name, (_, tensors) in zip(shard_names, shards) for t in tensors}  # as written
     kind = draw(st.sampled_from(["as written", "as written", "drawn", "raw"]))
     if kind == "drawn":
-        weight_map = draw(st.dictionaries(st.sampled_from(NAMES), st.sampled_from(shard_names) | json_values, max_size=6))
+        weight_map = draw(
+            st.dictionaries(st.sampled_from(NAMES), st.sampled_from(shard_names) | json_values, max_size=6)
+        )
     obj = {"weight_map": weight_map} if kind != "raw" else draw(json_values)
     files["model.safetensors.index.json"] = json.dumps(obj).encode()
     return files

@@ -7,6 +7,7 @@ gate/up interleave and w2 padding, the padded token-sorted rows (128-aligned exp
 pair exactly once, empty experts, expert map -1), the tile walk covering every expert's rows exactly once,
 and the per-expert pointer arrays of both GEMMs.
 """
+
 from __future__ import annotations
 
 import re

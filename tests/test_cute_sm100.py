@@ -7,6 +7,7 @@ expects (the four TMA boxes), scales copied to TMEM, the TMEM allocation, the pe
 the epilogue's TMEM loads and output conversion.  The host side (operand and scale layouts as CuTe sees
 them, the tile walk, the plan) is checked against ``layouts.py`` and the Triton path's metadata.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,7 +80,7 @@ def _operands(ptx_text: str, instruction: str) -> list[list[str]]:
     rows = []
     for line in ptx_text.splitlines():
         if line.strip().startswith(instruction):
-            rows.append([x.strip(" []") for x in line.strip().rstrip(";")[len(instruction):].split(",")])
+            rows.append([x.strip(" []") for x in line.strip().rstrip(";")[len(instruction) :].split(",")])
     return rows
 
 
@@ -151,7 +152,11 @@ def test_scales_and_accumulators_live_in_tmem(ptx: dict[str, str], variant: Grou
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_epilogue_converts_to_the_output_dtype(ptx: dict[str, str], variant: GroupedW4A4Variant) -> None:
     text = ptx[variant.name]
-    want, other = ("cvt.rn.f16.f32", "cvt.rn.bf16.f32") if variant.out_dtype == torch.float16 else ("cvt.rn.bf16.f32", "cvt.rn.f16.f32")
+    want, other = (
+        ("cvt.rn.f16.f32", "cvt.rn.bf16.f32")
+        if variant.out_dtype == torch.float16
+        else ("cvt.rn.bf16.f32", "cvt.rn.f16.f32")
+    )
     assert want in text and other not in text
     assert "st.global.b16" in text
 

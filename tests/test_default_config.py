@@ -2,6 +2,7 @@
 
 No tolerances: everything here is exact (configs, token bounds, file choice).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,8 +102,17 @@ def test_default_is_valid_on_every_zoo_shape(shape) -> None:
         assert s.accepts(cfg), (t, cfg)
 
 
-@pytest.mark.parametrize("e,k,h,i", [(1, 1, 16, 16), (7, 3, 48, 80), (1024, 16, 7168, 2048), (60, 4, 1008, 1360),
-                                     (256, 8, 7168, 256), (32, 4, 16, 65536 - 16)])
+@pytest.mark.parametrize(
+    "e,k,h,i",
+    [
+        (1, 1, 16, 16),
+        (7, 3, 48, 80),
+        (1024, 16, 7168, 2048),
+        (60, 4, 1008, 1360),
+        (256, 8, 7168, 256),
+        (32, 4, 16, 65536 - 16),
+    ],
+)
 def test_default_is_valid_on_odd_shapes(e: int, k: int, h: int, i: int) -> None:
     for t in (1, 2, 3, 5, 9, 33, 129, 1025, 5000):
         cfg = default_config(t, e, k, h, i)
@@ -156,7 +166,11 @@ def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
     SMs runs one program per SM with a deeper ring; where they fill the SMs, two programs with the plain one.
     GEMM2's 128-row tiles do not change that count (DECODE_GEMM2_BLOCK_N)."""
     glm_tp8, mixtral_ep8 = layer(zoo_shape("glm-4.5-tp8")), layer(zoo_shape("mixtral-8x22b-ep8"))
-    assert glm_tp8.decode_tiles(4, glm_tp8.intermediate, 8, 64) < 132 <= glm_tp8.decode_tiles(16, glm_tp8.intermediate, 8, 64)
+    assert (
+        glm_tp8.decode_tiles(4, glm_tp8.intermediate, 8, 64)
+        < 132
+        <= glm_tp8.decode_tiles(16, glm_tp8.intermediate, 8, 64)
+    )
 
     def gemms(s: LayerShape, t: int, sm: int = 132) -> tuple[GemmConfig, GemmConfig]:
         cfg = default_config(t, s.experts, s.top_k, s.hidden, s.intermediate, global_experts=s.global_experts,
@@ -170,7 +184,9 @@ def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
     g1, g2 = gemms(glm_tp8, 4)  # ~30 busy experts x 3 tiles of I = 192; x 80 tiles of H
     assert deep(g1) and not deep(g2) and g2.programs_per_sm == 2
     assert not any(deep(g) for g in gemms(glm_tp8, 16))
-    assert not deep(gemms(glm_tp8, 4, sm=78)[0]) and deep(gemms(glm_tp8, 4, sm=100)[0])  # 89 tiles: the SM count decides
+    assert not deep(gemms(glm_tp8, 4, sm=78)[0]) and deep(
+        gemms(glm_tp8, 4, sm=100)[0]
+    )  # 89 tiles: the SM count decides
     g1, g2 = gemms(mixtral_ep8, 16)  # one local expert of 8: 256 tiles of I, 96 of H
     assert not deep(g1) and deep(g2)
 
@@ -230,8 +246,11 @@ def test_measured_entries_come_before_the_file_and_the_file_before_the_default(f
     s = LayerShape(8, 2, 256, 256)
     assert select_config(1, s, H200) == SMALL and select_config(17, s, H200) == LARGE
     assert select_config(99999, s, H200) == LARGE  # past every entry: the largest
-    for other in (LayerShape(8, 1, 256, 256), LayerShape(8, 2, 256, 256, "float16"),
-                  LayerShape(8, 2, 256, 256, global_experts=16)):  # top-k, dtype, expert parallelism differ
+    for other in (
+        LayerShape(8, 1, 256, 256),
+        LayerShape(8, 2, 256, 256, "float16"),
+        LayerShape(8, 2, 256, 256, global_experts=16),
+    ):  # top-k, dtype, expert parallelism differ
         assert select_config(1, other, H200) == default_config(1, other.experts, other.top_k, 256, 256,
                                                                global_experts=other.global_experts)  # fmt: skip
     register_entries(H200, [_entry(LARGE, 8)])
@@ -284,5 +303,3 @@ def test_expert_parallel_shapes_size_the_pair_presets_by_their_local_pairs(fresh
     # Qwen3-235B EP2 expects 4 pairs, 256 tiles of H: 64-row tiles, where the whole layer's 8 take 128-row ones
     assert select_config(1, layer(zoo_shape("qwen3-235b-a22b-ep2")), H200).gemm2.block_n == 64
     assert select_config(1, layer(zoo_shape("qwen3-235b-a22b")), H200).gemm2.block_n == 128
-
-

@@ -1,5 +1,6 @@
 """`moe-nvfp4 demo` on the CPU end to end, its argument handling, and its choice of device (a GPU absent; present,
 supported or not, through mocks of torch.cuda)."""
+
 from __future__ import annotations
 
 import re
@@ -57,8 +58,8 @@ def test_readme_cpu_sample_is_what_the_demo_prints():
     """Issue 54: the README showed numbers no run with its seed gave.  Its block after "What `moe-nvfp4 demo` prints"
     must be the demo's output line for line (the timing line aside)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme[readme.index("What `moe-nvfp4 demo` prints"):]
-    block = block[block.index("```\n") + 4:]
+    block = readme[readme.index("What `moe-nvfp4 demo` prints") :]
+    block = block[block.index("```\n") + 4 :]
     sample = block[: block.index("```")].rstrip().splitlines()
     out = demo.run_reference_demo(seed=0).splitlines()
     assert len(sample) == len(out) and sample[-1].startswith("quantize ") and out[-1].startswith("quantize ")
@@ -127,7 +128,7 @@ def test_no_gpu_auto_runs_the_reference_and_cuda_is_refused(capsys, monkeypatch,
 def test_an_sm90_gpu_runs_the_kernel_on_the_default_model(monkeypatch, runs):
     fake_gpu(monkeypatch, available=True)
     assert main(["demo"]) == 0
-    (kind, key, shape, kw), = runs
+    ((kind, key, shape, kw),) = runs
     assert (kind, key, kw) == ("gpu", "qwen3-30b-a3b", {"tokens": 64, "seed": 0})
     assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter) == (128, 8, 2048, 768)
 

@@ -7,6 +7,7 @@ archive or deleted must fail here, not leave a dangling name in docs/design/.  E
 one as a glob, relative to one of the bases below (records write `ab_x.jsonl.gz` for
 benchmarks/results/archive/ab_x...) or to a folder named before it in the same record (`zoo/` then `models/`).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASES = (ROOT, ROOT / "benchmarks" / "results", ROOT / "benchmarks" / "results" / "archive", ROOT / "benchmarks",
-         ROOT / "moe_nvfp4", ROOT / "docs" / "design")
-DOCS = sorted((ROOT / "docs" / "design").glob("*.md")) + [ROOT / "benchmarks" / "results" / name
-                                                         for name in ("README.md", "probes_2026-11.md")] + [
-    ROOT / "benchmarks" / "README.md", ROOT / "tools" / "README.md"]
+BASES = (
+    ROOT,
+    ROOT / "benchmarks" / "results",
+    ROOT / "benchmarks" / "results" / "archive",
+    ROOT / "benchmarks",
+    ROOT / "moe_nvfp4",
+    ROOT / "docs" / "design",
+)
+DOCS = (
+    sorted((ROOT / "docs" / "design").glob("*.md"))
+    + [ROOT / "benchmarks" / "results" / name for name in ("README.md", "probes_2026-11.md")]
+    + [ROOT / "benchmarks" / "README.md", ROOT / "tools" / "README.md"]
+)
 DATA_ENDINGS = (".gz", ".jsonl", ".json", ".md", ".csv", ".txt", ".png", ".log")
 CONFIG_FILES = sorted((ROOT / "configs").glob("*/*.json"))
 DATE = re.compile(r"^2026-\d\d-\d\d$")

@@ -1,4 +1,5 @@
 """tests/helpers_engine.py: results taken as soon as written, hung or failed engines handled (CPU)."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers_engine import process_stat, run_until_written  # noqa: E402
 
 # What cuda-gdb 13 printed for a TP=2 worker stuck in vLLM's KV-cache write (H100, 2026-11-25), trimmed.
-STUCK_ROW = ("*      0      -   1 31314 Active 0x03f0000000000000000000000000000000 (8,1,1) (16,1,1) "
-             "vllm::reshape_and_cache_flash_kernel()")
+STUCK_ROW = (
+    "*      0      -   1 31314 Active 0x03f0000000000000000000000000000000 (8,1,1) (16,1,1) "
+    "vllm::reshape_and_cache_flash_kernel()"
+)
 CUDA_GDB_STUCK = f"""Thread 1 "VLLM::Worker_TP" stopped.
 0x0000002bdd8c3d20 in void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>(...)<<<(8,1,1),(16,1,1)>>> ()
   Kernel Parent Dev Grid Status                             SMs Mask GridDim BlockDim Invocation
@@ -67,8 +70,10 @@ def test_clean_exit(tmp_path: Path) -> None:
 def test_hang_after_writing_is_killed_with_a_warning(tmp_path: Path) -> None:
     out, pid_file = tmp_path / "r.json", tmp_path / "child.pid"
     # the engine forks a worker (same process group) and then never exits
-    code = (f"import os, time, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); {_write(out)}; time.sleep(600)")
+    code = (
+        f"import os, time, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); {_write(out)}; time.sleep(600)"
+    )
     start = time.monotonic()
     with pytest.warns(UserWarning, match="did not exit within 1 s"):
         run_until_written(_python(code), dict(os.environ), out, tag="hang", timeout_s=60, exit_grace_s=1)
@@ -96,8 +101,10 @@ def test_hang_without_results_names_the_resident_kernels(tmp_path: Path, fake_cu
     """Every live process of the engine's group (here the engine and its worker) is asked; only kernel rows
     of cuda-gdb's answer reach the failure, each under its pid."""
     out, pid_file = tmp_path / "r.json", tmp_path / "child.pid"
-    code = (f"import time, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(600)")
+    code = (
+        f"import time, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(600)"
+    )
     with pytest.raises(pytest.fail.Exception) as failure:
         run_until_written(_python(code), dict(os.environ), out, tag="stuck", timeout_s=3, exit_grace_s=5)
     message = str(failure.value)

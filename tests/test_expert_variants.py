@@ -7,6 +7,7 @@ that the CPU ``fused_moe`` (the custom op) is the reference.  Bounds: hand cases
 float64 expectation); identities between two reference runs 1e-5 of the output's scale (float32 summation
 order); the CPU op equals the reference exactly (same function).
 """
+
 from __future__ import annotations
 
 import math

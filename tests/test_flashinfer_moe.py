@@ -3,6 +3,7 @@ and, byte for byte, against FlashInfer's own Python-side permutation helpers (ru
 ``import flashinfer`` needs a CUDA build of torch); the round trip back to our format; the forward through
 the API (the reference on the unpacked weights); the arguments handed to FlashInfer, with FlashInfer mocked at
 its boundary.  Layouts are exact: bytes compared with ``torch.equal``."""
+
 from __future__ import annotations
 
 import ast
@@ -25,6 +26,7 @@ def prepare_moe_weights_flashinfer(w13: m.NVFP4Tensor, w2: m.NVFP4Tensor, *, exp
     """The FlashInfer layout whatever the device (the API packs in it only where dispatch picks FlashInfer)."""
     return api._packed(w13, w2, FlashInferLayout(expert_offset=expert_offset))
 
+
 # TRT-LLM-gen's srcToDstBlk32RowMap, as printed in its source: old row r of a 32-row block goes to row MAP[r].
 BLK32_MAP = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
              4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]  # fmt: skip
@@ -32,6 +34,7 @@ BLK32_MAP = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
 
 def _experts(gen: torch.Generator, e: int, h: int, i: int) -> tuple[m.NVFP4Tensor, m.NVFP4Tensor]:
     """Checkpoint tensors with every FP4 code and random e4m3 scales; gate and up with different globals."""
+
     def rand(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
         scales = (torch.rand(e, n, k // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn)
@@ -57,7 +60,11 @@ def test_round_trip_and_padding(gen, e, h, i) -> None:
     w13, w2 = _experts(gen, e, h, i)
     packed = prepare_moe_weights_flashinfer(w13, w2)
     i_pad, h_pad = -(-i // 64) * 64, -(-h // 256) * 256
-    assert packed.w13_packed.shape == (e, 2 * i_pad, h_pad // 2) and packed.w13_scale.shape == (e, 2 * i_pad, h_pad // 16)
+    assert packed.w13_packed.shape == (e, 2 * i_pad, h_pad // 2) and packed.w13_scale.shape == (
+        e,
+        2 * i_pad,
+        h_pad // 16,
+    )
     assert packed.w2_packed.shape == (e, h_pad, i_pad // 2) and packed.w2_scale.shape == (e, h_pad, i_pad // 16)
     assert packed.w13_scale.dtype == packed.w2_scale.dtype == torch.float8_e4m3fn
     back13, back2 = packed.to_nvfp4()
@@ -156,7 +163,9 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
     def fp4_quantize(x, global_scale, sf_vec_size, sf_use_ue8m0, is_sf_swizzled_layout):
         calls["quantize"] = dict(x=x, global_scale=global_scale, sf_vec_size=sf_vec_size, ue8m0=sf_use_ue8m0,
                                  swizzled=is_sf_swizzled_layout)  # fmt: skip
-        return torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8), torch.zeros(x.shape[0] * x.shape[1] // 16, dtype=torch.uint8)
+        return torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8), torch.zeros(
+            x.shape[0] * x.shape[1] // 16, dtype=torch.uint8
+        )
 
     def routed_moe(**kwargs):
         calls["moe"] = kwargs
@@ -179,10 +188,16 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
     q = calls["quantize"]
     assert q["x"].dtype == torch.bfloat16 and q["x"].shape == (t, 256)
     assert torch.equal(q["x"][:, :h], x.bfloat16()) and not q["x"][:, h:].any()
-    assert torch.equal(q["global_scale"], 1.0 / a13) and (q["sf_vec_size"], q["ue8m0"], q["swizzled"]) == (16, False, False)
+    assert torch.equal(q["global_scale"], 1.0 / a13) and (q["sf_vec_size"], q["ue8m0"], q["swizzled"]) == (
+        16,
+        False,
+        False,
+    )
     k = calls["moe"]
     ids, weights_bf16 = k["topk_ids"]
-    assert ids.dtype == torch.int32 and torch.equal(ids, ti.to(torch.int32)) and torch.equal(weights_bf16, tw.bfloat16())
+    assert (
+        ids.dtype == torch.int32 and torch.equal(ids, ti.to(torch.int32)) and torch.equal(weights_bf16, tw.bfloat16())
+    )
     assert k["hidden_states_scale"].dtype == torch.float8_e4m3fn and k["hidden_states_scale"].shape == (t, 16)
     for name, tensor in (("gemm1_weights", weights.w13_packed), ("gemm1_weights_scale", weights.w13_scale),
                          ("gemm2_weights", weights.w2_packed), ("gemm2_weights_scale", weights.w2_scale)):  # fmt: skip

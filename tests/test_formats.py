@@ -3,6 +3,7 @@
 The expected values are written out here (code table, midpoints) or computed by an independent rounding
 rule (``ref_round_e2m1``: round-half-even on the 0.5 / 1 / 2 sub-grids), never by the code under test.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,14 +45,13 @@ CODE_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 MAGNITUDES = CODE_VALUES[:8]
 
 
-
 def ref_round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Independent e2m1 rounding: nearest on the sub-grids 0.5 (< 2), 1 (< 4), 2 (< 6), ties to the even
     multiple (= even code), saturating at 6.  Returns float64 values with the sign of x (-0 kept)."""
     m = x.double().abs()
-    r = torch.where(
-        m < 2, torch.round(m * 2) / 2, torch.where(m < 4, torch.round(m), torch.round(m / 2) * 2)
-    ).clamp(max=6.0)
+    r = torch.where(m < 2, torch.round(m * 2) / 2, torch.where(m < 4, torch.round(m), torch.round(m / 2) * 2)).clamp(
+        max=6.0
+    )
     return torch.where(torch.signbit(x), -r, r)
 
 

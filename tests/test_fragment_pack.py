@@ -3,6 +3,7 @@ the torch twin's bytes (``FragmentLayout.pack``) exactly, alone and inside ``Sm9
 ``reuse_input_memory`` packs into the checkpoint tensors' own memory where the layout adds no padding, with the
 same bytes as a fresh packing.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,7 +77,7 @@ def test_kernel_gives_the_twins_bytes(e: int, i: int, h: int, seed: int) -> None
 
 def _checkpoint(e: int, i: int, h: int, gen: torch.Generator) -> tuple[m.NVFP4Tensor, m.NVFP4Tensor]:
     w13 = torch.randn(e, 2 * i, h, generator=gen)
-    w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6])  # every code
+    w13[..., :16] = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6])  # every code
     return m.quantize_nvfp4(w13, segments=2), m.quantize_nvfp4(torch.randn(e, h, i, generator=gen))
 
 
@@ -102,8 +103,9 @@ def test_reuse_input_memory_packs_the_same_bytes_into_the_inputs(i: int, h: int,
         assert (packed.data_ptr() == q.packed.data_ptr()) == in_place
         assert (scale.data_ptr() == q.block_scale.data_ptr()) == in_place
         if not in_place:
-            assert torch.equal(q.packed, orig.packed) and torch.equal(q.block_scale.view(torch.uint8),
-                                                                       orig.block_scale.view(torch.uint8))
+            assert torch.equal(q.packed, orig.packed) and torch.equal(
+                q.block_scale.view(torch.uint8), orig.block_scale.view(torch.uint8)
+            )
     out = m.fused_moe(torch.randn(5, h, generator=gen).half(), reused, torch.rand(5, 2, generator=gen),
                       torch.randint(0, 3, (5, 2), generator=gen))  # fmt: skip
     assert torch.isfinite(out).all()

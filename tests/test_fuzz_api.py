@@ -15,6 +15,7 @@ Tolerances, ||out - ref|| / ||ref|| over the finite rows, against the float64 re
                                           the interpreter truncates to bf16)
   quantize_activations: the twin's bytes exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -212,13 +213,18 @@ def check_quantize_activations(c: dict, device: str) -> None:
 def grouped_cases(draw) -> dict:
     groups = draw(st.integers(1, 3))
     return dict(
-        sizes=[(draw(st.integers(0, 40)), draw(st.integers(1, 40)), 16 * draw(st.integers(1, 9)))
-               for _ in range(groups)],
+        sizes=[
+            (draw(st.integers(0, 40)), draw(st.integers(1, 40)), 16 * draw(st.integers(1, 9))) for _ in range(groups)
+        ],
         swizzled=draw(st.lists(st.booleans(), min_size=2 * groups, max_size=2 * groups)),
         alpha=draw(st.booleans()),
         out_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
-        mutation=draw(st.sampled_from([None] * 4 + ["scale rows", "scale NaN", "scale negative", "global 0",
-                                                    "global NaN", "K differs", "int8 packed"])),  # fmt: skip
+        mutation=draw(
+            st.sampled_from(
+                [None] * 4
+                + ["scale rows", "scale NaN", "scale negative", "global 0", "global NaN", "K differs", "int8 packed"]
+            )
+        ),  # fmt: skip
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -268,8 +274,13 @@ def check_grouped_gemm(c: dict, device: str, launch_plan: bool) -> None:
 
 def _property(strategy, check, seed: int, examples: int):
     """``check`` over ``examples`` draws of ``strategy``, seeded: the failing case is printed with its blob."""
-    run = settings(max_examples=examples, deadline=None, database=None, print_blob=True,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])(given(strategy)(check))
+    run = settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )(given(strategy)(check))
     return hypothesis_seed(seed)(run)
 
 

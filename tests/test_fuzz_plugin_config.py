@@ -9,6 +9,7 @@ runs under each supported vLLM release.
 
 Tolerances: none (parsing only).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,7 +26,14 @@ from moe_nvfp4.convert.quant_config import QuantConfigError, check_quantization_
 EXAMPLES = 300  # the check alone: about 1 ms an example
 EXAMPLES_VLLM = 80  # through vLLM's parsers (test_vllm_plugin.py): about 10 ms an example
 
-FP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True, "dynamic": False}
+FP4 = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "symmetric": True,
+    "dynamic": False,
+}
 MODELOPT = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16, "kv_cache_scheme": None,
             "ignore": ["lm_head", "re:.*mlp\\.gate$"], "producer": {"name": "moe_nvfp4", "version": "0.1.0"}}  # fmt: skip
 HF_QUANT = {"producer": {"name": "modelopt", "version": "0.29.0"}, "quant_method": "modelopt_fp4",

@@ -3,6 +3,7 @@ reference.  Bounds: where every product and sum is exact in float32 (helpers_w4a
 bit for bit and bf16 output within one bf16 ulp (the interpreter truncates float32 -> bf16; the GPU tier
 checks bf16 bit for bit); on quantized random data ||out - ref|| / ||ref|| < 2e-3 (fp16) or 8e-3 (bf16,
 truncated), from output rounding and float32 sums in another order."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ ops -> kernels -> format, with no cycle between modules and no kernel module imp
 Every import counts, also one inside a function or under ``TYPE_CHECKING``: a cycle that only a lazy import closes
 still ties the two modules together, and is how kernels came to import the API layer (issue 41).
 """
+
 from __future__ import annotations
 
 import ast
@@ -71,7 +72,7 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, {})):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -86,7 +87,8 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
 
 def _described(cycle: list[str], graph: dict[str, dict[str, int]], known: dict[str, Path]) -> str:
     return " -> ".join(f"{known[a].relative_to(ROOT)}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:])) + (
-        f" -> {known[cycle[-1]].relative_to(ROOT)}")
+        f" -> {known[cycle[-1]].relative_to(ROOT)}"
+    )
 
 
 def test_cycle_finder_sees_a_cycle_closed_inside_a_function(tmp_path: Path) -> None:
@@ -120,9 +122,12 @@ def test_kernels_never_import_the_layers_above_them() -> None:
     graph = import_graph(known)
     kernels = [m for m in graph if m.startswith(tuple(f"{p}." for p in KERNEL_PACKAGES))]
     assert len(kernels) >= 10, kernels
-    upward = [f"{known[m].relative_to(ROOT)}:{line} imports {target}"
-              for m in kernels for target, line in graph[m].items()
-              if target == "moe_nvfp4" or any(target == a or target.startswith(f"{a}.") for a in ABOVE_KERNELS)]
+    upward = [
+        f"{known[m].relative_to(ROOT)}:{line} imports {target}"
+        for m in kernels
+        for target, line in graph[m].items()
+        if target == "moe_nvfp4" or any(target == a or target.startswith(f"{a}.") for a in ABOVE_KERNELS)
+    ]
     assert not upward, "kernel modules import the layers above them:\n" + "\n".join(upward)
 
 
@@ -140,6 +145,10 @@ def test_the_modules_under_the_kernels_never_import_them() -> None:
             below.add(m)
             todo.extend(graph[m])
     assert {"moe_nvfp4.formats", "moe_nvfp4.layouts", "moe_nvfp4.weights", "moe_nvfp4.weight_layouts"} <= below
-    upward = [f"{known[m].relative_to(ROOT)}:{line} imports {target}"
-              for m in sorted(below - {"moe_nvfp4"}) for target, line in graph[m].items() if in_kernels(target)]
+    upward = [
+        f"{known[m].relative_to(ROOT)}:{line} imports {target}"
+        for m in sorted(below - {"moe_nvfp4"})
+        for target, line in graph[m].items()
+        if in_kernels(target)
+    ]
     assert not upward, "modules under the kernels import them:\n" + "\n".join(upward)

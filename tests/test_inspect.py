@@ -1,5 +1,6 @@
 """inspect on converted checkpoints: clean ones pass (exit 0), separate gate/up scales warn (exit 3), --fix shares
 them within its bound and refuses beyond it.  Every corruption is in test_validate.py (inspect, converter, loader)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,14 @@ from safetensors.torch import load_file, save_file
 
 from helpers_checkpoints import make_tiny_checkpoint
 from moe_nvfp4.cli import main
-from moe_nvfp4.convert import ConversionError, ConvertOptions, QuantSettings, convert_checkpoint, fix_checkpoint, inspect_checkpoint
+from moe_nvfp4.convert import (
+    ConversionError,
+    ConvertOptions,
+    QuantSettings,
+    convert_checkpoint,
+    fix_checkpoint,
+    inspect_checkpoint,
+)
 from moe_nvfp4.convert.inspect import FIX_MAX_RELATIVE_ERROR
 from moe_nvfp4.formats import NVFP4Tensor, dequantize_nvfp4
 
@@ -84,8 +92,12 @@ def test_fix_shares_gate_up_scale(converted, tmp_path):
     g, u = (float(after[f"{m}.weight_scale_2"]) for m in (GATE, UP))
     assert g == u == max(float(before[f"{GATE}.weight_scale_2"]), float(before[f"{UP}.weight_scale_2"]))
     for m in (GATE, UP):
-        old = dequantize_nvfp4(NVFP4Tensor(before[f"{m}.weight"], before[f"{m}.weight_scale"], before[f"{m}.weight_scale_2"]))
-        new = dequantize_nvfp4(NVFP4Tensor(after[f"{m}.weight"], after[f"{m}.weight_scale"], after[f"{m}.weight_scale_2"]))
+        old = dequantize_nvfp4(
+            NVFP4Tensor(before[f"{m}.weight"], before[f"{m}.weight_scale"], before[f"{m}.weight_scale_2"])
+        )
+        new = dequantize_nvfp4(
+            NVFP4Tensor(after[f"{m}.weight"], after[f"{m}.weight_scale"], after[f"{m}.weight_scale_2"])
+        )
         assert float(torch.linalg.vector_norm(new - old) / torch.linalg.vector_norm(old)) < FIX_MAX_RELATIVE_CHANGE
     down = "model.layers.0.mlp.experts.0.down_proj.weight"
     assert torch.equal(before[down], after[down]), "modules without problems are copied unchanged"

@@ -5,6 +5,7 @@ report sums up repeated gate/up warnings in one line.
 
 Tolerances: none (the checkpoints are valid NVFP4 and inspect reports facts).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ QUANT = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 
 ANSWER_WITHIN_S = 120
 
 
-def write_nvfp4(root: Path, gen: torch.Generator, ids: list[int], *, layers: int = 1, claimed: int | None = None) -> Path:
+def write_nvfp4(
+    root: Path, gen: torch.Generator, ids: list[int], *, layers: int = 1, claimed: int | None = None
+) -> Path:
     """A ModelOpt NVFP4 checkpoint of ``layers`` MoE layers with experts ``ids`` (gate/up quantized apart, so their
     global scales differ: a warning each); config.json claims ``claimed`` experts where given."""
     tensors = {}
@@ -60,7 +63,10 @@ def test_claimed_expert_count_is_never_looped_over(gen, tmp_path):
     run = _cli("inspect", str(root))
     assert run.returncode == 1, run.stderr
     layer = LAYER.format(0)
-    assert f"error: {layer}.2: missing: the checkpoint has 2 experts (0..1), config.json says 1000000000000 (num_experts)" in run.stdout
+    assert (
+        f"error: {layer}.2: missing: the checkpoint has 2 experts (0..1), config.json says 1000000000000 (num_experts)"
+        in run.stdout
+    )
 
 
 def test_largest_expert_id_is_never_looped_over(gen, tmp_path):
@@ -68,7 +74,10 @@ def test_largest_expert_id_is_never_looped_over(gen, tmp_path):
     root = write_nvfp4(tmp_path / "ckpt", gen, [0, 1, 10**12])
     run = _cli("inspect", str(root))
     assert run.returncode == 1, run.stderr
-    assert f"error: {LAYER.format(0)}.2: missing: expert ids have gaps, 3 experts with ids up to 1000000000000 (missing [2, 3, 4] ...)" in run.stdout
+    assert (
+        f"error: {LAYER.format(0)}.2: missing: expert ids have gaps, 3 experts with ids up to 1000000000000 (missing [2, 3, 4] ...)"
+        in run.stdout
+    )
 
 
 @pytest.mark.parametrize("ids, claimed, where, message", [
@@ -119,7 +128,9 @@ def test_huge_shard_under_a_memory_limit_is_one_clear_error(tmp_path):
                          text=True, timeout=ANSWER_WITHIN_S)  # fmt: skip
     assert run.returncode == 1, run.stderr[-3000:]
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "model.safetensors: cannot map the shard (68.7 GB) into memory" in lines[0], run.stderr[-3000:]
+    assert len(lines) == 1 and "model.safetensors: cannot map the shard (68.7 GB) into memory" in lines[0], run.stderr[
+        -3000:
+    ]
     assert "memory limit" in lines[0]
 
 
@@ -177,7 +188,9 @@ def test_many_errors_are_cut_to_a_count(gen, tmp_path, capsys):
     assert main(["inspect", str(root)]) == 1
     out = capsys.readouterr().out
     errors = [line for line in out.splitlines() if line.strip().startswith("error:")]
-    assert len(errors) == PROBLEMS_SHOWN and f"... and {24 - PROBLEMS_SHOWN} more (inspect --json lists every one)" in out
+    assert (
+        len(errors) == PROBLEMS_SHOWN and f"... and {24 - PROBLEMS_SHOWN} more (inspect --json lists every one)" in out
+    )
     assert main(["inspect", "--json", str(root)]) == 1
     assert sum(p["severity"] == "error" for p in json.loads(capsys.readouterr().out)["problems"]) == 24
 

@@ -7,6 +7,7 @@ compared with routing.plan_routing exactly.  Bound: ||out - ref|| / ||ref|| < 2e
 (fp16 rounding of x, of the SiLU*up intermediate and of the output); the same for every expert-MLP variant
 (activation, biases, router weight on the input: the reference rounds the scaled input as the kernel's pre-pass).
 """
+
 from __future__ import annotations
 
 import os
@@ -96,21 +97,37 @@ def test_kernel_matches_reference(e, k, h, i, t, use_map, low, pair, pps, seed: 
     _run_case([e, k, h, i, t, seed % 2**31, use_map, low, pair, pps, 16, 0, 0])
 
 
-@pytest.mark.parametrize("e,k,h,i,t,use_map", [
-    pytest.param(6, 2, 256, 128, 13, 0, id="8-token tiles: experts of 1-8+ tokens, several tiles each"),
-    pytest.param(5, 3, 144, 80, 9, 1, id="8-token tiles, expert map, K padded"),
-])
+@pytest.mark.parametrize(
+    "e,k,h,i,t,use_map",
+    [
+        pytest.param(6, 2, 256, 128, 13, 0, id="8-token tiles: experts of 1-8+ tokens, several tiles each"),
+        pytest.param(5, 3, 144, 80, 9, 1, id="8-token tiles, expert map, K padded"),
+    ],
+)
 def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) -> None:
     """block_m 8 (a Gluon-only config) where the Triton kernel runs it: tl.dot 8 wide."""
     _run_case([e, k, h, i, t, seed % 2**31, use_map, 0, 0, 1, 8, 0, 0])
 
 
-@pytest.mark.parametrize("e,k,h,i,t,use_map,pps,block_m,narrow", [
-    pytest.param(8, 2, 256, 128, 100, 0, 1, 64, 2,
-                 id="narrow 2 of 64: skewed experts (two tiles, 64/32/16-wide tiles, empty experts)"),
-    pytest.param(8, 2, 144, 80, 100, 1, 1, 32, 1, id="narrow 1 of 32: skewed experts, expert map, K padded"),
-    pytest.param(8, 2, 256, 128, 60, 0, 4, 32, 1, id="narrow 1 of 32, 8 programs over the tiles"),
-])
+@pytest.mark.parametrize(
+    "e,k,h,i,t,use_map,pps,block_m,narrow",
+    [
+        pytest.param(
+            8,
+            2,
+            256,
+            128,
+            100,
+            0,
+            1,
+            64,
+            2,
+            id="narrow 2 of 64: skewed experts (two tiles, 64/32/16-wide tiles, empty experts)",
+        ),
+        pytest.param(8, 2, 144, 80, 100, 1, 1, 32, 1, id="narrow 1 of 32: skewed experts, expert map, K padded"),
+        pytest.param(8, 2, 256, 128, 60, 0, 4, 32, 1, id="narrow 1 of 32, 8 programs over the tiles"),
+    ],
+)
 def test_narrow_tiles_match_reference(e, k, h, i, t, use_map, pps, block_m, narrow, seed: int) -> None:
     """GemmConfig.narrow_tiles in the Triton kernel: a tile of at most block_m / 2 (/ 4) rows runs its loads,
     MMAs and stores that narrow; skewed routing gives every width a tile."""
@@ -120,8 +137,9 @@ def test_narrow_tiles_match_reference(e, k, h, i, t, use_map, pps, block_m, narr
 def _run_case(args: list[int]) -> None:
     """SCRIPT under the interpreter with ``args`` (its argv); checks it against the reference bound."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL
 
@@ -161,8 +179,9 @@ ROUTE_SCRIPT = textwrap.dedent(
     pytest.param(3, 4, 400, 64, 0, 1, 7, id="1600 pairs on mostly one expert: its run over 7 chunks"),
     pytest.param(300, 2, 4500, 16, 0, 0, 18, id="E=300: 32 chunks at most, so 9000 pairs in 18 of 512"),
 ])  # fmt: skip
-def test_route_matches_plan(e: int, k: int, t: int, block_m: int, use_map: int, skew: int, chunks: int,
-                            seed: int) -> None:
+def test_route_matches_plan(
+    e: int, k: int, t: int, block_m: int, use_map: int, skew: int, chunks: int, seed: int
+) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     args = [str(v) for v in (e, k, t, block_m, seed % 2**31, use_map, skew)]
     proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT, *args], env=env, capture_output=True, text=True,

@@ -11,6 +11,7 @@ file was written by this module's ``--write`` on the code before the launch grou
 
     python tests/test_launch_groups.py --write
 """
+
 from __future__ import annotations
 
 import json
@@ -55,22 +56,49 @@ def _cases() -> dict[str, dict]:
                                pair_tiles=True)  # fmt: skip
     pairs = MoEKernelConfig(8, _ws(C.WS_DECODE, H, 8, True, loader_warps=2), _ws(C.WS_DECODE, I, 8, False,
                             loader_warps=2), pair_tiles=True)  # fmt: skip
-    decode8 = MoEKernelConfig(8, _ws(C.WS_DECODE_DEEP, H, 8, True, loader_warps=2),
-                              _ws(C.WS_DECODE, I, 8, False, loader_warps=2, block_n=C.DECODE_GEMM2_BLOCK_N))
-    narrow16 = MoEKernelConfig(16, _ws(C.WS_DECODE_WIDE, H, 16, True, narrow_tiles=1),
-                               _ws(C.WS_DECODE_WIDE, I, 16, False, narrow_tiles=1))
-    two_groups32 = MoEKernelConfig(32, _ws(C.WS_TWO_GROUPS, H, 32, True, narrow_tiles=1),
-                                   _ws(C.WS_ONE_GROUP, I, 32, False, narrow_tiles=1), partials_in_x_dtype=True)
-    mixed64 = MoEKernelConfig(64, _ws(C.WS_TWO_GROUPS, H, 64, True, narrow_tiles=2),
-                              _ws(C.TRITON_PREFILL, I, 64, False, narrow_tiles=2, max_registers=128))
-    prefill = MoEKernelConfig(128, _ws(C.TRITON_PREFILL, H, 128, True),
-                              _ws(dict(C.WS_TWO_GROUPS, num_stages=2, max_registers=None), I, 128, False))
-    triton_only = MoEKernelConfig(128, _ws(C.TRITON_PREFILL, H, 128, True), _ws(C.TRITON_PREFILL, I, 128, False),
-                                  partials_in_x_dtype=True)
-    relu2 = MoEKernelConfig(16, _ws(C.WS_DECODE_WIDE, H, 16, False, narrow_tiles=1),
-                            _ws(C.WS_DECODE_WIDE, I, 16, False, narrow_tiles=1))
-    base = dict(config=None, tokens=1, top_k=2, expert_map=False, variant="silu", rows=True, pdl=False,
-                dtype="bfloat16", hidden=H, intermediate=I, row_pad=0)
+    decode8 = MoEKernelConfig(
+        8,
+        _ws(C.WS_DECODE_DEEP, H, 8, True, loader_warps=2),
+        _ws(C.WS_DECODE, I, 8, False, loader_warps=2, block_n=C.DECODE_GEMM2_BLOCK_N),
+    )
+    narrow16 = MoEKernelConfig(
+        16, _ws(C.WS_DECODE_WIDE, H, 16, True, narrow_tiles=1), _ws(C.WS_DECODE_WIDE, I, 16, False, narrow_tiles=1)
+    )
+    two_groups32 = MoEKernelConfig(
+        32,
+        _ws(C.WS_TWO_GROUPS, H, 32, True, narrow_tiles=1),
+        _ws(C.WS_ONE_GROUP, I, 32, False, narrow_tiles=1),
+        partials_in_x_dtype=True,
+    )
+    mixed64 = MoEKernelConfig(
+        64,
+        _ws(C.WS_TWO_GROUPS, H, 64, True, narrow_tiles=2),
+        _ws(C.TRITON_PREFILL, I, 64, False, narrow_tiles=2, max_registers=128),
+    )
+    prefill = MoEKernelConfig(
+        128,
+        _ws(C.TRITON_PREFILL, H, 128, True),
+        _ws(dict(C.WS_TWO_GROUPS, num_stages=2, max_registers=None), I, 128, False),
+    )
+    triton_only = MoEKernelConfig(
+        128, _ws(C.TRITON_PREFILL, H, 128, True), _ws(C.TRITON_PREFILL, I, 128, False), partials_in_x_dtype=True
+    )
+    relu2 = MoEKernelConfig(
+        16, _ws(C.WS_DECODE_WIDE, H, 16, False, narrow_tiles=1), _ws(C.WS_DECODE_WIDE, I, 16, False, narrow_tiles=1)
+    )
+    base = dict(
+        config=None,
+        tokens=1,
+        top_k=2,
+        expert_map=False,
+        variant="silu",
+        rows=True,
+        pdl=False,
+        dtype="bfloat16",
+        hidden=H,
+        intermediate=I,
+        row_pad=0,
+    )
     rows = [
         ("pair tiles, two MMA groups (K groups), partials in x dtype", dict(config=k_groups)),
         ("pair tiles, expert map", dict(config=pairs, expert_map=True, pdl=True)),
@@ -219,8 +247,9 @@ def _write() -> None:
             golden[name] = record(case, monkeypatch)
             monkeypatch.undo()
     # one launch a line
-    lines = ",\n".join(f"{json.dumps(name)}: [\n" + ",\n".join(json.dumps(c) for c in calls) + "\n]"
-                       for name, calls in golden.items())
+    lines = ",\n".join(
+        f"{json.dumps(name)}: [\n" + ",\n".join(json.dumps(c) for c in calls) + "\n]" for name, calls in golden.items()
+    )
     GOLDEN.write_text("{\n" + lines + "\n}\n")
     print(f"wrote {GOLDEN}: {sum(map(len, golden.values()))} launches in {len(golden)} cases")
 

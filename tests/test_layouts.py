@@ -3,6 +3,7 @@
 Expected positions come from ``swizzled_offset`` (the formula of the layouts.py docstring) evaluated one
 element at a time in Python, and from a byte-for-byte hand-written example.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_nvfp4.formats import NVFP4Tensor, ScaleLayout, dequantize_nvfp4, quantize_nvfp4
-from moe_nvfp4.layouts import (padded_scale_shape, rows_16_aligned, swizzle_scales_128x4, swizzled_offset,
-                               unswizzle_scales_128x4)
+from moe_nvfp4.layouts import (
+    padded_scale_shape,
+    rows_16_aligned,
+    swizzle_scales_128x4,
+    swizzled_offset,
+    unswizzle_scales_128x4,
+)
 
 # Tolerance bounds of this file: layouts move bytes, so every check is bit-exact.
 TOL = {"swizzle": 0.0, "unswizzle": 0.0, "dequantize_either_layout": 0.0}

@@ -1,4 +1,5 @@
 """tools/power_moe.py's reading of nvidia-smi samples and their join with the timed rounds (CPU)."""
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """tools/profile_moe.py's --ncu mode (CPU: the CUDA calls are recorded, not made)."""
+
 from __future__ import annotations
 
 import sys

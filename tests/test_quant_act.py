@@ -1,5 +1,6 @@
 """Activation quantization (moe_nvfp4.quantize_activations): the Triton kernel under the interpreter must give
 the reference's bytes exactly, packed values and swizzled scales, padding included; bad inputs fail first."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@
 its own bit unpacking and code table, and quantizes W4A4 activations with its own rounding rule, so
 nothing from moe_nvfp4 except the quantized inputs feeds the expected value.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -177,13 +178,26 @@ def per_expert(scale, e_local):
 def test_fused_moe_torch_against_dense_loop(gen, case):
     x, q13, q2, weights, ids, emap, s13, s2 = build(gen, case)
     got = fused_moe_torch(
-        x.double(), q13, q2, weights, ids, expert_map=emap, w13_input_scale=s13, w2_input_scale=s2,
+        x.double(),
+        q13,
+        q2,
+        weights,
+        ids,
+        expert_map=emap,
+        w13_input_scale=s13,
+        w2_input_scale=s2,
         compute_dtype=torch.float64,
     )
     e_local = q13.packed.shape[0]
     want = dense_moe_loop(
-        x, ref_dequantize(q13), ref_dequantize(q2), weights, ids, expert_map=emap,
-        s13=per_expert(s13, e_local), s2=per_expert(s2, e_local),
+        x,
+        ref_dequantize(q13),
+        ref_dequantize(q2),
+        weights,
+        ids,
+        expert_map=emap,
+        s13=per_expert(s13, e_local),
+        s2=per_expert(s2, e_local),
     )
     assert got.dtype == torch.float64 and got.shape == (case.tokens, case.hidden)
     assert_close_rel(got, want, TOL["w4a4_f64"] if case.w4a4 else TOL["w4a16_f64"])
@@ -289,7 +303,14 @@ def test_out_of_range_routing_contributes_nothing(gen, with_map):
     else:
         valid_id = 0
     got = fused_moe_torch(x.double(), q13, q2, weights, ids, expert_map=emap, compute_dtype=torch.float64)
-    want = fused_moe_torch(x.double(), q13, q2, torch.where(routed, weights, 0.0), torch.where(routed, ids, valid_id),
-                           expert_map=emap, compute_dtype=torch.float64)
+    want = fused_moe_torch(
+        x.double(),
+        q13,
+        q2,
+        torch.where(routed, weights, 0.0),
+        torch.where(routed, ids, valid_id),
+        expert_map=emap,
+        compute_dtype=torch.float64,
+    )
     assert_close_rel(got, want, 1e-12)
     assert bool((got[0] == 0).all())

@@ -3,6 +3,7 @@
 The RoutingPlan is checked exactly (it is integer metadata): every valid pair once, experts in order,
 counts/offsets consistent, tiles covering each expert's rows exactly, fixed-size tile arrays.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,8 +111,13 @@ def test_topk_sigmoid_grouped_against_loop(gen, case):
         logits, case["top_k"], correction_bias=bias, scaling_factor=case["scaling"], **kw
     )
     want_w, want_ids = sigmoid_grouped_loop(
-        logits, case["top_k"], None if bias is None else bias.tolist(), case["num_groups"], case["topk_groups"],
-        case["renormalize"], case["scaling"],
+        logits,
+        case["top_k"],
+        None if bias is None else bias.tolist(),
+        case["num_groups"],
+        case["topk_groups"],
+        case["renormalize"],
+        case["scaling"],
     )
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids, want_ids)
@@ -144,8 +150,15 @@ def check_plan(plan: RoutingPlan, topk_ids: torch.Tensor, num_experts: int, bloc
     """Every documented invariant, checked with Python lists."""
     t, k = topk_ids.shape
     p = t * k
-    for name in ("sorted_pairs", "expert_counts", "expert_offsets", "tile_expert", "tile_row_start", "tile_row_end",
-                 "num_tiles"):
+    for name in (
+        "sorted_pairs",
+        "expert_counts",
+        "expert_offsets",
+        "tile_expert",
+        "tile_row_start",
+        "tile_row_end",
+        "num_tiles",
+    ):
         assert getattr(plan, name).dtype == torch.int32, name
     assert (plan.block_m, plan.top_k) == (block_m, k)
     flat = topk_ids.reshape(-1).tolist()
@@ -254,8 +267,15 @@ def test_tile_arrays_do_not_depend_on_routing(gen):
     packed = torch.zeros(t, k, dtype=torch.int32)
     packed[:, 1] = 1
     plans = [plan_routing(ids, e, bm) for ids in (spread, packed)]
-    for name in ("sorted_pairs", "expert_counts", "expert_offsets", "tile_expert", "tile_row_start", "tile_row_end",
-                 "num_tiles"):
+    for name in (
+        "sorted_pairs",
+        "expert_counts",
+        "expert_offsets",
+        "tile_expert",
+        "tile_row_start",
+        "tile_row_end",
+        "num_tiles",
+    ):
         assert getattr(plans[0], name).shape == getattr(plans[1], name).shape, name
     assert plans[0].tile_expert.shape == (max_tiles(t * k, e, bm),)
 

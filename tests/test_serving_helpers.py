@@ -1,6 +1,7 @@
 """CPU checks of what the serving GPU tests stand on: the offline word-level tokenizer, the tiny DeepSeek-V3
 checkpoint and its conversion, the server test's request mix, and its answer and log checks fed canned answers
 (each defect the checks exist for must be reported; a well-formed answer must pass)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -276,7 +277,9 @@ class _FakeVllm(BaseHTTPRequestHandler):
         if body.get("model") != "m":
             return self._json(404, {"error": {"message": "model does not exist", "type": "NotFoundError", "code": 404}})
         prompt = body["messages"] if chat else body["prompt"]
-        n_prompt = type(self).count_chat(prompt) if chat else len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        n_prompt = (
+            type(self).count_chat(prompt) if chat else len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        )
         ids = prompt if isinstance(prompt, list) and not chat else [n_prompt]
         if body.get("max_tokens", 16) < 1 or n_prompt >= self.max_model_len or any(i >= VOCAB for i in ids):
             return self._json(400, {"error": {"message": "bad request", "type": "BadRequestError", "code": 400}})
@@ -308,7 +311,9 @@ class _FakeVllm(BaseHTTPRequestHandler):
             choice.update(text=text, logprobs=None if body.get("logprobs") is None else {
                 "tokens": [name(t) for t in tokens], "token_logprobs": [-1.0] * n, "text_offset": list(range(n)),
                 "top_logprobs": [{name(t): -1.0, name(t + 1): -1.5} for t in tokens]})  # fmt: skip
-        return self._json(200, {"id": "x", "object": kind, "created": 0, "model": "m", "choices": [choice], "usage": usage})
+        return self._json(
+            200, {"id": "x", "object": kind, "created": 0, "model": "m", "choices": [choice], "usage": usage}
+        )
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The sm_90 MoE kernels compiled for Hopper on the CPU machine (Triton compiles without a GPU): with
 programmatic dependent launch each kernel must wait for the previous kernel (griddepcontrol.wait) before its
 first global memory access, or it could read routing data or activations that are not written yet."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,18 +20,58 @@ from moe_nvfp4.triton import moe_sm90 as K
 
 GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
 
-GEMM_SIGNATURE = dict(a_ptr="*bf16", stride_a="i32", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16",
-                      stride_out="i32", sorted_pairs_ptr="*i32", tile_expert_ptr="*i32", tile_row_ptr="*i32",
-                      tile_row_end_ptr="*i32", num_tiles_ptr="*i32", topk_weights_ptr="*fp32", n_out="i32", k="i32",
-                      kp="i32", epilogue=None)  # epilogue: _epilogue's
+GEMM_SIGNATURE = dict(
+    a_ptr="*bf16",
+    stride_a="i32",
+    w_ptr="*u8",
+    s_ptr="*u8",
+    gs_ptr="*fp32",
+    out_ptr="*bf16",
+    stride_out="i32",
+    sorted_pairs_ptr="*i32",
+    tile_expert_ptr="*i32",
+    tile_row_ptr="*i32",
+    tile_row_end_ptr="*i32",
+    num_tiles_ptr="*i32",
+    topk_weights_ptr="*fp32",
+    n_out="i32",
+    k="i32",
+    kp="i32",
+    epilogue=None,
+)  # epilogue: _epilogue's
 # in the kernel's argument order
-GEMM1_CONSTEXPRS = dict(TOP_K=2, GATED=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, EVEN_K=True, DTYPE=tl.bfloat16,
-                        NUM_STAGES=4, USE_ASM=True, NARROW=0)
+GEMM1_CONSTEXPRS = dict(
+    TOP_K=2,
+    GATED=True,
+    BLOCK_N=64,
+    BLOCK_M=16,
+    BLOCK_K=128,
+    EVEN_K=True,
+    DTYPE=tl.bfloat16,
+    NUM_STAGES=4,
+    USE_ASM=True,
+    NARROW=0,
+)
 
-ROUTE_SIGNATURE = dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", sorted_pairs_ptr="*i32",
-                       counts_ptr="*i32", offsets_ptr="*i32", cursor_ptr="*i32", tile_expert_ptr="*i32",
-                       tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32", num_pairs="i32",
-                       chunk="i32", num_chunks="i32", num_global="i32", num_experts="i32", max_tiles="i32")
+ROUTE_SIGNATURE = dict(
+    ids_ptr="*i32",
+    expert_map_ptr="*i32",
+    hist_ptr="*i32",
+    sorted_pairs_ptr="*i32",
+    counts_ptr="*i32",
+    offsets_ptr="*i32",
+    cursor_ptr="*i32",
+    tile_expert_ptr="*i32",
+    tile_row_ptr="*i32",
+    tile_row_end_ptr="*i32",
+    num_tiles_ptr="*i32",
+    num_pairs="i32",
+    chunk="i32",
+    num_chunks="i32",
+    num_global="i32",
+    num_experts="i32",
+    max_tiles="i32",
+)
 # COUNTED goes first (the kernel's argument order)
 ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128)
 
@@ -56,7 +97,8 @@ def _epilogue(kernel, fields: tuple) -> tuple[tuple, dict]:
     i = kernel.arg_names.index("epilogue")
     bias, *rest = fields
     return ("*fp32" if bias else "constexpr",) + ("constexpr",) * 4, {
-        (i, j): v for j, v in enumerate((None, *rest)) if j or not bias}
+        (i, j): v for j, v in enumerate((None, *rest)) if j or not bias
+    }
 
 
 def _divisibility(signature: dict, unaligned: tuple[str, ...] = ()) -> dict:
@@ -70,14 +112,25 @@ def _divisibility(signature: dict, unaligned: tuple[str, ...] = ()) -> dict:
     return {path: [["tt.divisibility", 16]] for path in divisible}
 
 
-def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | None = None, aligned: bool = False,
-             epilogue: tuple | None = None, **options):
+def _compile(
+    name: str,
+    pdl: bool,
+    block_m: int | None = None,
+    narrow: int | None = None,
+    aligned: bool = False,
+    epilogue: tuple | None = None,
+    **options,
+):
     """``aligned``: pointers, strides and sizes marked 16-divisible, as the JIT marks them at launch (without,
     Triton pipelines no loads through cp.async).  ``epilogue``: _epilogue's fields (GEMM kernels; the default
     variant where None)."""
     kernel, signature, constexprs, warps = KERNELS[name]
-    constexprs = dict(constexprs, PDL=pdl, **({} if block_m is None else dict(BLOCK_M=block_m)),
-                      **({} if narrow is None else dict(NARROW=narrow)))
+    constexprs = dict(
+        constexprs,
+        PDL=pdl,
+        **({} if block_m is None else dict(BLOCK_M=block_m)),
+        **({} if narrow is None else dict(NARROW=narrow)),
+    )
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     paths = {}
     if "epilogue" in signature:
@@ -85,9 +138,12 @@ def _compile(name: str, pdl: bool, block_m: int | None = None, narrow: int | Non
         epilogue_sig, paths = _epilogue(kernel, fields)
         signature = dict(signature, epilogue=epilogue_sig)
     attrs = _divisibility(signature) if aligned else None
-    src = ASTSource(kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs={**constexprs, **paths},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options))
+    src = ASTSource(
+        kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs={**constexprs, **paths}, attrs=attrs
+    )
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options)
+    )
 
 
 def _ptx(name: str, pdl: bool) -> str:
@@ -138,9 +194,21 @@ def test_register_cap_bounds_the_gemm_registers() -> None:
     assert registers(capped) <= 80 < registers(free)
 
 
-def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int = 1, k_groups: int = 1,
-                stages: int = 4, block_m: int = 16, narrow: int = 0, loader_warps: int = 4, pair_tiles: bool = False,
-                has_map: bool = False, epilogue: tuple | None = None):
+def _compile_ws(
+    gated: bool,
+    block_n: int,
+    warps: int,
+    maxnreg: int | None,
+    chunks: int = 1,
+    k_groups: int = 1,
+    stages: int = 4,
+    block_m: int = 16,
+    narrow: int = 0,
+    loader_warps: int = 4,
+    pair_tiles: bool = False,
+    has_map: bool = False,
+    epilogue: tuple | None = None,
+):
     """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...).
     ``epilogue``: _epilogue's fields (the default variant where None)."""
@@ -171,17 +239,23 @@ def _compile_ws(gated: bool, block_n: int, warps: int, maxnreg: int | None, chun
     signature["epilogue"], paths = _epilogue(W._moe_gemm_ws_kernel, DEFAULT_EPILOGUE[gated] if epilogue is None
                                              else epilogue)  # fmt: skip
     attrs = _divisibility(signature, unaligned=("ids_ptr", "expert_map_ptr"))  # do_not_specialize_on_alignment
-    src = GluonASTSource(W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}),
-                         {**constexprs, **paths}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())).asm
+    src = GluonASTSource(
+        W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), {**constexprs, **paths}, attrs
+    )
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(launch_pdl=True, **gemm.launch_options())
+    ).asm
 
 
 # a PTX block that holds nothing but the wait for the previous kernel and the trigger for the next, then the
 # partition's end
-IDLE_EXIT = re.compile(r"^\$L__BB\d+_\d+:[^\n]*\n(?:(?:\s*//[^\n]*|\$L__tmp\d+:|\s*\.loc[^\n]*)\n)*"
-                       r"\s*griddepcontrol\.wait;[^\n]*\n(?:(?:\s*//[^\n]*|\s*\.loc[^\n]*)\n)*"
-                       r"\s*griddepcontrol\.launch_dependents;[^\n]*\n"
-                       r"(?=(?:(?:\s*//[^\n]*|\$L__\w+:[^\n]*|\s*\.loc[^\n]*)\n)*\s*barrier\.sync)", re.M)  # then ends
+IDLE_EXIT = re.compile(
+    r"^\$L__BB\d+_\d+:[^\n]*\n(?:(?:\s*//[^\n]*|\$L__tmp\d+:|\s*\.loc[^\n]*)\n)*"
+    r"\s*griddepcontrol\.wait;[^\n]*\n(?:(?:\s*//[^\n]*|\s*\.loc[^\n]*)\n)*"
+    r"\s*griddepcontrol\.launch_dependents;[^\n]*\n"
+    r"(?=(?:(?:\s*//[^\n]*|\$L__\w+:[^\n]*|\s*\.loc[^\n]*)\n)*\s*barrier\.sync)",
+    re.M,
+)  # then ends
 
 
 def _sass(cubin: bytes) -> str:
@@ -202,7 +276,9 @@ def _sass(cubin: bytes) -> str:
     [(True, 64, 4, None, 1), (False, 128, 4, 128, 1), (True, 128, 8, 128, 1), (True, 64, 4, 128, 2),
      (True, 128, 4, 128, 2), (False, 64, 4, None, 4)],
 )  # fmt: skip
-def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int) -> None:
+def test_warp_specialized_gemm_protocol(
+    gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int
+) -> None:
     """What the Gluon kernel's correctness rests on, in its sm_90 PTX: the loader's stage barrier counts 128 cp.async arrivals (.noinc) plus one expect-tx for one TMA box of
     values and one of scales per matrix, covering every unit and chunk of the stage; the MMA warps fence the
     async proxy after each wait (cp.async writes, wgmma reads) and issue wgmma with register A operands.
@@ -221,7 +297,9 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     assert "fence.proxy.async.shared::cta" in ptx
     wgmma = re.findall(r"wgmma\.mma_async[^\n]*\{", ptx)
     assert wgmma and all(".bf16.bf16" in w for w in wgmma)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]+\}, \{", ptx)  # A in registers
+    assert re.search(
+        r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]+\}, \{", ptx
+    )  # A in registers
     in_flight = 2 if block_n == 16 * warps else 1
     mmas = halves * chunks
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
@@ -232,11 +310,21 @@ def test_warp_specialized_gemm_protocol(gated: bool, block_n: int, warps: int, m
     assert ptx.rindex("wgmma.mma_async", 0, release) < last_wait
 
 
-@pytest.mark.parametrize("gated,k_groups,maxnreg,stages,pairs", [
-    (True, 1, 128, 4, False), (False, 1, 128, 4, False), (False, 2, 160, 2, False), (True, 2, 168, 4, False),
-    (True, 2, 168, 4, True), (False, 1, 128, 4, True), (False, 1, 128, 4, "map")])
-def test_warp_specialized_partitions_wait_for_the_previous_kernel(gated: bool, k_groups: int, maxnreg: int,
-                                                                  stages: int, pairs: bool) -> None:
+@pytest.mark.parametrize(
+    "gated,k_groups,maxnreg,stages,pairs",
+    [
+        (True, 1, 128, 4, False),
+        (False, 1, 128, 4, False),
+        (False, 2, 160, 2, False),
+        (True, 2, 168, 4, False),
+        (True, 2, 168, 4, True),
+        (False, 1, 128, 4, True),
+        (False, 1, 128, 4, "map"),
+    ],
+)
+def test_warp_specialized_partitions_wait_for_the_previous_kernel(
+    gated: bool, k_groups: int, maxnreg: int, stages: int, pairs: bool
+) -> None:
     """Programmatic dependent launch in the Gluon GEMM: every partition (each MMA warp group, the loader) waits
     for the previous kernel itself, and lets the next one launch only after its wait, so a running kernel knows
     the kernel two back has ended.  What a partition reads before its wait must not come from the previous
@@ -286,8 +374,17 @@ def test_eight_token_tiles_are_wgmma_n8(gated: bool, block_n: int, chunks: int, 
     [(True, 128, 8, 128, 2, 1, 32, 2, (8, 16, 32)), (False, 128, 4, None, 1, 1, 32, 1, (16, 32)),
      (True, 64, 4, 168, 2, 2, 16, 1, (8, 16)), (True, 128, 8, 128, 2, 1, 32, 0, (32,))],
 )  # fmt: skip
-def test_narrow_tiles_run_narrower_wgmma(gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int,
-                                         k_groups: int, block_m: int, narrow: int, widths: tuple[int, ...]) -> None:
+def test_narrow_tiles_run_narrower_wgmma(
+    gated: bool,
+    block_n: int,
+    warps: int,
+    maxnreg: int | None,
+    chunks: int,
+    k_groups: int,
+    block_m: int,
+    narrow: int,
+    widths: tuple[int, ...],
+) -> None:
     """GemmConfig.narrow_tiles: the kernel holds one copy of the tile's K loop per MMA width (block_m, and
     block_m / 2, / 4 down to 8 tokens), each the full stage protocol (every MMA of a stage retired before the
     stage is freed), and chooses one per tile at run time; no width spills."""
@@ -319,9 +416,18 @@ def test_loader_warps_issue_the_token_rows(loader_warps: int, block_m: int) -> N
     (True, 64, 168, 2, 2, 4, 8, 0, 4), (False, 64, 128, 2, 1, 2, 8, 0, 2), (True, 128, 128, 2, 1, 2, 16, 1, 1),
     (False, 64, 168, 4, 2, 4, 16, 0, 4)])  # fmt: skip
 @pytest.mark.parametrize("has_map", [False, True], ids=["no map", "expert map"])
-def test_pair_tiles_read_topk_ids_not_the_tile_map(gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int,
-                                                   stages: int, block_m: int, narrow: int, loader_warps: int,
-                                                   has_map: bool) -> None:
+def test_pair_tiles_read_topk_ids_not_the_tile_map(
+    gated: bool,
+    block_n: int,
+    maxnreg: int,
+    chunks: int,
+    k_groups: int,
+    stages: int,
+    block_m: int,
+    narrow: int,
+    loader_warps: int,
+    has_map: bool,
+) -> None:
     """MoEKernelConfig.pair_tiles: token tile m is pair m, its expert topk_ids[m] (checked against the global expert
     count, and with an expert map mapped and checked against the local count), so the kernel reads none of the
     routing kernel's buffers (its five tile-map parameters go unloaded) and no sorted pair ids; a tile of one row
@@ -362,7 +468,9 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     gluon_rows = True
     monkeypatch.setattr(K, "_gluon_rows_ok", lambda x, intermediate: gluon_rows)
     e, h, i, t, k = 8, 256, 128, 1, 2
-    w = m.prepare_moe_weights(m.quantize_nvfp4(torch.randn(e, 2 * i, h), segments=2), m.quantize_nvfp4(torch.randn(e, h, i)))
+    w = m.prepare_moe_weights(
+        m.quantize_nvfp4(torch.randn(e, 2 * i, h), segments=2), m.quantize_nvfp4(torch.randn(e, h, i))
+    )
     x = torch.randn(t, h).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(t, e), k)
     ws = GemmConfig(64, warp_specialized=True)
@@ -379,8 +487,11 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
         assert pairs is True and torch.equal(ids, ti.reshape(-1)) and expert_map is (None if n < 2 else emap)
         assert len({id(p) for p in tile_map}) == 1 and tile_map[0].dtype == torch.int32
         assert tile_map[0].data_ptr() % 16 == 0 and tile_map[0].data_ptr() != ids.data_ptr()
-    for config, expert_map, rows in ((cfg, emap, False), (cfg, None, False),
-                                     (dataclasses.replace(cfg, pair_tiles=False), None, True)):
+    for config, expert_map, rows in (
+        (cfg, emap, False),
+        (cfg, None, False),
+        (dataclasses.replace(cfg, pair_tiles=False), None, True),
+    ):
         gluon_rows = rows
         with pytest.raises(Routed):
             forward(config, expert_map)
@@ -412,7 +523,9 @@ def test_triton_narrow_tiles_run_narrower_wgmma(block_m: int, narrow: int, width
     "gated,block_n,maxnreg,chunks,k_groups,stages",
     [(True, 64, 168, 2, 2, 4), (False, 128, 168, 1, 2, 4), (True, 64, 128, 1, 2, 2)],
 )
-def test_k_groups_share_a_tile(gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int, stages: int) -> None:
+def test_k_groups_share_a_tile(
+    gated: bool, block_n: int, maxnreg: int, chunks: int, k_groups: int, stages: int
+) -> None:
     """GemmConfig.k_groups: the program is k_groups MMA warp groups plus the loader's, every group running the
     same wgmma protocol as one alone (checked above) on its own K steps, the worker groups raised to the
     registers the loader leaves (setmaxnreg), and each worker group handing its sums to group 0 through
@@ -557,6 +670,7 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
     Gluon kernel: one TMA box of values and one of scales per stage, half the expect-tx bytes, one wgmma per chunk),
     a bias adds one pointer parameter and loads it, and GEMM2 without the router weight never loads topk_weights;
     every variant leaves the rest of the kernel as it is (same parameters, same PDL protocol)."""
+
     def build(gated: bool, fields: tuple) -> str:
         if family == "triton":
             return _compile("gemm1" if gated else "gemm2", True, aligned=True, epilogue=fields).asm["ptx"]
@@ -597,12 +711,25 @@ def test_ab_moe_table_averages_the_draws_of_an_expert_parallel_case() -> None:
     import ab_moe
 
     def row(model, tokens, variant, median, draw=0, pairs=4):
-        return dict(model=model, tokens=tokens, variant=variant, median_us=median, min_us=median - 1,
-                    max_us=median + 1, draw=draw, local_pairs=pairs)
+        return dict(
+            model=model,
+            tokens=tokens,
+            variant=variant,
+            median_us=median,
+            min_us=median - 1,
+            max_us=median + 1,
+            draw=draw,
+            local_pairs=pairs,
+        )
 
-    rows = [row("qwen3-30b-a3b", 1, "shipped", 14.0), row("qwen3-30b-a3b", 1, "x", 13.0),
-            row("dbrx-ep2", 1, "shipped", 80.0, 0, 2), row("dbrx-ep2", 1, "x", 60.0, 0, 2),
-            row("dbrx-ep2", 1, "shipped", 4.0, 1, 0), row("dbrx-ep2", 1, "x", 6.0, 1, 0)]
+    rows = [
+        row("qwen3-30b-a3b", 1, "shipped", 14.0),
+        row("qwen3-30b-a3b", 1, "x", 13.0),
+        row("dbrx-ep2", 1, "shipped", 80.0, 0, 2),
+        row("dbrx-ep2", 1, "x", 60.0, 0, 2),
+        row("dbrx-ep2", 1, "shipped", 4.0, 1, 0),
+        row("dbrx-ep2", 1, "x", 6.0, 1, 0),
+    ]
     header, one, two = ab_moe.table(rows, ["qwen3-30b-a3b:1", "dbrx-ep2:1"], ["shipped", "x", "gemms:block_n=64"])
     assert one.split()[1:] == ["14.0", "(13.0-15.0)", "13.0", "(12.0-14.0)", "skipped"], one
     assert two.split()[1:7] == ["42.0", "(4.0-80.0)", "33.0", "(6.0-60.0)", "skipped", "local"], two

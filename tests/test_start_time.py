@@ -4,6 +4,7 @@ merged into one table, failures shown, and its runner script itself run against 
 
 No tolerances: parsed seconds are the logged ones, table cells exact strings.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ LOG = [  # what vLLM 0.26 and the plugin log during a start of ours (two layer s
     "over 10 buckets in 50.50 s; 1 changed (T<=16 20.0->18.0 us); cache /c/x.json",
     PREFIX + "[moe_method.py:318] nvfp4_grouped: compiled MoE kernels for token counts [1, 3] (up to 8192) in 14.7 s, "
     "8 threads",
-    PREFIX + "[moe_method.py:318] nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8192) in 0.3 s, 8 threads",
+    PREFIX
+    + "[moe_method.py:318] nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8192) in 0.3 s, 8 threads",
     PREFIX + "[gpu_model_runner.py:5348] Model loading took 17.5 GiB memory and 72.250000 seconds",
     PREFIX + "[backends.py:394] Compiling a graph for compile range (1, 8192) takes 20.10 s",
     PREFIX + "[monitor.py:20] torch.compile took 27.45 s in total",
@@ -42,8 +44,11 @@ def test_phases_are_read_from_vllms_lines_and_the_plugins_are_summed() -> None:
     assert phases == {"weights_s": 5.25, "autotune_s": 50.5, "warmup_s": 15.0, "model_loading_s": 72.25,
                       "torch_compile_s": 27.45, "profiling_s": 0.31, "cuda_graphs_s": 12.0, "init_engine_s": 60.2,
                       "init_repack_s": 1.5}  # fmt: skip
-    other = ["INFO Model loading took 5.5 GiB and 8.0 seconds", "INFO Loading weights took 2.0 seconds",
-             "INFO torch.compile takes 24.9 s in total"]  # the other runner's and older releases' spellings
+    other = [
+        "INFO Model loading took 5.5 GiB and 8.0 seconds",
+        "INFO Loading weights took 2.0 seconds",
+        "INFO torch.compile takes 24.9 s in total",
+    ]  # the other runner's and older releases' spellings
     assert start_time.parse_phases(other) == {"model_loading_s": 8.0, "weights_s": 2.0, "torch_compile_s": 24.9,
                                               "init_repack_s": 6.0}  # fmt: skip
     assert start_time.parse_phases(["INFO nvfp4_grouped: autotune E=16 ...: configs from cache (/c/x.json)"]) == {}
@@ -85,16 +90,24 @@ def test_first_starts_get_fresh_caches_and_calls_merge_into_one_table(tmp_path, 
     assert all(len(r) == len(start_time.CACHE_ENV) for r in roots) and not set.intersection(*roots)  # never shared
     assert all(spec["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0" for spec in specs)
     first = specs[0]["engine"]
-    assert (first["quantization"], first["max_num_batched_tokens"], first["max_num_seqs"]) == ("nvfp4_grouped", 8192, 1024)
+    assert (first["quantization"], first["max_num_batched_tokens"], first["max_num_seqs"]) == (
+        "nvfp4_grouped",
+        8192,
+        1024,
+    )
     assert "max_model_len" not in first and specs[2]["engine"]["quantization"] == "modelopt_fp4"
     report = json.loads((out / "start_qwen3-30b-a3b_L48.json").read_text())
-    assert [(r["label"], r["mode"], len(r["starts"])) for r in report["results"]] == [("ours", "first", 2),
-                                                                                      ("vllm_modelopt_fp4", "first", 1)]
+    assert [(r["label"], r["mode"], len(r["starts"])) for r in report["results"]] == [
+        ("ours", "first", 2),
+        ("vllm_modelopt_fp4", "first", 1),
+    ]
     ours = report["results"][0]["starts"][0]
     assert (ours["warmup_s"], ours["init_repack_s"], ours["first_generate_s"]) == (15.0, 1.5, 0.5)
     assert any("compiled MoE kernels" in line for line in ours["log"])
     table = (out / "start_qwen3-30b-a3b_L48.md").read_text()
-    assert "| ours | first | 2 | 101.5 (101.0-102.0) | 5.2 (5.2-5.2) | 1.5 (1.5-1.5) | 50.5 (50.5-50.5) |" in table, table
+    assert "| ours | first | 2 | 101.5 (101.0-102.0) | 5.2 (5.2-5.2) | 1.5 (1.5-1.5) | 50.5 (50.5-50.5) |" in table, (
+        table
+    )
     assert "| vllm_modelopt_fp4 | first | 1 | 83.0 | 5.2 | - | - | - |" in table and "| 1.22x |" in table, table
     assert "NVIDIA H200; vLLM 0.26.0" in table and "--paths ours --repeats 2`" in table
 
@@ -118,8 +131,10 @@ def test_warm_starts_reuse_one_filled_cache_per_path_and_variants_stay_apart(tmp
     assert start_time.main([*common, "--paths", "ours", "--repeats", "1"]) == 0
     assert specs[-1]["env"]["TRITON_CACHE_DIR"] != specs[0]["env"]["TRITON_CACHE_DIR"]  # a variant's own caches
     report = json.loads((tmp_path / "out" / "start_tiny_L4.json").read_text())
-    assert [(r["label"], r["mode"], len(r["starts"])) for r in report["results"]] == [("ours", "warm", 1),
-                                                                                      ("ours-serial", "warm", 2)]
+    assert [(r["label"], r["mode"], len(r["starts"])) for r in report["results"]] == [
+        ("ours", "warm", 1),
+        ("ours-serial", "warm", 2),
+    ]
 
 
 def test_bad_arguments_are_refused(tmp_path, capsys) -> None:

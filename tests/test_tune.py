@@ -1,4 +1,5 @@
 """benchmarks/tune_moe.py's candidate grid and its sampling (CPU; the timing itself needs a GPU)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tune_moe import (  # noqa: E402
-    DEFAULT_MODELS, GROUP_RINGS, SWEEP_SHAPES, WS_K_GROUPS, WS_RESIDENCY, WS_RINGS, MODELS, _spaced, candidates,
-    climb_start, gemm_sweep, group_sweep, loader_sweep, merge_entries, neighbors, rotated_weights, search, spread,
+    DEFAULT_MODELS,
+    GROUP_RINGS,
+    SWEEP_SHAPES,
+    WS_K_GROUPS,
+    WS_RESIDENCY,
+    WS_RINGS,
+    MODELS,
+    _spaced,
+    candidates,
+    climb_start,
+    gemm_sweep,
+    group_sweep,
+    loader_sweep,
+    merge_entries,
+    neighbors,
+    rotated_weights,
+    search,
+    spread,
     ws_sweep,
 )
 
@@ -63,8 +80,18 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
 
     def values(c: MoEKernelConfig) -> list:
         def gemm(g: GemmConfig) -> list:
-            return [g.block_n, g.num_stages, g.num_warps, g.programs_per_sm, g.max_registers, g.warp_specialized,
-                    g.chunks_per_stage, g.k_groups, g.narrow_tiles, g.loader_warps]
+            return [
+                g.block_n,
+                g.num_stages,
+                g.num_warps,
+                g.programs_per_sm,
+                g.max_registers,
+                g.warp_specialized,
+                g.chunks_per_stage,
+                g.k_groups,
+                g.narrow_tiles,
+                g.loader_warps,
+            ]
 
         assert len(dataclasses.fields(GemmConfig)) == 10, "a new GemmConfig field: add it above"
         return [c.block_m, c.partials_in_x_dtype, c.pair_tiles, *gemm(c.gemm1), *gemm(c.gemm2)]
@@ -132,13 +159,26 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
 def test_climb_start_is_the_config_the_file_serves_the_size_with() -> None:
     """--update starts each size from what the file runs it with now: its own entry, else the entry select_config
     picks (the next larger one, past the largest that one), nothing for a shape, top-k or dtype the file lacks."""
+
     def entry(tokens: int, block_m: int, experts: int = 8, dtype: str = "bfloat16") -> dict:
         cfg = MoEKernelConfig(block_m, GemmConfig(), GemmConfig())
-        return dict(experts=experts, top_k=2, hidden=4096, intermediate=14336, dtype=dtype, max_tokens=tokens,
-                    config=cfg.to_dict())
+        return dict(
+            experts=experts,
+            top_k=2,
+            hidden=4096,
+            intermediate=14336,
+            dtype=dtype,
+            max_tokens=tokens,
+            config=cfg.to_dict(),
+        )
 
-    entries = [entry(64, 32), entry(16, 16), entry(256, 64), entry(100, 128, experts=128),
-               entry(128, 128, dtype="float16")]
+    entries = [
+        entry(64, 32),
+        entry(16, 16),
+        entry(256, 64),
+        entry(100, 128, experts=128),
+        entry(128, 128, dtype="float16"),
+    ]
     shape = LayerShape(8, 2, 4096, 14336)
     assert [c.block_m for c in climb_start(entries, shape, 64)] == [32]  # its own entry
     assert [c.block_m for c in climb_start(entries, shape, 1)] == [16]
@@ -157,12 +197,18 @@ def test_token_tile_moves_lower_narrow_tiles_only_as_far_as_they_must() -> None:
     cfg = MoEKernelConfig(32, dataclasses.replace(ws, narrow_tiles=1), dataclasses.replace(ws, narrow_tiles=2))
     e, k, h, i = MODELS["mixtral-8x7b"]
     assert not dataclasses.replace(cfg, block_m=16).is_valid(4096, 14336)  # what the climb used to offer
-    tiles = {c.block_m: (c.gemm1.narrow_tiles, c.gemm2.narrow_tiles) for c in neighbors(cfg, 32, e, k, h, i)
-             if c.block_m != cfg.block_m}
+    tiles = {
+        c.block_m: (c.gemm1.narrow_tiles, c.gemm2.narrow_tiles)
+        for c in neighbors(cfg, 32, e, k, h, i)
+        if c.block_m != cfg.block_m
+    }
     assert tiles == {16: (1, 1), 8: (0, 0)}
-    assert all(getattr(c, g) == dataclasses.replace(getattr(cfg, g), narrow_tiles=getattr(c, g).narrow_tiles)
-               for c in neighbors(cfg, 32, e, k, h, i) if c.block_m != cfg.block_m
-               for g in ("gemm1", "gemm2"))  # nothing else moves with the tile
+    assert all(
+        getattr(c, g) == dataclasses.replace(getattr(cfg, g), narrow_tiles=getattr(c, g).narrow_tiles)
+        for c in neighbors(cfg, 32, e, k, h, i)
+        if c.block_m != cfg.block_m
+        for g in ("gemm1", "gemm2")
+    )  # nothing else moves with the tile
     triton = MoEKernelConfig(32, GemmConfig(128, narrow_tiles=1), GemmConfig(128, narrow_tiles=1))
     assert triton.with_token_tile(16).gemm1.narrow_tiles == 0 and triton.with_token_tile(64).gemm2.narrow_tiles == 1
     assert cfg.with_token_tile(64) == dataclasses.replace(cfg, block_m=64)  # wider tiles keep them

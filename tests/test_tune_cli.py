@@ -5,6 +5,7 @@ load by default).  The GPU test is tests/gpu/test_tune_cli_gpu.py.
 
 No tolerances: shapes, cache contents, exit statuses and call counts are exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,12 @@ FAMILIES = [
 def test_shapes_from_a_saved_config(tmp_path, family, experts, top_k, activation, biases) -> None:
     tiny_config(family).save_pretrained(tmp_path / family)
     (shape,) = shapes_from_config(tmp_path / family)
-    assert (shape.experts, shape.top_k, shape.hidden, shape.intermediate) == (experts, top_k, HIDDEN, EXPERT_INTERMEDIATE)
+    assert (shape.experts, shape.top_k, shape.hidden, shape.intermediate) == (
+        experts,
+        top_k,
+        HIDDEN,
+        EXPERT_INTERMEDIATE,
+    )
     assert (shape.activation, shape.biases, shape.dtype) == (activation, biases, "bfloat16")
     assert shape.layer_shape() == LayerShape(experts, top_k, HIDDEN, EXPERT_INTERMEDIATE, "bfloat16",
                                              gated=activation.gated)  # fmt: skip

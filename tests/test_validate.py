@@ -4,6 +4,7 @@ verdict naming the same tensor.
 
 Tolerances: none; verdicts and tensor names are compared exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,9 @@ def write_checkpoint(root: Path, tensors: Tensors, convention: Convention, w4a4:
     return root
 
 
-def loader_params(tensors: Tensors, convention: Convention) -> tuple[dict[str, torch.Tensor], set[tuple[str, int, str]]]:
+def loader_params(
+    tensors: Tensors, convention: Convention
+) -> tuple[dict[str, torch.Tensor], set[tuple[str, int, str]]]:
     """What the vLLM method holds after loading: stacked ``w13_*`` / ``w2_*`` params (NaN where nothing
     arrived, as create_weights fills them) and the (param, expert, shard) set that did arrive."""
     packed, scale, global_, input_, _ = TENSOR_NAMES[convention]
@@ -79,7 +82,11 @@ def loader_params(tensors: Tensors, convention: Convention) -> tuple[dict[str, t
                     shape, dtype = shape_of(n, k)
                     t = tensors.get(f"{LAYER}.{e}.{p}.{suffix}")
                     if t is None:
-                        t = torch.full(shape, math.nan).to(dtype) if dtype != torch.uint8 else torch.zeros(shape, dtype=dtype)
+                        t = (
+                            torch.full(shape, math.nan).to(dtype)
+                            if dtype != torch.uint8
+                            else torch.zeros(shape, dtype=dtype)
+                        )
                     else:
                         loaded.add((f"{prefix}_{suffix}", e, SHARDS[p]))
                     per.append(t.reshape(shape))
@@ -142,25 +149,81 @@ CASES = [
     Case("missing expert", _drop("3."), "3", "missing"),
     Case("missing projection", _drop("1.up_proj."), "1.up_proj", "missing"),
     Case("missing weight_scale_2", _drop("2.gate_proj.weight_scale_2"), "2.gate_proj.weight_scale_2", "missing"),
-    Case("missing packed weight, CT", _drop("0.down_proj.weight_packed"), "0.down_proj.weight_packed", "missing", convention=CT),
-    Case("block scale 0 over non-zero codes", _zero_scale_over_data("0.down_proj.weight_scale"), "0.down_proj.weight_scale",
-         "zero over non-zero codes"),
+    Case(
+        "missing packed weight, CT",
+        _drop("0.down_proj.weight_packed"),
+        "0.down_proj.weight_packed",
+        "missing",
+        convention=CT,
+    ),
+    Case(
+        "block scale 0 over non-zero codes",
+        _zero_scale_over_data("0.down_proj.weight_scale"),
+        "0.down_proj.weight_scale",
+        "zero over non-zero codes",
+    ),
     Case("NaN block scale", _set("2.up_proj.weight_scale", math.nan, (3, 1)), "2.up_proj.weight_scale", "NaN or inf"),
-    Case("negative block scale", _set("1.gate_proj.weight_scale", -1.0, (0, 0)), "1.gate_proj.weight_scale", "negative"),
-    Case("inf global scale", _set("3.down_proj.weight_scale_2", math.inf), "3.down_proj.weight_scale_2", "finite and positive"),
-    Case("negative global scale", _set("0.gate_proj.weight_scale_2", -2.0), "0.gate_proj.weight_scale_2", "finite and positive"),
+    Case(
+        "negative block scale", _set("1.gate_proj.weight_scale", -1.0, (0, 0)), "1.gate_proj.weight_scale", "negative"
+    ),
+    Case(
+        "inf global scale",
+        _set("3.down_proj.weight_scale_2", math.inf),
+        "3.down_proj.weight_scale_2",
+        "finite and positive",
+    ),
+    Case(
+        "negative global scale",
+        _set("0.gate_proj.weight_scale_2", -2.0),
+        "0.gate_proj.weight_scale_2",
+        "finite and positive",
+    ),
     Case("zero global scale", _set("0.up_proj.weight_scale_2", 0.0), "0.up_proj.weight_scale_2", "finite and positive"),
-    Case("CT global scale 1e-45 (its reciprocal is inf)", _set("1.up_proj.weight_global_scale", 1e-45),
-         "1.up_proj.weight_global_scale", "as a multiplier", convention=CT),
-    Case("CT input scale 1e-45 (its reciprocal is inf)", _set("2.down_proj.input_global_scale", 1e-45),
-         "2.down_proj.input_global_scale", "as a multiplier", convention=CT, w4a4=True),
-    Case("NaN input scale", _set("3.gate_proj.input_scale", math.nan), "3.gate_proj.input_scale", "finite and positive", w4a4=True),
+    Case(
+        "CT global scale 1e-45 (its reciprocal is inf)",
+        _set("1.up_proj.weight_global_scale", 1e-45),
+        "1.up_proj.weight_global_scale",
+        "as a multiplier",
+        convention=CT,
+    ),
+    Case(
+        "CT input scale 1e-45 (its reciprocal is inf)",
+        _set("2.down_proj.input_global_scale", 1e-45),
+        "2.down_proj.input_global_scale",
+        "as a multiplier",
+        convention=CT,
+        w4a4=True,
+    ),
+    Case(
+        "NaN input scale",
+        _set("3.gate_proj.input_scale", math.nan),
+        "3.gate_proj.input_scale",
+        "finite and positive",
+        w4a4=True,
+    ),
     Case("W4A4 input scale missing", _drop("1.up_proj.input_scale"), "1.up_proj.input_scale", "missing", w4a4=True),
-    Case("one absurd W4A4 input scale (1e30)", _set("2.gate_proj.input_scale", 1e30), "2.gate_proj.input_scale",
-         "median", w4a4=True),
-    Case("absurd CT input scale (stored 1e-30)", _set("0.down_proj.input_global_scale", 1e-30),
-         "0.down_proj.input_global_scale", "median", convention=CT, w4a4=True),
-    Case("gate/up global scales differ", _gate_up_differ, "1.up_proj.weight_scale_2", "gate/up global scales differ", "warning"),
+    Case(
+        "one absurd W4A4 input scale (1e30)",
+        _set("2.gate_proj.input_scale", 1e30),
+        "2.gate_proj.input_scale",
+        "median",
+        w4a4=True,
+    ),
+    Case(
+        "absurd CT input scale (stored 1e-30)",
+        _set("0.down_proj.input_global_scale", 1e-30),
+        "0.down_proj.input_global_scale",
+        "median",
+        convention=CT,
+        w4a4=True,
+    ),
+    Case(
+        "gate/up global scales differ",
+        _gate_up_differ,
+        "1.up_proj.weight_scale_2",
+        "gate/up global scales differ",
+        "warning",
+    ),
 ]
 
 

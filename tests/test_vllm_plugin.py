@@ -9,6 +9,7 @@ expert mapping vLLM uses.  The MoE runner is tested whole: vLLM's own factory bu
 runner, RoutedExperts) and its forward calls our ``apply``.  Without a GPU vLLM cannot build a whole model, so
 LLM(...) runs in tests/gpu (vLLM 0.26 only: the GPU image's torch 2.11 cannot run 0.33).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,10 +32,22 @@ MODELOPT_W4A4 = {**MODELOPT_W4A16, "quant_algo": "NVFP4"}
 # hf_quant_config.json as ModelOpt <= 0.29 writes it; vLLM adds quant_method "modelopt_fp4" (producer modelopt).
 HF_QUANT_CONFIG = {
     "producer": {"name": "modelopt", "version": "0.29.0"},
-    "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+    "quantization": {
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head"],
+    },
     "quant_method": "modelopt_fp4",
 }
-_FP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True, "dynamic": False}
+_FP4 = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "symmetric": True,
+    "dynamic": False,
+}
 
 
 def _ct(w4a4: bool) -> dict:
@@ -43,7 +56,14 @@ def _ct(w4a4: bool) -> dict:
         "quant_method": "compressed-tensors",
         "format": "nvfp4-pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_FP4), "input_activations": act, "format": "nvfp4-pack-quantized"}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": dict(_FP4),
+                "input_activations": act,
+                "format": "nvfp4-pack-quantized",
+            }
+        },
         "ignore": ["lm_head", "re:.*mlp.gate$"],
     }
 
@@ -103,9 +123,17 @@ class ConfigCase:
 
 
 CONFIG_CASES = [
-    ConfigCase("our converter / ModelOpt >= 0.31 config.json, weight-only", MODELOPT_W4A16, "modelopt", False, "ModelOptNvFp4Config"),
+    ConfigCase(
+        "our converter / ModelOpt >= 0.31 config.json, weight-only",
+        MODELOPT_W4A16,
+        "modelopt",
+        False,
+        "ModelOptNvFp4Config",
+    ),
     ConfigCase("ModelOpt W4A4: input scales required", MODELOPT_W4A4, "modelopt", True, "ModelOptNvFp4Config"),
-    ConfigCase("hf_quant_config.json (nested, producer modelopt)", HF_QUANT_CONFIG, "modelopt", True, "ModelOptNvFp4Config"),
+    ConfigCase(
+        "hf_quant_config.json (nested, producer modelopt)", HF_QUANT_CONFIG, "modelopt", True, "ModelOptNvFp4Config"
+    ),
     ConfigCase("compressed-tensors NVFP4A16", _ct(False), "compressed-tensors", False, "CompressedTensorsConfig"),
     ConfigCase("compressed-tensors NVFP4 W4A4", _ct(True), "compressed-tensors", True, "CompressedTensorsConfig"),
     ConfigCase("no quantization config: BF16 quantized on load", {}, None, False, None),
@@ -164,7 +192,9 @@ def test_custom_overrides_are_probed_before_vllms(plugin):
     assert "nvfp4_grouped" in QUANTIZATION_METHODS
     modelopt = get_quantization_config("modelopt_fp4")
     assert modelopt.override_quantization_method(dict(MODELOPT_W4A16), "nvfp4_grouped") == "modelopt_fp4"
-    assert plugin.NVFP4GroupedConfig.override_quantization_method(dict(MODELOPT_W4A16), "nvfp4_grouped") == "nvfp4_grouped"
+    assert (
+        plugin.NVFP4GroupedConfig.override_quantization_method(dict(MODELOPT_W4A16), "nvfp4_grouped") == "nvfp4_grouped"
+    )
 
 
 def test_linear_layers_are_delegated(plugin):
@@ -187,8 +217,20 @@ def test_linear_layers_are_delegated(plugin):
 # ---------------------------------------------------------------- a real RoutedExperts on CPU
 
 
-def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation="silu", top_k=TOPK, has_bias=False,
-                    router_weight_on_input=False, swiglu=None):
+def _routed_experts(
+    qc,
+    *,
+    tp=1,
+    tp_rank=0,
+    ep=1,
+    ep_rank=0,
+    inter=I,
+    activation="silu",
+    top_k=TOPK,
+    has_bias=False,
+    router_weight_on_input=False,
+    swiglu=None,
+):
     """A RoutedExperts layer as vLLM's models build it.  A non-gated activation (``*_no_mul``) gets NemotronH's
     checkpoint names (its ``up_proj`` is shard w1, no up shard); ``swiglu``: (limit, alpha, beta) of the config."""
     from unittest import mock
@@ -202,9 +244,18 @@ def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation
 
     use_ep = ep > 1
     pc = FusedMoEParallelConfig(
-        tp_size=1 if use_ep else tp, pcp_size=1, dp_size=1, ep_size=ep, tp_rank=0 if use_ep else tp_rank,
-        pcp_rank=0, dp_rank=0, ep_rank=ep_rank, sp_size=1, use_ep=use_ep,
-        all2all_backend="allgather_reducescatter", enable_eplb=False,
+        tp_size=1 if use_ep else tp,
+        pcp_size=1,
+        dp_size=1,
+        ep_size=ep,
+        tp_rank=0 if use_ep else tp_rank,
+        pcp_rank=0,
+        dp_rank=0,
+        ep_rank=ep_rank,
+        sp_size=1,
+        use_ep=use_ep,
+        all2all_backend="allgather_reducescatter",
+        enable_eplb=False,
     )
     act = MoEActivation.from_str(activation)
     limit, alpha, beta = swiglu or (None, None, None)
@@ -221,8 +272,14 @@ def _routed_experts(qc, *, tp=1, tp_rank=0, ep=1, ep_rank=0, inter=I, activation
     names = {} if act.is_gated else {"ckpt_gate_proj_name": "up_proj", "ckpt_up_proj_name": no_up}
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         emm = ExpertMapManager(
-            max_num_batched_tokens=256, top_k=top_k, global_num_experts=E, num_redundant_experts=0,
-            num_expert_group=None, moe_parallel_config=pc, placement_strategy="linear", enable_eplb=False,
+            max_num_batched_tokens=256,
+            top_k=top_k,
+            global_num_experts=E,
+            num_redundant_experts=0,
+            num_expert_group=None,
+            moe_parallel_config=pc,
+            placement_strategy="linear",
+            enable_eplb=False,
         )
         return RoutedExperts(LAYER, torch.bfloat16, cfg, qc, emm, apply_router_weight_on_input=router_weight_on_input,
                              **names)  # fmt: skip
@@ -248,8 +305,11 @@ def _experts(gen, convention="modelopt", *, w4a4=False, inter=I) -> Experts:
     q13 = moe_nvfp4.quantize_nvfp4(d13, segments=2)
     q2 = moe_nvfp4.quantize_nvfp4(d2)
     ct = convention == "compressed-tensors"
-    names = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale") if ct else (
-        "weight", "weight_scale", "weight_scale_2", "input_scale")
+    names = (
+        ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+        if ct
+        else ("weight", "weight_scale", "weight_scale_2", "input_scale")
+    )
     tensors = {}
     for e in range(E):
         parts = {
@@ -260,7 +320,9 @@ def _experts(gen, convention="modelopt", *, w4a4=False, inter=I) -> Experts:
         for proj, (packed, scale, gs) in parts.items():
             tensors[f"{e}.{proj}.{names[0]}"] = packed.clone()
             tensors[f"{e}.{proj}.{names[1]}"] = scale.clone()
-            tensors[f"{e}.{proj}.{names[2]}"] = (1.0 / gs if ct else gs).reshape(1 if e % 2 else ())  # both scalar forms
+            tensors[f"{e}.{proj}.{names[2]}"] = (1.0 / gs if ct else gs).reshape(
+                1 if e % 2 else ()
+            )  # both scalar forms
             if w4a4:
                 a = torch.tensor(0.5 + e / 10)
                 tensors[f"{e}.{proj}.{names[3]}"] = 1.0 / a if ct else a
@@ -477,7 +539,9 @@ def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
     _load(layer, tensors)
     w13, w2 = layer.moe_nvfp4_weights.to_nvfp4()
     half = slice(I // 2, I)
-    want13 = moe_nvfp4.quantize_nvfp4(torch.cat([ex.dense13[:, :I][:, half], ex.dense13[:, I:][:, half]], 1).float(), segments=2)
+    want13 = moe_nvfp4.quantize_nvfp4(
+        torch.cat([ex.dense13[:, :I][:, half], ex.dense13[:, I:][:, half]], 1).float(), segments=2
+    )
     want2 = moe_nvfp4.quantize_nvfp4(ex.dense2[:, :, half].float())
     assert torch.equal(w13.packed, want13.packed) and torch.equal(w2.packed, want2.packed)
     assert torch.equal(w13.global_scale, want13.global_scale)
@@ -668,7 +732,8 @@ def test_gpt_oss_tensor_parallel_ranks_sum_to_reference(plugin, gen):
         layer.quant_method.process_weights_after_loading(layer)
         total = total + layer.quant_method.apply(layer, x, tw, ids, None, None).float()
         w13_deq = moe_nvfp4.dequantize_nvfp4(
-            moe_nvfp4.quantize_nvfp4(torch.cat([dense["gate"], dense["up"]], 1).bfloat16().float(), segments=2))
+            moe_nvfp4.quantize_nvfp4(torch.cat([dense["gate"], dense["up"]], 1).bfloat16().float(), segments=2)
+        )
         w2_deq = moe_nvfp4.dequantize_nvfp4(moe_nvfp4.quantize_nvfp4(dense["down"].bfloat16().float()))
         refs = refs + _moe_reference(x, w13_deq, w2_deq, tw, ids, "swiglu_oai",
                                      b13=torch.cat([biases["gate"], biases["up"]], 1),
@@ -703,12 +768,14 @@ def test_unsupported_activations_are_rejected_naming_the_layer(plugin, activatio
 def _corrupt(name, value):
     def f(tensors):
         tensors[name] = value(tensors[name]) if callable(value) else value
+
     return f
 
 
 def _drop(name):
     def f(tensors):
         del tensors[name]
+
     return f
 
 
@@ -732,33 +799,86 @@ def _negative_scale(t):
 
 
 BAD_CASES = [
-    BadCase("missing up global scale (never loaded)", _drop("2.up_proj.weight_scale_2"),
-            r"experts\.2\.up_proj\.weight_scale_2 \(expert 2\): missing"),
-    BadCase("missing packed down weight", _drop("1.down_proj.weight"), r"experts\.1\.down_proj\.weight \(expert 1\): missing"),
-    BadCase("missing block scale", _drop("3.gate_proj.weight_scale"), r"experts\.3\.gate_proj\.weight_scale \(expert 3\): missing"),
-    BadCase("W4A4 without an input scale", _drop("0.down_proj.input_scale"),
-            r"experts\.0\.down_proj\.input_scale \(expert 0\): missing.*W4A4", w4a4=True),
-    BadCase("NaN block scale", _corrupt("2.up_proj.weight_scale", _nan_scale), r"up_proj.weight_scale \(expert 2\): 1 block scales are NaN"),
-    BadCase("negative block scales", _corrupt("1.down_proj.weight_scale", _negative_scale),
-            r"down_proj.weight_scale \(expert 1\): \d+ block scales are negative"),
-    BadCase("zero global scale", _corrupt("3.gate_proj.weight_scale_2", torch.tensor(0.0)),
-            r"gate_proj.weight_scale_2 \(expert 3\): scale must be finite and positive"),
-    BadCase("inf global scale", _corrupt("0.down_proj.weight_scale_2", torch.tensor(math.inf)),
-            r"down_proj.weight_scale_2 \(expert 0\): scale must be finite and positive"),
-    BadCase("negative input scale", _corrupt("2.up_proj.input_scale", torch.tensor(-1.0)),
-            r"up_proj.input_scale \(expert 2\): scale must be finite and positive", w4a4=True),
-    BadCase("NaN input scale, compressed-tensors", _corrupt("1.gate_proj.input_global_scale", torch.tensor(math.nan)),
-            r"gate_proj.input_global_scale \(expert 1\): scale must be finite and positive as a multiplier", "compressed-tensors", True),
-    BadCase("negative CT global scale", _corrupt("2.down_proj.weight_global_scale", torch.tensor(-3.0)),
-            r"down_proj.weight_global_scale \(expert 2\): scale must be finite and positive", "compressed-tensors"),
-    BadCase("block scale stored as float32", _corrupt("1.up_proj.weight_scale", lambda t: t.float()),
-            r"expert 1 up_proj.weight_scale: dtype torch.float32, expected torch.float8_e4m3fn"),
-    BadCase("packed weight stored as int8", _corrupt("0.gate_proj.weight", lambda t: t.view(torch.int8)),
-            r"expert 0 gate_proj.weight: dtype torch.int8, expected torch.uint8"),
-    BadCase("unpacked (wrong shape) weight", _corrupt("3.down_proj.weight", lambda t: torch.zeros(H, I, dtype=torch.uint8)),
-            r"expert 3 down_proj.weight: shape \(64, 64\), expected \(64, 32\)"),
-    BadCase("global scale is a vector", _corrupt("1.gate_proj.weight_scale_2", torch.ones(2)),
-            r"expert 1 gate_proj.weight_scale_2: expected a scalar, got shape \(2,\)"),
+    BadCase(
+        "missing up global scale (never loaded)",
+        _drop("2.up_proj.weight_scale_2"),
+        r"experts\.2\.up_proj\.weight_scale_2 \(expert 2\): missing",
+    ),
+    BadCase(
+        "missing packed down weight",
+        _drop("1.down_proj.weight"),
+        r"experts\.1\.down_proj\.weight \(expert 1\): missing",
+    ),
+    BadCase(
+        "missing block scale",
+        _drop("3.gate_proj.weight_scale"),
+        r"experts\.3\.gate_proj\.weight_scale \(expert 3\): missing",
+    ),
+    BadCase(
+        "W4A4 without an input scale",
+        _drop("0.down_proj.input_scale"),
+        r"experts\.0\.down_proj\.input_scale \(expert 0\): missing.*W4A4",
+        w4a4=True,
+    ),
+    BadCase(
+        "NaN block scale",
+        _corrupt("2.up_proj.weight_scale", _nan_scale),
+        r"up_proj.weight_scale \(expert 2\): 1 block scales are NaN",
+    ),
+    BadCase(
+        "negative block scales",
+        _corrupt("1.down_proj.weight_scale", _negative_scale),
+        r"down_proj.weight_scale \(expert 1\): \d+ block scales are negative",
+    ),
+    BadCase(
+        "zero global scale",
+        _corrupt("3.gate_proj.weight_scale_2", torch.tensor(0.0)),
+        r"gate_proj.weight_scale_2 \(expert 3\): scale must be finite and positive",
+    ),
+    BadCase(
+        "inf global scale",
+        _corrupt("0.down_proj.weight_scale_2", torch.tensor(math.inf)),
+        r"down_proj.weight_scale_2 \(expert 0\): scale must be finite and positive",
+    ),
+    BadCase(
+        "negative input scale",
+        _corrupt("2.up_proj.input_scale", torch.tensor(-1.0)),
+        r"up_proj.input_scale \(expert 2\): scale must be finite and positive",
+        w4a4=True,
+    ),
+    BadCase(
+        "NaN input scale, compressed-tensors",
+        _corrupt("1.gate_proj.input_global_scale", torch.tensor(math.nan)),
+        r"gate_proj.input_global_scale \(expert 1\): scale must be finite and positive as a multiplier",
+        "compressed-tensors",
+        True,
+    ),
+    BadCase(
+        "negative CT global scale",
+        _corrupt("2.down_proj.weight_global_scale", torch.tensor(-3.0)),
+        r"down_proj.weight_global_scale \(expert 2\): scale must be finite and positive",
+        "compressed-tensors",
+    ),
+    BadCase(
+        "block scale stored as float32",
+        _corrupt("1.up_proj.weight_scale", lambda t: t.float()),
+        r"expert 1 up_proj.weight_scale: dtype torch.float32, expected torch.float8_e4m3fn",
+    ),
+    BadCase(
+        "packed weight stored as int8",
+        _corrupt("0.gate_proj.weight", lambda t: t.view(torch.int8)),
+        r"expert 0 gate_proj.weight: dtype torch.int8, expected torch.uint8",
+    ),
+    BadCase(
+        "unpacked (wrong shape) weight",
+        _corrupt("3.down_proj.weight", lambda t: torch.zeros(H, I, dtype=torch.uint8)),
+        r"expert 3 down_proj.weight: shape \(64, 64\), expected \(64, 32\)",
+    ),
+    BadCase(
+        "global scale is a vector",
+        _corrupt("1.gate_proj.weight_scale_2", torch.ones(2)),
+        r"expert 1 gate_proj.weight_scale_2: expected a scalar, got shape \(2,\)",
+    ),
 ]
 
 
@@ -778,8 +898,15 @@ def test_bf16_nan_weight_is_reported(plugin, gen):
     from moe_nvfp4.checkpoint import CheckpointError
 
     ex = _experts(gen)
-    tensors = {f"{e}.{p}.weight": w for e in range(E) for p, w in
-               (("gate_proj", ex.dense13[e, :I]), ("up_proj", ex.dense13[e, I:].clone()), ("down_proj", ex.dense2[e]))}
+    tensors = {
+        f"{e}.{p}.weight": w
+        for e in range(E)
+        for p, w in (
+            ("gate_proj", ex.dense13[e, :I]),
+            ("up_proj", ex.dense13[e, I:].clone()),
+            ("down_proj", ex.dense2[e]),
+        )
+    }
     tensors["2.up_proj.weight"][5, 7] = math.nan
     layer = _routed_experts(_config(plugin, None))
     with pytest.raises(CheckpointError, match=rf"{LAYER}: expert 2 up_proj.weight holds NaN or inf"):
@@ -792,7 +919,9 @@ def test_tp_that_splits_a_scale_block_is_rejected_at_create_weights(plugin, tp, 
     if inter // tp % 16 == 0:
         _routed_experts(qc, tp=tp, inter=inter)
         return
-    with pytest.raises(ValueError, match=r"intermediate size 48 split over tensor parallel size 2 gives 24 per rank.*multiple of 16"):
+    with pytest.raises(
+        ValueError, match=r"intermediate size 48 split over tensor parallel size 2 gives 24 per rank.*multiple of 16"
+    ):
         _routed_experts(qc, tp=tp, inter=inter)
 
 
@@ -1081,7 +1210,9 @@ def test_converted_family_loads_in_vllms_own_modelopt_method(plugin, single_proc
 
     out = tmp_path / "nvfp4"
     convert_checkpoint(make_tiny_checkpoint(family, tmp_path / "bf16"), out, progress=False)
-    qc = modelopt.ModelOptNvFp4Config.from_config(json_module.loads((out / "config.json").read_text())["quantization_config"])
+    qc = modelopt.ModelOptNvFp4Config.from_config(
+        json_module.loads((out / "config.json").read_text())["quantization_config"]
+    )
     tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     gated = family != "nemotron_h"
     prefix = "model.layers.0.feed_forward.experts" if gated else "backbone.layers.1.mixer.experts"
@@ -1093,10 +1224,14 @@ def test_converted_family_loads_in_vllms_own_modelopt_method(plugin, single_proc
     w13_projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
     for e in range(E):
         want13 = torch.cat([tensors[f"{prefix}.{e}.{p}.weight"] for p in w13_projs])
-        assert torch.equal(layer.w13_weight[e], want13) and torch.equal(layer.w2_weight[e], tensors[f"{prefix}.{e}.down_proj.weight"])
+        assert torch.equal(layer.w13_weight[e], want13) and torch.equal(
+            layer.w2_weight[e], tensors[f"{prefix}.{e}.down_proj.weight"]
+        )
         scale13 = torch.cat([tensors[f"{prefix}.{e}.{p}.weight_scale"].view(torch.uint8) for p in w13_projs])
         assert torch.equal(layer.w13_weight_scale[e].view(torch.uint8), scale13)
-        assert layer.w13_weight_scale_2[e].tolist() == [float(tensors[f"{prefix}.{e}.{p}.weight_scale_2"]) for p in w13_projs]
+        assert layer.w13_weight_scale_2[e].tolist() == [
+            float(tensors[f"{prefix}.{e}.{p}.weight_scale_2"]) for p in w13_projs
+        ]
 
 
 @pytest.mark.parametrize("family", ["llama4", "nemotron_h"])
@@ -1121,8 +1256,11 @@ def test_moe_runner_forward_family_layers(plugin, gen, single_process_group, fam
         return torch.topk(gating_output.float().sigmoid(), topk, dim=-1)  # Llama-4's: sigmoid, not renormalized
 
     factory = moe_layer.FusedMoE if _release() == (0, 26) else moe_layer.FusedMoEFactory
-    extra = dict(apply_router_weight_on_input=True) if llama4 else dict(
-        activation="relu2_no_mul", ckpt_names=("up_proj", "down_proj", "" if _release() == (0, 26) else None))
+    extra = (
+        dict(apply_router_weight_on_input=True)
+        if llama4
+        else dict(activation="relu2_no_mul", ckpt_names=("up_proj", "down_proj", "" if _release() == (0, 26) else None))
+    )
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vllm_config), mock.patch.object(moe_config_module.current_platform, "is_cuda_alike",
                                                                  return_value=True):  # fmt: skip

@@ -5,6 +5,7 @@ GPU test is tests/gpu/test_tune_cli_gpu.py's warm-up case.
 
 No tolerances: token counts, arguments and call counts are exact.
 """
+
 from __future__ import annotations
 
 import threading

@@ -1,6 +1,7 @@
 """weight_layouts: one MoEWeights type, three layouts; each packs checkpoint tensors and unpacks them back bit for
 bit (every FP4 code, random e4m3 scales, gate and up with their own global scales), and the custom ops rebuild a
 layout from its name and offset.  Exact: bytes compared with ``torch.equal``."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,8 +61,9 @@ def test_fragments_hold_a_non_gated_w13_as_one_block(gen: torch.Generator) -> No
     gated13, w2 = _checkpoint(gen, e, h, i)
     w13 = m.NVFP4Tensor(gated13.packed[:, :i], gated13.block_scale[:, :i], gated13.global_scale[:, 0].contiguous())
     layout = Sm90Layout()
-    weights = m.MoEWeights(*layout.pack(w13.linear_scales(), w2), hidden=h, intermediate=i, layout=layout,
-                          activation=m.RELU2)  # a one-block w13 is a non-gated activation's
+    weights = m.MoEWeights(
+        *layout.pack(w13.linear_scales(), w2), hidden=h, intermediate=i, layout=layout, activation=m.RELU2
+    )  # a one-block w13 is a non-gated activation's
     assert weights.w13_packed.shape == (e, layout.fragments.padded_n(i), layout.fragments.padded_k(h) // 2)
     back13, back2 = weights.to_nvfp4()
     for got, want in ((back13, w13), (back2, w2)):

@@ -19,6 +19,7 @@ variant's median over rounds and its range.  ``--draws N`` times an expert-paral
 seeds 0..N-1): at a few tokens how many pairs land on this rank is a matter of the draw (none, at times), so a
 decision there rests on the mean over draws, which the table then gives with the range of the draws' medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
+
 
 def load_package(directory: Path, scratch: Path, name: str):
     """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 module
@@ -186,7 +188,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="mixtral-8x7b:1,mixtral-8x7b:16,mixtral-8x7b:64,qwen3-30b-a3b:1,"
                                       "qwen3-30b-a3b:16,qwen3-30b-a3b:64", help="model:tokens, comma separated")  # fmt: skip
-    p.add_argument("--variants", default="shipped", help="shipped, pkg=DIR, configs=DIR or a MoEKernelConfig field, comma separated")
+    p.add_argument(
+        "--variants",
+        default="shipped",
+        help="shipped, pkg=DIR, configs=DIR or a MoEKernelConfig field, comma separated",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--draws", type=int, default=1, help="routings per expert-parallel case (bench_moe's seeds 0..N-1)")
     p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")

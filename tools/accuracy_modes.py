@@ -20,6 +20,7 @@ H, I, top-k and activation; its experts are capped at ``--experts`` (the error o
 on how many others there are), and two inputs are drawn: Gaussian rows, and Gaussian rows with 1% of the channels 30x
 larger (the outlier channels of real hidden states).
 """
+
 from __future__ import annotations
 
 import argparse

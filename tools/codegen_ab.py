@@ -8,6 +8,7 @@ widths and the Gluon kernel's shipped shapes (pair tiles, expert map, K groups, 
 
 Each checkout compiles in a process of its own (its own moe_nvfp4); exit status 1 if any launch differs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,13 +20,22 @@ from pathlib import Path
 
 TRITON_TILES = ((16, 0), (64, 2), (32, 1), (128, 0), (8, 0))  # (block_m, narrow_tiles)
 # (gated, block_n, warps, max_registers, chunks, k_groups, stages, block_m, narrow, loader_warps, pair_tiles, map)
-GLUON_LAUNCHES = [(g, 64, 4, 128, 2, 1, 2, 8, 0, 2, p, m) for g in (True, False)
-                  for p, m in ((False, False), (True, False), (True, True))] + [
-    (g, 64, 4, 168, 2, 2, 4, 8, 0, 2, p, False) for g in (True, False) for p in (False, True)] + [
-    (g, 128, 4, 128, 1, 1, 4, 16, 1, 4, False, False) for g in (True, False)] + [
-    (g, 128, 8, 168, 1, 1, 3, 64, 2, 4, False, False) for g in (True, False)] + [
-    (True, 128, 8, 128, 2, 1, 4, 32, 2, 4, False, False), (False, 128, 4, 168, 1, 2, 2, 64, 0, 4, False, False),
-    (True, 64, 4, 168, 1, 2, 2, 16, 0, 4, False, False), (True, 128, 4, None, 1, 1, 4, 16, 0, 4, False, False)]
+GLUON_LAUNCHES = (
+    [
+        (g, 64, 4, 128, 2, 1, 2, 8, 0, 2, p, m)
+        for g in (True, False)
+        for p, m in ((False, False), (True, False), (True, True))
+    ]
+    + [(g, 64, 4, 168, 2, 2, 4, 8, 0, 2, p, False) for g in (True, False) for p in (False, True)]
+    + [(g, 128, 4, 128, 1, 1, 4, 16, 1, 4, False, False) for g in (True, False)]
+    + [(g, 128, 8, 168, 1, 1, 3, 64, 2, 4, False, False) for g in (True, False)]
+    + [
+        (True, 128, 8, 128, 2, 1, 4, 32, 2, 4, False, False),
+        (False, 128, 4, 168, 1, 2, 2, 64, 0, 4, False, False),
+        (True, 64, 4, 168, 1, 2, 2, 16, 0, 4, False, False),
+        (True, 128, 4, None, 1, 1, 4, 16, 0, 4, False, False),
+    ]
+)
 
 
 def _code(ptx: str) -> str:
@@ -56,8 +66,10 @@ def digests(root: Path) -> dict[str, list[str]]:
                 out[f"triton {name} block_m {block_m} narrow {narrow} aligned {aligned}"] = digest(asm)
     for g, bn, w, reg, ch, kg, st, bm, nr, lw, p, m in GLUON_LAUNCHES:
         asm = T._compile_ws(g, bn, w, reg, ch, kg, st, block_m=bm, narrow=nr, loader_warps=lw, pair_tiles=p, has_map=m)
-        out[f"gluon gated {g} block_n {bn} warps {w} maxnreg {reg} chunks {ch} k_groups {kg} stages {st} block_m {bm} "
-            f"narrow {nr} loader_warps {lw} pair_tiles {p} map {m}"] = digest(asm)
+        out[
+            f"gluon gated {g} block_n {bn} warps {w} maxnreg {reg} chunks {ch} k_groups {kg} stages {st} block_m {bm} "
+            f"narrow {nr} loader_warps {lw} pair_tiles {p} map {m}"
+        ] = digest(asm)
     return out
 
 

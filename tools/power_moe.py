@@ -13,6 +13,7 @@ A forward that keeps the GPU at its power limit runs at lower SM clocks after it
 capture from a cool start, the finest view of how the time moves as the GPU heats up.  Needs a GPU and nvidia-smi
 (and vLLM 0.26.0 for the marlin and bf16 paths).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -137,11 +138,16 @@ def main() -> int:
     p.add_argument("--path", default="ours", choices=B.PATHS)
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--cool-s", type=float, default=0.0, help="seconds idle before each round (--replays: before all)")
-    p.add_argument("--replays", type=int, default=0,
-                   help="instead of rounds: one capture replayed this many times, each replay timed")
+    p.add_argument(
+        "--replays",
+        type=int,
+        default=0,
+        help="instead of rounds: one capture replayed this many times, each replay timed",
+    )
     p.add_argument("--interval-ms", type=int, default=100, help="nvidia-smi's sampling period")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON: the rounds with their samples' summary, and the samples")
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON: the rounds with their samples' summary, and the samples"
+    )
     args = p.parse_args()
     query = ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", f"-lms={args.interval_ms}"]
     # into a file, line-buffered: a pipe nobody reads until the end fills at 64 KiB and stalls nvidia-smi, and
@@ -169,8 +175,14 @@ def main() -> int:
         from harness import environment
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        run = dict(model=args.model, tokens=args.tokens, path=args.path, cool_s=args.cool_s, replays=args.replays,
-                   environment=environment())
+        run = dict(
+            model=args.model,
+            tokens=args.tokens,
+            path=args.path,
+            cool_s=args.cool_s,
+            replays=args.replays,
+            environment=environment(),
+        )
         args.out.write_text(json.dumps(dict(run, rounds=rows, samples=[asdict(s) for s in samples]), indent=1))
     return 0
 

@@ -10,6 +10,7 @@ x ``--output-len`` tokens.  Printed per path: wall time, GPU time per kernel (to
 took longest, and how often a few host-side ops ran (an MoE op counted on the host during decode ran
 outside the CUDA graph).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,10 +110,16 @@ def main() -> int:
     results = {}
     for path in args.paths:
         kind, quantization = PATHS[path]
-        spec = {"engine": engine_kwargs(ckpts[kind], quantization, args.batches, args.input_len, args.output_len, 0.85),
-                "batches": args.batches, "input_len": args.input_len, "output_len": args.output_len,
-                "vocab": VOCAB, "host_ops": HOST_OPS, "multiprocess": args.multiprocess,
-                "trace_dir": str(args.work_dir / f"traces-{path}")}
+        spec = {
+            "engine": engine_kwargs(ckpts[kind], quantization, args.batches, args.input_len, args.output_len, 0.85),
+            "batches": args.batches,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "vocab": VOCAB,
+            "host_ops": HOST_OPS,
+            "multiprocess": args.multiprocess,
+            "trace_dir": str(args.work_dir / f"traces-{path}"),
+        }
         proc = run_runner(RUNNER, spec)
         rows = [json.loads(x.removeprefix("RESULT ")) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if len(rows) != len(args.batches):
@@ -120,15 +127,19 @@ def main() -> int:
         results[path] = rows
         for r in rows:
             steps = args.output_len
-            print(f"\n== {path} B={r['batch']}: {r['wall_s'] * 1e3:.1f} ms wall, {r['gpu_kernel_us'] / 1e3:.1f} ms GPU "
-                  f"kernels ({steps} tokens each; {r['wall_s'] * 1e3 / steps:.2f} ms/step)")
+            print(
+                f"\n== {path} B={r['batch']}: {r['wall_s'] * 1e3:.1f} ms wall, {r['gpu_kernel_us'] / 1e3:.1f} ms GPU "
+                f"kernels ({steps} tokens each; {r['wall_s'] * 1e3 / steps:.2f} ms/step)"
+            )
             print("host op counts:", json.dumps(r["host_op_counts"]))
             for name, (count, us) in r["top_kernels"]:
                 print(f"{us / 1e3:9.2f} ms {count:7d}x  {name}")
             for name, us in r["top_host_us"]:
                 print(f"{us / 1e3:9.2f} ms host  {name}")
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
+        args.out.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2)
+        )
     return 0 if all(len(r) == len(args.batches) for r in results.values()) else 1
 
 

@@ -13,6 +13,7 @@ the weights come from HBM):
         python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1 --ncu
     ncu -i moe.ncu-rep --page details; ncu -i moe.ncu-rep --page source --print-source sass --csv
 """
+
 from __future__ import annotations
 
 import argparse

@@ -19,6 +19,7 @@ ModelOpt NVFP4 linear layers (delegated)    ``ModelOptNvFp4(W4A16)Linear-     ``
                                             Method``                          format_scheme)``
 ==========================================  ================================  =====================================
 """
+
 from __future__ import annotations
 
 import vllm

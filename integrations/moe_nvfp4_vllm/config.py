@@ -17,6 +17,7 @@ A malformed quantization config (a list, ``config_groups`` as a list, a group wi
 "16.0", an invalid ``re:`` pattern, ...) is refused by ``from_config`` with ``QuantConfigError`` (a ValueError)
 naming the field, before vLLM's own parsers see it (``moe_nvfp4.convert.quant_config.check_quantization_config``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -70,7 +71,8 @@ def is_compressed_tensors_nvfp4(cfg: dict[str, Any] | None) -> bool:
         return False
     groups = cfg.get("config_groups")
     return isinstance(groups, dict) and any(
-        isinstance(g, dict) and (g.get("format", cfg.get("format")) == _CT_FORMAT or _ct_nvfp4_weights(g.get("weights")))
+        isinstance(g, dict)
+        and (g.get("format", cfg.get("format")) == _CT_FORMAT or _ct_nvfp4_weights(g.get("weights")))
         for g in groups.values()
     )
 
@@ -203,11 +205,15 @@ class NVFP4GroupedConfig(QuantizationConfig):
             return self.delegate.is_layer_excluded(prefix)
         if self.convention is Convention.COMPRESSED_TENSORS:
             self.delegate._add_fused_moe_to_target_scheme_map()
-            schemes = [self.delegate.get_scheme_dict(layer, f"{prefix}.0.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
+            schemes = [
+                self.delegate.get_scheme_dict(layer, f"{prefix}.0.{p}") for p in ("gate_proj", "up_proj", "down_proj")
+            ]
             if all(s is None for s in schemes):
                 return True
             if any(s is None for s in schemes) or not all(_is_ct_nvfp4_scheme(s) for s in schemes):
-                raise ValueError(f"{prefix}: nvfp4_grouped needs NVFP4 gate/up/down experts, the checkpoint declares {schemes}")
+                raise ValueError(
+                    f"{prefix}: nvfp4_grouped needs NVFP4 gate/up/down experts, the checkpoint declares {schemes}"
+                )
         return False
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
@@ -225,7 +231,15 @@ def _delegate(config_cls: type[QuantizationConfig], config: dict[str, Any]) -> Q
     raised for a sparsity config) as QuantConfigError: a bad config is one error type whatever vLLM parses it."""
     try:
         return config_cls.from_config(config)
-    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, NotImplementedError, DeprecationWarning) as e:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        AssertionError,
+        NotImplementedError,
+        DeprecationWarning,
+    ) as e:
         raise QuantConfigError("", f"vLLM's {config_cls.__name__} refuses it: {type(e).__name__}: {e}") from e
 
 

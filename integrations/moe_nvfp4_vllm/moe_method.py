@@ -26,6 +26,7 @@ checkpoint with input scales runs W4A4: ``prepare_moe_weights_w4a4`` and ``fused
 with each GEMM's largest input scale over the local experts (one value per GEMM: the activations of all
 experts are quantized in one launch, and the largest calibrated range saturates none of them).
 """
+
 from __future__ import annotations
 
 import time
@@ -134,7 +135,10 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         bias = [_Param("w13_bias", BIAS, self.w13_shards, "bias"), _Param("w2_bias", BIAS, ("w2",), "bias")]
         out = bias if self.moe.has_bias else []
         if self.convention is None:
-            return out + [_Param("w13_weight", DENSE, self.w13_shards, "weight"), _Param("w2_weight", DENSE, ("w2",), "weight")]
+            return out + [
+                _Param("w13_weight", DENSE, self.w13_shards, "weight"),
+                _Param("w2_weight", DENSE, ("w2",), "weight"),
+            ]
         packed, scale, global_, input_, _ = TENSOR_NAMES[self.convention]
         for kind, suffix in ((PACKED, packed), (BLOCK_SCALE, scale), (GLOBAL_SCALE, global_), (INPUT_SCALE, input_)):
             out.append(_Param(f"w13_{suffix}", kind, self.w13_shards, suffix))
@@ -249,7 +253,9 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             for e in range(n_local):
                 for shard in p.shards:
                     if (p.name, e, shard) not in self.loaded and not self._written(layer, p, e, shard):
-                        why = " (a W4A4 checkpoint needs input scales for every expert)" if p.kind == INPUT_SCALE else ""
+                        why = (
+                            " (a W4A4 checkpoint needs input scales for every expert)" if p.kind == INPUT_SCALE else ""
+                        )
                         raise CheckpointError(
                             f"{name}: expert {global_ids[e]} {self._proj(layer, shard)}.{p.suffix} was never loaded: "
                             f"the checkpoint has no {name}.{global_ids[e]}.{self._proj(layer, shard)}.{p.suffix}{why}"
@@ -337,8 +343,9 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         w2 = NVFP4Tensor(get("w2", PACKED), get("w2", BLOCK_SCALE), g2.contiguous())
         return w13, w2
 
-    def _quantize_dense(self, layer: torch.nn.Module, name: str, global_ids: list[int],
-                        interleaved: bool) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    def _quantize_dense(
+        self, layer: torch.nn.Module, name: str, global_ids: list[int], interleaved: bool
+    ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         """BF16 experts -> NVFP4, one expert at a time (gate and up get separate global scales)."""
         dense = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
         out = {}
@@ -472,13 +479,17 @@ class _CheckedLoader:
             if w.numel() != 1:
                 raise CheckpointError(f"{where}: expected a scalar, got shape {tuple(w.shape)}")
         elif tuple(w.shape[-2:]) != want_shape:
-            raise CheckpointError(f"{where}: shape {tuple(w.shape)}, expected {want_shape} (before tensor parallel slicing)")
+            raise CheckpointError(
+                f"{where}: shape {tuple(w.shape)}, expected {want_shape} (before tensor parallel slicing)"
+            )
 
     def __call__(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
         layer = self._layer_ref
         stacked = loaded_weight.dim() == 3 and self.param.kind in (PACKED, BLOCK_SCALE, DENSE)
         if shard_id not in self.param.shards:
-            raise CheckpointError(f"{self.layer_name}: {weight_name} loaded as shard {shard_id}, expected {self.param.shards}")
+            raise CheckpointError(
+                f"{self.layer_name}: {weight_name} loaded as shard {shard_id}, expected {self.param.shards}"
+            )
         self._check(loaded_weight, shard_id, expert_id)
         if stacked:
             ok = self.inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)

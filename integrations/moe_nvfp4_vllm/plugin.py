@@ -4,6 +4,7 @@ vLLM (0.26 and 0.33 alike) calls every general plugin in every process (API serv
 worker) through ``vllm.plugins.load_general_plugins()``, once per process but possibly more than once overall,
 so ``register`` must be idempotent: the second call finds the name registered and returns.
 """
+
 from __future__ import annotations
 
 from .names import QUANTIZATION_NAME

@@ -3,6 +3,7 @@
 A GPU is accepted where the fused W4A16 MoE's backend has run on hardware (``backends.Backend.ran_on``: sm_90
 today); dispatch would send other GPUs from sm_80 on to the same Triton code, but nothing has checked it there.
 """
+
 from __future__ import annotations
 
 from ..backends import DEFAULT_ORDER

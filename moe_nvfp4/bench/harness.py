@@ -13,6 +13,7 @@ bench`` and the scripts in the repository's ``benchmarks/``):
 
 Torch is imported lazily inside the GPU functions only where needed; the math and writers run anywhere.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -234,8 +235,9 @@ def _median_events_ms(fn: Callable[[], Any], iters: int, warmup: int) -> list[fl
     return _time_calls_ms([fn], iters)
 
 
-def _streaming_rate(make_call: Callable[[Any], Callable[[], Any]], moved_per_byte: int, nbytes: int, iters: int,
-                    device: str) -> tuple[float, dict]:
+def _streaming_rate(
+    make_call: Callable[[Any], Callable[[], Any]], moved_per_byte: int, nbytes: int, iters: int, device: str
+) -> tuple[float, dict]:
     """Bytes moved per second by the call ``make_call(src)`` returns, ``src`` being ``nbytes`` of random bytes
     (>> L2; at most 64 MiB on the CPU) and each byte of it moving ``moved_per_byte`` bytes. Median."""
     import torch

@@ -4,6 +4,7 @@ each other and the float32 reference, the paths timed in turns, and the ratios.
 
 ``run_model`` is the entry (the demo calls it too); the helpers below it are its steps, in order.
 """
+
 from __future__ import annotations
 
 import time
@@ -89,7 +90,9 @@ def make_weights(shape: MoEShape, seed: int, device: str):
             w = torch.randn(min(step, e - first), n, k, device=device, dtype=torch.bfloat16, generator=gen) * (k**-0.5)
             parts.append(quantize_nvfp4(w))  # one global scale per expert and matrix: vLLM's Marlin path keeps one
             del w
-        return NVFP4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "block_scale", "global_scale")))
+        return NVFP4Tensor(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "block_scale", "global_scale"))
+        )
 
     w13_q, w2_q = draw(shape.w13_rows, h), draw(h, i)
     empty_cache()
@@ -166,7 +169,13 @@ def time_path(path: Path, fns: list[Callable[[], Any]], args) -> Timing:
 # One shape
 # --------------------------------------------------------------------------------------------------
 def run_model(
-    key: str, shape: MoEShape, tokens: list[int], args, ceilings: Ceilings, l2: int, deadline: float,
+    key: str,
+    shape: MoEShape,
+    tokens: list[int],
+    args,
+    ceilings: Ceilings,
+    l2: int,
+    deadline: float,
     log: Callable[[str], None] = log,
 ) -> list[dict]:
     """The rows of one shape, a row per token count (see moe's docstring); ``log`` gets the progress lines."""
@@ -246,8 +255,9 @@ def row_header(key: str, shape: MoEShape, tokens: int, args) -> dict[str, Any]:
     }
 
 
-def measure_row(row: dict, shape: MoEShape, weights: tuple, paths: dict, errors: dict, args, ceilings: Ceilings,
-                l2: int) -> dict:
+def measure_row(
+    row: dict, shape: MoEShape, weights: tuple, paths: dict, errors: dict, args, ceilings: Ceilings, l2: int
+) -> dict:
     """``row`` at its token count: floors, ours' config, the outputs checked, the paths timed, the ratios."""
     import torch
 
@@ -275,8 +285,9 @@ def measure_row(row: dict, shape: MoEShape, weights: tuple, paths: dict, errors:
     return row
 
 
-def check_outputs(row: dict, shape: MoEShape, inputs: tuple, weights: tuple, paths: dict, errors: dict,
-                  args) -> list[str]:
+def check_outputs(
+    row: dict, shape: MoEShape, inputs: tuple, weights: tuple, paths: dict, errors: dict, args
+) -> list[str]:
     """Every path once, eagerly, against the BF16 path and the float32 torch reference on the same weights: the
     rel_err_* fields of ``row``, its ``mismatched`` paths; returns the row's notes so far."""
     import torch
@@ -316,8 +327,14 @@ def add_errors(row: dict, outs: dict, ref, tol: float) -> dict[str, float]:
     """rel_err_<path> of the NVFP4 paths vs the BF16 path, else the reference, else (no BF16 weights) vs Marlin;
     rel_err_<path>_vs_ref; ours against each NVFP4 baseline.  Returns {path: its error} of those over ``tol``
     (NaN included)."""
-    base, basis = next(((out, name) for out, name in ((outs.get("bf16"), "bf16"), (ref, "ref"),
-                                                      (outs.get("marlin"), "marlin")) if out is not None), (None, None))
+    base, basis = next(
+        (
+            (out, name)
+            for out, name in ((outs.get("bf16"), "bf16"), (ref, "ref"), (outs.get("marlin"), "marlin"))
+            if out is not None
+        ),
+        (None, None),
+    )
     row["err_basis"] = basis
     for name in NVFP4_PATHS:
         if name in outs and name != basis:
@@ -336,8 +353,9 @@ def add_errors(row: dict, outs: dict, ref, tol: float) -> dict[str, float]:
     return over
 
 
-def time_paths(row: dict, shape: MoEShape, inputs: tuple, paths: dict, touched: int, notes: list[str], args,
-               l2: int) -> None:
+def time_paths(
+    row: dict, shape: MoEShape, inputs: tuple, paths: dict, touched: int, notes: list[str], args, l2: int
+) -> None:
     """Graph replay over rotating weight copies (eager, marked, where capture fails); the paths take turns for
     args.rounds rounds and each path's time is its median round: the SM clock moves with the GPU's power state (a
     sustained forward may sit at the power cap), and in turns every path sees the same mix.  Fills ``row``'s

@@ -16,6 +16,7 @@ before timing; timing is CUDA graph replay with rotating weight copies so L2 nev
 (``moe_nvfp4.bench.harness``).  vLLM is imported only by the paths that use it.  A shape's rows are
 ``moe_nvfp4.bench.layer``'s, the reports ``moe_nvfp4.bench.report``'s; this module is the command line and the run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,47 +96,85 @@ def package_version(distribution: str) -> str:
 # --------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser, *, default_models: str = DEFAULT_MODEL) -> None:
     """The bench's options on ``p``; ``default_models`` run when neither --models nor --shape is given."""
-    p.add_argument("--models", "--model", default=None,
-                   help=f"comma list of zoo shape keys (e.g. {DEFAULT_MODEL}, kimi-k2-ep8, glm-4.5-tp4), 'zoo' (every "
-                        "shape), 'zoo-models' (each model at TP=1), 'random:N' or 'random:N:SEED' (N layers drawn at "
-                        "random, keyed random-s<SEED>-<i>: the same seed draws the same layers), or mixtral, qwen3, "
-                        f"tiny (default {default_models}, on the CPU {CPU_MODEL}; none with --shape)")
-    p.add_argument("--shape", default=None, metavar="E,K,H,I",
-                   help="a layer of your own: experts, top-k, hidden and intermediate sizes (H, I multiples of 16)")
-    p.add_argument("--tokens", default=None,
-                   help=f"comma list of token counts (default {','.join(map(str, TOKENS))}; "
-                        f"--quick {','.join(map(str, QUICK_TOKENS))}; on the CPU {','.join(map(str, CPU_TOKENS))})")
-    p.add_argument("--min-tokens", type=int, default=1,
-                   help="leave out the token counts under this (e.g. 1024: the default list's prefill sizes only)")
-    p.add_argument("--paths", default="auto",
-                   help=f"comma list of {', '.join(PATHS)}, or auto: ours, with vLLM its marlin, bf16 (and humming "
-                        "where humming-kernels is installed: its first forward per shape JIT-compiles, ~20-30 s), "
-                        "without vLLM (or on the CPU) torch")
-    p.add_argument("--out", default=None, metavar="PATH",
-                   help="also write the results: FILE.json (rows and meta), FILE.md (report), or a directory "
-                        "(moe.json and moe.md)")
-    p.add_argument("--autotune", action="store_true",
-                   help="autotune each shape's configs first (moe_nvfp4.autotune, its on-disk cache included)")
+    p.add_argument(
+        "--models",
+        "--model",
+        default=None,
+        help=f"comma list of zoo shape keys (e.g. {DEFAULT_MODEL}, kimi-k2-ep8, glm-4.5-tp4), 'zoo' (every "
+        "shape), 'zoo-models' (each model at TP=1), 'random:N' or 'random:N:SEED' (N layers drawn at "
+        "random, keyed random-s<SEED>-<i>: the same seed draws the same layers), or mixtral, qwen3, "
+        f"tiny (default {default_models}, on the CPU {CPU_MODEL}; none with --shape)",
+    )
+    p.add_argument(
+        "--shape",
+        default=None,
+        metavar="E,K,H,I",
+        help="a layer of your own: experts, top-k, hidden and intermediate sizes (H, I multiples of 16)",
+    )
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help=f"comma list of token counts (default {','.join(map(str, TOKENS))}; "
+        f"--quick {','.join(map(str, QUICK_TOKENS))}; on the CPU {','.join(map(str, CPU_TOKENS))})",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=1,
+        help="leave out the token counts under this (e.g. 1024: the default list's prefill sizes only)",
+    )
+    p.add_argument(
+        "--paths",
+        default="auto",
+        help=f"comma list of {', '.join(PATHS)}, or auto: ours, with vLLM its marlin, bf16 (and humming "
+        "where humming-kernels is installed: its first forward per shape JIT-compiles, ~20-30 s), "
+        "without vLLM (or on the CPU) torch",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="PATH",
+        help="also write the results: FILE.json (rows and meta), FILE.md (report), or a directory "
+        "(moe.json and moe.md)",
+    )
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="autotune each shape's configs first (moe_nvfp4.autotune, its on-disk cache included)",
+    )
     p.add_argument("--autotune-budget-s", type=float, default=50.0, help="the autotuner's search budget per shape")
     p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
-    p.add_argument("--replays", type=int, default=None,
-                   help="graph replays per measurement (default 10; quick and CPU 5)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="measurements per path, the paths in turn; the row takes their median (default 3; quick and "
-                        "CPU 1)")
-    p.add_argument("--target-graph-ms", type=float, default=None,
-                   help="calls per graph sized to this (default 20; quick 10)")
+    p.add_argument(
+        "--replays", type=int, default=None, help="graph replays per measurement (default 10; quick and CPU 5)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="measurements per path, the paths in turn; the row takes their median (default 3; quick and CPU 1)",
+    )
+    p.add_argument(
+        "--target-graph-ms", type=float, default=None, help="calls per graph sized to this (default 20; quick 10)"
+    )
     p.add_argument("--max-calls", type=int, default=400, help="upper bound on calls captured per graph")
-    p.add_argument("--l2-factor", type=float, default=4.0,
-                   help="rotate weight copies until this many L2 sizes stream between reuses")
+    p.add_argument(
+        "--l2-factor",
+        type=float,
+        default=4.0,
+        help="rotate weight copies until this many L2 sizes stream between reuses",
+    )
     p.add_argument("--max-copies", type=int, default=16, help="most weight copies per path (memory)")
     p.add_argument("--no-rotate", action="store_true", help="one weight copy (L2 may stay warm for tiny T)")
     p.add_argument("--no-ref", action="store_true", help="skip the float32 torch reference check")
     p.add_argument("--tol", type=float, default=REL_TOL, help="relative-error bound vs the BF16 path")
     p.add_argument("--seed", type=int, default=0, help="the weights' and inputs' seed (random:N has its own)")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="skip remaining rows after this many seconds")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: smoke-test the bench itself (the torch reference for ours, host clock, no graphs)")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: smoke-test the bench itself (the torch reference for ours, host clock, no graphs)",
+    )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing paths")
     # not options: the models run when neither --models nor --shape is given, and the command a row's repro names
     p.set_defaults(default_models=default_models, repro_command="moe-nvfp4 bench")
@@ -152,7 +191,7 @@ def build_parser(prog: str | None = None, *, default_models: str = DEFAULT_MODEL
     p = argparse.ArgumentParser(
         prog=prog,
         description="NVFP4 MoE forward: moe_nvfp4.fused_moe vs vLLM Marlin (and Humming) NVFP4 vs vLLM Triton BF16 "
-                    "(or torch BF16), against measured HBM/compute floors.",
+        "(or torch BF16), against measured HBM/compute floors.",
         formatter_class=HelpFormatter,
     )
     add_arguments(p, default_models=default_models)
@@ -316,8 +355,9 @@ def measure_meta(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[
     log(f"ceilings: copy {meta['ceilings']['copy_GBps']:.0f} GB/s, bf16 mm {meta['ceilings']['bf16_TFLOPs']:.0f} "
         f"TFLOP/s ({time.time() - start:.1f} s)")  # fmt: skip
     meta["l2_policy"] = (
-        "one weight copy (--no-rotate)" if args.no_rotate else
-        f"rotating weight copies: each captured call uses the next copy, n = ceil({args.l2_factor:g} x L2 / touched "
+        "one weight copy (--no-rotate)"
+        if args.no_rotate
+        else f"rotating weight copies: each captured call uses the next copy, n = ceil({args.l2_factor:g} x L2 / touched "
         f"weight bytes) (max {args.max_copies}), so >= {args.l2_factor:g} x L2 of other weights stream between reuses"
     )
     meta["rounds"] = args.rounds

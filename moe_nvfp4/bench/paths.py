@@ -15,6 +15,7 @@ A path is one ``Path`` subclass listed in REGISTRY: its class attributes (label,
 it needs) give the bench its columns, its error checks and ``--paths auto``, so adding one is that class and its
 line in REGISTRY.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -150,6 +151,7 @@ class Marlin(Path):
         self._activation = _vllm_activation(shape)
         self._input_dtype = get_marlin_input_dtype()  # None unless VLLM_MARLIN_INPUT_DTYPE is set
         self._num_experts = shape.routed_experts
+
         # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output) sums in place; fused_marlin_moe
         # returns what moe_sum returns, so hand back the output tensor.  With an expert map, vLLM's own sum.
         def moe_sum(inp, outp, topk_ids, expert_map):

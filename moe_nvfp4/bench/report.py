@@ -3,6 +3,7 @@ prefill summary (issue 58's targets read off one table), the header (GPU or CPU)
 
 Everything here works on rows and meta alone (no torch), so the CPU tests check it on rows they make up.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -133,9 +134,11 @@ def _configs_line(meta: dict) -> str:
     by_source = ", ".join(f"{s} {n}" for s, n in counts.items())
     head = (f"tuned entries served {served} of {sum(counts.values())} rows ({by_source})" if meta.get("tuned_entries")
             else "no tuned entries: every row ran the default config")  # fmt: skip
-    return (f"configs: {head} (tuned_entries {str(bool(meta.get('tuned_entries'))).lower()}); tuned file "
-            f"{meta.get('tuned_file') or 'none'} (MOE_NVFP4_CONFIG_DIR={meta.get('config_dir')}); autotuning "
-            f"{'ran' if meta.get('autotune') else 'off'}")
+    return (
+        f"configs: {head} (tuned_entries {str(bool(meta.get('tuned_entries'))).lower()}); tuned file "
+        f"{meta.get('tuned_file') or 'none'} (MOE_NVFP4_CONFIG_DIR={meta.get('config_dir')}); autotuning "
+        f"{'ran' if meta.get('autotune') else 'off'}"
+    )
 
 
 def _random_line(meta: dict) -> list[str]:
@@ -240,7 +243,7 @@ def read_report(path: str) -> tuple[dict, list[dict]]:
     if os.path.isdir(path):
         found = [p for p in (os.path.join(path, "moe.json"), os.path.join(path, "moe.json.gz")) if os.path.exists(p)]
         path = found[0] if found else os.path.join(path, "moe.json")
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         data = json.load(f)
     return data["meta"], data["rows"]
 

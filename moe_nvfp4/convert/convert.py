@@ -4,6 +4,7 @@ Peak memory is about one unit's float32 working set (an expert's gate+up, or one
 tensors are read one at a time from memory-mapped shards, and output shards are flushed as they fill.
 Quantization is deterministic and gives the same bytes on CPU and GPU (exact float32 ops only).
 """
+
 from __future__ import annotations
 
 import time
@@ -117,7 +118,9 @@ def _run_unit(
     for module, w in zip(unit.modules, weights):
         bad = ~torch.isfinite(w)
         if bool(bad.any()):
-            raise ConversionError(f"{_where(unit)}: {int(bad.sum())} NaN/inf values in {module}; fix the source weights")
+            raise ConversionError(
+                f"{_where(unit)}: {int(bad.sum())} NaN/inf values in {module}; fix the source weights"
+            )
     settings = options.settings
     input_scale = None if settings.input_scale is None else torch.tensor(settings.input_scale, dtype=torch.float32)
     worst = 0.0
@@ -148,7 +151,9 @@ def verify_output(root: Path) -> None:
         report = checkpoint_problems(out)
     errors = [p for p in report.problems if p.severity == "error"]
     if errors:
-        raise ConversionError(f"self-check of the output failed ({len(errors)} errors): {errors[0].module}: {errors[0].message}")
+        raise ConversionError(
+            f"self-check of the output failed ({len(errors)} errors): {errors[0].module}: {errors[0].message}"
+        )
 
 
 def _check_device(device: str) -> None:
@@ -190,7 +195,9 @@ def convert_checkpoint(
         if not src.config:
             raise ConversionError(f"{src.root}: no config.json; the converter needs the model config to annotate it")
         if "quantization_config" in src.config:
-            raise ConversionError(f"{src.root}/config.json already has a quantization_config; convert a BF16/FP16 checkpoint")
+            raise ConversionError(
+                f"{src.root}/config.json already has a quantization_config; convert a BF16/FP16 checkpoint"
+            )
         plan = make_plan(src, options.selection, separate_gate_up_scales=options.settings.separate_gate_up_scales)
         total = sum(info.nbytes for info in src.tensors.values())
         quantized_bytes = worst = 0.0

@@ -4,6 +4,7 @@ MoE layers go through ``moe_nvfp4.validate.check_moe_layer``, the validator the 
 the vLLM loader call too; other quantized modules through ``checkpoint.from_checkpoint``.  A directory with
 no NVFP4 tensor is an error.  Tensors are read one at a time from memory-mapped shards.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,15 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..checkpoint import TENSOR_NAMES, CheckpointError, Convention, NVFP4Linear, detect_convention, from_checkpoint, to_checkpoint
+from ..checkpoint import (
+    TENSOR_NAMES,
+    CheckpointError,
+    Convention,
+    NVFP4Linear,
+    detect_convention,
+    from_checkpoint,
+    to_checkpoint,
+)
 from ..formats import dequantize_nvfp4, quantize_nvfp4
 from ..validate import check_moe_layer, lost_blocks
 from .names import PROJECTION_ROLES, Role, claimed_experts, expert_id_problem, gated_experts
@@ -23,7 +32,15 @@ from .quant_config import GATE_UP_SHARED, METADATA_KEY, read_settings
 from .source import ConversionError, SourceCheckpoint, open_checkpoint
 from .writer import ShardedWriter, atomic_output_dir, copy_non_weight_files, shard_metadata, write_json
 
-__all__ = ["FIX_MAX_RELATIVE_ERROR", "JSON_SCHEMA_VERSION", "Problem", "InspectReport", "checkpoint_problems", "inspect_checkpoint", "fix_checkpoint"]
+__all__ = [
+    "FIX_MAX_RELATIVE_ERROR",
+    "JSON_SCHEMA_VERSION",
+    "Problem",
+    "InspectReport",
+    "checkpoint_problems",
+    "inspect_checkpoint",
+    "fix_checkpoint",
+]
 
 _SUFFIXES = sorted({s for names in TENSOR_NAMES.values() for s in names[:4]}, key=len, reverse=True)
 _EXPERT_TENSOR = re.compile(
@@ -62,7 +79,9 @@ class InspectReport:
     experts_per_layer: dict[str, int]  # ``...experts`` prefix -> number of experts
     shapes: dict[str, tuple[int, int]]  # projection role -> unquantized [N, K] (first seen)
     problems: list[Problem] = field(default_factory=list)
-    gate_up_pairs: list[tuple[str, str, int]] = field(default_factory=list)  # (gate module, up module, expert) differing
+    gate_up_pairs: list[tuple[str, str, int]] = field(
+        default_factory=list
+    )  # (gate module, up module, expert) differing
 
     @property
     def ok(self) -> bool:
@@ -83,8 +102,10 @@ class InspectReport:
         where = (f"{counts.pop()} experts x {len(per_layer)} layers" if len(counts) == 1
                  else f"{len(self.gate_up_pairs)} experts over {len(per_layer)} layers")  # fmt: skip
         first = next(p for p in self.problems if p.fixable)
-        return (f"warning: {where} have separate gate/up global scales (first: {first.module}: {first.message}) "
-                "[fixable with --fix]")
+        return (
+            f"warning: {where} have separate gate/up global scales (first: {first.module}: {first.message}) "
+            "[fixable with --fix]"
+        )
 
     def __str__(self) -> str:
         lines = [
@@ -125,8 +146,10 @@ class InspectReport:
             "shapes": {role: list(shape) for role, shape in self.shapes.items()},
             "ok": self.ok,
             "exit_code": self.exit_code,
-            "problems": [{"module": p.module, "severity": p.severity, "message": p.message, "fixable": p.fixable}
-                         for p in self.problems],  # fmt: skip
+            "problems": [
+                {"module": p.module, "severity": p.severity, "message": p.message, "fixable": p.fixable}
+                for p in self.problems
+            ],  # fmt: skip
         }
 
 
@@ -152,7 +175,9 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
 
 def _expert_layers(src: SourceCheckpoint) -> dict[str, dict[int, dict[str, dict[str, str]]]]:
     """Quantized MoE layers: prefix -> expert -> projection -> suffix -> tensor name."""
-    layers: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    layers: dict[str, dict[int, dict[str, dict[str, str]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(dict))
+    )
     for name in src.tensors:
         m = _EXPERT_TENSOR.match(name)
         if m and m["proj"] in PROJECTION_ROLES:
@@ -168,7 +193,9 @@ def _projections(experts: dict[int, dict[str, dict[str, str]]], gated: bool) -> 
     if not gated:
         return "up_proj", "down_proj"
     names = {p for projs in experts.values() for p in projs}
-    return ("gate_proj", "up_proj", "down_proj") if names & {"gate_proj", "up_proj", "down_proj"} else ("w1", "w3", "w2")
+    return (
+        ("gate_proj", "up_proj", "down_proj") if names & {"gate_proj", "up_proj", "down_proj"} else ("w1", "w3", "w2")
+    )
 
 
 def _convention(experts: dict[int, dict[str, dict[str, str]]]) -> Convention:
@@ -219,7 +246,9 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
             gate_up = f.severity == "warning"
             problems.append(Problem(f.tensor, f.message, f.severity, fixable=gate_up))
             if gate_up:
-                pairs.append((f"{prefix}.{f.expert}.{projections[0]}", f"{prefix}.{f.expert}.{projections[1]}", f.expert))
+                pairs.append(
+                    (f"{prefix}.{f.expert}.{projections[0]}", f"{prefix}.{f.expert}.{projections[1]}", f.expert)
+                )
         quantized += sum(len(projs) for projs in experts.values())
         packed_key = TENSOR_NAMES[convention][0]
         for role, proj in zip(Role if len(projections) == 3 else (Role.UP, Role.DOWN), projections):
@@ -227,7 +256,9 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
             shape = () if first is None else src.tensors[first[packed_key]].shape
             if len(shape) == 2:
                 shapes.setdefault(role.value, (shape[0], 2 * shape[1]))
-    in_layers = {n for experts in layers.values() for projs in experts.values() for s in projs.values() for n in s.values()}
+    in_layers = {
+        n for experts in layers.values() for projs in experts.values() for s in projs.values() for n in s.values()
+    }
     modules = _modules(src, in_layers)
     with_input = without_input = 0
     for module, names in modules.items():
@@ -239,8 +270,12 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
         conventions.add(convention.value)
         lost = lost_blocks(layer)
         if lost:
-            problems.append(Problem(f"{module}.{TENSOR_NAMES[convention][1]}",
-                                    f"{lost} block scales are zero over non-zero codes (those weights would read as 0)"))
+            problems.append(
+                Problem(
+                    f"{module}.{TENSOR_NAMES[convention][1]}",
+                    f"{lost} block scales are zero over non-zero codes (those weights would read as 0)",
+                )
+            )
         if layer.input_scale is None:
             without_input += 1
             if w4a4:
@@ -249,10 +284,19 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
             with_input += 1
         shapes.setdefault("linear", (layer.weight.n, layer.weight.k))
     if w4a4 is None and with_input and without_input:
-        problems.append(Problem(str(src.root), f"missing input scales: {without_input} of {with_input + without_input} layers have none"))
+        problems.append(
+            Problem(
+                str(src.root), f"missing input scales: {without_input} of {with_input + without_input} layers have none"
+            )
+        )
     quantized += len(modules)
     if not quantized:
-        problems.append(Problem(str(src.root), "no NVFP4 tensors (no weight_scale / weight_scale_2 / weight_packed); not an NVFP4 checkpoint"))
+        problems.append(
+            Problem(
+                str(src.root),
+                "no NVFP4 tensors (no weight_scale / weight_scale_2 / weight_packed); not an NVFP4 checkpoint",
+            )
+        )
     return InspectReport(
         root=src.root,
         conventions=tuple(sorted(conventions)),

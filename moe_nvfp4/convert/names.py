@@ -18,6 +18,7 @@ Recognised expert layouts (HF names, as the files hold them):
 Shared experts (``shared_expert.`` in Qwen2-MoE, ``shared_experts.`` in DeepSeek) are not routed experts: the
 pattern needs ``.experts.`` right after a dot, so they only count as plain linear layers.
 """
+
 from __future__ import annotations
 
 import re
@@ -146,7 +147,9 @@ def classify(name: str, shape: tuple[int, ...]) -> TensorKind:
 def gated_experts(config: dict) -> bool:
     """Whether config.json's model (or its text_config) has gate + up experts rather than one up projection."""
     holders = [h for h in (config, config.get("text_config")) if isinstance(h, dict)]
-    return not any(h.get("model_type") in NON_GATED_MODEL_TYPES for h in holders if isinstance(h.get("model_type"), str))
+    return not any(
+        h.get("model_type") in NON_GATED_MODEL_TYPES for h in holders if isinstance(h.get("model_type"), str)
+    )
 
 
 def stacked_output_name(prefix: str, expert: int, role: Role) -> str:

@@ -4,6 +4,7 @@ A unit is one expert's gate+up (they may share a global scale), one expert's dow
 tensor, or one plain linear layer.  Everything else is copied unchanged.  Selection happens on headers only,
 so every naming, dtype and shape problem is reported before anything is written.
 """
+
 from __future__ import annotations
 
 import re
@@ -105,7 +106,9 @@ def _load_pair(gate: str, up: str) -> Callable[[SourceCheckpoint], list[torch.Te
     return lambda src: [src.load(gate), src.load(up)]
 
 
-def _load_stacked(name: str, expert: int, parts: int, transposed: bool) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
+def _load_stacked(
+    name: str, expert: int, parts: int, transposed: bool
+) -> Callable[[SourceCheckpoint], list[torch.Tensor]]:
     def load(src: SourceCheckpoint) -> list[torch.Tensor]:
         w = src.load_expert(name, expert)
         return list((w.T if transposed else w).chunk(parts, dim=0))
@@ -204,7 +207,9 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
             continue
         gate = info[Role.GATE]
         if gate.shape != up.shape:
-            raise ConversionError(f"{prefix}.{e}: gate {gate.name} {gate.shape} and up {up.name} {up.shape} differ in shape")
+            raise ConversionError(
+                f"{prefix}.{e}: gate {gate.name} {gate.shape} and up {up.name} {up.shape} differ in shape"
+            )
         _check_not_transposed(src, gate, down)
         if shared:
             gu = [QuantUnit((roles[Role.GATE].module, roles[Role.UP].module), f"{gate.name}, {up.name}", e,
@@ -213,7 +218,9 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
             gu = [QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False, _load_one(info[r].name))
                   for r in (Role.GATE, Role.UP)]  # fmt: skip
         units += [(gate.name, u) for u in gu]
-        units.append((down.name, QuantUnit((roles[Role.DOWN].module,), down.name, e, down.nbytes, False, _load_one(down.name))))
+        units.append(
+            (down.name, QuantUnit((roles[Role.DOWN].module,), down.name, e, down.nbytes, False, _load_one(down.name)))
+        )
     return units
 
 
@@ -241,7 +248,11 @@ def _check_expert_ids(src: SourceCheckpoint, kinds: dict[str, TensorKind], layer
     claimed = claimed_experts(src.config)
     for prefix, names in layers.items():
         stacked = [src.tensors[n].shape[0] for n in names if isinstance(kinds[n], StackedExperts)]
-        ids = range(max(stacked)) if stacked else sorted({k.expert for n in names if isinstance(k := kinds[n], ExpertWeight)})
+        ids = (
+            range(max(stacked))
+            if stacked
+            else sorted({k.expert for n in names if isinstance(k := kinds[n], ExpertWeight)})
+        )
         problem = expert_id_problem(prefix, ids, claimed)
         if problem:
             raise ConversionError(f"{problem[0]}: {problem[1]}")
@@ -250,14 +261,18 @@ def _check_expert_ids(src: SourceCheckpoint, kinds: dict[str, TensorKind], layer
 def make_plan(src: SourceCheckpoint, selection: Selection, *, separate_gate_up_scales: bool = False) -> Plan:
     """Classify every tensor, check the selected ones, and order the work as the source files hold it."""
     kinds = {name: classify(name, info.shape) for name, info in src.tensors.items()}
-    if not selection.include and not selection.all_linear and not any(
-        isinstance(k, (ExpertWeight, StackedExperts)) for k in kinds.values()
+    if (
+        not selection.include
+        and not selection.all_linear
+        and not any(isinstance(k, (ExpertWeight, StackedExperts)) for k in kinds.values())
     ):
         raise _no_experts_error(src, kinds)
     shared = not separate_gate_up_scales
     chosen = {n: k for n, k in kinds.items() if selection.wants(k)}  # source order: errors are deterministic
     if not chosen:
-        raise ConversionError(f"{src.root}: the selection matches no quantizable tensor (include={selection.include}, exclude={selection.exclude})")
+        raise ConversionError(
+            f"{src.root}: the selection matches no quantizable tensor (include={selection.include}, exclude={selection.exclude})"
+        )
 
     # Experts of one layer are quantized all together or not at all: engines load them as one MoE layer.
     layers: dict[str, list[str]] = defaultdict(list)

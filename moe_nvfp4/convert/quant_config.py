@@ -17,6 +17,7 @@ Reading one back: ``check_quantization_config`` checks the type of every field v
 compressed-tensors parsers read (the vLLM plugin calls it before handing a config to them), raising
 ``QuantConfigError`` with the field's path; ``read_settings`` gives what inspect needs of a checked config.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,8 +27,15 @@ from typing import Any
 from ..checkpoint import Convention
 from ..formats import NVFP4, ScaleLayout
 
-__all__ = ["QuantSettings", "METADATA_KEY", "QuantConfigError", "check_quantization_config", "quantization_config",
-           "hf_quant_config", "read_settings"]
+__all__ = [
+    "QuantSettings",
+    "METADATA_KEY",
+    "QuantConfigError",
+    "check_quantization_config",
+    "quantization_config",
+    "hf_quant_config",
+    "read_settings",
+]
 
 METADATA_KEY = "moe_nvfp4"
 PRODUCER = "moe_nvfp4"
@@ -107,7 +115,12 @@ def quantization_config(settings: QuantSettings, ignore: list[str]) -> dict[str,
         "format": "nvfp4-pack-quantized",
         "quantization_status": "compressed",
         "config_groups": {
-            "group_0": {"targets": ["Linear"], "weights": fp4, "input_activations": activations, "format": "nvfp4-pack-quantized"}
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": fp4,
+                "input_activations": activations,
+                "format": "nvfp4-pack-quantized",
+            }
         },
         "ignore": ignore,
         "kv_cache_scheme": None,
@@ -156,7 +169,9 @@ class QuantConfigError(ValueError):
     """
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"quantization_config{'.' + field if field and not field.startswith('[') else field}: {message}")
+        super().__init__(
+            f"quantization_config{'.' + field if field and not field.startswith('[') else field}: {message}"
+        )
         self.field = field
 
 
@@ -169,7 +184,9 @@ def _kind(value: Any) -> str:
                                           int: "an integer", float: "a number"}.get(type(value), type(value).__name__)  # fmt: skip
 
 
-def _expect(cfg: dict[str, Any], path: str, key: str, types: tuple[type, ...], what: str, *, required: bool = False) -> Any:
+def _expect(
+    cfg: dict[str, Any], path: str, key: str, types: tuple[type, ...], what: str, *, required: bool = False
+) -> Any:
     """``cfg[key]`` where it has one of ``types`` (a bool is never an int here), else QuantConfigError."""
     field = _join(path, key)
     if key not in cfg:
@@ -246,7 +263,9 @@ def _check_compressed_tensors(cfg: dict[str, Any]) -> None:
     for name, group in (groups or {}).items():
         path = _join("config_groups", name)
         if not isinstance(group, dict):
-            raise QuantConfigError(path, f"expected an object with targets and weights, got {_kind(group)} {_short(group)}")
+            raise QuantConfigError(
+                path, f"expected an object with targets and weights, got {_kind(group)} {_short(group)}"
+            )
         _module_patterns(group, path, "targets", required=True)
         _quantization_args(group, path, "weights", required=True)
         _quantization_args(group, path, "input_activations", required=False)

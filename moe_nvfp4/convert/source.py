@@ -1,4 +1,5 @@
 """Reading a local HF checkpoint directory tensor by tensor (safetensors, memory-mapped, never whole)."""
+
 from __future__ import annotations
 
 import json
@@ -92,14 +93,18 @@ class SourceCheckpoint:
         try:
             return handle.get_slice(name)[expert]
         except _READ_ERRORS as e:
-            raise ConversionError(f"{self.root / info.shard}: cannot read tensor {name}[{expert}] {_what(info, e)}") from e
+            raise ConversionError(
+                f"{self.root / info.shard}: cannot read tensor {name}[{expert}] {_what(info, e)}"
+            ) from e
 
 
 def _what(info: TensorInfo, e: BaseException) -> str:
     """Why a read failed, in words: a memory limit is named as one (a MemoryError prints as 'Cannot allocate')."""
     if isinstance(e, MemoryError):
-        return (f"({info.nbytes / 1e9:.3g} GB, shape {list(info.shape)}): out of memory mapping or reading it ({e}); "
-                "a memory limit (ulimit -v, a container) smaller than the shard?")
+        return (
+            f"({info.nbytes / 1e9:.3g} GB, shape {list(info.shape)}): out of memory mapping or reading it ({e}); "
+            "a memory limit (ulimit -v, a container) smaller than the shard?"
+        )
     return f"({e})"
 
 
@@ -117,7 +122,9 @@ def regular_file(path: Path) -> bool:
     except OSError as e:
         raise ConversionError(f"{path}: cannot stat ({e.strerror}); a symlink loop?") from e
     if not stat.S_ISREG(mode):
-        raise ConversionError(f"{path}: not a regular file (a directory, FIFO, socket or device); only regular files are read")
+        raise ConversionError(
+            f"{path}: not a regular file (a directory, FIFO, socket or device); only regular files are read"
+        )
     return True
 
 
@@ -130,7 +137,9 @@ def _open_shard(path: Path) -> Any:
         raise ConversionError(f"{path}: cannot map the shard ({path.stat().st_size / 1e9:.3g} GB) into memory ({e}); "
                               "a memory limit (ulimit -v, a container) smaller than the shard?") from e  # fmt: skip
     except _READ_ERRORS as e:
-        raise ConversionError(f"{path}: cannot read safetensors shard ({e}); the file may be truncated or corrupt") from e
+        raise ConversionError(
+            f"{path}: cannot read safetensors shard ({e}); the file may be truncated or corrupt"
+        ) from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -161,6 +170,7 @@ def _header_entries(path: Path) -> list[TensorInfo]:
     of non-negative integers, each tensor's byte range its dtype and shape, ranges tiling the data exactly (a
     truncated file fails here, before anything is written).
     """
+
     def bad(why: str) -> ConversionError:
         return ConversionError(f"{path}: cannot read safetensors header ({why}); the file may be truncated or corrupt")
 
@@ -197,7 +207,9 @@ def _header_entries(path: Path) -> list[TensorInfo]:
             raise bad(f"{name}: data_offsets {offsets!r} is not [start, end]")
         info = TensorInfo(name, path.name, dtype, tuple(shape))
         if dtype in DTYPE_BYTES and offsets[1] - offsets[0] != info.nbytes:  # others (F4, E8M0): safetensors checks
-            raise bad(f"{name}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, {dtype} {shape} needs {info.nbytes}")
+            raise bad(
+                f"{name}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, {dtype} {shape} needs {info.nbytes}"
+            )
         infos.append(info)
         ranges.append(offsets)
     end = 0

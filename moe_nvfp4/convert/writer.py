@@ -1,4 +1,5 @@
 """Writing a sharded safetensors checkpoint atomically: a temp directory beside DST, renamed at the end."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 
 Imported only when a kernel is built: this module imports cutlass at the top.
 """
+
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
@@ -117,7 +118,9 @@ class GroupedW4A4Sm100:
 
         @cute.struct
         class SharedStorage:
-            descriptors: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, _DESCRIPTORS * _DESCRIPTOR_BYTES // 8], 128]
+            descriptors: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int64, _DESCRIPTORS * _DESCRIPTOR_BYTES // 8], 128
+            ]
             ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.ab_stages]
             acc_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.acc_stages]
             tmem_address: cutlass.Int32
@@ -294,7 +297,9 @@ class GroupedW4A4Sm100:
 
         if warp == _MMA_WARP:
             self.tmem_alloc_barrier.arrive_and_wait()
-            acc_ptr = cute.arch.retrieve_tmem_ptr(_ACC, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_address.ptr)
+            acc_ptr = cute.arch.retrieve_tmem_ptr(
+                _ACC, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_address.ptr
+            )
             tCtAcc = cute.make_tensor(acc_ptr, tCtAcc_layout)
             # Scales live in TMEM right after the accumulators: SFA, then SFB.
             sfa_ptr = cute.recast_ptr(acc_ptr + tcgen05.find_tmem_tensor_col_offset(tCtAcc), dtype=_SF)
@@ -342,7 +347,9 @@ class GroupedW4A4Sm100:
             if warp == _EPILOGUE_WARPS[0]:
                 cute.arch.alloc_tmem(_TMEM_COLS, storage.tmem_address.ptr)
             self.tmem_alloc_barrier.arrive_and_wait()
-            acc_ptr = cute.arch.retrieve_tmem_ptr(_ACC, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_address.ptr)
+            acc_ptr = cute.arch.retrieve_tmem_ptr(
+                _ACC, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_address.ptr
+            )
             tCtAcc = cute.make_tensor(acc_ptr, tCtAcc_layout)
             # (EPI_M, EPI_N, subtiles M, subtiles N, STAGE): the epilogue walks the tile in epi_tile pieces.
             tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0, None)], epi_tile)
@@ -387,7 +394,9 @@ class GroupedW4A4Sm100:
         ``tTR_tAcc``: this thread's TMEM accumulator, (copy, rest, rest, subtile M, subtile N)."""
         out_ptr = cute.make_ptr(self.out_dtype, pointers[group, 4], cute.AddressSpace.gmem, assumed_align=2)
         tile_mn, coord = (TILE_M, self.tile_n), (tile_m, tile_n)
-        tTR_gC = epilogue_view(thr_t2r, epi_tile, cute.make_tensor(out_ptr, cute.make_layout((m, n), stride=(n, 1))), tile_mn, coord)
+        tTR_gC = epilogue_view(
+            thr_t2r, epi_tile, cute.make_tensor(out_ptr, cute.make_layout((m, n), stride=(n, 1))), tile_mn, coord
+        )
         tTR_cC = epilogue_view(thr_t2r, epi_tile, cute.make_identity_tensor((m, n)), tile_mn, coord)
         scale = alpha[group, 0]
         values = cute.make_rmem_tensor(tTR_gC[(None, None, None, 0, 0)].shape, _ACC)
@@ -396,7 +405,9 @@ class GroupedW4A4Sm100:
             for sub_n in cutlass.range_constexpr(cute.size(tTR_gC, mode=[4])):
                 load_accumulators(tiled_t2r, tTR_tAcc[(None, None, None, sub_m, sub_n)], values, k_tiles)
                 out.store((values.load() * scale).to(self.out_dtype))
-                store_masked(out, tTR_gC[(None, None, None, sub_m, sub_n)], tTR_cC[(None, None, None, sub_m, sub_n)], (m, n))
+                store_masked(
+                    out, tTR_gC[(None, None, None, sub_m, sub_n)], tTR_cC[(None, None, None, sub_m, sub_n)], (m, n)
+                )
 
     @cute.jit
     def point_descriptors_at(self, manager, atoms, gmem_ptrs, smem_ptrs, pointers: cute.Tensor,
@@ -418,7 +429,9 @@ def _rows(pointer: cute.Pointer, count: cutlass.Int32, columns: int) -> cute.Ten
     return cute.make_tensor(pointer, cute.make_layout((count, columns), stride=(columns, 1)))
 
 
-def epilogue_view(thr_t2r: cute.TiledCopy, epi_tile: cute.Tile, tensor: cute.Tensor, tile_shape: tuple, coord: tuple) -> cute.Tensor:
+def epilogue_view(
+    thr_t2r: cute.TiledCopy, epi_tile: cute.Tile, tensor: cute.Tensor, tile_shape: tuple, coord: tuple
+) -> cute.Tensor:
     """This thread's part of output tile ``coord`` of ``tensor``, cut in epilogue subtiles:
     (copy, rest, rest, subtile M, subtile N), matching the TMEM partition of the accumulator."""
     return thr_t2r.partition_D(cute.flat_divide(cute.local_tile(tensor, tile_shape, coord), epi_tile))

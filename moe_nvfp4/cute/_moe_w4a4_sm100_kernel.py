@@ -2,6 +2,7 @@
 
 Imported only when a kernel is built: this module imports cutlass at the top.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,9 @@ class MoeGateUpSm100(GroupedW4A4Sm100):
     def _setup(self) -> None:
         super()._setup()
         if cute.size(self.epi_tile[1]) != GATE_UP_BLOCK:
-            raise ValueError(f"the gate/up interleave needs {GATE_UP_BLOCK}-column epilogue subtiles, got {self.epi_tile}")
+            raise ValueError(
+                f"the gate/up interleave needs {GATE_UP_BLOCK}-column epilogue subtiles, got {self.epi_tile}"
+            )
 
     @cute.jit
     def store_tile(self, tiled_t2r: cute.TiledCopy, thr_t2r: cute.TiledCopy, tTR_tAcc: cute.Tensor, epi_tile: cute.Tile,
@@ -63,9 +66,15 @@ class MoeDownSm100(GroupedW4A4Sm100):
         accumulator row (its TMEM lane), so the pair and weight are loaded once per thread and subtile row."""
         gmem = cute.AddressSpace.gmem
         out_ptr = cute.make_ptr(self.out_dtype, pointers[group, 4], gmem, assumed_align=4)
-        row_pairs = cute.make_tensor(cute.make_ptr(cutlass.Int32, pointers[group, 5], gmem, assumed_align=4), cute.make_layout(m))
-        row_weights = cute.make_tensor(cute.make_ptr(cutlass.Float32, pointers[group, 6], gmem, assumed_align=4), cute.make_layout(m))
-        tTR_cC = epilogue_view(thr_t2r, epi_tile, cute.make_identity_tensor((m, n)), (TILE_M, self.tile_n), (tile_m, tile_n))
+        row_pairs = cute.make_tensor(
+            cute.make_ptr(cutlass.Int32, pointers[group, 5], gmem, assumed_align=4), cute.make_layout(m)
+        )
+        row_weights = cute.make_tensor(
+            cute.make_ptr(cutlass.Float32, pointers[group, 6], gmem, assumed_align=4), cute.make_layout(m)
+        )
+        tTR_cC = epilogue_view(
+            thr_t2r, epi_tile, cute.make_identity_tensor((m, n)), (TILE_M, self.tile_n), (tile_m, tile_n)
+        )
         values = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, _ACC)
         result = cute.make_rmem_tensor(values.shape, self.out_dtype)
         for sub_m in cutlass.range_constexpr(cute.size(tTR_cC, mode=[3])):

@@ -20,6 +20,7 @@ tile i + 1); a 128 x 256 accumulator takes 256 of the 512 columns next to the sc
 The host side (pointer arrays, sizes, descriptor workspace) is in ``host.py``; cutlass is imported only
 when a kernel is built, so ``import moe_nvfp4`` never needs it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,7 +32,17 @@ import torch
 
 from .tiles import _OUT_DTYPES, SF_VEC, TILE_K, TILE_M
 
-__all__ = ["GroupedW4A4Variant", "VARIANTS", "dump_ptx", "TILE_M", "TILE_K", "SF_VEC", "kernel_arguments", "compile_variant", "compiled_kernel"]
+__all__ = [
+    "GroupedW4A4Variant",
+    "VARIANTS",
+    "dump_ptx",
+    "TILE_M",
+    "TILE_K",
+    "SF_VEC",
+    "kernel_arguments",
+    "compile_variant",
+    "compiled_kernel",
+]
 
 
 @dataclass(frozen=True)
@@ -83,9 +94,21 @@ def kernel_arguments(
         (cutlass.Float4E2M1FN, 16), (cutlass.Float4E2M1FN, 16), (cutlass.Float8E4M3FN, 16), (cutlass.Float8E4M3FN, 16),
         (cutlass.Int64, 16), (cutlass.Int32, 16), (cutlass.Float32, 16), (cutlass.Int64, 128),
     )  # fmt: skip
-    pointers = [make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align) for (dtype, align), address in zip(kinds, addresses)]
+    pointers = [
+        make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)
+        for (dtype, align), address in zip(kinds, addresses)
+    ]
     m, n, k = (cutlass.Int32(v) for v in template_mnk)
-    return (*pointers[:4], m, n, k, *pointers[4:], cutlass.Int32(num_groups), cutlass.Int32(num_ctas), cuda.CUstream(stream))
+    return (
+        *pointers[:4],
+        m,
+        n,
+        k,
+        *pointers[4:],
+        cutlass.Int32(num_groups),
+        cutlass.Int32(num_ctas),
+        cuda.CUstream(stream),
+    )
 
 
 def compile_variant(variant: GroupedW4A4Variant, options: str = "") -> Any:

@@ -6,6 +6,7 @@ The kernel reads the operands where they are: packed FP4 [rows, K/2] (K-major) a
 exactly as ``layouts.swizzle_scales_128x4`` writes them; CuTe's scale layout for an operand (rows, K) is that
 layout (``scale_layout`` in the kernel module, checked against ``layouts.swizzled_offset`` in the tests).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -122,7 +123,9 @@ def launch_grouped_w4a4_sm100(plan: GroupedW4A4Sm100Plan) -> list[torch.Tensor]:
     return plan.outs
 
 
-def tile_walk(sizes: list[tuple[int, int, int]], tile_n: int, cta: int, num_ctas: int) -> Iterator[tuple[int, int, int]]:
+def tile_walk(
+    sizes: list[tuple[int, int, int]], tile_n: int, cta: int, num_ctas: int
+) -> Iterator[tuple[int, int, int]]:
     """The tiles CTA ``cta`` computes, in order, as (group, tile row, tile column): the host twin of the
     kernel's walk (``GroupedW4A4Sm100.find_group``): tiles of all groups concatenated, row-major within a
     group, tile t to CTA t mod num_ctas."""
@@ -137,4 +140,3 @@ def tile_walk(sizes: list[tuple[int, int, int]], tile_n: int, cta: int, num_ctas
         else:
             first += count
             group += 1
-

@@ -7,6 +7,7 @@ consecutively, so padded row ``128 * tile + i`` is sorted pair ``tile_row[tile] 
 expert e's rows start at ``128 * (its first tile)``: the padded offsets are multiples of 128 by construction.
 The number of padded rows is ``128 * max_tiles(T * top_k, E, 128)``, fixed by the shapes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -102,7 +103,9 @@ def _gemm_plan(
     columns = [(a.packed, offsets), (b_packed, experts), (a.block_scale, offsets), (b_scale, experts), (out, out_index)]
     columns += [(t, offsets) for t in pair_columns]
     k = a.k
-    sizes = torch.stack((rows.counts, torch.full_like(rows.counts, b_packed.shape[1]), torch.full_like(rows.counts, k)), 1)
+    sizes = torch.stack(
+        (rows.counts, torch.full_like(rows.counts, b_packed.shape[1]), torch.full_like(rows.counts, k)), 1
+    )
     return GroupedW4A4Sm100Plan(
         outs=[out],
         inputs=([a.packed, a.block_scale, b_packed, b_scale, *pair_columns],),

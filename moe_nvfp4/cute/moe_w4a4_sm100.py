@@ -14,6 +14,7 @@ launch never waits for the host; experts with no pairs have no tiles.  Only the 
   down (GEMM2)     writes alpha_e * topk_weight * acc to row ``pair`` (t * top_k + k) of a [T * top_k, H]
                    buffer, the row format of the Hopper path's fixed-order combine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """The tile sizes and dtype names shared by the sm_100a kernels' host side and their device code.  Apart from both
 so the device modules (which import cutlass) take them without importing the host modules that build them."""
+
 from __future__ import annotations
 
 import torch

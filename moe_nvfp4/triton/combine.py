@@ -1,6 +1,7 @@
 """The fixed-order combine in Triton: each token's (token, k) partial rows summed in k order (deterministic, no
 atomics on data).  The sm_90 host (moe_sm90) and the Blackwell host (cute/moe_host) both launch it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ def _combine_kernel(
     tl.store(out_ptr + token.to(tl.int64) * hidden + offs, acc.to(DTYPE), mask=mask)
 
 
-def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
-            out: torch.Tensor) -> None:
+def combine(
+    partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, out: torch.Tensor
+) -> None:
     """out[t] = the fixed-order sum of partial[t * top_k + k] over k (one launch); pairs routed nowhere (an id or
     map entry out of range, routing.routed_pairs) are skipped: their rows were never written."""
     t, hidden = out.shape

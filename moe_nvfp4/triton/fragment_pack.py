@@ -4,6 +4,7 @@ matrix and holds about 13 bytes a weight while it works, which at load is millio
 model (Qwen3-30B-A3B: 18k matrices) and a spike of ~26x an expert matrix's bytes.  weight_layouts.Sm90Layout.pack
 calls it per expert and gate/up block (design 001).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _pack_fragments_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, bits_ptr, e5m3_ptr,
-                           n, k, src_stride, scale_stride, chunks):
+def _pack_fragments_kernel(
+    src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, bits_ptr, e5m3_ptr, n, k, src_stride, scale_stride, chunks
+):
     """One (unit, chunk) tile a program: 1024 words, each the 8 codes FragmentLayout puts there (row = 64 unit +
     16 warp + 8 rh + r, k = 128 chunk + 16 g + 8 kh + 2 q + kp for word (slot = 32 warp + 4 r + q, g) and value
     j = 4 rh + 2 kh + kp), code bits at FRAGMENT_WORD_BITS[j]; codes of a zero-scale block and of the padding
@@ -62,8 +64,13 @@ def _pack_fragments_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, bits_
     tl.store(dst_scale_ptr + tile.to(tl.int64) * 512 + s, tl.load(e5m3_ptr + byte.to(tl.int32)))
 
 
-def pack_fragment_block(packed: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, dst_scales: torch.Tensor,
-                        layout: FragmentLayout = FragmentLayout()) -> None:
+def pack_fragment_block(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    dst: torch.Tensor,
+    dst_scales: torch.Tensor,
+    layout: FragmentLayout = FragmentLayout(),
+) -> None:
     """``layout.pack(packed, scales)`` written into ``dst`` uint8 [NP, KP/2] and ``dst_scales`` uint8 [NP, KP/16]
     (contiguous; they must not overlap the inputs): packed uint8 [N, K/2], scales e4m3 [N, K/16], rows of each
     contiguous.  One launch."""

@@ -15,6 +15,7 @@ per tile is (BM + BN) * BK values against BM * BN * BK MACs, hence the large def
 One persistent launch over every group's tiles: groups are found through the tile prefix sums
 (``tile_starts``), their tensors through pointer arrays, as in CUTLASS's grouped GEMM.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -142,8 +143,14 @@ def _load_operand(ptr, scale_ptr, row0, rows_total, k0, k, scale_col_blocks, ROW
     words = _scale_words(scale_bytes)
     scales = tl.reshape(tl.broadcast_to(words[:, :, None], [ROWS, BLOCK_K // 16, 8]), [ROWS, BLOCK_K // 2])
     if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scales],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(
+            DECODE_ASM,
+            "=r,=r,=r,=r,r,r,r,r,r",
+            [packed, scales],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     else:
         lo, hi = _decode_portable(packed, scales, ROWS, BLOCK_K // 2)
     # pairs of lo (and of hi) values sit in one register: keep them adjacent in K, as wgmma wants pairs
@@ -202,7 +209,9 @@ def _grouped_w4a4_kernel(
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
         y = (acc * ACC_FIX * tl.load(alpha_ptr + g)).to(OUT_DTYPE)
-        tl.store(out + rows.to(tl.int64)[:, None] * n + cols[None, :], y, mask=(rows < m)[:, None] & (cols < n)[None, :])
+        tl.store(
+            out + rows.to(tl.int64)[:, None] * n + cols[None, :], y, mask=(rows < m)[:, None] & (cols < n)[None, :]
+        )
 
 
 _TL_OUT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -266,7 +275,9 @@ def plan_grouped_w4a4(
     device = a_packed[0].device
     # vector loads want 16-byte aligned packed rows and 4-byte aligned scale words: the rare view that starts
     # elsewhere is copied once here (the plan holds and reads the copy)
-    a_packed, b_packed, a_scales, b_scales = ([_aligned(t) for t in ts] for ts in (a_packed, b_packed, a_scales, b_scales))
+    a_packed, b_packed, a_scales, b_scales = (
+        [_aligned(t) for t in ts] for ts in (a_packed, b_packed, a_scales, b_scales)
+    )
     sizes = [(a.shape[0], b.shape[0], a.shape[1] * 2) for a, b in zip(a_packed, b_packed)]
     sms = sm_count(device, off_gpu=2)
 

@@ -21,6 +21,7 @@ to bf16 bits of value * 2^-126 (fp16: value * 2^-14) and the block scale byte to
 scale; their product is the exact dequantized weight times a power of two, undone in the fp32 epilogue
 together with the global scales (gate and up separately).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,13 +36,33 @@ from . import sm90_common
 from .combine import _combine_kernel, combine
 from .moe_sm90_ws import launch_gemm_ws
 from .routing_kernels import ROUTE_ONE_PROGRAM, _count_kernel, _route_kernel, route, route_chunks, routing_variants_from
-from .sm90_common import (_TL_DTYPES, BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES,
-                          Epilogue, GemmRouting, GemmWeights, _activation, _after_previous_kernel, _decode_words,
-                          _grouped_tile, plain_launches)
+from .sm90_common import (
+    _TL_DTYPES,
+    BF16_EPILOGUE_FIX,
+    BLOCK_BYTES,
+    FP16_EPILOGUE_FIX,
+    SCALE_BLOCK_BYTES,
+    Epilogue,
+    GemmRouting,
+    GemmWeights,
+    _activation,
+    _after_previous_kernel,
+    _decode_words,
+    _grouped_tile,
+    plain_launches,
+)
 
 # what other modules import from here (routing and the combine moved to modules of their own)
-__all__ = ["ROUTE_ONE_PROGRAM", "combine", "compiled_variants", "fused_moe_sm90", "plain_launches", "route",
-           "route_chunks", "routing_variants_from"]
+__all__ = [
+    "ROUTE_ONE_PROGRAM",
+    "combine",
+    "compiled_variants",
+    "fused_moe_sm90",
+    "plain_launches",
+    "route",
+    "route_chunks",
+    "routing_variants_from",
+]
 
 
 @triton.jit
@@ -89,8 +110,9 @@ def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl
     code * block_scale / EPILOGUE_FIX exactly.  p: uint8 [2 ROWS, 32]; s: uint8 [2 ROWS, 16] (per slot)."""
     SLOTS: tl.constexpr = 2 * ROWS
     if USE_ASM:
-        lo, hi = _decode_words(p, tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 4, 1, 4]), [SLOTS, 4, 2, 4]), [SLOTS, 32]),
-                               DTYPE)
+        lo, hi = _decode_words(
+            p, tl.reshape(tl.broadcast_to(tl.reshape(s, [SLOTS, 4, 1, 4]), [SLOTS, 4, 2, 4]), [SLOTS, 32]), DTYPE
+        )
     else:
         lo, hi = _decode_portable(p, s, SLOTS, DTYPE)
     # lo/hi [slot, g, kh, kp] with slot = 32 warp + 4 r + q: rows 16 warp + r (lo) and + 8 (hi),
@@ -101,13 +123,18 @@ def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl
 
 
 @triton.jit
-def _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-               USE_ASM: tl.constexpr):
+def _dot_chunk(
+    acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr
+):
     """acc += W[tile rows, chunk] @ A^T for one 128-wide K chunk (FragmentLayout addresses)."""
     p = tl.load(w_slots[:, None] + chunk * BLOCK_BYTES + tl.arange(0, 32)[None, :], mask=slot_ok[:, None], other=0)
-    s = tl.load(s_pairs[:, None] + chunk * SCALE_BLOCK_BYTES + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0)
+    s = tl.load(
+        s_pairs[:, None] + chunk * SCALE_BLOCK_BYTES + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0
+    )
     # four threads (q) share each row pair's scales
-    s = tl.reshape(tl.broadcast_to(tl.reshape(s, [BLOCK_N // 16, 8, 1, 16]), [BLOCK_N // 16, 8, 4, 16]), [2 * BLOCK_N, 16])
+    s = tl.reshape(
+        tl.broadcast_to(tl.reshape(s, [BLOCK_N // 16, 8, 1, 16]), [BLOCK_N // 16, 8, 4, 16]), [2 * BLOCK_N, 16]
+    )
     return tl.dot(_decode_fragments(p, s, BLOCK_N, DTYPE, USE_ASM), a, acc)
 
 
@@ -122,9 +149,21 @@ def _load_a(a_base, k0, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_sums_and_store(args, tile, weights, epilogue, TOP_K: tl.constexpr, GATED: tl.constexpr,
-                         BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+def _tile_sums_and_store(
+    args,
+    tile,
+    weights,
+    epilogue,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
     """One tile's K steps and its epilogue (sm90_common.Epilogue), with the token side WIDTH rows wide (the tile's
     first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
     GATE_UP: tl.constexpr = GATED and epilogue[1] != "relu2"  # GEMM1 with up rows
@@ -260,14 +299,53 @@ def _moe_gemm_kernel(
         weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
-            _tile_sums_and_store(args, tile, weights, epilogue, TOP_K, GATED, BLOCK_N, BLOCK_M // 4, BLOCK_K, EVEN_K,
-                                 DTYPE, NUM_STAGES, USE_ASM)
+            _tile_sums_and_store(
+                args,
+                tile,
+                weights,
+                epilogue,
+                TOP_K,
+                GATED,
+                BLOCK_N,
+                BLOCK_M // 4,
+                BLOCK_K,
+                EVEN_K,
+                DTYPE,
+                NUM_STAGES,
+                USE_ASM,
+            )
         elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
-            _tile_sums_and_store(args, tile, weights, epilogue, TOP_K, GATED, BLOCK_N, BLOCK_M // 2, BLOCK_K, EVEN_K,
-                                 DTYPE, NUM_STAGES, USE_ASM)
+            _tile_sums_and_store(
+                args,
+                tile,
+                weights,
+                epilogue,
+                TOP_K,
+                GATED,
+                BLOCK_N,
+                BLOCK_M // 2,
+                BLOCK_K,
+                EVEN_K,
+                DTYPE,
+                NUM_STAGES,
+                USE_ASM,
+            )
         else:
-            _tile_sums_and_store(args, tile, weights, epilogue, TOP_K, GATED, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                                 DTYPE, NUM_STAGES, USE_ASM)
+            _tile_sums_and_store(
+                args,
+                tile,
+                weights,
+                epilogue,
+                TOP_K,
+                GATED,
+                BLOCK_N,
+                BLOCK_M,
+                BLOCK_K,
+                EVEN_K,
+                DTYPE,
+                NUM_STAGES,
+                USE_ASM,
+            )
 
 
 def compiled_variants() -> int:
@@ -284,8 +362,18 @@ def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
     return x.is_cuda and rows_16_aligned(x) and intermediate % 16 == 0
 
 
-def launch_gemm(a: torch.Tensor, weights: GemmWeights, out: torch.Tensor, routing: GemmRouting,
-                config: MoEKernelConfig, epilogue: Epilogue, *, gated: bool, top_k: int, sms: int) -> None:
+def launch_gemm(
+    a: torch.Tensor,
+    weights: GemmWeights,
+    out: torch.Tensor,
+    routing: GemmRouting,
+    config: MoEKernelConfig,
+    epilogue: Epilogue,
+    *,
+    gated: bool,
+    top_k: int,
+    sms: int,
+) -> None:
     """One launch of _moe_gemm_kernel: GEMM1 when ``gated`` (config.gemm1's tiles), out[row] = act(a[pair // top_k]
     @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = routing weight *
     (a[row] @ W^T).  a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing

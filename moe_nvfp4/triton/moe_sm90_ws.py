@@ -13,21 +13,38 @@ matrix: the decode, not the loads, is what limits it now.  Two MMA warp groups m
 (GemmConfig.k_groups), taking its K steps in turn: more warps decode a tile where there are fewer tiles than
 program slots, and one loader warp group serves both.
 """
+
 from __future__ import annotations
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..configs import GemmConfig, MoEKernelConfig
 from ..layouts import FragmentLayout
 from . import sm90_common
-from .sm90_common import (BF16_EPILOGUE_FIX, BLOCK_BYTES, FP16_EPILOGUE_FIX, SCALE_BLOCK_BYTES, _decode_words,
-                          Epilogue, GemmRouting, GemmWeights, _activation, _grouped_tile, _routed)
+from .sm90_common import (
+    BF16_EPILOGUE_FIX,
+    BLOCK_BYTES,
+    FP16_EPILOGUE_FIX,
+    SCALE_BLOCK_BYTES,
+    _decode_words,
+    Epilogue,
+    GemmRouting,
+    GemmWeights,
+    _activation,
+    _grouped_tile,
+    _routed,
+)
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -49,20 +66,38 @@ def _after_previous_kernel(PDL: gl.constexpr):
     GEMM1) before its own wait."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
 
 @gluon.jit
-def _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, pred, HALVES: gl.constexpr,
-                   UNITS: gl.constexpr, CHUNKS: gl.constexpr):
+def _stage_weights(
+    w_desc,
+    s_desc,
+    w_smem,
+    s_smem,
+    bar,
+    s,
+    step,
+    unit0,
+    n_units,
+    pred,
+    HALVES: gl.constexpr,
+    UNITS: gl.constexpr,
+    CHUNKS: gl.constexpr,
+):
     """A stage's weight boxes (HALVES 2: gate and up, the up units n_units after the gate units), counted on its
     barrier by one expect-arrive."""
     mbarrier.expect(bar, HALVES * UNITS * CHUNKS * (BLOCK_BYTES + SCALE_BLOCK_BYTES), pred=pred)
     for h in gl.static_range(HALVES):
         unit = unit0 + h * n_units
-        tma.async_copy_global_to_shared(w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h), pred=pred)
-        tma.async_copy_global_to_shared(s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h), pred=pred)
+        tma.async_copy_global_to_shared(
+            w_desc, [step * CHUNKS, unit, 0, 0], bar, w_smem.index(s * HALVES + h), pred=pred
+        )
+        tma.async_copy_global_to_shared(
+            s_desc, [step * CHUNKS, unit, 0, 0], bar, s_smem.index(s * HALVES + h), pred=pred
+        )
 
 
 @gluon.jit
@@ -83,16 +118,31 @@ def _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES: gl.constexpr, HAS_
     expert map with HAS_MAP); a pair routed nowhere (moe_sm90._routed: an id or map entry out of range, another
     rank's expert) has no row and expert 0, and loader and MMA warps skip it (_has_rows).  Loader and MMA warps
     walk the same tiles."""
-    (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
-     expert_map_ptr, num_global, num_experts) = tile_map
+    (
+        sorted_pairs_ptr,
+        tile_expert_ptr,
+        tile_row_ptr,
+        tile_row_end_ptr,
+        num_tiles_ptr,
+        ids_ptr,
+        num_pairs,
+        expert_map_ptr,
+        num_global,
+        num_experts,
+    ) = tile_map
     m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
     if PAIR_TILES:
-        expert, routed = _routed(gl.load(ids_ptr + m_tile).to(gl.int32), True, expert_map_ptr, num_global, num_experts,
-                                 HAS_MAP)
+        expert, routed = _routed(
+            gl.load(ids_ptr + m_tile).to(gl.int32), True, expert_map_ptr, num_global, num_experts, HAS_MAP
+        )
         return n_tile, gl.where(routed, expert, 0), m_tile, m_tile + routed.to(gl.int32)
     else:
-        return (n_tile, gl.load(tile_expert_ptr + m_tile), gl.load(tile_row_ptr + m_tile),
-                gl.load(tile_row_end_ptr + m_tile))
+        return (
+            n_tile,
+            gl.load(tile_expert_ptr + m_tile),
+            gl.load(tile_row_ptr + m_tile),
+            gl.load(tile_row_end_ptr + m_tile),
+        )
 
 
 @gluon.jit
@@ -123,9 +173,21 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 
 
 @gluon.jit
-def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
-            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr, PDL: gl.constexpr):
+def _loader(
+    args,
+    TOP_K: gl.constexpr,
+    GATED: gl.constexpr,
+    HALVES: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    K_GROUPS: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
+    PAIR_TILES: gl.constexpr,
+    HAS_MAP: gl.constexpr,
+    PDL: gl.constexpr,
+):
     (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp) = args
     UNITS: gl.constexpr = BLOCK_N // 64
     A_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
@@ -176,8 +238,9 @@ def _loader(args, TOP_K: gl.constexpr, GATED: gl.constexpr, HALVES: gl.constexpr
             for c in gl.static_range(CHUNKS):
                 chunk = step * CHUNKS + c
                 k_ok = (chunk * 128 + kk) < k
-                async_copy.async_copy_global_to_shared(a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128,
-                                                       mask=row_ok[:, None] & k_ok[None, :])
+                async_copy.async_copy_global_to_shared(
+                    a_smem.index(s * CHUNKS + c), a_ptrs + chunk * 128, mask=row_ok[:, None] & k_ok[None, :]
+                )
             async_copy.mbarrier_arrive(bar, increment_count=False)
             it += 1
 
@@ -203,18 +266,47 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 
 
 @gluon.jit
-def _consumer(shared, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr,
-              GROUP: gl.constexpr, K_GROUPS: gl.constexpr, NARROW: gl.constexpr, PAIR_TILES: gl.constexpr,
-              HAS_MAP: gl.constexpr, PDL: gl.constexpr):
+def _consumer(
+    shared,
+    epilogue,
+    GATED: gl.constexpr,
+    HALVES: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    DTYPE: gl.constexpr,
+    NW: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    GROUP: gl.constexpr,
+    K_GROUPS: gl.constexpr,
+    NARROW: gl.constexpr,
+    PAIR_TILES: gl.constexpr,
+    HAS_MAP: gl.constexpr,
+    PDL: gl.constexpr,
+):
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     group 1's sums (from shared memory, in the same order wherever the tile runs: the same bits) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
     all groups); ``epilogue``: the kernel's sm90_common.Epilogue.  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1)
     or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile holds the largest expert, and the smaller ones pay
     for their own width only (every group of the tile picks the same width from the same rows)."""
-    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, n_out, kp) = shared
+    (
+        w_smem,
+        s_smem,
+        a_smem,
+        ready,
+        empty,
+        sums_smem,
+        sums_full,
+        sums_free,
+        gs_ptr,
+        out_ptr,
+        stride_out,
+        tile_map,
+        topk_weights_ptr,
+        n_out,
+        kp,
+    ) = shared
     _after_previous_kernel(PDL)
     pid = gl.program_id(0)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
@@ -231,29 +323,118 @@ def _consumer(shared, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if PAIR_TILES:  # one row a tile: the narrowest width built (and one K loop, not one per width)
             if rows > 0:
-                _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M >> NARROW, STAGES, DTYPE, NW,
-                           CHUNKS, GROUP, K_GROUPS, EARLY, PAIR_TILES)
+                _tile_sums(
+                    shared,
+                    tile,
+                    epilogue,
+                    GATED,
+                    HALVES,
+                    BLOCK_N,
+                    BLOCK_M >> NARROW,
+                    STAGES,
+                    DTYPE,
+                    NW,
+                    CHUNKS,
+                    GROUP,
+                    K_GROUPS,
+                    EARLY,
+                    PAIR_TILES,
+                )
         elif NARROW >= 2 and rows <= BLOCK_M // 4:
-            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 4, STAGES, DTYPE, NW, CHUNKS, GROUP,
-                       K_GROUPS, EARLY, PAIR_TILES)
+            _tile_sums(
+                shared,
+                tile,
+                epilogue,
+                GATED,
+                HALVES,
+                BLOCK_N,
+                BLOCK_M // 4,
+                STAGES,
+                DTYPE,
+                NW,
+                CHUNKS,
+                GROUP,
+                K_GROUPS,
+                EARLY,
+                PAIR_TILES,
+            )
         elif NARROW >= 1 and rows <= BLOCK_M // 2:
-            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M // 2, STAGES, DTYPE, NW, CHUNKS, GROUP,
-                       K_GROUPS, EARLY, PAIR_TILES)
+            _tile_sums(
+                shared,
+                tile,
+                epilogue,
+                GATED,
+                HALVES,
+                BLOCK_N,
+                BLOCK_M // 2,
+                STAGES,
+                DTYPE,
+                NW,
+                CHUNKS,
+                GROUP,
+                K_GROUPS,
+                EARLY,
+                PAIR_TILES,
+            )
         else:
-            _tile_sums(shared, tile, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, GROUP,
-                       K_GROUPS, EARLY, PAIR_TILES)
+            _tile_sums(
+                shared,
+                tile,
+                epilogue,
+                GATED,
+                HALVES,
+                BLOCK_N,
+                BLOCK_M,
+                STAGES,
+                DTYPE,
+                NW,
+                CHUNKS,
+                GROUP,
+                K_GROUPS,
+                EARLY,
+                PAIR_TILES,
+            )
         tiles_done += _has_rows(row0, row_end, PAIR_TILES)
 
 
 @gluon.jit
-def _tile_sums(shared, tile, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
-               WIDTH: gl.constexpr, STAGES: gl.constexpr, DTYPE: gl.constexpr, NW: gl.constexpr, CHUNKS: gl.constexpr,
-               GROUP: gl.constexpr, K_GROUPS: gl.constexpr, EARLY: gl.constexpr, PAIR_TILES: gl.constexpr):
+def _tile_sums(
+    shared,
+    tile,
+    epilogue,
+    GATED: gl.constexpr,
+    HALVES: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    WIDTH: gl.constexpr,
+    STAGES: gl.constexpr,
+    DTYPE: gl.constexpr,
+    NW: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    GROUP: gl.constexpr,
+    K_GROUPS: gl.constexpr,
+    EARLY: gl.constexpr,
+    PAIR_TILES: gl.constexpr,
+):
     """One tile's K steps for this group, with MMAs WIDTH tokens wide (the first WIDTH rows of each stage's token
     rows), then its sums handed to group 0 or, in group 0, the epilogue (EARLY: its loads issued as the tile
     starts, so they return while the K steps run)."""
-    (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out, tile_map,
-     topk_weights_ptr, n_out, kp) = shared
+    (
+        w_smem,
+        s_smem,
+        a_smem,
+        ready,
+        empty,
+        sums_smem,
+        sums_full,
+        sums_free,
+        gs_ptr,
+        out_ptr,
+        stride_out,
+        tile_map,
+        topk_weights_ptr,
+        n_out,
+        kp,
+    ) = shared
     n_tile, expert, row0, row_end, base, phase, steps, slots = tile
     UNITS: gl.constexpr = BLOCK_N // 64
     # MMAs left running while the next A operand decodes: an operand is 32 registers per 16 rows a warp
@@ -263,13 +444,13 @@ def _tile_sums(shared, tile, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, WIDTH, 16])
     DOT_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_L, k_width=2)
     # the groups' sums buffers viewed as [BLOCK_N, WIDTH] each: producer and consumer of a tile share the view
-    sums = sums_smem._reinterpret(gl.float32, [sums_smem.shape[0], BLOCK_N, WIDTH],
-                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    sums = sums_smem._reinterpret(
+        gl.float32, [sums_smem.shape[0], BLOCK_N, WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    )
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     if GROUP == 0 and EARLY:
-        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L,
-                                      PAIR_TILES)
+        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L, PAIR_TILES)
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -326,15 +507,44 @@ def _tile_sums(shared, tile, epilogue, GATED: gl.constexpr, HALVES: gl.constexpr
                 acc_up += sums.index(HALVES * g + 1).load(MMA_L)
             mbarrier.arrive(sums_free.index(g))
         if not EARLY:
-            operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L,
-                                      PAIR_TILES)
-        _epilogue(acc, acc_up, n_tile, expert, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
-                  epilogue, GATED, HALVES, BLOCK_N, WIDTH, DTYPE, MMA_L)
+            operands = _epilogue_operands(
+                expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L, PAIR_TILES
+            )
+        _epilogue(
+            acc,
+            acc_up,
+            n_tile,
+            expert,
+            row0,
+            row_end,
+            operands,
+            out_ptr,
+            stride_out,
+            topk_weights_ptr,
+            n_out,
+            epilogue,
+            GATED,
+            HALVES,
+            BLOCK_N,
+            WIDTH,
+            DTYPE,
+            MMA_L,
+        )
 
 
 @gluon.jit
-def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.constexpr, HALVES: gl.constexpr,
-                       WIDTH: gl.constexpr, MMA_L: gl.constexpr, PAIR_TILES: gl.constexpr):
+def _epilogue_operands(
+    expert,
+    row0,
+    row_end,
+    gs_ptr,
+    tile_map,
+    GATED: gl.constexpr,
+    HALVES: gl.constexpr,
+    WIDTH: gl.constexpr,
+    MMA_L: gl.constexpr,
+    PAIR_TILES: gl.constexpr,
+):
     """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids) and the biases: GEMM1's
     gate and up global scales (one without up rows), GEMM2's global scale and pair ids (its output rows).  At
     decode a tile's K steps take about as long as a few loads one after another, so these are loaded as the tile
@@ -350,9 +560,26 @@ def _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED: gl.conste
 
 
 @gluon.jit
-def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, operands, out_ptr, stride_out, topk_weights_ptr, n_out,
-              epilogue, GATED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr,
-              DTYPE: gl.constexpr, MMA_L: gl.constexpr):
+def _epilogue(
+    acc,
+    acc_up,
+    n_tile,
+    expert,
+    row0,
+    row_end,
+    operands,
+    out_ptr,
+    stride_out,
+    topk_weights_ptr,
+    n_out,
+    epilogue,
+    GATED: gl.constexpr,
+    HALVES: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    WIDTH: gl.constexpr,
+    DTYPE: gl.constexpr,
+    MMA_L: gl.constexpr,
+):
     """A tile's whole-K sums out (``operands`` from _epilogue_operands), moe_sm90._tile_sums_and_store's epilogue
     (sm90_common.Epilogue): GEMM1 act(gate + bias, up + bias) in DTYPE (SiLU(gate) * up by default); GEMM2
     (acc + bias) times the pairs' top-k weights."""
@@ -393,27 +620,64 @@ def _epilogue(acc, acc_up, n_tile, expert, row0, row_end, operands, out_ptr, str
             y = acc * (scale * FIX * weight)[None, :]
         else:
             y = acc * (scale * FIX)
-        gl.store(out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
-                 y.to(out_ptr.dtype.element_ty), mask=store_mask)
+        gl.store(
+            out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
+            y.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
 
 
 # the pair count changes with T, and topk_ids come from the caller at any alignment: not specialized on, so
 # neither a new T nor a new topk_ids allocation compiles a new variant
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr", "expert_map_ptr"])
-def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr,
-                        tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
-                        expert_map_ptr, num_global, num_experts, topk_weights_ptr, n_out, k, kp, epilogue,
-                        TOP_K: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                        STAGES: gl.constexpr, DTYPE: gl.constexpr, PDL: gl.constexpr,
-                        LOADER_REGS: gl.constexpr, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr, NARROW: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr):
+def _moe_gemm_ws_kernel(
+    a_ptr,
+    stride_a,
+    w_desc,
+    s_desc,
+    gs_ptr,
+    out_ptr,
+    stride_out,
+    sorted_pairs_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_row_end_ptr,
+    num_tiles_ptr,
+    ids_ptr,
+    num_pairs,
+    expert_map_ptr,
+    num_global,
+    num_experts,
+    topk_weights_ptr,
+    n_out,
+    k,
+    kp,
+    epilogue,
+    TOP_K: gl.constexpr,
+    GATED: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    DTYPE: gl.constexpr,
+    PDL: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    K_GROUPS: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    NARROW: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
+    PAIR_TILES: gl.constexpr,
+    HAS_MAP: gl.constexpr,
+):
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     # weight matrices per expert: gate and up, or one (GEMM2; GEMM1 with a non-gated activation)
     HALVES: gl.constexpr = 2 if GATED and epilogue[1] != "relu2" else 1
-    a_smem = gl.allocate_shared_memory(DTYPE, [STAGES * CHUNKS, BLOCK_M, 128],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    a_smem = gl.allocate_shared_memory(
+        DTYPE,
+        [STAGES * CHUNKS, BLOCK_M, 128],
+        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+    )
     # one TMA box per stage and matrix (HALVES 2: gate, up): CHUNKS K chunks of BLOCK_N rows
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 32, 128], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * HALVES, CHUNKS, UNITS, 4, 128], s_desc.layout)
@@ -424,8 +688,9 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
         mbarrier.init(ready.index(i), count=32 * LOADER_WARPS + 1)
         mbarrier.init(empty.index(i), count=1)
     # K group 1 hands its sums of a tile to group 0 through one buffer (gate and up when HALVES 2)
-    sums_smem = gl.allocate_shared_memory(gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M],
-                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    sums_smem = gl.allocate_shared_memory(
+        gl.float32, [max(HALVES * (K_GROUPS - 1), 1), BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    )
     sums_full = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
     sums_free = gl.allocate_shared_memory(gl.int64, [max(K_GROUPS - 1, 1), 1], mbarrier.MBarrierLayout())
     for g in gl.static_range(K_GROUPS - 1):
@@ -435,34 +700,157 @@ def _moe_gemm_ws_kernel(a_ptr, stride_a, w_desc, s_desc, gs_ptr, out_ptr, stride
     # Constexprs are spelled out in each call: in a tuple assigned to a name, Triton turns them into run-time values.
     # the routing kernel's tile map, or with PAIR_TILES topk_ids (flat), their count and what routes them (the
     # expert map with HAS_MAP, the global and local expert counts); the other part goes unread
-    tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr, ids_ptr, num_pairs,
-                expert_map_ptr, num_global, num_experts)
-    shared = (w_smem, s_smem, a_smem, ready, empty, sums_smem, sums_full, sums_free, gs_ptr, out_ptr, stride_out,
-              tile_map, topk_weights_ptr, n_out, kp)
+    tile_map = (
+        sorted_pairs_ptr,
+        tile_expert_ptr,
+        tile_row_ptr,
+        tile_row_end_ptr,
+        num_tiles_ptr,
+        ids_ptr,
+        num_pairs,
+        expert_map_ptr,
+        num_global,
+        num_experts,
+    )
+    shared = (
+        w_smem,
+        s_smem,
+        a_smem,
+        ready,
+        empty,
+        sums_smem,
+        sums_full,
+        sums_free,
+        gs_ptr,
+        out_ptr,
+        stride_out,
+        tile_map,
+        topk_weights_ptr,
+        n_out,
+        kp,
+    )
     loader = (a_ptr, stride_a, w_desc, s_desc, tile_map, a_smem, w_smem, s_smem, ready, empty, n_out, k, kp)
     # each partition waits for the previous kernel itself (_after_previous_kernel), GEMM2's loader after it has
     # issued its first tile's weights
     gl.static_assert(K_GROUPS == 1 or K_GROUPS == 2, "GemmConfig.k_groups is 1 or 2")
     if K_GROUPS == 1:
-        gl.warp_specialize([
-            (_consumer, (shared, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 1, NARROW,
-                         PAIR_TILES, HAS_MAP, PDL)),
-            (_loader, (loader, TOP_K, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS,
-                       PAIR_TILES, HAS_MAP, PDL)),
-        ], [LOADER_WARPS], [LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        shared,
+                        epilogue,
+                        GATED,
+                        HALVES,
+                        BLOCK_N,
+                        BLOCK_M,
+                        STAGES,
+                        DTYPE,
+                        NW,
+                        CHUNKS,
+                        0,
+                        1,
+                        NARROW,
+                        PAIR_TILES,
+                        HAS_MAP,
+                        PDL,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        loader,
+                        TOP_K,
+                        GATED,
+                        HALVES,
+                        BLOCK_N,
+                        BLOCK_M,
+                        STAGES,
+                        CHUNKS,
+                        K_GROUPS,
+                        LOADER_WARPS,
+                        PAIR_TILES,
+                        HAS_MAP,
+                        PDL,
+                    ),
+                ),
+            ],
+            [LOADER_WARPS],
+            [LOADER_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_consumer, (shared, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 0, 2, NARROW,
-                         PAIR_TILES, HAS_MAP, PDL)),
-            (_consumer, (shared, epilogue, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, DTYPE, NW, CHUNKS, 1, 2, NARROW,
-                         PAIR_TILES, HAS_MAP, PDL)),
-            (_loader, (loader, TOP_K, GATED, HALVES, BLOCK_N, BLOCK_M, STAGES, CHUNKS, K_GROUPS, LOADER_WARPS,
-                       PAIR_TILES, HAS_MAP, PDL)),
-        ], [NW, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        shared,
+                        epilogue,
+                        GATED,
+                        HALVES,
+                        BLOCK_N,
+                        BLOCK_M,
+                        STAGES,
+                        DTYPE,
+                        NW,
+                        CHUNKS,
+                        0,
+                        2,
+                        NARROW,
+                        PAIR_TILES,
+                        HAS_MAP,
+                        PDL,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        shared,
+                        epilogue,
+                        GATED,
+                        HALVES,
+                        BLOCK_N,
+                        BLOCK_M,
+                        STAGES,
+                        DTYPE,
+                        NW,
+                        CHUNKS,
+                        1,
+                        2,
+                        NARROW,
+                        PAIR_TILES,
+                        HAS_MAP,
+                        PDL,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        loader,
+                        TOP_K,
+                        GATED,
+                        HALVES,
+                        BLOCK_N,
+                        BLOCK_M,
+                        STAGES,
+                        CHUNKS,
+                        K_GROUPS,
+                        LOADER_WARPS,
+                        PAIR_TILES,
+                        HAS_MAP,
+                        PDL,
+                    ),
+                ),
+            ],
+            [NW, LOADER_WARPS],
+            [MMA_REGS, LOADER_REGS],
+        )
 
 
-def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int,
-                 chunks: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+def _descriptors(
+    w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int, chunks: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA views of FragmentLayout weights, whose (unit u, K chunk c) block sits at u * chunks_k + c: dims
     [chunk, unit, row, byte] (innermost last), so one box holds ``units`` consecutive 64-row units by
     ``chunks`` K chunks, chunk-major: value rows of 128 bytes (a 4 KiB block per unit and chunk) and scale
@@ -475,8 +863,13 @@ def _descriptors(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: 
 
     def view(t: torch.Tensor, block: int, layout: gl.NVMMASharedLayout) -> TensorDescriptor:
         rows = block // 128
-        return TensorDescriptor(t.reshape(-1), [chunks_k, n_units, rows, 128], [block, chunks_k * block, 128, 1],
-                                [chunks, units, rows, 128], layout)
+        return TensorDescriptor(
+            t.reshape(-1),
+            [chunks_k, n_units, rows, 128],
+            [block, chunks_k * block, 128, 1],
+            [chunks, units, rows, 128],
+            layout,
+        )
 
     return view(w_packed, fragments.block_bytes, _W_BOX), view(w_scale, fragments.scale_block_bytes, _S_BOX)
 
@@ -491,8 +884,18 @@ def _mma_registers(gemm: GemmConfig) -> int:
     return min(256, per_warp // 8 * 8)
 
 
-def launch_gemm_ws(a: torch.Tensor, weights: GemmWeights, out: torch.Tensor, routing: GemmRouting,
-                   config: MoEKernelConfig, epilogue: Epilogue, *, gated: bool, top_k: int, sms: int) -> None:
+def launch_gemm_ws(
+    a: torch.Tensor,
+    weights: GemmWeights,
+    out: torch.Tensor,
+    routing: GemmRouting,
+    config: MoEKernelConfig,
+    epilogue: Epilogue,
+    *,
+    gated: bool,
+    top_k: int,
+    sms: int,
+) -> None:
     """One warp-specialized GEMM launch, moe_sm90.launch_gemm's contract: GEMM1 when ``gated`` (config.gemm1's
     tiles), out[row] = act(a[pair // top_k] @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's),
     out[pair] = routing weight * (a[row] @ W^T).  a [rows, K] and out [rows, N] in 16-byte aligned rows; ``sms``

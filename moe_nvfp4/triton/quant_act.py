@@ -7,6 +7,7 @@ float32 bits (round to nearest even, subnormals included) rather than by a float
 the interpreter could differ.  One program quantizes a BLOCK_M x BLOCK_K tile; padding rows and columns of
 the swizzled scale matrix stay zero, as in the reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -95,7 +96,9 @@ def _quantize_act_kernel(
     j = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
     i = rows[:, None]
     offset = swizzled_offset(i, j[None, :], scale_col_blocks)
-    tl.store(scale_ptr + offset.to(tl.int64), scale_byte.to(tl.uint8), mask=(rows < m)[:, None] & (j < k // 16)[None, :])
+    tl.store(
+        scale_ptr + offset.to(tl.int64), scale_byte.to(tl.uint8), mask=(rows < m)[:, None] & (j < k // 16)[None, :]
+    )
 
 
 def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:

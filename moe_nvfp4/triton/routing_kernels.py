@@ -4,6 +4,7 @@ host (cute/moe_host) both launch it.  Up to ROUTE_ONE_PROGRAM pairs ``_route_ker
 ``_count_kernel`` counts chunks of pairs first and ``_route_kernel`` scatters them, one program per chunk.  Grids are
 sized from T, never from routing data.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,13 +17,15 @@ from .sm90_common import _after_previous_kernel, _routed
 
 
 @triton.jit
-def _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP: tl.constexpr,
-                   BLOCK_P: tl.constexpr):
+def _local_experts(
+    ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP: tl.constexpr, BLOCK_P: tl.constexpr
+):
     """Pairs p0 .. p0+BLOCK_P: their local expert and whether they count (in range, routed to this rank)."""
     offs = p0 + tl.arange(0, BLOCK_P)
     in_range = offs < num_pairs
-    e, valid = _routed(tl.load(ids_ptr + offs, mask=in_range, other=-1), in_range, expert_map_ptr, num_global,
-                       num_experts, HAS_MAP)
+    e, valid = _routed(
+        tl.load(ids_ptr + offs, mask=in_range, other=-1), in_range, expert_map_ptr, num_global, num_experts, HAS_MAP
+    )
     return offs, e, valid
 
 
@@ -34,21 +37,41 @@ def _expert_runs(counts, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _count_pairs(ids_ptr, expert_map_ptr, start, end, num_pairs, num_global, num_experts, HAS_MAP: tl.constexpr,
-                 BLOCK_P: tl.constexpr, E_POW2: tl.constexpr):
+def _count_pairs(
+    ids_ptr,
+    expert_map_ptr,
+    start,
+    end,
+    num_pairs,
+    num_global,
+    num_experts,
+    HAS_MAP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
     """Pairs per local expert among pairs start .. end (end - start a multiple of BLOCK_P, or the last pairs)."""
     counts = tl.zeros([E_POW2], dtype=tl.int32)
     for p0 in range(start, end, BLOCK_P):
-        _, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP,
-                                     BLOCK_P)
+        _, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP, BLOCK_P)
         counts += tl.histogram(tl.where(valid, e, 0), E_POW2, mask=valid)
     return counts
 
 
 # The pair and chunk counts change with T: not specialized on, so a new T never compiles a new variant.
 @triton.jit(do_not_specialize=["num_pairs", "chunk"])
-def _count_kernel(ids_ptr, expert_map_ptr, hist_ptr, num_pairs, chunk, num_global, num_experts, HAS_MAP: tl.constexpr,
-                  BLOCK_P: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
+def _count_kernel(
+    ids_ptr,
+    expert_map_ptr,
+    hist_ptr,
+    num_pairs,
+    chunk,
+    num_global,
+    num_experts,
+    HAS_MAP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    E_POW2: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Routing, first of two launches past ROUTE_ONE_PROGRAM pairs: program c counts chunk c's pairs per
     expert into row c of hist (E_POW2 wide), which _route_kernel turns into each chunk's first rows."""
     _after_previous_kernel(PDL)
@@ -100,8 +123,9 @@ def _route_kernel(
         counts = tl.sum(hist, 0)
         before = tl.sum(tl.where((chunks < c)[:, None], hist, 0), 0)  # this expert's pairs in earlier chunks
     else:
-        counts = _count_pairs(ids_ptr, expert_map_ptr, 0, num_pairs, num_pairs, num_global, num_experts, HAS_MAP,
-                              BLOCK_P, E_POW2)
+        counts = _count_pairs(
+            ids_ptr, expert_map_ptr, 0, num_pairs, num_pairs, num_global, num_experts, HAS_MAP, BLOCK_P, E_POW2
+        )
         before = tl.zeros([E_POW2], dtype=tl.int32)
     starts, tiles, tile_ends = _expert_runs(counts, BLOCK_M)
     # Scatter: the order inside a chunk's part of an expert's run may vary between runs, which changes no
@@ -110,8 +134,9 @@ def _route_kernel(
     tl.store(cursor, starts + before)
     tl.debug_barrier()
     for p0 in range(c * chunk, tl.minimum(c * chunk + chunk, num_pairs), BLOCK_P):
-        offs, e, valid = _local_experts(ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP,
-                                        BLOCK_P)
+        offs, e, valid = _local_experts(
+            ids_ptr, expert_map_ptr, p0, num_pairs, num_global, num_experts, HAS_MAP, BLOCK_P
+        )
         pos = tl.atomic_add(cursor_ptr + c * E_POW2 + e, 1, mask=valid)
         tl.store(sorted_pairs_ptr + pos, offs, mask=valid)
     if c == 0:

@@ -1,4 +1,5 @@
 """The 128x4 blocked e4m3 scale layout inside Triton kernels (the host side is layouts.swizzle_scales_128x4)."""
+
 from __future__ import annotations
 
 import triton

@@ -4,6 +4,7 @@ GEMM launch takes (GemmWeights, GemmRouting, Epilogue); and what every Triton ke
 the GEMM, combine) shares: programmatic dependent launch and the dtype map.  A module of its own so the kernel
 modules import it, not each other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,17 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..layouts import FragmentLayout
 
-__all__ = ["BLOCK_BYTES", "SCALE_BLOCK_BYTES", "DECODE_BF16", "DECODE_FP16", "BF16_EPILOGUE_FIX", "FP16_EPILOGUE_FIX",
-           "Epilogue", "GemmRouting", "GemmWeights"]
+__all__ = [
+    "BLOCK_BYTES",
+    "SCALE_BLOCK_BYTES",
+    "DECODE_BF16",
+    "DECODE_FP16",
+    "BF16_EPILOGUE_FIX",
+    "FP16_EPILOGUE_FIX",
+    "Epilogue",
+    "GemmRouting",
+    "GemmWeights",
+]
 
 
 class GemmWeights(NamedTuple):
@@ -62,8 +72,14 @@ class Epilogue(NamedTuple):
     ROUTER_WEIGHT: tl.constexpr
 
     @classmethod
-    def of(cls, bias: torch.Tensor | None, activation: str | None, alpha: float | None, limit: float | None,
-           router_weight: bool) -> "Epilogue":
+    def of(
+        cls,
+        bias: torch.Tensor | None,
+        activation: str | None,
+        alpha: float | None,
+        limit: float | None,
+        router_weight: bool,
+    ) -> "Epilogue":
         """The launch argument, each field but the bias a tl.constexpr: in a tuple argument a plain bool or float
         would be a run-time value (and a str no value at all)."""
         return cls(bias, *map(tl.constexpr, (activation, alpha, limit, router_weight)))
@@ -131,11 +147,13 @@ def _decode_words(p, s8, DTYPE: tl.constexpr):
     the Gluon (moe_sm90_ws) kernels."""
     constraints: tl.constexpr = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r"
     if DTYPE == tl.bfloat16:
-        lo, hi = tl.inline_asm_elementwise(DECODE_BF16, constraints, [p, s8], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=8)
+        lo, hi = tl.inline_asm_elementwise(
+            DECODE_BF16, constraints, [p, s8], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=8
+        )
     else:
-        lo, hi = tl.inline_asm_elementwise(DECODE_FP16, constraints, [p, s8], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=8)
+        lo, hi = tl.inline_asm_elementwise(
+            DECODE_FP16, constraints, [p, s8], dtype=(tl.float16, tl.float16), is_pure=True, pack=8
+        )
     return lo, hi
 
 

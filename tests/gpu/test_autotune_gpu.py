@@ -3,6 +3,7 @@
 Tolerance (REL_TOL), ||out - ref|| / ||ref|| against the float64 reference on the same NVFP4 weights: the weights
 decode exactly, so what remains is the rounding of x, of the SiLU*up intermediate and of the output to bf16.
 """
+
 from __future__ import annotations
 
 import secrets

@@ -7,6 +7,7 @@ Tolerances: REL_TOL, ||out - ref|| / ||ref|| against the float64 reference on th
 routing made contiguous (tests/gpu/test_fused_moe_gpu.py's bounds: the roundings of x, the activation and the
 output); the quantizer's bytes equal the CPU twin's exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses

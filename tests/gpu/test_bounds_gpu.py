@@ -14,6 +14,7 @@ slower), and graph tests are left out of it (the caching allocator, off under th
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python -m pytest -q -m gpu tests/gpu/test_bounds_gpu.py -k "small and not graph"
 """
+
 from __future__ import annotations
 
 import secrets
@@ -23,7 +24,15 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.configs import TRITON_PREFILL, WS_DECODE, WS_TWO_GROUPS, LayerShape, MoEKernelConfig, default_config, fit_gemm
+from moe_nvfp4.configs import (
+    TRITON_PREFILL,
+    WS_DECODE,
+    WS_TWO_GROUPS,
+    LayerShape,
+    MoEKernelConfig,
+    default_config,
+    fit_gemm,
+)
 from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90
 
 pytestmark = pytest.mark.gpu

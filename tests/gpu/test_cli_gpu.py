@@ -4,6 +4,7 @@ commands a user runs first, run as the user would, on Qwen3-30B-A3B's layer.
 Bound (REL_TOL), ||out - ref|| / ||ref|| of the fused kernel against the float32 torch reference on the same
 dequantized NVFP4 weights: the bench's own (bf16 rounding of x, of the SiLU*up intermediate and of the output).
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,6 +1,7 @@
 """The sm_100a CuTe DSL W4A4 grouped GEMM on a Blackwell GPU (skipped elsewhere): bit for bit against
 ``reference.grouped_gemm_nvfp4_torch`` on exact data at the public B200 benchmark's four shapes, both tile
 widths and both output dtypes, plus ragged groups (M = 0, M = 1, M not a multiple of 128, K = 32)."""
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ sm_90 module with the host's nvcc): our activation quantizer and our 128x4 swizz
 what vLLM 0.26's own ``prepare_static_weights_for_trtllm_fp4_moe`` builds with FlashInfer's CUDA helpers.
 sm_100/sm_103: the default W4A4 MoE (FlashInfer's fused MoE) against the reference.
 """
+
 from __future__ import annotations
 
 
@@ -46,7 +47,9 @@ def test_quantizer_bytes_match_flashinfer(rows: int, k: int, gen) -> None:
     gs = (x.float().abs().amax() / (6 * 448)).reshape(1)
     if torch.cuda.get_device_capability(x.device) < (10, 0):
         pytest.skip("FlashInfer 0.6.14's fp4_quantize computes nothing below sm_100 (design 005): no bytes to compare")
-    packed, scales = flashinfer.fp4_quantize(x, 1.0 / gs, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True)
+    packed, scales = flashinfer.fp4_quantize(
+        x, 1.0 / gs, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True
+    )
     ours = m.quantize_activations(x, gs)
     theirs_scales, ours_scales = scales.view(torch.uint8).reshape(-1), ours.block_scale.view(torch.uint8).reshape(-1)
     assert theirs_scales.numel() == ours_scales.numel()
@@ -120,5 +123,7 @@ def test_default_w4a4_moe_on_blackwell(e, h, i, t, top_k, gen) -> None:
     ref = m.fused_moe_torch(x, w13, w2, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
     weights = m.prepare_moe_weights_w4a4(w13.to("cuda"), w2.to("cuda"))
     assert weights.layout == FlashInferLayout()
-    out = m.fused_moe_w4a4(x.cuda(), weights, tw.cuda(), ti.cuda(), w13_input_scale=s13.cuda(), w2_input_scale=s2.cuda())
+    out = m.fused_moe_w4a4(
+        x.cuda(), weights, tw.cuda(), ti.cuda(), w13_input_scale=s13.cuda(), w2_input_scale=s2.cuda()
+    )
     assert _rel(out.cpu(), ref) < MOE_REL_TOL

@@ -2,6 +2,7 @@
 known-answer check and gives the torch twin's bytes at model shapes, and with ``reuse_input_memory`` (what vLLM's
 method passes) it peaks at most one expert's NVFP4 bytes above the checkpoint tensors, where packing into fresh
 memory costs the whole packed layer."""
+
 from __future__ import annotations
 
 import time
@@ -36,7 +37,9 @@ def _checkpoint(e: int, i: int, h: int, seed: int, device: str) -> tuple[NVFP4Te
         return packed, scale.view(NVFP4.scale_dtype)
 
     w13, w2 = matrix(2 * i, h), matrix(h, i)
-    return NVFP4Tensor(*w13, torch.rand(e, 2, device=device) + 0.5), NVFP4Tensor(*w2, torch.rand(e, device=device) + 0.5)
+    return NVFP4Tensor(*w13, torch.rand(e, 2, device=device) + 0.5), NVFP4Tensor(
+        *w2, torch.rand(e, device=device) + 0.5
+    )
 
 
 @pytest.mark.parametrize(("e", "i", "h"), [(4, 768, 2048), (2, 1856, 2688), (3, 96, 4096), (2, 208, 176)],
@@ -71,7 +74,9 @@ def test_reuse_input_memory_peaks_at_one_expert(seed: int) -> None:
         del w13, w2, weights
         assert seconds < 30, f"packing one layer took {seconds:.1f} s"
     assert peaks[False] > 100 * one_expert, peaks
-    assert peaks[True] <= one_expert, f"peak extra {peaks[True] / 2**20:.2f} MiB, one expert {one_expert / 2**20:.2f} MiB"
+    assert peaks[True] <= one_expert, (
+        f"peak extra {peaks[True] / 2**20:.2f} MiB, one expert {one_expert / 2**20:.2f} MiB"
+    )
 
 
 def test_the_layout_reads_the_checkpoint_rows_it_overwrites_from_a_copy(seed: int) -> None:

@@ -5,6 +5,7 @@ weights decode exactly, so what remains is the rounding of x, of the SiLU*up int
 to the activation dtype (bf16: 8 significant bits, fp16: 11).  The expert-MLP variants (activations, biases, the
 router weight on the input) have the same roundings and the same bound.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -205,10 +206,17 @@ def test_configs_agree_and_outputs_fully_written(gen: torch.Generator) -> None:
     q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     args = (*w.tensors, tw, ti, None, 512)
-    cfgs = [MoEKernelConfig(block_m, GemmConfig(block_n, num_warps=warps),
-                            GemmConfig(block_n, num_warps=warps, num_stages=stages), low)
-            for block_m, block_n, warps, stages, low in
-            ((16, 64, 4, 3, False), (32, 128, 4, 2, True), (64, 128, 8, 4, False), (128, 64, 8, 4, True))]
+    cfgs = [
+        MoEKernelConfig(
+            block_m, GemmConfig(block_n, num_warps=warps), GemmConfig(block_n, num_warps=warps, num_stages=stages), low
+        )
+        for block_m, block_n, warps, stages, low in (
+            (16, 64, 4, 3, False),
+            (32, 128, 4, 2, True),
+            (64, 128, 8, 4, False),
+            (128, 64, 8, 4, True),
+        )
+    ]
     assert all(cfg.is_valid(512, 512) for cfg in cfgs)
     for cfg in cfgs:
         out = _poisoned_run(x, args, cfg)
@@ -276,35 +284,69 @@ def test_triton_narrow_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
 WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs per SM, chunks per stage, K groups
     #            [, other GemmConfig fields]), which GEMMs)
     (Case("one token, both GEMMs, one program per SM", 8, 2, 2048, 448, 1), 16, (64, 4, 4, None, 1, 1, 1), 3),
-    (Case("ragged, half the experts empty, 3 per SM", 16, 4, 512, 384, 33, "half_empty"), 16, (64, 4, 6, 80, 3, 1, 1), 3),
+    (
+        Case("ragged, half the experts empty, 3 per SM", 16, 4, 512, 384, 33, "half_empty"),
+        16,
+        (64, 4, 6, 80, 3, 1, 1),
+        3,
+    ),
     (Case("every token to one expert, 2 per SM", 8, 2, 256, 512, 40, "one_expert"), 32, (128, 4, 4, 128, 2, 1, 1), 3),
     (Case("two MMA warp groups, GEMM1 only", 8, 2, 1024, 512, 19), 32, (128, 8, 4, None, 1, 1, 1), 1),
     (Case("GEMM2 only, padded K, top-8", 64, 8, 640, 208, 9), 16, (64, 4, 4, 128, 2, 1, 1), 2),
     (Case("prefill-sized tiles", 8, 2, 1024, 1024, 600), 64, (128, 4, 3, 128, 2, 1, 1), 3),
     # several K chunks per stage: one MMA left running at 128 rows per warp group, two at 64
-    (Case("2 chunks a stage, 128 rows, padded K, ragged", 16, 4, 1024, 448, 37, "half_empty"), 16,
-     (128, 4, 2, 128, 2, 2, 1), 3),
+    (
+        Case("2 chunks a stage, 128 rows, padded K, ragged", 16, 4, 1024, 448, 37, "half_empty"),
+        16,
+        (128, 4, 2, 128, 2, 2, 1),
+        3,
+    ),
     (Case("4 chunks a stage, 64 rows, 2 per SM", 8, 2, 1024, 512, 5), 16, (64, 4, 2, 128, 2, 4, 1), 3),
     (Case("2 chunks a stage, two MMA warp groups", 8, 2, 512, 256, 70), 32, (128, 8, 2, None, 1, 2, 1), 3),
     # two K groups sharing each tile: 16 and 6 steps; 9 and 5 steps (each tile padded to 10 and 6) with several
     # tiles per program; 2-chunk stages, GEMM2's K padded
     (Case("2 K groups, one token", 8, 2, 2048, 768, 1), 16, (64, 4, 2, 168, 1, 1, 2), 3),
-    (Case("2 K groups, odd step counts, several tiles per program", 8, 2, 1152, 640, 300), 64,
-     (64, 4, 4, 96, 1, 1, 2), 3),
-    (Case("2 K groups, 2 chunks a stage, ragged", 16, 4, 1024, 448, 37, "half_empty"), 16, (128, 4, 4, 168, 1, 2, 2), 3),
+    (
+        Case("2 K groups, odd step counts, several tiles per program", 8, 2, 1152, 640, 300),
+        64,
+        (64, 4, 4, 96, 1, 1, 2),
+        3,
+    ),
+    (
+        Case("2 K groups, 2 chunks a stage, ragged", 16, 4, 1024, 448, 37, "half_empty"),
+        16,
+        (128, 4, 4, 168, 1, 2, 2),
+        3,
+    ),
     # 8-token tiles (wgmma N=8): experts past 8 tokens take several tiles; one token; K groups
     (Case("8-token tiles, 4 chunks a stage, 2 per SM", 8, 2, 1024, 512, 33), 8, (64, 4, 2, 128, 2, 4, 1), 3),
-    (Case("8-token tiles, ragged, padded K, top-8, one loader warp", 64, 8, 640, 208, 41, "half_empty"), 8,
-     (128, 4, 4, 128, 2, 1, 1, dict(loader_warps=1)), 3),
+    (
+        Case("8-token tiles, ragged, padded K, top-8, one loader warp", 64, 8, 640, 208, 41, "half_empty"),
+        8,
+        (128, 4, 4, 128, 2, 1, 1, dict(loader_warps=1)),
+        3,
+    ),
     (Case("8-token tiles, one token, 2 K groups", 128, 8, 2048, 768, 1), 8, (64, 4, 4, 168, 1, 2, 2), 3),
     # narrow tiles (GemmConfig.narrow_tiles): experts of 0 to ~60 rows, so tiles of each MMA width (8, 16, 32)
     # and experts of several tiles whose last is narrow; with 2 K groups the groups must pick the same width
-    (Case("narrow tiles 8/16/32, 2 MMA warp groups", 16, 4, 1024, 512, 40), 32,
-     (128, 8, 4, 128, 1, 2, 1, dict(narrow_tiles=2)), 3),
-    (Case("narrow tiles, several an expert, top-8, two loader warps", 32, 8, 640, 208, 70, "half_empty"), 32,
-     (64, 4, 4, 128, 2, 1, 1, dict(narrow_tiles=1, loader_warps=2)), 3),
-    (Case("narrow 8 of 16, 2 K groups, one loader warp", 64, 8, 1024, 448, 50), 16,
-     (128, 4, 4, 168, 1, 2, 2, dict(narrow_tiles=1, loader_warps=1)), 3),
+    (
+        Case("narrow tiles 8/16/32, 2 MMA warp groups", 16, 4, 1024, 512, 40),
+        32,
+        (128, 8, 4, 128, 1, 2, 1, dict(narrow_tiles=2)),
+        3,
+    ),
+    (
+        Case("narrow tiles, several an expert, top-8, two loader warps", 32, 8, 640, 208, 70, "half_empty"),
+        32,
+        (64, 4, 4, 128, 2, 1, 1, dict(narrow_tiles=1, loader_warps=2)),
+        3,
+    ),
+    (
+        Case("narrow 8 of 16, 2 K groups, one loader warp", 64, 8, 1024, 448, 50),
+        16,
+        (128, 4, 4, 168, 1, 2, 2, dict(narrow_tiles=1, loader_warps=1)),
+        3,
+    ),
 ]
 
 
@@ -323,8 +365,17 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
     tw, ti = _routing(case, gen, "cuda")
     block_n, warps, stages, regs, pps, chunks, groups, *other = shape
-    ws = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=regs, programs_per_sm=pps,
-                    warp_specialized=True, chunks_per_stage=chunks, k_groups=groups, **(other[0] if other else {}))
+    ws = GemmConfig(
+        block_n,
+        num_warps=warps,
+        num_stages=stages,
+        max_registers=regs,
+        programs_per_sm=pps,
+        warp_specialized=True,
+        chunks_per_stage=chunks,
+        k_groups=groups,
+        **(other[0] if other else {}),
+    )
     plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
     cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
@@ -338,8 +389,9 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
 
 
 @pytest.mark.parametrize("k_groups,stages", [(2, 2), (2, 4)])
-def test_k_groups_give_a_token_the_same_bits_wherever_its_tile_runs(k_groups: int, stages: int,
-                                                                    gen: torch.Generator) -> None:
+def test_k_groups_give_a_token_the_same_bits_wherever_its_tile_runs(
+    k_groups: int, stages: int, gen: torch.Generator
+) -> None:
     """Tiles shared by K_GROUPS MMA warp groups: a token's output bits do not depend on which tile its rows land
     in, or on that tile's place in its program's run (the routing's atomics and the token order move rows
     between an expert's tiles).  9 and 5 K steps over 2 groups (padded to 10 and 6), experts of several 64-row
@@ -380,16 +432,32 @@ def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, narrow: i
 
 
 PAIR_CASES = [  # (case, block_m, GEMM1 and GEMM2 fields: the shipped T=1 shapes, then pairs that share experts)
-    (Case("one token, Mixtral-like: 16-token tiles run 8 wide", 8, 2, 2048, 1024, 1), 16,
-     (dict(block_n=128, num_stages=2, chunks_per_stage=2, programs_per_sm=3, narrow_tiles=1, loader_warps=1),
-      dict(block_n=64, num_stages=4, chunks_per_stage=4, k_groups=2, max_registers=168))),
-    (Case("one token, Qwen3-like top-8, 2 K groups", 128, 8, 2048, 768, 1), 8,
-     (dict(block_n=64, num_stages=4, chunks_per_stage=2, k_groups=2, max_registers=168, programs_per_sm=2),
-      dict(block_n=64, num_stages=2, chunks_per_stage=2, programs_per_sm=2, loader_warps=2))),
-    (Case("9 tokens on 8 experts: pairs share experts, each its own tile", 8, 2, 512, 256, 9), 8,
-     (dict(block_n=64), dict(block_n=64))),
-    (Case("every token to one expert, padded K, top-3", 6, 3, 640, 208, 5, "one_expert"), 16,
-     (dict(block_n=128, narrow_tiles=1), dict(block_n=64, k_groups=2, max_registers=168))),
+    (
+        Case("one token, Mixtral-like: 16-token tiles run 8 wide", 8, 2, 2048, 1024, 1),
+        16,
+        (
+            dict(block_n=128, num_stages=2, chunks_per_stage=2, programs_per_sm=3, narrow_tiles=1, loader_warps=1),
+            dict(block_n=64, num_stages=4, chunks_per_stage=4, k_groups=2, max_registers=168),
+        ),
+    ),
+    (
+        Case("one token, Qwen3-like top-8, 2 K groups", 128, 8, 2048, 768, 1),
+        8,
+        (
+            dict(block_n=64, num_stages=4, chunks_per_stage=2, k_groups=2, max_registers=168, programs_per_sm=2),
+            dict(block_n=64, num_stages=2, chunks_per_stage=2, programs_per_sm=2, loader_warps=2),
+        ),
+    ),
+    (
+        Case("9 tokens on 8 experts: pairs share experts, each its own tile", 8, 2, 512, 256, 9),
+        8,
+        (dict(block_n=64), dict(block_n=64)),
+    ),
+    (
+        Case("every token to one expert, padded K, top-3", 6, 3, 640, 208, 5, "one_expert"),
+        16,
+        (dict(block_n=128, narrow_tiles=1), dict(block_n=64, k_groups=2, max_registers=168)),
+    ),
 ]
 
 
@@ -432,11 +500,19 @@ def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
 
 def test_route_kernel_matches_torch_plan(gen: torch.Generator) -> None:
     # one program (up to 1024 pairs), counted chunks of one step (1332, 8000 pairs), of several (40000, 32768)
-    for experts, top_k, tokens, block_m in ((8, 2, 1, 16), (60, 4, 333, 16), (128, 8, 1000, 64), (7, 1, 0, 32),
-                                            (8, 2, 20000, 128), (256, 8, 4096, 64), (16, 4, 200, 32)):
+    for experts, top_k, tokens, block_m in (
+        (8, 2, 1, 16),
+        (60, 4, 333, 16),
+        (128, 8, 1000, 64),
+        (7, 1, 0, 32),
+        (8, 2, 20000, 128),
+        (256, 8, 4096, 64),
+        (16, 4, 200, 32),
+    ):
         ids = torch.randint(0, experts, (tokens, top_k), generator=gen, device="cuda", dtype=torch.int32)
-        sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles = route(ids, experts, block_m,
-                                                                                              None)
+        sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles = route(
+            ids, experts, block_m, None
+        )
         plan = m.plan_routing(ids, experts, block_m)
         assert torch.equal(counts, plan.expert_counts)
         assert torch.equal(offsets, plan.expert_offsets)
@@ -550,8 +626,13 @@ SHIPPED_ENTRIES = [(path, entry) for path in sorted((CONFIG_DIR / KERNEL_NAME).g
                    for entry in load_config_file(str(path))[1]]  # fmt: skip
 
 
-@pytest.mark.parametrize("path,entry", SHIPPED_ENTRIES, ids=[
-    f"{p.stem}-E{e['experts']}-H{e['hidden']}-I{e['intermediate']}-T{e['max_tokens']}" for p, e in SHIPPED_ENTRIES])
+@pytest.mark.parametrize(
+    "path,entry",
+    SHIPPED_ENTRIES,
+    ids=[
+        f"{p.stem}-E{e['experts']}-H{e['hidden']}-I{e['intermediate']}-T{e['max_tokens']}" for p, e in SHIPPED_ENTRIES
+    ],
+)
 def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Generator) -> None:
     """Every tuned entry this GPU would select, at its own model shape and at the largest token count it serves
     (most tiles, ragged last tiles per expert), with outputs and scratch poisoned, against the float64 reference
@@ -585,8 +666,9 @@ def test_swiglu_oai_is_vllms_up_to_fp32_rounding(gen: torch.Generator) -> None:
     |g sigmoid(alpha g)| (|u| + 1): up + 1 rounds in fp32, which near up = -1 is large against the result alone."""
     from moe_nvfp4.reference import expert_activation_torch
 
-    gate = torch.cat([torch.logspace(-20, 1.5, 3000, device="cuda"),
-                      torch.rand(20000, device="cuda", generator=gen) * 20])
+    gate = torch.cat(
+        [torch.logspace(-20, 1.5, 3000, device="cuda"), torch.rand(20000, device="cuda", generator=gen) * 20]
+    )
     gate = torch.cat([gate, -gate])
     up = torch.randn(gate.shape, device="cuda", generator=gen) * 10
     act = m.SWIGLU_OAI

@@ -1,6 +1,7 @@
 """W4A4 grouped GEMM on the GPU: bit for bit on exact data (fp16 and bf16 out; also a planned launch replayed
 in a CUDA graph after new inputs are written), at the four shapes of the
 public B200 NVFP4 group-GEMM problem; ||out - ref|| / ||ref|| < 2e-3 (fp16) / 8e-3 (bf16) on random data."""
+
 from __future__ import annotations
 
 import sys
@@ -81,7 +82,9 @@ def test_planned_launch_replays_in_a_cuda_graph(seed: int) -> None:
     assert all(torch.equal(x.cpu(), y) for x, y in zip(plan.outs, ref))
 
 
-@pytest.mark.parametrize("config", TILE_CONFIGS, ids=lambda c: "bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}".format(**c))
+@pytest.mark.parametrize(
+    "config", TILE_CONFIGS, ids=lambda c: "bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}".format(**c)
+)
 @pytest.mark.parametrize("sizes", [2, 3, "ragged"])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 def test_tile_configs_bit_exact(config: dict, sizes: int | str, out_dtype: torch.dtype, seed: int) -> None:

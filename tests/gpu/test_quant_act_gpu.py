@@ -1,4 +1,5 @@
 """Activation quantization on the GPU: the reference's bytes at serving shapes, and inside a CUDA graph."""
+
 from __future__ import annotations
 
 import sys

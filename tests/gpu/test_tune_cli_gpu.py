@@ -6,6 +6,7 @@ this GPU's key, and a new process (this one) must serve exactly them through the
 Tolerance (REL_TOL), ||out - ref|| / ||ref|| against the float64 reference on the same NVFP4 weights: the weights
 decode exactly, so what remains is the rounding of x, of the SiLU*up intermediate and of the output to bf16.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,7 +64,9 @@ def test_tune_command_fills_the_cache_a_start_serves(tmp_path, monkeypatch) -> N
     seed = secrets.randbelow(2**31)
     print(f"seed {seed}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q13 = m.quantize_nvfp4(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5, segments=2)
+    q13 = m.quantize_nvfp4(
+        torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5, segments=2
+    )
     q2 = m.quantize_nvfp4(torch.randn(EXPERTS, HIDDEN, INTER, generator=gen, device="cuda") / INTER**0.5)
     w = m.prepare_moe_weights(q13, q2)
     for tokens in (1, 5, 40, 100, MAX_TOKENS):

@@ -11,6 +11,7 @@ Each LLM runs in a fresh subprocess (vLLM spawns workers and holds the GPU until
 plugin is loaded through its ``vllm.general_plugins`` entry point when the package is installed
 (``pip install -e .``); otherwise the runner registers it by hand and forks its workers.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,16 @@ _RUNS: dict[tuple, list[dict]] = {}  # one engine start per (model, method, TP, 
 _LOGS: dict[str, str] = {}  # each engine's stderr, by tag
 
 
-def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int = 1, tag: str,
-             env_extra: dict[str, str] | None = None, engine: dict | None = None) -> list[dict]:
+def _run_llm(
+    tmp_path: Path,
+    model: Path,
+    quantization: str | None,
+    *,
+    tp: int = 1,
+    tag: str,
+    env_extra: dict[str, str] | None = None,
+    engine: dict | None = None,
+) -> list[dict]:
     """``engine``: extra ``LLM(...)`` keyword arguments (JSON-serialisable)."""
     key = (str(model), quantization, tp, tuple(sorted((env_extra or {}).items())), json.dumps(engine, sort_keys=True))
     if key not in _RUNS:
@@ -89,18 +98,40 @@ def _run_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int =
     return _RUNS[key]
 
 
-def _start_llm(tmp_path: Path, model: Path, quantization: str | None, *, tp: int, tag: str,
-               env_extra: dict[str, str], engine: dict | None = None) -> list[dict]:
+def _start_llm(
+    tmp_path: Path,
+    model: Path,
+    quantization: str | None,
+    *,
+    tp: int,
+    tag: str,
+    env_extra: dict[str, str],
+    engine: dict | None = None,
+) -> list[dict]:
     out = tmp_path / f"{tag}.json"
-    args = {"model": str(model), "quantization": quantization, "tp": tp, "mem": 0.3, "prompts": PROMPTS,
-            "max_tokens": MAX_TOKENS, "out": str(out), "engine": engine or {}}
+    args = {
+        "model": str(model),
+        "quantization": quantization,
+        "tp": tp,
+        "mem": 0.3,
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "out": str(out),
+        "engine": engine or {},
+    }
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
     # Greedy decoding never samples; FlashInfer's top-k/top-p sampler would only be JIT-built (nvcc, a minute or
     # more on a fresh machine, each TP rank waiting on the build) for the engine's warm-up.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    _LOGS[tag] = run_until_written([sys.executable, "-c", RUNNER, json.dumps(args)], env, out, tag=tag,
-                                   timeout_s=ENGINE_TIMEOUT_S, exit_grace_s=EXIT_GRACE_S)
+    _LOGS[tag] = run_until_written(
+        [sys.executable, "-c", RUNNER, json.dumps(args)],
+        env,
+        out,
+        tag=tag,
+        timeout_s=ENGINE_TIMEOUT_S,
+        exit_grace_s=EXIT_GRACE_S,
+    )
     return json.loads(out.read_text())
 
 
@@ -147,11 +178,18 @@ def checkpoints(tmp_path_factory):
     for family in FAMILIES + [DEEPSEEK]:
         src = make_tiny_checkpoint(family, root / f"{family}-bf16", seed=0)
         modelopt = root / f"{family}-modelopt"
-        convert_checkpoint(src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False)
+        convert_checkpoint(
+            src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False
+        )
         ct = root / f"{family}-ct"
         convert_checkpoint(
-            src, ct, ConvertOptions(settings=QuantSettings(convention=Convention.COMPRESSED_TENSORS,
-                                                           separate_gate_up_scales=True)), progress=False)
+            src,
+            ct,
+            ConvertOptions(
+                settings=QuantSettings(convention=Convention.COMPRESSED_TENSORS, separate_gate_up_scales=True)
+            ),
+            progress=False,
+        )
         ref = _dequantized_bf16(src, modelopt, root / f"{family}-dequantized-bf16")
         out[family] = {"bf16": src, "modelopt": modelopt, "ct": ct, "ref": ref}
     return out
@@ -236,8 +274,11 @@ def test_autotune_at_load_logs_its_choice_and_a_second_start_reads_the_cache(tmp
     logs what it chose and how long it took, writes its cache, and generates the reference's tokens; a second engine
     on the same cache reads the choice instead of timing."""
     cache = tmp_path / "autotune-cache"
-    env = {"MOE_NVFP4_CACHE_DIR": str(cache), "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # the log is read here
-           "MOE_NVFP4_AUTOTUNE": "1"}
+    env = {
+        "MOE_NVFP4_CACHE_DIR": str(cache),
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # the log is read here
+        "MOE_NVFP4_AUTOTUNE": "1",
+    }
     ckpt = checkpoints[family]
     ref = _run_llm(tmp_path, ckpt["ref"], None, tag=f"{family}-ref")
     first = _run_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tag=f"{family}-autotune", env_extra=env)
@@ -245,8 +286,9 @@ def test_autotune_at_load_logs_its_choice_and_a_second_start_reads_the_cache(tmp
     assert tuned and "timings over" in tuned[0] and " s;" in tuned[0], _LOGS[f"{family}-autotune"][-3000:]
     assert list(cache.rglob("*.json")), "no autotune cache written"
     _compare(first, ref, f"{family} autotuned")
-    second = _start_llm(tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=1, tag=f"{family}-autotune-again",
-                        env_extra=env)  # a second engine start, not the cached run
+    second = _start_llm(
+        tmp_path, ckpt["modelopt"], "nvfp4_grouped", tp=1, tag=f"{family}-autotune-again", env_extra=env
+    )  # a second engine start, not the cached run
     again = [line for line in _LOGS[f"{family}-autotune-again"].splitlines() if "nvfp4_grouped: autotune" in line]
     assert again and "configs from cache" in again[0], _LOGS[f"{family}-autotune-again"][-3000:]
     assert [o["tokens"] for o in second] == [o["tokens"] for o in first]
@@ -267,7 +309,9 @@ def _dequantize_stacked(src_tensors: dict, q: dict, prefix: str) -> dict:
                                             q[f"{module}.weight_scale_2"].float().reshape(())), torch.bfloat16)  # fmt: skip
 
     experts = src_tensors[f"{prefix}.gate_up_proj"].shape[0]
-    gate_up = torch.stack([torch.cat([deq(f"{prefix}.{e}.gate_proj"), deq(f"{prefix}.{e}.up_proj")]).T for e in range(experts)])
+    gate_up = torch.stack(
+        [torch.cat([deq(f"{prefix}.{e}.gate_proj"), deq(f"{prefix}.{e}.up_proj")]).T for e in range(experts)]
+    )
     down = torch.stack([deq(f"{prefix}.{e}.down_proj").T for e in range(experts)])
     return {f"{prefix}.gate_up_proj": gate_up.contiguous(), f"{prefix}.down_proj": down.contiguous()}
 

@@ -15,6 +15,7 @@ the model length, so each engine start stays near a minute.
 
 Run: ``CUDA_VISIBLE_DEVICES=0,1 python -m pytest -q -m "gpu and multigpu" tests/gpu/test_vllm_multigpu.py -k FAMILY``.
 """
+
 from __future__ import annotations
 
 import sys

@@ -21,6 +21,7 @@ Bounded: the server start (``START_S``), each load (``LOAD_S``) and the shutdown
 Run: ``python -m pytest -q -m gpu tests/gpu/test_vllm_server.py`` after ``pip install -e .`` (the server finds the
 plugin through its entry point).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -94,8 +95,14 @@ def _mix(tokenizer, n: int, seed: int) -> list[RequestSpec]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    return request_mix(n, vocab=VOCAB, first_word=len(SPECIAL_TOKENS), max_model_len=MAX_MODEL_LEN,
-                       count_chat_tokens=count_chat_tokens, seed=seed)
+    return request_mix(
+        n,
+        vocab=VOCAB,
+        first_word=len(SPECIAL_TOKENS),
+        max_model_len=MAX_MODEL_LEN,
+        count_chat_tokens=count_chat_tokens,
+        seed=seed,
+    )
 
 
 def test_mixed_load_is_well_formed_and_greedy_repeats(served):
@@ -124,7 +131,11 @@ def test_bad_requests_get_4xx_while_the_server_keeps_serving(served):
     too_long = list(range(10, 10 + MAX_MODEL_LEN + 8))
     bad = [
         {"model": MODEL_NAME, "prompt": too_long, "max_tokens": 4},  # longer than the model
-        {"model": MODEL_NAME, "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in too_long)}], "max_tokens": 4},
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in too_long)}],
+            "max_tokens": 4,
+        },
         {"model": MODEL_NAME, "prompt": [10, 11, 12], "max_tokens": -1},  # negative max_tokens
         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w10"}], "max_tokens": -5},
         {"model": "no-such-model", "prompt": [10, 11, 12], "max_tokens": 4},  # unknown model

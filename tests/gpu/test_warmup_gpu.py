@@ -4,6 +4,7 @@
 Tolerance (REL_TOL), ||out - ref|| / ||ref|| against the float64 reference on the same NVFP4 weights (bf16
 rounding of x, the intermediate and the output).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -35,7 +36,9 @@ def test_threaded_warmup_leaves_nothing_to_compile(threads: int) -> None:
     print(f"seed {seed}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     experts, top_k, hidden, inter, max_tokens = 24, 3, 128 * threads, 128, 700
-    q13 = m.quantize_nvfp4(torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5, segments=2)
+    q13 = m.quantize_nvfp4(
+        torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5, segments=2
+    )
     q2 = m.quantize_nvfp4(torch.randn(experts, hidden, inter, generator=gen, device="cuda") / inter**0.5)
     w = m.prepare_moe_weights(q13, q2)
     counts = compile_kernels(w, top_k, torch.bfloat16, max_tokens, forward=m.fused_moe, threads=threads)
