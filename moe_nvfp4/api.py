@@ -126,14 +126,14 @@ def prepare_moe_weights(
     w2_bias: torch.Tensor | None = None,
     reuse_input_memory: bool = False,
 ) -> MoEWeights:
-    """Validate and pack checkpoint tensors for the kernel, one expert at a time (on the GPU by a Triton kernel).
+    """Validate and pack checkpoint tensors for the kernel, a run of experts a launch (on the GPU by a Triton kernel).
 
     w13: [E, 2I, H] (gate rows then up rows; global scale [E] or [E, 2]), or [E, I, H] (global [E]) when
     ``activation`` is not gated; w2: [E, H, I] (global [E]).  Biases, any float dtype: w13_bias [E, 2I] (gate
     then up; [E, I] non-gated), w2_bias [E, H]; stored float32.  The result lives on the inputs' device.
     ``reuse_input_memory``: pack each of w13 and w2 that its layout does not pad (rows, gate and up apart, a
-    multiple of 64; K of 128) into its own memory, overwriting it, so the peak extra memory is one expert's block
-    instead of the packed layer (vLLM's method passes True: it drops the checkpoint tensors once packed).
+    multiple of 64; K of 128) into its own memory, overwriting it, so the peak extra memory is one run of experts'
+    blocks (``weight_layouts.PACK_RUN_BYTES``, 64 MiB, or one expert's block where larger) instead of the packed layer (vLLM's method passes True: it drops the checkpoint tensors once packed).
     """
     if not isinstance(activation, ExpertActivation):
         raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")

@@ -23,7 +23,10 @@ __all__ = [
     "Convention",
     "NVFP4Linear",
     "TENSOR_NAMES",
+    "any_bad_block_scale",
+    "bad_scale_bytes",
     "detect_convention",
+    "SCAN_CHUNK_BYTES",
     "from_checkpoint",
     "to_checkpoint",
     "validate_nvfp4",
@@ -181,8 +184,9 @@ def validate_nvfp4(
     if bool(bad_gs.any()):
         got = gs[bad_gs].flatten()[:4].tolist()
         raise fail(global_key, f"global scale must be finite and positive, got {got}", bad_gs)
-    # One matrix at a time: a layer's scales in float32 would be half its packed bytes of temporaries at load.
-    for index, matrix in enumerate(scale.reshape(-1, *scale.shape[-2:])):
+    if not bool(any_bad_block_scale(scale)):  # one host synchronisation for a stacked layer
+        return
+    for index, matrix in enumerate(scale.reshape(-1, *scale.shape[-2:])):  # the first bad matrix, for the message
         sf = matrix.float()
         nonfinite, negative = ~torch.isfinite(sf), sf < 0
         if bool((nonfinite | negative).any()):
@@ -190,3 +194,29 @@ def validate_nvfp4(
             if bool(nonfinite.any()):
                 raise _error(f"{name}.{scale_key}", where, f"{int(nonfinite.sum())} block scales are NaN or inf")
             raise _error(f"{name}.{scale_key}", where, f"{int(negative.sum())} block scales are negative")
+
+
+# Bytes a pass reads at once when scanning a stacked layer's tensors: bounds the temporaries, not the answer.
+SCAN_CHUNK_BYTES = 1 << 26
+
+
+def _matrix_chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` [..., N, C] as runs of whole matrices of about SCAN_CHUNK_BYTES each (views where ``t`` allows)."""
+    matrices = t.reshape(-1, *t.shape[-2:]) if t.dim() > 2 else t[None]
+    per = max(1, SCAN_CHUNK_BYTES // max(1, matrices[0].numel() * t.element_size()))
+    return list(matrices.split(per))
+
+
+def bad_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Where an e4m3 block scale is NaN (0x7F, 0xFF; e4m3fn has no inf) or negative (0x81-0xFE; -0.0 is zero),
+    read from its bytes: no float temporaries."""
+    b = scale.view(torch.uint8)
+    return (b == 0x7F) | (b > 0x80)
+
+
+def any_bad_block_scale(scale: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``scale``'s device: whether any block scale is NaN or negative (no host synchronisation)."""
+    bad = torch.zeros((), dtype=torch.bool, device=scale.device)
+    for chunk in _matrix_chunks(scale):
+        bad |= bad_scale_bytes(chunk).any()
+    return bad

@@ -33,8 +33,11 @@ from .layouts import GATE_UP_BLOCK, FragmentLayout, round_up, swizzle_scales_128
 __all__ = ["MoELayout", "Sm90Layout", "Sm100Layout", "FlashInferLayout", "weight_layout", "padded_intermediate",
            "gated_rows_order", "shuffle_rows_order", "INTERMEDIATE_ALIGN", "HIDDEN_ALIGN"]  # fmt: skip
 
+# The values a packing launch reads at most (one expert's block at least): in place, the copy set aside.
+PACK_RUN_BYTES = 1 << 26
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# (packed [N, K/2], e4m3 scales [N, K/16], dst values, dst scale bytes) -> None: one block into FragmentLayout
+# (packed [e, N, K/2], e4m3 scales [e, N, K/16], dst values, dst scale bytes) -> None: a run of experts' blocks into
+# FragmentLayout
 BlockPacker = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -74,10 +77,12 @@ class Sm90Layout(MoELayout):
         reuse_input_memory: bool = False,
         pack_block: BlockPacker | None = None,
     ) -> Tensors:
-        """One expert and gate/up block at a time.  ``pack_block(packed, scales, dst, dst_scales)`` packs one block
-        (default: the torch twin, ``FragmentLayout.pack``; on the GPU the API passes the Triton kernel).
-        ``reuse_input_memory``: a matrix whose layout adds no padding is packed into its own tensors (their
-        contents are overwritten), each block first copied aside, so the extra memory is one block, not a layer."""
+        """One gate/up block of a run of experts at a time.  ``pack_block(packed, scales, dst, dst_scales)`` packs
+        one block of each expert of a run ([e, rows, K/2] -> [e, padded rows, padded K/2]; default: the torch twin,
+        ``FragmentLayout.pack``; on the GPU the API passes the Triton kernel).  ``reuse_input_memory``: a matrix
+        whose layout adds no padding is packed into its own tensors (their contents are overwritten), each run's
+        block first copied aside, so the extra memory is one run (``PACK_RUN_BYTES``, at least one expert's block),
+        not a layer."""
         e, h, i = w13.packed.shape[0], w13.k, w2.k
         layout = self.fragments
         pack_block = pack_block or self._pack_block
@@ -92,15 +97,18 @@ class Sm90Layout(MoELayout):
             else:
                 packed = torch.empty(e, np_, kp // 2, dtype=torch.uint8, device=q.packed.device)
                 scale = torch.empty(e, np_, kp // 16, dtype=torch.uint8, device=q.packed.device)
-            for expert in range(e):
-                row = 0
-                for start, rows in row_blocks:
-                    end = row + layout.padded_n(rows)
-                    values, scales = q.packed[expert, start : start + rows], q.block_scale[expert, start : start + rows]
+            row = 0
+            for start, rows in row_blocks:
+                end = row + layout.padded_n(rows)
+                per_run = max(1, PACK_RUN_BYTES // (rows * k // 2))
+                for first in range(0, e, per_run):
+                    experts = slice(first, min(e, first + per_run))
+                    values = q.packed[experts, start : start + rows]
+                    scales = q.block_scale[experts, start : start + rows]
                     if in_place:  # the block's rows are its destination: read from a copy
                         values, scales = values.clone(), scales.clone()
-                    pack_block(values, scales, packed[expert, row:end], scale[expert, row:end])
-                    row = end
+                    pack_block(values, scales, packed[experts, row:end], scale[experts, row:end])
+                row = end
             return packed, scale
 
         # gate and up each padded apart; a non-gated activation's w13 ([E, I, H]) is one block
@@ -111,7 +119,8 @@ class Sm90Layout(MoELayout):
     def _pack_block(
         self, packed: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor, dst_scales: torch.Tensor
     ) -> None:
-        dst[:], dst_scales[:] = self.fragments.pack(packed, scales)
+        for expert in range(packed.shape[0]):
+            dst[expert], dst_scales[expert] = self.fragments.pack(packed[expert], scales[expert])
 
     def to_nvfp4(self, weights: MoEWeights) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         def unpack(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

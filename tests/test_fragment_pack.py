@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent(
     from moe_nvfp4.formats import NVFP4, NVFP4Tensor
     from moe_nvfp4.layouts import FragmentLayout
     from moe_nvfp4.triton.fragment_pack import pack_fragment_block
+    from moe_nvfp4 import weight_layouts
     from moe_nvfp4.weight_layouts import Sm90Layout
     e, i, h, seed = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
@@ -46,20 +47,23 @@ SCRIPT = textwrap.dedent(
     w13 = NVFP4Tensor(p13, s13, torch.rand(e, 2) + 0.5)
     w2 = NVFP4Tensor(p2, s2, torch.rand(e) + 0.5)
     twin = Sm90Layout().pack(w13, w2)
-    for reuse in (False, True):
-        c13 = NVFP4Tensor(p13.clone(), s13.clone(), w13.global_scale)
-        c2 = NVFP4Tensor(p2.clone(), s2.clone(), w2.global_scale)
-        got = Sm90Layout().pack(c13, c2, reuse_input_memory=reuse, pack_block=pack_fragment_block)
-        result[f"layer_reuse={reuse}"] = all(torch.equal(a, b) for a, b in zip(got, twin))
-        result[f"in_place_reuse={reuse}"] = [got[0].data_ptr() == c13.packed.data_ptr(),
-                                             got[3].data_ptr() == c2.packed.data_ptr()]
+    for run_bytes in (1, 1 << 26):  # runs of one expert, and one run for the layer
+        weight_layouts.PACK_RUN_BYTES = run_bytes
+        for reuse in (False, True):
+            c13 = NVFP4Tensor(p13.clone(), s13.clone(), w13.global_scale)
+            c2 = NVFP4Tensor(p2.clone(), s2.clone(), w2.global_scale)
+            got = Sm90Layout().pack(c13, c2, reuse_input_memory=reuse, pack_block=pack_fragment_block)
+            result[f"layer_reuse={reuse}"] = result.get(f"layer_reuse={reuse}", True) and all(
+                torch.equal(a, b) for a, b in zip(got, twin))
+            result[f"in_place_reuse={reuse}"] = [got[0].data_ptr() == c13.packed.data_ptr(),
+                                                 got[3].data_ptr() == c2.packed.data_ptr()]
     print(json.dumps(result))
     """
 )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("e", "i", "h"), [(2, 128, 128), (2, 48, 144), (1, 64, 256)],
+@pytest.mark.parametrize(("e", "i", "h"), [(3, 128, 128), (2, 48, 144), (1, 64, 256)],
                          ids=["both-in-place", "rows-and-k-padded", "w13-in-place-w2-k-padded"])  # fmt: skip
 def test_kernel_gives_the_twins_bytes(e: int, i: int, h: int, seed: int) -> None:
     """I=48, H=144: rows and K padded inside the unit and chunk, so nothing is packed in place; I=64: w13 in place,
@@ -131,7 +135,9 @@ def test_kernel_compiles_for_hopper() -> None:
     from moe_nvfp4.triton.fragment_pack import _pack_fragments_kernel
 
     signature = dict(src_ptr="*u8", src_scale_ptr="*u8", dst_ptr="*i32", dst_scale_ptr="*u8", bits_ptr="*i32",
-                     e5m3_ptr="*u8", n="i32", k="i32", src_stride="i32", scale_stride="i32", chunks="i32")  # fmt: skip
+                     e5m3_ptr="*u8", n="i32", k="i32", src_stride="i32", scale_stride="i32", chunks="i32",
+                     src_matrix_stride="i64", scale_matrix_stride="i64", dst_matrix_words="i64",
+                     dst_scale_matrix_stride="i64")  # fmt: skip
     assert list(signature) == _pack_fragments_kernel.arg_names, "test signature out of date with the kernel"
     compiled = triton.compile(ASTSource(_pack_fragments_kernel, signature), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))  # fmt: skip

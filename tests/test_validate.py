@@ -22,7 +22,7 @@ from moe_nvfp4.cli import main
 from moe_nvfp4.convert import ConversionError, inspect_checkpoint
 from moe_nvfp4.convert.convert import verify_output
 from moe_nvfp4.formats import global_scale_for, quantize_nvfp4
-from moe_nvfp4.validate import INPUT_SCALE_OUTLIER_RATIO
+from moe_nvfp4.validate import INPUT_SCALE_OUTLIER_RATIO, check_moe_layer, stacked_layer_clean
 
 LAYER = "model.layers.0.mlp.experts"
 E, H, I = 4, 64, 32
@@ -293,3 +293,82 @@ def test_directory_without_nvfp4_is_an_error(gen, tmp_path):
     report = inspect_checkpoint(root)
     assert not report.ok and "no NVFP4 tensors" in report.problems[0].message
     assert main(["inspect", str(root)]) == 1
+
+
+def _stacked(params: dict[str, torch.Tensor], need_input: bool, convention: Convention) -> dict:
+    input_key = TENSOR_NAMES[convention][3]
+    return {
+        prefix: {
+            name.removeprefix(prefix + "_"): t
+            for name, t in params.items()
+            if name.startswith(prefix + "_") and (need_input or not name.endswith(input_key))
+        }
+        for prefix in ("w13", "w2")
+    }
+
+
+def _per_expert(params: dict[str, torch.Tensor], convention: Convention, need_input: bool) -> dict:
+    """The validator's input from stacked parameters, as the vLLM loader builds it."""
+    out: dict = {}
+    for prefix, tensors in _stacked(params, need_input, convention).items():
+        projs = ("gate_proj", "up_proj") if prefix == "w13" else ("down_proj",)
+        for suffix, t in tensors.items():
+            for e in range(E):
+                for part, proj in enumerate(projs):
+                    x = t[e]
+                    if prefix == "w13":
+                        x = x[part] if x.dim() == 1 else x.chunk(len(projs), dim=0)[part]
+                    out.setdefault(e, {}).setdefault(proj, {})[suffix] = x
+    return out
+
+
+def _has_error(params: dict[str, torch.Tensor], convention: Convention, need_input: bool) -> bool:
+    findings = check_moe_layer(LAYER, _per_expert(params, convention, need_input), convention=convention,
+                               expected_experts=range(E), projections=PROJ, require_input_scales=need_input)  # fmt: skip
+    return any(f.severity == "error" for f in findings)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.message != "missing"], ids=lambda c: c.why)
+def test_stacked_screen_flags_every_value_error(gen, case):
+    """The loader's one-sync screen says clean exactly where the per-expert validator finds no error."""
+    params, _ = loader_params(corrupted(gen, case), case.convention)
+    clean = stacked_layer_clean(_stacked(params, case.w4a4, case.convention), convention=case.convention,
+                                need_input=case.w4a4)  # fmt: skip
+    assert clean == (case.tensor is None or case.severity == "warning")
+    assert clean == (not _has_error(params, case.convention, case.w4a4))
+
+
+# e4m3 bytes: NaN (0x7F, 0xFF), negatives, zeros (+0, -0: lost blocks over non-zero codes), normal values
+SCALE_BYTES = (0x7F, 0xFF, 0x81, 0xB8, 0xFE, 0x00, 0x80, 0x38, 0x01)
+SCALARS = (math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0, 1e-45, 1e-30, 1e30, 3.0)
+
+
+@pytest.mark.parametrize("convention", list(Convention))
+def test_stacked_screen_agrees_on_random_corruptions(gen, convention):
+    """Random single and double corruptions of stacked parameters (scale bytes, packed codes, every scalar, input
+    scales around the outlier bound): the screen and the per-expert validator give the same verdict each time."""
+    base, _ = loader_params(build_layer(gen, convention, w4a4=True), convention)
+    input_key = TENSOR_NAMES[convention][3]
+    verdicts = set()
+    for trial in range(60):
+        params = {k: v.clone() for k, v in base.items()}
+        for _ in range(int(torch.randint(1, 3, (1,), generator=gen))):
+            name = list(params)[int(torch.randint(len(params), (1,), generator=gen))]
+            t = params[name]
+            flat = t.view(torch.uint8).reshape(-1) if t.dtype in (torch.uint8, torch.float8_e4m3fn) else t.reshape(-1)
+            at = int(torch.randint(flat.numel(), (1,), generator=gen))
+            if t.dtype == torch.float8_e4m3fn:
+                flat[at] = SCALE_BYTES[int(torch.randint(len(SCALE_BYTES), (1,), generator=gen))]
+            elif t.dtype == torch.uint8:
+                flat[at] = int(torch.randint(256, (1,), generator=gen))
+            elif name.endswith(input_key) and trial % 3 == 0:  # near the outlier bound, either side
+                ratio = INPUT_SCALE_OUTLIER_RATIO * float(torch.empty(1).uniform_(0.5, 4.0, generator=gen))
+                flat[at] = flat.median() / ratio if convention is CT else flat.median() * ratio
+            else:
+                flat[at] = SCALARS[int(torch.randint(len(SCALARS), (1,), generator=gen))]
+        need_input = bool(trial % 2)
+        clean = stacked_layer_clean(_stacked(params, need_input, convention), convention=convention,
+                                    need_input=need_input)  # fmt: skip
+        assert clean == (not _has_error(params, convention, need_input)), trial
+        verdicts.add(clean)
+    assert verdicts == {True, False}  # both verdicts were exercised

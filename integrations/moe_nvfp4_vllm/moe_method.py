@@ -43,7 +43,7 @@ from moe_nvfp4.autotune import load_configs
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
-from moe_nvfp4.validate import check_moe_layer, raise_first_error
+from moe_nvfp4.validate import check_moe_layer, raise_first_error, stacked_layer_clean
 from moe_nvfp4.warmup import compile_kernels, warmup_threads
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
@@ -413,7 +413,9 @@ def validate_loaded_experts(
     require_input_scales: bool,
 ) -> bool:
     """Run ``moe_nvfp4.validate.check_moe_layer`` (the validator ``inspect`` and the converter use) on what was
-    loaded; raise CheckpointError for its first error; return whether the layer has input scales.
+    loaded; raise CheckpointError for its first error; return whether the layer has input scales.  A layer whose
+    every tensor arrived is screened first on the stacked parameters (``stacked_layer_clean``: one host
+    synchronisation); only a layer the screen flags goes through the per-expert validator for its findings.
 
     params: ``w13_<suffix>`` / ``w2_<suffix>`` -> [local E, ...] (w13 rows: gate then up; its scalars [E, 2]; a
     non-gated layer's w13 is its one projection, scalars [E, 1]); projections: the checkpoint's names of gate, up,
@@ -422,6 +424,20 @@ def validate_loaded_experts(
     """
     input_key = TENSOR_NAMES[convention][3]
     w13_shards = W13_SHARDS if len(projections) == 3 else W13_NON_GATED
+    shards = {"w13": w13_shards, "w2": ("w2",)}
+    input_params = {f"{prefix}_{input_key}" for prefix in shards}
+    need_input = require_input_scales or any(name in input_params for name, _, _ in loaded)
+    wanted = [name for name in params if need_input or name not in input_params]
+    prefix_of = {name: name.split("_", 1)[0] for name in wanted}
+    expected = (
+        (name, local, shard) for name in wanted for local in range(len(global_ids)) for shard in shards[prefix_of[name]]
+    )
+    if all(key in loaded for key in expected):
+        gemms = {
+            p: {name.removeprefix(p + "_"): params[name] for name in wanted if prefix_of[name] == p} for p in shards
+        }
+        if stacked_layer_clean(gemms, convention=convention, need_input=need_input):
+            return need_input  # every tensor present and every value check passed: the common case, one sync
     experts: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     for local, g in enumerate(global_ids):
         for shard, proj in zip((*w13_shards, "w2"), projections):

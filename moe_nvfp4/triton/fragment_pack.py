@@ -1,8 +1,8 @@
-"""Packing one matrix into the sm_90 fragment layout on the GPU (``layouts.FragmentLayout``; its ``pack`` is the
-torch twin, bit for bit).  One launch a matrix and no temporaries: the torch twin runs about 130 small ops a
-matrix and holds about 13 bytes a weight while it works, which at load is millions of launches for a many-expert
-model (Qwen3-30B-A3B: 18k matrices) and a spike of ~26x an expert matrix's bytes.  weight_layouts.Sm90Layout.pack
-calls it per expert and gate/up block (design 001).
+"""Packing matrices into the sm_90 fragment layout on the GPU (``layouts.FragmentLayout``; its ``pack`` is the
+torch twin, bit for bit).  One launch for a run of experts' blocks and no temporaries: the torch twin runs about
+130 small ops a matrix and holds about 13 bytes a weight while it works, which at load is millions of launches for
+a many-expert model (Qwen3-30B-A3B: 18k matrices) and a spike of ~26x an expert matrix's bytes.
+weight_layouts.Sm90Layout.pack calls it per gate/up block and run of experts (design 001).
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _pack_fragments_kernel(
-    src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, bits_ptr, e5m3_ptr, n, k, src_stride, scale_stride, chunks
-):
-    """One (unit, chunk) tile a program: 1024 words, each the 8 codes FragmentLayout puts there (row = 64 unit +
+    src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, bits_ptr, e5m3_ptr, n, k, src_stride, scale_stride, chunks,
+    src_matrix_stride, scale_matrix_stride, dst_matrix_words, dst_scale_matrix_stride,
+):  # fmt: skip
+    """One (unit, chunk) tile of one matrix a program (axis 1: the matrix of the run): 1024 words, each the 8 codes FragmentLayout puts there (row = 64 unit +
     16 warp + 8 rh + r, k = 128 chunk + 16 g + 8 kh + 2 q + kp for word (slot = 32 warp + 4 r + q, g) and value
     j = 4 rh + 2 kh + kp), code bits at FRAGMENT_WORD_BITS[j]; codes of a zero-scale block and of the padding
     are 0.  Then the tile's 512 scale bytes, (warp, r, g, rh) order, e5m3."""
-    tile = tl.program_id(0)
+    tile, matrix = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    src_ptr += matrix * src_matrix_stride
+    src_scale_ptr += matrix * scale_matrix_stride
+    dst_ptr += matrix * dst_matrix_words
+    dst_scale_ptr += matrix * dst_scale_matrix_stride
     unit, chunk = tile // chunks, tile % chunks
     w = tl.arange(0, 1024)
     slot, g = w // 8, w % 8
@@ -71,24 +76,30 @@ def pack_fragment_block(
     dst_scales: torch.Tensor,
     layout: FragmentLayout = FragmentLayout(),
 ) -> None:
-    """``layout.pack(packed, scales)`` written into ``dst`` uint8 [NP, KP/2] and ``dst_scales`` uint8 [NP, KP/16]
-    (contiguous; they must not overlap the inputs): packed uint8 [N, K/2], scales e4m3 [N, K/16], rows of each
+    """``layout.pack(packed, scales)`` of each matrix written into ``dst`` uint8 [..., NP, KP/2] and ``dst_scales``
+    uint8 [..., NP, KP/16] (each matrix contiguous, matrices at any stride; they must not overlap the inputs):
+    packed uint8 [..., N, K/2], scales e4m3 [..., N, K/16] (one leading dimension at most), rows of each
     contiguous.  One launch."""
-    n, k = packed.shape[0], packed.shape[1] * 2
+    if packed.dim() == 2:
+        packed, scales, dst, dst_scales = packed[None], scales[None], dst[None], dst_scales[None]
+    if packed.dim() != 3:
+        raise ValueError(f"packed must be [N, K/2] or [E, N, K/2], got {tuple(packed.shape)}")
+    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
     np_, kp = layout.padded_n(n), layout.padded_k(k)
-    if k % 16 or tuple(scales.shape) != (n, k // 16):
+    if k % 16 or tuple(scales.shape) != (e, n, k // 16):
         raise ValueError(f"scales {tuple(scales.shape)} must be [{n}, K/16] for packed {tuple(packed.shape)} (K={k})")
     if (layout.unit_rows, layout.chunk_k) != (64, 128):
         raise ValueError(f"the kernel packs 64-row units and 128-wide chunks, got {layout}")
-    if tuple(dst.shape) != (np_, kp // 2) or tuple(dst_scales.shape) != (np_, kp // 16):
+    if tuple(dst.shape) != (e, np_, kp // 2) or tuple(dst_scales.shape) != (e, np_, kp // 16):
         raise ValueError(f"dst {tuple(dst.shape)} / {tuple(dst_scales.shape)} must be [{np_}, {kp // 2}] / "
                          f"[{np_}, {kp // 16}] for a [{n}, {k}] matrix")  # fmt: skip
-    if not (dst.is_contiguous() and dst_scales.is_contiguous()) or packed.stride(1) != 1 or scales.stride(1) != 1:
-        raise ValueError("dst and dst_scales must be contiguous, and the inputs' rows too")
+    if not all(t[0].is_contiguous() for t in (dst, dst_scales)) or packed.stride(2) != 1 or scales.stride(2) != 1:
+        raise ValueError("each matrix of dst and dst_scales must be contiguous, and the inputs' rows too")
     bits, e5m3 = _tables(packed.device)
-    _pack_fragments_kernel[((np_ // 64) * (kp // 128),)](
+    _pack_fragments_kernel[((np_ // 64) * (kp // 128), e)](
         packed, scales.view(torch.uint8), dst.view(torch.int32), dst_scales, bits, e5m3,
-        n, k, packed.stride(0), scales.stride(0), kp // 128, num_warps=4,
+        n, k, packed.stride(1), scales.stride(1), kp // 128,
+        packed.stride(0), scales.stride(0), dst.stride(0) // 4, dst_scales.stride(0), num_warps=4,
     )  # fmt: skip
 
 
