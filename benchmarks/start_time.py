@@ -276,7 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for path in args.paths:
         part = _part(args, path, layers)
-        earlier = [] if args.reset or not part.exists() else json.loads(part.read_text())["starts"]
         with contextlib.ExitStack() as stack:
             if args.warm:
                 caches = args.work_dir / "caches" / f"{args.model}-L{layers}" / _label(args, path)
@@ -291,9 +290,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{_label(args, path)} {'warm' if args.warm else 'first'} start {n + 1}: "
                       + ("FAILED" if "error" in s else f"{s['engine_start_s']:.1f} s"))  # fmt: skip
         failed |= any("error" in s for s in starts)
-        _write(part, json.dumps({"path": path, "label": _label(args, path), "mode": "warm" if args.warm else "first",
-                                 "env": args.env, "environment": env, "command": command,
-                                 "starts": earlier + starts}, indent=1))  # fmt: skip
+        # read and written under a lock: a call on another GPU may have added starts of this path meanwhile
+        with open(args.out / ".parts.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            earlier = [] if args.reset or not part.exists() else json.loads(part.read_text())["starts"]
+            _write(part, json.dumps({"path": path, "label": _label(args, path), "mode": "warm" if args.warm else "first",
+                                     "env": args.env, "environment": env, "command": command,
+                                     "starts": earlier + starts}, indent=1))  # fmt: skip
     report = merge(args.out, args.model, layers)
     stem = f"start_{args.model}_L{layers}"
     _write(args.out / f"{stem}.json", json.dumps(report, indent=1))

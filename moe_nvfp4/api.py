@@ -133,7 +133,8 @@ def prepare_moe_weights(
     then up; [E, I] non-gated), w2_bias [E, H]; stored float32.  The result lives on the inputs' device.
     ``reuse_input_memory``: pack each of w13 and w2 that its layout does not pad (rows, gate and up apart, a
     multiple of 64; K of 128) into its own memory, overwriting it, so the peak extra memory is one run of experts'
-    blocks (``weight_layouts.PACK_RUN_BYTES``, 64 MiB, or one expert's block where larger) instead of the packed layer (vLLM's method passes True: it drops the checkpoint tensors once packed).
+    blocks (``weight_layouts.PACK_RUN_BYTES``, 16 MiB, or one expert's block where larger) instead of the packed
+    layer (vLLM's method passes True: it drops the checkpoint tensors once packed).
     """
     if not isinstance(activation, ExpertActivation):
         raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")

@@ -28,6 +28,7 @@ __all__ = [
     "detect_convention",
     "SCAN_CHUNK_BYTES",
     "from_checkpoint",
+    "row_chunks",
     "to_checkpoint",
     "validate_nvfp4",
 ]
@@ -196,15 +197,16 @@ def validate_nvfp4(
             raise _error(f"{name}.{scale_key}", where, f"{int(negative.sum())} block scales are negative")
 
 
-# Bytes a pass reads at once when scanning a stacked layer's tensors: bounds the temporaries, not the answer.
-SCAN_CHUNK_BYTES = 1 << 26
+# Bytes a pass reads at once when scanning a stacked layer's tensors: bounds the temporaries (three bool masks of
+# a chunk of scales: 24 MiB), not the answer.
+SCAN_CHUNK_BYTES = 1 << 23
 
 
-def _matrix_chunks(t: torch.Tensor) -> list[torch.Tensor]:
-    """``t`` [..., N, C] as runs of whole matrices of about SCAN_CHUNK_BYTES each (views where ``t`` allows)."""
-    matrices = t.reshape(-1, *t.shape[-2:]) if t.dim() > 2 else t[None]
-    per = max(1, SCAN_CHUNK_BYTES // max(1, matrices[0].numel() * t.element_size()))
-    return list(matrices.split(per))
+def row_chunks(t: torch.Tensor, rows: int | None = None) -> list[torch.Tensor]:
+    """``t`` [..., C] as runs of ``rows`` rows [rows, C] (None: about SCAN_CHUNK_BYTES a run; views where ``t``
+    allows)."""
+    flat = t.reshape(-1, t.shape[-1])
+    return list(flat.split(rows or max(1, SCAN_CHUNK_BYTES // max(1, flat.shape[1] * t.element_size()))))
 
 
 def bad_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -217,6 +219,6 @@ def bad_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
 def any_bad_block_scale(scale: torch.Tensor) -> torch.Tensor:
     """0-dim bool on ``scale``'s device: whether any block scale is NaN or negative (no host synchronisation)."""
     bad = torch.zeros((), dtype=torch.bool, device=scale.device)
-    for chunk in _matrix_chunks(scale):
+    for chunk in row_chunks(scale):
         bad |= bad_scale_bytes(chunk).any()
     return bad

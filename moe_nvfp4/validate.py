@@ -29,6 +29,7 @@ from .checkpoint import (
     NVFP4Linear,
     any_bad_block_scale,
     from_checkpoint,
+    row_chunks,
 )
 from .formats import NVFP4
 
@@ -68,13 +69,12 @@ def lost_blocks(layer: NVFP4Linear) -> int:
 
 
 def _any_lost_block(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """0-dim bool: ``_lost_mask`` anywhere in stacked [..., N, K/2] / [..., N, K/16], in runs of whole matrices
-    (the temporaries stay near SCAN_CHUNK_BYTES), no host synchronisation."""
-    values, scales = packed.reshape(-1, *packed.shape[-2:]), scale.reshape(-1, *scale.shape[-2:])
-    per = max(1, SCAN_CHUNK_BYTES // max(1, values[0].numel()))
+    """0-dim bool: ``_lost_mask`` anywhere in [..., N, K/2] / [..., N, K/16], in runs of rows (temporaries near
+    SCAN_CHUNK_BYTES), no host synchronisation."""
     lost = torch.zeros((), dtype=torch.bool, device=packed.device)
-    for v, s in zip(values.split(per), scales.split(per)):
-        lost |= _lost_mask(v, s).any()
+    rows = max(1, SCAN_CHUNK_BYTES // max(1, packed.shape[-1]))
+    for values, scales in zip(row_chunks(packed, rows), row_chunks(scale, rows)):
+        lost |= _lost_mask(values, scales).any()
     return lost
 
 

@@ -34,7 +34,7 @@ __all__ = ["MoELayout", "Sm90Layout", "Sm100Layout", "FlashInferLayout", "weight
            "gated_rows_order", "shuffle_rows_order", "INTERMEDIATE_ALIGN", "HIDDEN_ALIGN"]  # fmt: skip
 
 # The values a packing launch reads at most (one expert's block at least): in place, the copy set aside.
-PACK_RUN_BYTES = 1 << 26
+PACK_RUN_BYTES = 1 << 24
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # (packed [e, N, K/2], e4m3 scales [e, N, K/16], dst values, dst scale bytes) -> None: a run of experts' blocks into
 # FragmentLayout

@@ -1,7 +1,7 @@
 """Packing at load on the GPU (triton/fragment_pack.py through prepare_moe_weights): the kernel passes its
 known-answer check and gives the torch twin's bytes at model shapes, and with ``reuse_input_memory`` (what vLLM's
-method passes) it peaks at most one expert's NVFP4 bytes above the checkpoint tensors, where packing into fresh
-memory costs the whole packed layer."""
+method passes) it peaks at a run of experts' blocks above the checkpoint tensors (tens of MiB), where packing
+into fresh memory costs the whole packed layer."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
+from moe_nvfp4.checkpoint import SCAN_CHUNK_BYTES
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor
-from moe_nvfp4.weight_layouts import Sm90Layout
+from moe_nvfp4.weight_layouts import PACK_RUN_BYTES, Sm90Layout
 
 # A failed known-answer check falls back to the twin with a RuntimeWarning: here it fails the test instead, so the
 # tests below measure the kernel and never the twin standing in for it.
@@ -54,11 +55,13 @@ def test_the_twins_bytes(e: int, i: int, h: int, reuse: bool, seed: int) -> None
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
 
-def test_reuse_input_memory_peaks_at_one_expert(seed: int) -> None:
+def test_reuse_input_memory_peaks_far_under_the_layer(seed: int) -> None:
     """Qwen3-30B-A3B's layer (128 experts, I=768, H=2048: no padding): packing into fresh memory takes the packed
-    layer (about 340 MB) on top of the checkpoint; in place, at most one expert's NVFP4 bytes (2.65 MB).  The
-    layer takes seconds, not the minutes of the torch twin's launches."""
+    layer (about 340 MB) on top of the checkpoint; in place, at most a run of experts' blocks (PACK_RUN_BYTES of
+    values and their scales) or the validator's masks of one chunk of scale bytes (3 SCAN_CHUNK_BYTES), far under
+    the layer.  The layer takes seconds at most, not the minutes of the torch twin's launches."""
     e, i, h = 128, 768, 2048
+    bound = max(PACK_RUN_BYTES * (1 + 2 / NVFP4.block_size), 3 * SCAN_CHUNK_BYTES)
     one_expert = 3 * i * h * (1 / 2 + 1 / NVFP4.block_size)
     peaks = {}
     for reuse in (False, True):
@@ -74,9 +77,7 @@ def test_reuse_input_memory_peaks_at_one_expert(seed: int) -> None:
         del w13, w2, weights
         assert seconds < 30, f"packing one layer took {seconds:.1f} s"
     assert peaks[False] > 100 * one_expert, peaks
-    assert peaks[True] <= one_expert, (
-        f"peak extra {peaks[True] / 2**20:.2f} MiB, one expert {one_expert / 2**20:.2f} MiB"
-    )
+    assert peaks[True] <= bound, f"peak extra {peaks[True] / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB"
 
 
 def test_the_layout_reads_the_checkpoint_rows_it_overwrites_from_a_copy(seed: int) -> None:
