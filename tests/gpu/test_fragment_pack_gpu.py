@@ -61,7 +61,7 @@ def test_reuse_input_memory_peaks_far_under_the_layer(seed: int) -> None:
     values and their scales) or the validator's masks of one chunk of scale bytes (3 SCAN_CHUNK_BYTES), far under
     the layer.  The layer takes seconds at most, not the minutes of the torch twin's launches."""
     e, i, h = 128, 768, 2048
-    bound = max(PACK_RUN_BYTES * (1 + 2 / NVFP4.block_size), 3 * SCAN_CHUNK_BYTES)
+    bound = max(PACK_RUN_BYTES * (1 + 2 / NVFP4.block_size), 3 * SCAN_CHUNK_BYTES) + 2**20  # + small tensors
     one_expert = 3 * i * h * (1 / 2 + 1 / NVFP4.block_size)
     peaks = {}
     for reuse in (False, True):
