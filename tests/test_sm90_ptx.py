@@ -698,6 +698,11 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
     assert bias_param in _loaded_params(swiglu_bias) and bias_param not in _loaded_params(silu)
     for ptx in (relu2, swiglu_bias, gemm2_bias_unweighted):
         assert "griddepcontrol.wait" in ptx and ".local" not in ptx
+    # the activations' clamps keep NaN (a NaN token stays NaN, as in the torch reference): min/max.NaN, never plain
+    plain = re.compile(r"\b(min|max)\.(xorsign\.abs\.)?f32")  # returns the other operand where one is NaN
+    assert re.search(r"max\.NaN\.f32", relu2) and not plain.search(relu2)
+    assert re.search(r"min\.NaN\.f32", swiglu_bias) and re.search(r"min\.NaN\.xorsign\.abs\.f32", swiglu_bias)
+    assert not plain.search(swiglu_bias)
     unread = _loaded_params(gemm2) - _loaded_params(gemm2_unweighted)  # topk_weights_ptr alone
     assert len(unread) == 1 and _loaded_params(gemm2_unweighted) <= _loaded_params(gemm2)
     if family == "triton":

@@ -175,9 +175,10 @@ def _silu_times(gate, up, USE_ASM: tl.constexpr):
 @triton.jit
 def _swiglu_oai(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_ASM: tl.constexpr):
     """gpt-oss's clamped SwiGLU (expert_activation): g = min(gate, LIMIT), (clamp(up, +-LIMIT) + 1) g sigmoid(ALPHA g),
-    the sigmoid as in _silu_times."""
-    gate = tl.minimum(gate, LIMIT)
-    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    the sigmoid as in _silu_times.  The clamps keep NaN, as torch.clamp does (PTX min/max would return the other
+    operand: a NaN token came out finite on an H200)."""
+    gate = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.clamp(up, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
     denom = 1.0 + tl.exp2(gate * (-1.4426950408889634 * ALPHA))
     if USE_ASM:
         r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True,
@@ -190,10 +191,10 @@ def _swiglu_oai(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_ASM: tl.
 @triton.jit
 def _activation(gate, up, EPILOGUE, USE_ASM: tl.constexpr):
     """GEMM1's activation on its float32 rows (bias added): EPILOGUE's ACTIVATION of gate and up, or of gate
-    alone (relu2: relu(h)^2; ``up`` unused)."""
+    alone (relu2: relu(h)^2, NaN kept as torch.relu keeps it; ``up`` unused)."""
     ACTIVATION: tl.constexpr = EPILOGUE[1]
     if ACTIVATION == "relu2":
-        h = tl.maximum(gate, 0.0)
+        h = tl.maximum(gate, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return h * h
     elif ACTIVATION == "swiglu_oai":
         return _swiglu_oai(gate, up, EPILOGUE[2], EPILOGUE[3], USE_ASM)
