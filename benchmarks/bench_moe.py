@@ -47,11 +47,17 @@ DEFAULT_PATHS = ("ours", "marlin", "humming", "bf16")
 
 def build_parser() -> argparse.ArgumentParser:
     p = moe.build_parser(prog="bench_moe.py", default_models=",".join(DEFAULT_MODELS))
-    p.set_defaults(paths=",".join(DEFAULT_PATHS), out="benchmarks/results",
-                   repro_command="python benchmarks/bench_moe.py")  # fmt: skip
-    p.add_argument("--merge", nargs="+", metavar="RUN", default=None,
-                   help="measure nothing: one report at --out of these runs (their directories or moe.json files), "
-                        "e.g. one process per GPU of a host, or one command per lease")  # fmt: skip
+    p.set_defaults(
+        paths=",".join(DEFAULT_PATHS), out="benchmarks/results", repro_command="python benchmarks/bench_moe.py"
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RUN",
+        default=None,
+        help="measure nothing: one report at --out of these runs (their directories or moe.json files), "
+        "e.g. one process per GPU of a host, or one command per lease",
+    )
     return p
 
 
@@ -92,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             plot_rows(rows, png, title=f"NVFP4 MoE forward on {device}")
             print(f"wrote {png}")
         except Exception as exc:  # noqa: BLE001 - matplotlib may be absent on the GPU machine
-            print(f"no plot: {short_error(exc)}; run `python benchmarks/plot.py {args.out}/moe.json` where "
-                  "matplotlib exists")  # fmt: skip
+            print(
+                f"no plot: {short_error(exc)}; run `python benchmarks/plot.py {args.out}/moe.json` where "
+                "matplotlib exists"
+            )
     return 0
 
 

@@ -42,11 +42,19 @@ PROBLEMS = [
     ([128, 384], 4096, 1536),
 ]
 COLUMNS = [
-    ("problem", "problem", ""), ("groups", "G", ""), ("m_total", "sum M", ""), ("n", "N", ""), ("k", "K", ""),
-    ("us", "ours µs", ".1f"), ("hbm_floor_us", "memory floor µs", ".1f"), ("compute_floor_us", "compute floor µs", ".1f"),
-    ("x_memory_floor", "× memory floor", ".2f"), ("pct_of_floor", "% of max floor", ".0f"), ("tflops", "TFLOP/s", ".0f"),
+    ("problem", "problem", ""),
+    ("groups", "G", ""),
+    ("m_total", "sum M", ""),
+    ("n", "N", ""),
+    ("k", "K", ""),
+    ("us", "ours µs", ".1f"),
+    ("hbm_floor_us", "memory floor µs", ".1f"),
+    ("compute_floor_us", "compute floor µs", ".1f"),
+    ("x_memory_floor", "× memory floor", ".2f"),
+    ("pct_of_floor", "% of max floor", ".0f"),
+    ("tflops", "TFLOP/s", ".0f"),
     ("rel_err", "err", ".1e"),
-]  # fmt: skip
+]
 
 
 def shrink(problem: tuple[list[int], int, int], factor: int) -> tuple[list[int], int, int]:
@@ -91,9 +99,21 @@ def run_problem(index: int, problem, args, ceilings, l2_bytes: int) -> dict:
         m.plan_grouped_gemm_nvfp4(*make_problem(ms, n, k, args.device, seed=index + 100 * c)) for c in range(copies)
     ]
     timing = time_with_fallback([lambda p=p: m.launch_grouped_gemm_nvfp4(p) for p in plans])
-    row = dict(problem=index + 1, groups=len(ms), m_total=sum(ms), n=n, k=k, ms=ms, bytes=moved, flops=flops,
-               us=timing.median_us, timing=timing.as_dict(), rel_err=rel_err, copies=copies,
-               **floors(moved, flops, ceilings))  # fmt: skip
+    row = dict(
+        problem=index + 1,
+        groups=len(ms),
+        m_total=sum(ms),
+        n=n,
+        k=k,
+        ms=ms,
+        bytes=moved,
+        flops=flops,
+        us=timing.median_us,
+        timing=timing.as_dict(),
+        rel_err=rel_err,
+        copies=copies,
+        **floors(moved, flops, ceilings),
+    )
     row["x_memory_floor"] = row["us"] / row["hbm_floor_us"]
     row["pct_of_floor"] = pct_of_floor(row["floor_us"], row["us"])
     row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
@@ -123,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for number in (int(s) for s in args.problems.split(",")):
         rows.append(run_problem(number - 1, shrink(PROBLEMS[number - 1], args.shrink), args, ceilings, l2))
-        print(" ".join(f"{key}={rows[-1][key]:.4g}" if isinstance(rows[-1][key], float) else f"{key}={rows[-1][key]}"
-                       for key, _, _ in COLUMNS), flush=True)  # fmt: skip
+        print(
+            " ".join(
+                f"{key}={rows[-1][key]:.4g}" if isinstance(rows[-1][key], float) else f"{key}={rows[-1][key]}"
+                for key, _, _ in COLUMNS
+            ),
+            flush=True,
+        )
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "w4a4.json"), meta, rows)
     lines = [

@@ -70,8 +70,14 @@ def main() -> None:
     args = p.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="convert_speed-"))
     try:
-        size = build(work / "src", layers=args.layers, experts=args.experts, hidden=args.hidden,
-                     intermediate=args.intermediate, shard_bytes=500 * 10**6)  # fmt: skip
+        size = build(
+            work / "src",
+            layers=args.layers,
+            experts=args.experts,
+            hidden=args.hidden,
+            intermediate=args.intermediate,
+            shard_bytes=500 * 10**6,
+        )
         summary = convert_checkpoint(work / "src", work / "dst", ConvertOptions(device=args.device), progress=False)
         print(summary)
         print(

@@ -54,9 +54,16 @@ LOG_LINES_KEPT = 40  # per log list: the plugin logs a few lines per distinct la
 # vLLM's own log lines for the phases of an engine start (weights and repack, torch.compile, profiling, CUDA graphs,
 # the whole init; vLLM 0.26 says "torch.compile took", earlier releases "takes"): with plugin_log they say where a
 # first start's time goes, for every path.
-START_LOG_MARKERS = ("Loading weights took", "Model loading took", "torch.compile took", "torch.compile takes",
-                     "Compiling a graph for", "Initial profiling/warmup run took", "Graph capturing finished",
-                     "init engine (profile, create kv cache, warmup model) took")  # fmt: skip
+START_LOG_MARKERS = (
+    "Loading weights took",
+    "Model loading took",
+    "torch.compile took",
+    "torch.compile takes",
+    "Compiling a graph for",
+    "Initial profiling/warmup run took",
+    "Graph capturing finished",
+    "init engine (profile, create kv cache, warmup model) took",
+)
 PATHS = {  # name -> (checkpoint kind, quantization argument)
     "ours": ("modelopt", "nvfp4_grouped"),
     "vllm_modelopt_fp4": ("modelopt", "modelopt_fp4"),
@@ -102,12 +109,27 @@ def model_config(model: str, layers: int | None) -> dict:
 
     m, moe = MODELS[model], zoo_shape(model)
     layers = layers or m["layers"]
-    common = dict(num_hidden_layers=layers, vocab_size=m["vocab"], num_key_value_heads=m["kv_heads"], head_dim=128,
-                  hidden_size=moe.hidden, num_experts_per_tok=moe.top_k, num_attention_heads=32,
-                  tie_word_embeddings=False, max_position_embeddings=4096)  # fmt: skip
+    common = dict(
+        num_hidden_layers=layers,
+        vocab_size=m["vocab"],
+        num_key_value_heads=m["kv_heads"],
+        head_dim=128,
+        hidden_size=moe.hidden,
+        num_experts_per_tok=moe.top_k,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
     if model == "qwen3-30b-a3b":  # its dense intermediate_size (6144) is unused: every layer is MoE
-        cfg = Qwen3MoeConfig(intermediate_size=6144, moe_intermediate_size=moe.intermediate, num_experts=moe.experts,
-                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)  # fmt: skip
+        cfg = Qwen3MoeConfig(
+            intermediate_size=6144,
+            moe_intermediate_size=moe.intermediate,
+            num_experts=moe.experts,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
     else:
         cfg = MixtralConfig(intermediate_size=moe.intermediate, num_local_experts=moe.experts, **common)
     d = cfg.to_dict()
@@ -156,16 +178,22 @@ def write_nvfp4_checkpoint(out: Path, model: str, layers: int | None) -> Path:
     def nvfp4(rows: int, cols: int, prefix: str) -> dict[str, torch.Tensor]:
         packed = torch.randint(0, 256, (rows, cols // 2), generator=g, device=dev, dtype=torch.uint8)
         scale = (0.75 + 0.5 * torch.rand(rows, cols // NVFP4.block_size, generator=g, device=dev)).to(NVFP4.scale_dtype)
-        return {f"{prefix}.weight": packed.cpu(), f"{prefix}.weight_scale": scale.cpu(),
-                f"{prefix}.weight_scale_2": global_scale.clone()}  # fmt: skip
+        return {
+            f"{prefix}.weight": packed.cpu(),
+            f"{prefix}.weight_scale": scale.cpu(),
+            f"{prefix}.weight_scale_2": global_scale.clone(),
+        }
 
     ignore = ["lm_head"]
     weight_map, total = {}, 0
     shards = n_layers + 1
     for n in range(shards):
         if n == n_layers:
-            t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-                 "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
+            t = {
+                "model.embed_tokens.weight": rnd(v, h),
+                "lm_head.weight": rnd(v, h),
+                "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            }
         else:
             p = f"model.layers.{n}"
             t = {
@@ -211,9 +239,16 @@ def engine_kwargs(
 ) -> dict:
     """``LLM(...)`` arguments shared by every path here and by tools/profile_e2e.py (the same engine).  A directory
     without weights runs with vLLM's random (dummy) weights."""
-    kwargs = dict(model=str(model), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
-                  max_model_len=input_len + output_len + 16, max_num_seqs=max(batches), gpu_memory_utilization=mem,
-                  seed=0)  # fmt: skip
+    kwargs = dict(
+        model=str(model),
+        quantization=quantization,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=input_len + output_len + 16,
+        max_num_seqs=max(batches),
+        gpu_memory_utilization=mem,
+        seed=0,
+    )
     if not any(Path(model).glob("*.safetensors")):
         kwargs["load_format"] = "dummy"
     return kwargs
@@ -311,9 +346,12 @@ def run_load_memory(name: str, ckpt: Path, quantization: str, args, out_dir: Pat
         return result
     rows = json.loads(out.read_text())
     moe = [r for r in rows if r["module"] == "RoutedExperts"]  # vLLM 0.26's MoE layer, which holds the quant method
-    result.update(rows=rows, first_moe_peak_extra=moe[0]["peak_extra"] if moe else None,
-                  other_moe_peak_extra_max=max((r["peak_extra"] for r in moe[1:]), default=None),
-                  any_layer_peak_extra_max=max((r["peak_extra"] for r in rows), default=None))  # fmt: skip
+    result.update(
+        rows=rows,
+        first_moe_peak_extra=moe[0]["peak_extra"] if moe else None,
+        other_moe_peak_extra_max=max((r["peak_extra"] for r in moe[1:]), default=None),
+        any_layer_peak_extra_max=max((r["peak_extra"] for r in rows), default=None),
+    )
     return result
 
 
@@ -321,18 +359,27 @@ def load_memory_markdown(report: dict) -> str:
     env, a = report["environment"], report["args"]
     one = report["expert_bytes"]
     mib = lambda b: "-" if b is None else f"{b / 2**20:.1f} MiB ({b / one:.1f} experts)"  # noqa: E731
-    lines = ["# Peak extra GPU memory while process_weights_after_loading repacks the experts", "",
-             f"Device {env['device']}; vLLM {env['vllm']}, torch {env['torch']}; moe_nvfp4 @ {env['git_commit']}; "
-             f"{env['date']}.", f"Model: {a['model']} shapes, {report['layers']} layers; one expert = {one / 2**20:.2f} MiB "
-             "NVFP4.  Per layer: max_memory_allocated during its call minus what was allocated before it.", "",
-             f"Command: `{report['command']}`", "",
-             "| path | first MoE layer | other MoE layers (max) | any layer (max) |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# Peak extra GPU memory while process_weights_after_loading repacks the experts",
+        "",
+        f"Device {env['device']}; vLLM {env['vllm']}, torch {env['torch']}; moe_nvfp4 @ {env['git_commit']}; "
+        f"{env['date']}.",
+        f"Model: {a['model']} shapes, {report['layers']} layers; one expert = {one / 2**20:.2f} MiB "
+        "NVFP4.  Per layer: max_memory_allocated during its call minus what was allocated before it.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| path | first MoE layer | other MoE layers (max) | any layer (max) |",
+        "|---|---|---|---|",
+    ]
     for r in report["load_memory"]:
         if "error" in r:
             lines.append(f"| {r['path']} | failed | | |")
             continue
-        lines.append(f"| {r['path']} | {mib(r['first_moe_peak_extra'])} | {mib(r['other_moe_peak_extra_max'])} | "
-                     f"{mib(r['any_layer_peak_extra_max'])} |")  # fmt: skip
+        lines.append(
+            f"| {r['path']} | {mib(r['first_moe_peak_extra'])} | {mib(r['other_moe_peak_extra_max'])} | "
+            f"{mib(r['any_layer_peak_extra_max'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -67,13 +67,40 @@ WORKLOAD_KEYS = ("workload", "input_len", "output_len", "num_prompts")  # what r
 def bench_arguments(port: int, name: str, tokenizer: Path, rate: float, args, result: Path) -> list[str]:
     """``vllm bench serve``'s arguments for one request rate (its result JSON at ``result``)."""
     return [
-        "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", name,
-        "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--request-rate", str(rate), "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl",
-        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
-        "--result-filename", result.name, "--disable-tqdm",
-    ]  # fmt: skip
+        "--backend",
+        "vllm",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        name,
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(rate),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+        "--disable-tqdm",
+    ]
 
 
 def bench_once(port: int, name: str, tokenizer: Path, rate: float, args, out_dir: Path) -> dict:
@@ -84,8 +111,12 @@ def bench_once(port: int, name: str, tokenizer: Path, rate: float, args, out_dir
     if proc.returncode != 0 or not result.exists():
         return {"rate": rate, "error": (proc.stdout + proc.stderr)[-4000:]}
     raw = json.loads(result.read_text())
-    row = {"rate": rate, **{m: raw.get(m) for m in METRICS}, "completed": raw.get("completed"),
-           "failed": raw.get("failed")}  # fmt: skip
+    row = {
+        "rate": rate,
+        **{m: raw.get(m) for m in METRICS},
+        "completed": raw.get("completed"),
+        "failed": raw.get("failed"),
+    }
     if row["completed"] != args.num_prompts:  # timings over part of the requests are not this rate's numbers
         row["error"] = f"{row['completed']} of {args.num_prompts} requests completed ({row['failed']} failed)"
     return row
@@ -95,11 +126,23 @@ def run_path(name: str, ckpt: Path, args, out_dir: Path) -> dict:
     port = free_port()
     env = dict(os.environ, **NO_MULTICAST_ENV)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
-    serve_args = [str(ckpt), "--served-model-name", name, "--dtype", "bfloat16", "--seed", "0",
-                  "--max-model-len", str(args.input_len + args.output_len + 16),
-                  "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                  "--tensor-parallel-size", str(args.tensor_parallel_size),
-                  *PATHS[name][1], *NO_MULTICAST_ARGS]  # fmt: skip
+    serve_args = [
+        str(ckpt),
+        "--served-model-name",
+        name,
+        "--dtype",
+        "bfloat16",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(args.input_len + args.output_len + 16),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        *PATHS[name][1],
+        *NO_MULTICAST_ARGS,
+    ]
     result = {"path": name, "server_args": serve_args}
     with VllmServer(serve_args, port=port, log_path=out_dir / f"serve_{args.model}_{name}.log", env=env) as server:
         try:
@@ -117,17 +160,20 @@ def run_path(name: str, ckpt: Path, args, out_dir: Path) -> dict:
 def markdown(report: dict) -> str:
     env, a = report["environment"], report["args"]
     lines = [
-        "# Serving through vllm serve (vllm bench serve, random dataset)", "",
+        "# Serving through vllm serve (vllm bench serve, random dataset)",
+        "",
         f"Device {env['device']}; vLLM {env['vllm']}, torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, "
         f"moe_nvfp4 @ {env['git_commit']}; {env['date']}.",
         f"Model: {a['model']} shapes, {report['layers']} layers, random weights; workload {a.get('workload', 'default')}: "
         f"{a['num_prompts']} prompts of {a['input_len']} tokens, {a['output_len']} output tokens (ignore_eos), "
-        f"TP {a['tensor_parallel_size']}.", "",
-        f"Command: `{report['command']}`", "",
+        f"TP {a['tensor_parallel_size']}.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
         "| rate (req/s) | path | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ours tok/s / path | "
         "ours TPOT p50 / path |",
         "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     by = {(path, row["rate"]): row for path, r in report["results"].items() for row in r.get("rows", [])}
     for rate in a["rates"]:
         ours = by.get(("ours", rate))
@@ -137,9 +183,11 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {rate} | {path} | failed | | | | |")
                 continue
             vs = lambda k: f"{ours[k] / row[k]:.2f}x" if ours and "error" not in ours and row.get(k) else "-"  # noqa: E731
-            lines.append(f"| {rate} | {path} | {row['output_throughput']:.0f} | {row['median_ttft_ms']:.1f} / "
-                         f"{row['p99_ttft_ms']:.1f} | {row['median_tpot_ms']:.2f} / {row['p99_tpot_ms']:.2f} | "
-                         f"{vs('output_throughput')} | {vs('median_tpot_ms')} |")  # fmt: skip
+            lines.append(
+                f"| {rate} | {path} | {row['output_throughput']:.0f} | {row['median_ttft_ms']:.1f} / "
+                f"{row['p99_ttft_ms']:.1f} | {row['median_tpot_ms']:.2f} / {row['p99_tpot_ms']:.2f} | "
+                f"{vs('output_throughput')} | {vs('median_tpot_ms')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -185,8 +233,10 @@ def earlier_results(path: Path, args: argparse.Namespace) -> dict:
     theirs = {"workload": "default", **earlier["args"]}  # reports from before --workload ran the default
     differ = [k for k in WORKLOAD_KEYS if theirs.get(k) != getattr(args, k)]
     if differ:
-        raise ValueError(f"{path} holds runs with another workload ({', '.join(f'{k}={theirs.get(k)}' for k in differ)}"
-                         f"); give another --out or the same workload")  # fmt: skip
+        raise ValueError(
+            f"{path} holds runs with another workload ({', '.join(f'{k}={theirs.get(k)}' for k in differ)}"
+            f"); give another --out or the same workload"
+        )
     return earlier["results"]
 
 
@@ -200,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"serve_bench: {e}", file=sys.stderr)
         return 2
-    ckpts = checkpoints(args.work_dir, args.layers, ["ours" if PATHS[p][0] == "modelopt" else "bf16" for p in args.paths],
-                        model=args.model)  # fmt: skip
+    ckpts = checkpoints(
+        args.work_dir,
+        args.layers,
+        ["ours" if PATHS[p][0] == "modelopt" else "bf16" for p in args.paths],
+        model=args.model,
+    )
     for ckpt in ckpts.values():
         if not (ckpt / "tokenizer.json").exists():
             write_word_tokenizer(ckpt, MODELS[args.model]["vocab"])

@@ -67,10 +67,18 @@ PHASES = {
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
 SUMMED = ("autotune_s", "warmup_s")
-COLUMNS = [("engine_start_s", "engine start"), ("weights_s", "weights"), ("init_repack_s", "init + repack"),
-           ("autotune_s", "autotune"), ("warmup_s", "MoE warm-up"), ("torch_compile_s", "torch.compile"),
-           ("profiling_s", "profiling"), ("cuda_graphs_s", "CUDA graphs"), ("init_engine_s", "init engine"),
-           ("first_generate_s", "first generate")]  # fmt: skip
+COLUMNS = [
+    ("engine_start_s", "engine start"),
+    ("weights_s", "weights"),
+    ("init_repack_s", "init + repack"),
+    ("autotune_s", "autotune"),
+    ("warmup_s", "MoE warm-up"),
+    ("torch_compile_s", "torch.compile"),
+    ("profiling_s", "profiling"),
+    ("cuda_graphs_s", "CUDA graphs"),
+    ("init_engine_s", "init engine"),
+    ("first_generate_s", "first generate"),
+]
 
 RUNNER = r"""
 import json, os, sys, time
@@ -103,8 +111,9 @@ def parse_phases(lines: list[str]) -> dict[str, float]:
             if m and (name in SUMMED or name not in found):
                 found[name] = found.get(name, 0.0) + float(m.group(1)) if name in SUMMED else float(m.group(1))
     if "model_loading_s" in found and "weights_s" in found:
-        found["init_repack_s"] = round(found["model_loading_s"] - found["weights_s"] - found.get("autotune_s", 0.0)
-                                       - found.get("warmup_s", 0.0), 2)  # fmt: skip
+        found["init_repack_s"] = round(
+            found["model_loading_s"] - found["weights_s"] - found.get("autotune_s", 0.0) - found.get("warmup_s", 0.0), 2
+        )
     return found
 
 
@@ -118,11 +127,21 @@ def write_tiny_checkpoint(work_dir: Path, layers: int) -> dict[str, Path]:
 
     bf16, fp4 = work_dir / f"tiny-L{layers}-bf16", work_dir / f"tiny-L{layers}-nvfp4"
     if not (bf16 / "config.json").exists():
-        cfg = Qwen3MoeConfig(hidden_size=TINY["hidden"], moe_intermediate_size=TINY["intermediate"],
-                             intermediate_size=2 * TINY["intermediate"], num_experts=TINY["experts"],
-                             num_experts_per_tok=TINY["top_k"], num_hidden_layers=layers, num_attention_heads=8,
-                             num_key_value_heads=4, head_dim=64, vocab_size=TINY["vocab"], norm_topk_prob=True,
-                             max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
+        cfg = Qwen3MoeConfig(
+            hidden_size=TINY["hidden"],
+            moe_intermediate_size=TINY["intermediate"],
+            intermediate_size=2 * TINY["intermediate"],
+            num_experts=TINY["experts"],
+            num_experts_per_tok=TINY["top_k"],
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=TINY["vocab"],
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
         model.save_pretrained(bf16.with_name(bf16.name + ".partial"))
@@ -166,8 +185,12 @@ def run_start(path: str, ckpt: Path, caches: Path, args: argparse.Namespace) -> 
     out = caches / "start.json"
     out.unlink(missing_ok=True)
     quantization = e2e.PATHS[path][1]
-    spec = {"engine": engine(ckpt, quantization, args.gpu_memory_utilization), "quantization": quantization,
-            "env": env, "out": str(out)}  # fmt: skip
+    spec = {
+        "engine": engine(ckpt, quantization, args.gpu_memory_utilization),
+        "quantization": quantization,
+        "env": env,
+        "out": str(out),
+    }
     proc = e2e.run_runner(RUNNER, spec)
     lines = (proc.stdout or "").splitlines() + (proc.stderr or "").splitlines()
     kept = [line for line in lines if "nvfp4_grouped:" in line or any(m in line for m in e2e.START_LOG_MARKERS)]
@@ -214,14 +237,21 @@ def _cell(values: list[float]) -> str:
 
 def markdown(report: dict) -> str:
     """One row per path and mode: the median of its starts per phase (min-max), and ours over Marlin's engine start."""
-    lines = [f"# vLLM engine start, {report['model']} at {report['layers']} layers", "",
-             "Seconds, median (min-max) of the starts; phases from vLLM's log lines (benchmarks/start_time.py). "
-             "`first`: every cache empty; `warm`: the path's caches from an earlier start.", ""]  # fmt: skip
+    lines = [
+        f"# vLLM engine start, {report['model']} at {report['layers']} layers",
+        "",
+        "Seconds, median (min-max) of the starts; phases from vLLM's log lines (benchmarks/start_time.py). "
+        "`first`: every cache empty; `warm`: the path's caches from an earlier start.",
+        "",
+    ]
     lines.append("| path | mode | starts | " + " | ".join(title for _, title in COLUMNS) + " | x Marlin (start) |")
     lines.append("|---" * (len(COLUMNS) + 4) + "|")
     ok = lambda r: [s for s in r["starts"] if "error" not in s]  # noqa: E731
-    marlin = {r["mode"]: statistics.median([s["engine_start_s"] for s in ok(r)]) for r in report["results"]
-              if r["label"] == "vllm_modelopt_fp4" and ok(r)}  # fmt: skip
+    marlin = {
+        r["mode"]: statistics.median([s["engine_start_s"] for s in ok(r)])
+        for r in report["results"]
+        if r["label"] == "vllm_modelopt_fp4" and ok(r)
+    }
     for r in report["results"]:
         starts = ok(r)
         failed = len(r["starts"]) - len(starts)
@@ -233,8 +263,10 @@ def markdown(report: dict) -> str:
     lines += ["", "How each ran:"]
     for r in report["results"]:
         env = r["environment"]
-        lines.append(f"- `{r['label']}` {r['mode']}: {env['device']}; vLLM {env['vllm']}, torch {env['torch']}, Triton "
-                     f"{env['triton']}, moe_nvfp4 @ {env['git_commit']}; `{r['command']}`")  # fmt: skip
+        lines.append(
+            f"- `{r['label']}` {r['mode']}: {env['device']}; vLLM {env['vllm']}, torch {env['torch']}, Triton "
+            f"{env['triton']}, moe_nvfp4 @ {env['git_commit']}; `{r['command']}`"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -287,16 +319,30 @@ def main(argv: list[str] | None = None) -> int:
                 where = caches if args.warm else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="start-")))
                 starts.append(run_start(path, ckpts[e2e.PATHS[path][0]], where, args))
                 s = starts[-1]
-                print(f"{_label(args, path)} {'warm' if args.warm else 'first'} start {n + 1}: "
-                      + ("FAILED" if "error" in s else f"{s['engine_start_s']:.1f} s"))  # fmt: skip
+                print(
+                    f"{_label(args, path)} {'warm' if args.warm else 'first'} start {n + 1}: "
+                    + ("FAILED" if "error" in s else f"{s['engine_start_s']:.1f} s")
+                )
         failed |= any("error" in s for s in starts)
         # read and written under a lock: a call on another GPU may have added starts of this path meanwhile
         with open(args.out / ".parts.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             earlier = [] if args.reset or not part.exists() else json.loads(part.read_text())["starts"]
-            _write(part, json.dumps({"path": path, "label": _label(args, path), "mode": "warm" if args.warm else "first",
-                                     "env": args.env, "environment": env, "command": command,
-                                     "starts": earlier + starts}, indent=1))  # fmt: skip
+            _write(
+                part,
+                json.dumps(
+                    {
+                        "path": path,
+                        "label": _label(args, path),
+                        "mode": "warm" if args.warm else "first",
+                        "env": args.env,
+                        "environment": env,
+                        "command": command,
+                        "starts": earlier + starts,
+                    },
+                    indent=1,
+                ),
+            )
     report = merge(args.out, args.model, layers)
     stem = f"start_{args.model}_L{layers}"
     _write(args.out / f"{stem}.json", json.dumps(report, indent=1))

@@ -69,8 +69,9 @@ from moe_nvfp4.zoo import zoo_shapes  # noqa: E402
 # The zoo's shapes without expert parallelism (the tuner routes over the layer's own experts) and with gated experts
 # (its layers and entries are gate-and-up ones): name -> (experts, top_k, hidden, intermediate).  By default the
 # two shapes the shipped files tune.
-MODELS = {s.key: (s.experts, s.top_k, s.hidden, s.intermediate) for s in zoo_shapes()
-          if s.ep == 1 and s.activation.gated}  # fmt: skip
+MODELS = {
+    s.key: (s.experts, s.top_k, s.hidden, s.intermediate) for s in zoo_shapes() if s.ep == 1 and s.activation.gated
+}
 DEFAULT_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 
 
@@ -115,9 +116,17 @@ def seeded_inputs(model: str, tokens: int, device: str = "cuda") -> tuple[torch.
 
 
 # The values each GEMM's launch parameters are searched over.
-GEMM_CHOICES = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4), programs_per_sm=(1, 2),
-                    max_registers=(None, 168, 128), warp_specialized=(False, True), chunks_per_stage=(1, 2, 4),
-                    narrow_tiles=(0, 1, 2), loader_warps=(1, 2, 4))  # fmt: skip
+GEMM_CHOICES = dict(
+    block_n=(64, 128),
+    num_warps=(4, 8),
+    num_stages=(3, 4),
+    programs_per_sm=(1, 2),
+    max_registers=(None, 168, 128),
+    warp_specialized=(False, True),
+    chunks_per_stage=(1, 2, 4),
+    narrow_tiles=(0, 1, 2),
+    loader_warps=(1, 2, 4),
+)
 # k_groups only for the climb (from a --sweep-groups config): the grid would rarely meet its register caps;
 # narrow_tiles and loader_warps too (from a warp-specialized config: the grid's are mostly the Triton kernel's)
 CLIMB_ONLY = ("k_groups", "narrow_tiles", "loader_warps")
@@ -143,8 +152,11 @@ def search_space(tokens: int, experts: int, top_k: int) -> tuple[dict[str, tuple
     rows = max(1, tokens * top_k // experts)
     block_ms = (8, 16) if rows <= 8 else (16, 32) if rows <= 24 else (32, 64) if rows <= 96 else (64, 128)
     # the on/off switches first: a short climb (--climb) tries them before the tile sizes
-    moe = dict(partials_in_x_dtype=(False, True),
-               pair_tiles=(False, True) if tokens <= PAIR_TILE_TOKENS else (False,), block_m=block_ms)  # fmt: skip
+    moe = dict(
+        partials_in_x_dtype=(False, True),
+        pair_tiles=(False, True) if tokens <= PAIR_TILE_TOKENS else (False,),
+        block_m=block_ms,
+    )
     return moe, DECODE_GEMM_CHOICES if rows <= 16 else GEMM_CHOICES
 
 
@@ -186,8 +198,11 @@ def neighbors(
             reset = (
                 {} if f != "warp_specialized" else dict(chunks_per_stage=1, k_groups=1, narrow_tiles=0, loader_warps=4)
             )
-            out += [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **reset})})
-                    for v in values if v != getattr(g, f)]  # fmt: skip
+            out += [
+                dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, **{f: v, **reset})})
+                for v in values
+                if v != getattr(g, f)
+            ]
     return [c for c in out if _valid(c, hidden, inter)]
 
 
@@ -212,9 +227,11 @@ def gemm_sweep(
     g = getattr(cfg, gemm)
     out = []
     for block_m, (block_n, warps), pps, regs in itertools.product(
-        moe["block_m"] if gemm == "gemm1" else (cfg.block_m,), SWEEP_SHAPES, choices["programs_per_sm"],
+        moe["block_m"] if gemm == "gemm1" else (cfg.block_m,),
+        SWEEP_SHAPES,
+        choices["programs_per_sm"],
         choices["max_registers"],
-    ):  # fmt: skip
+    ):
         new = dataclasses.replace(g, block_n=block_n, num_warps=warps, programs_per_sm=pps, max_registers=regs)
         c = dataclasses.replace(cfg, **{gemm: new}).with_token_tile(block_m)
         if _valid(c, hidden, inter):
@@ -244,8 +261,14 @@ def ws_sweep(
     moe, _ = search_space(tokens, experts, top_k)
     out = []
     for (block_n, warps), (chunks, stages), (regs, pps) in itertools.product(SWEEP_SHAPES, WS_RINGS, WS_RESIDENCY):
-        setting = dict(block_n=block_n, num_warps=warps, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
-                       programs_per_sm=pps)  # fmt: skip
+        setting = dict(
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+            chunks_per_stage=chunks,
+            max_registers=regs,
+            programs_per_sm=pps,
+        )
         for block_m in dict.fromkeys((cfg.block_m, *moe["block_m"])):
             out += _warp_specialized(cfg.with_token_tile(block_m), gemm, [setting], hidden, inter)
     return out
@@ -256,10 +279,18 @@ def group_sweep(
 ) -> list[MoEKernelConfig]:
     """``cfg`` with one GEMM warp-specialized as two K groups (GemmConfig.k_groups) of 64- or 128-row tiles, at
     their register cap, in every valid ring; one program per SM, the other GEMM and the token tile kept."""
-    settings = (dict(block_n=block_n, num_warps=4, num_stages=stages, chunks_per_stage=chunks, max_registers=regs,
-                     programs_per_sm=1, k_groups=groups)
-                for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS,
-                                                                                    GROUP_RINGS))  # fmt: skip
+    settings = (
+        dict(
+            block_n=block_n,
+            num_warps=4,
+            num_stages=stages,
+            chunks_per_stage=chunks,
+            max_registers=regs,
+            programs_per_sm=1,
+            k_groups=groups,
+        )
+        for block_n, (groups, regs), (chunks, stages) in itertools.product((64, 128), WS_K_GROUPS, GROUP_RINGS)
+    )
     return _warp_specialized(cfg, gemm, settings, hidden, inter)
 
 
@@ -271,8 +302,10 @@ def loader_sweep(
     shape."""
     g = getattr(cfg, gemm)
     warps = GEMM_CHOICES["loader_warps"] if g.warp_specialized else (g.loader_warps,)
-    out = [dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, narrow_tiles=narrow, loader_warps=w)})
-           for narrow, w in itertools.product(GEMM_CHOICES["narrow_tiles"], warps)]  # fmt: skip
+    out = [
+        dataclasses.replace(cfg, **{gemm: dataclasses.replace(g, narrow_tiles=narrow, loader_warps=w)})
+        for narrow, w in itertools.product(GEMM_CHOICES["narrow_tiles"], warps)
+    ]
     return [c for c in out if _valid(c, hidden, inter)]
 
 
@@ -429,11 +462,21 @@ def main() -> int:
     entries, lines = [], []
     # The file carries data: the device, the versions, the date and where the entries came from (an --update keeps
     # the file's own pointer; the tuner's logs are the results files, not the config's meta).
-    produced_by = old_meta.get("produced_by", "benchmarks/tune_moe.py; record: docs/design/002-hopper-kernel.md, "
-                                              "section 'Tuned entries'")  # fmt: skip
-    meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=name, capability=list(device.capability),
-                sm_count=device.sm_count, memory_gib=device.memory_gib, torch=torch.__version__,
-                triton=triton.__version__, date=time.strftime("%Y-%m-%d"), produced_by=produced_by)  # fmt: skip
+    produced_by = old_meta.get(
+        "produced_by", "benchmarks/tune_moe.py; record: docs/design/002-hopper-kernel.md, section 'Tuned entries'"
+    )
+    meta = dict(
+        kernel=KERNEL_NAME,
+        version=CONFIG_VERSION,
+        device=name,
+        capability=list(device.capability),
+        sm_count=device.sm_count,
+        memory_gib=device.memory_gib,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        produced_by=produced_by,
+    )
 
     def write(new_entries: list[dict]) -> None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -460,11 +503,22 @@ def main() -> int:
                     if not err < 2e-2:
                         print(f"  {model} T={t} {cfg}: rel err {err:.3g} -- rejected", flush=True)
                         return None
-                    us = time_graph([lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg)
-                                     for ws in copies]).median_us  # fmt: skip
+                    us = time_graph(
+                        [lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg) for ws in copies]
+                    ).median_us
                     if log is not None:
-                        log.write(json.dumps(dict(model=model, tokens=t, us=round(us, 2), weight_copies=len(copies),
-                                                   config=cfg.to_dict())) + "\n")  # fmt: skip
+                        log.write(
+                            json.dumps(
+                                dict(
+                                    model=model,
+                                    tokens=t,
+                                    us=round(us, 2),
+                                    weight_copies=len(copies),
+                                    config=cfg.to_dict(),
+                                )
+                            )
+                            + "\n"
+                        )
                         log.flush()
                     return us
                 except Exception as exc:  # a config that fails to compile is skipped, not fatal
@@ -482,8 +536,11 @@ def main() -> int:
             # each sweep asked for, in this order, over the GEMMs asked for
             kinds = [gemm_sweep] * args.sweep + [ws_sweep] * args.sweep_ws + [group_sweep] * args.sweep_groups
             kinds += [loader_sweep] * args.sweep_loader
-            sweeps = [functools.partial(kind, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
-                      for kind in kinds for g in args.sweep_gemms.split(",")]  # fmt: skip
+            sweeps = [
+                functools.partial(kind, gemm=g, tokens=t, experts=e, top_k=k, hidden=h, inter=i)
+                for kind in kinds
+                for g in args.sweep_gemms.split(",")
+            ]
             first = default_config(t, e, k, h, i)
             if args.probe:
                 found = search(measure, [first], lambda c: [], 1)
@@ -504,8 +561,18 @@ def main() -> int:
             err = errors[cfg]
             lines.append(f"{model:>14} T={t:>5}: {us:9.1f} us  err {err:.2e}  {cfg}")
             print(lines[-1], flush=True)
-            entries.append(dict(experts=e, top_k=k, hidden=h, intermediate=i, dtype=args.dtype, max_tokens=t,
-                                config=cfg.to_dict(), time_us=round(us, 2)))  # fmt: skip
+            entries.append(
+                dict(
+                    experts=e,
+                    top_k=k,
+                    hidden=h,
+                    intermediate=i,
+                    dtype=args.dtype,
+                    max_tokens=t,
+                    config=cfg.to_dict(),
+                    time_us=round(us, 2),
+                )
+            )
             if not args.probe:  # after every size: a long run stopped part way keeps what it found
                 write(entries)
         del w, q13, q2, copies

@@ -14,8 +14,9 @@ __all__ = ["quantize_activations"]
 def _check_global_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
     """An activation global scale argument: one float32 value on the activations' device."""
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
-        raise ValueError(f"{name} must be one float32 value on {device}, got {scale.dtype} {tuple(scale.shape)} "
-                         f"on {scale.device}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be one float32 value on {device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}"
+        )
 
 
 def quantize_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> NVFP4Tensor:

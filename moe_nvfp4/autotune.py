@@ -64,8 +64,21 @@ from .configs import (
 if TYPE_CHECKING:
     from .api import MoEWeights
 
-__all__ = ["AutotuneReport", "BucketResult", "autotune_enabled", "autotune_fused_moe", "cache_dir", "cache_key",
-           "cached_configs", "gpu_timer", "load_configs", "neighbours", "search", "token_buckets", "tune_layer"]  # fmt: skip
+__all__ = [
+    "AutotuneReport",
+    "BucketResult",
+    "autotune_enabled",
+    "autotune_fused_moe",
+    "cache_dir",
+    "cache_key",
+    "cached_configs",
+    "gpu_timer",
+    "load_configs",
+    "neighbours",
+    "search",
+    "token_buckets",
+    "tune_layer",
+]
 
 SWITCH_ENV = (
     "MOE_NVFP4_AUTOTUNE"  # "1" tunes at load (the vLLM plugin asks autotune_enabled); unset or "0": it does not
@@ -108,10 +121,15 @@ def _gemm_neighbours(g: GemmConfig, k_padded: int, block_m: int, gated: bool) ->
     out.append(replace(g, block_n=64, num_warps=4) if g.block_n == 128 else replace(g, block_n=128))
     if g.warp_specialized:
         here = next((i for i, r in enumerate(WS_RESIDENCY) if r == (g.max_registers, g.programs_per_sm)), None)
-        out += [replace(g, max_registers=r, programs_per_sm=p)
-                for r, p in WS_RESIDENCY[max(0, (here or 0) - 1) : (here or 0) + 2]]  # fmt: skip
-        out += [fit_gemm(dict(asdict(g), chunks_per_stage=c, num_stages=s), k_padded, block_m, gated)
-                for c, s in WS_RINGS if k_padded // CHUNK_K % c == 0]  # fmt: skip
+        out += [
+            replace(g, max_registers=r, programs_per_sm=p)
+            for r, p in WS_RESIDENCY[max(0, (here or 0) - 1) : (here or 0) + 2]
+        ]
+        out += [
+            fit_gemm(dict(asdict(g), chunks_per_stage=c, num_stages=s), k_padded, block_m, gated)
+            for c, s in WS_RINGS
+            if k_padded // CHUNK_K % c == 0
+        ]
     else:
         out += [replace(g, programs_per_sm=p) for p in (1, 2) if p != g.programs_per_sm]
         out += [replace(g, num_stages=s) for s in (g.num_stages - 1, g.num_stages + 1) if 2 <= s <= 5]
@@ -147,9 +165,18 @@ class BucketResult:
     tried: set[MoEKernelConfig] = field(default_factory=set, repr=False)
 
     def entry(self, shape: LayerShape) -> dict:
-        return dict(experts=shape.experts, global_experts=shape.global_experts, top_k=shape.top_k, hidden=shape.hidden,
-                    intermediate=shape.intermediate, dtype=shape.dtype, gated=shape.gated, max_tokens=self.tokens,
-                    config=self.config.to_dict(), time_us=None if self.us is None else round(self.us, 2))  # fmt: skip
+        return dict(
+            experts=shape.experts,
+            global_experts=shape.global_experts,
+            top_k=shape.top_k,
+            hidden=shape.hidden,
+            intermediate=shape.intermediate,
+            dtype=shape.dtype,
+            gated=shape.gated,
+            max_tokens=self.tokens,
+            config=self.config.to_dict(),
+            time_us=None if self.us is None else round(self.us, 2),
+        )
 
 
 def search(
@@ -193,8 +220,10 @@ def autotune_enabled() -> bool:
     default, reads the cache only.  Another value is refused rather than guessed."""
     value = os.environ.get(SWITCH_ENV, "").strip().lower()
     if value not in _ON + _OFF:
-        raise ValueError(f"{SWITCH_ENV}={os.environ[SWITCH_ENV]!r}: use 1 to autotune at load, or 0 / unset (the "
-                         "default) to read the cache `moe-nvfp4 tune` fills")  # fmt: skip
+        raise ValueError(
+            f"{SWITCH_ENV}={os.environ[SWITCH_ENV]!r}: use 1 to autotune at load, or 0 / unset (the "
+            "default) to read the cache `moe-nvfp4 tune` fills"
+        )
     return value in _ON
 
 
@@ -221,11 +250,24 @@ def cache_key(shape: LayerShape, device: DeviceTraits) -> dict:
 
     from . import __version__
 
-    return dict(kernel=KERNEL_NAME, config_version=CONFIG_VERSION, package=__version__, kernels=_kernel_digest(),
-                triton=triton.__version__, torch=torch.__version__, device=device.name,
-                capability=list(device.capability), sm_count=device.sm_count, experts=shape.experts,
-                global_experts=shape.global_experts, top_k=shape.top_k, hidden=shape.hidden,
-                intermediate=shape.intermediate, dtype=shape.dtype, gated=shape.gated)  # fmt: skip
+    return dict(
+        kernel=KERNEL_NAME,
+        config_version=CONFIG_VERSION,
+        package=__version__,
+        kernels=_kernel_digest(),
+        triton=triton.__version__,
+        torch=torch.__version__,
+        device=device.name,
+        capability=list(device.capability),
+        sm_count=device.sm_count,
+        experts=shape.experts,
+        global_experts=shape.global_experts,
+        top_k=shape.top_k,
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        dtype=shape.dtype,
+        gated=shape.gated,
+    )
 
 
 def cache_path(key: dict, directory: Path | None = None) -> Path:
@@ -248,8 +290,13 @@ def read_cache(path: Path, key: dict) -> tuple[int, list[dict]] | None:
 def write_cache(path: Path, key: dict, max_tokens: int, entries: list[dict], seconds: float) -> None:
     """Atomically (tensor-parallel ranks of one host may write the same file at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(key=key, max_tokens=max_tokens, entries=entries, seconds=round(seconds, 1),
-                date=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    data = dict(
+        key=key,
+        max_tokens=max_tokens,
+        entries=entries,
+        seconds=round(seconds, 1),
+        date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
@@ -272,27 +319,37 @@ class AutotuneReport:
 
     def summary(self) -> str:
         s = self.shape
-        head = (f"E={s.experts}" + (f"/{s.global_experts}" if s.global_experts != s.experts else "")
-                + f" top-{s.top_k} H={s.hidden} I={s.intermediate} {s.dtype}" + ("" if s.gated else " non-gated")
-                + f" on {self.device.name}")  # fmt: skip
+        head = (
+            f"E={s.experts}"
+            + (f"/{s.global_experts}" if s.global_experts != s.experts else "")
+            + f" top-{s.top_k} H={s.hidden} I={s.intermediate} {s.dtype}"
+            + ("" if s.gated else " non-gated")
+            + f" on {self.device.name}"
+        )
         if self.source == "default":
-            return (f"{head}: default configs (no autotune cache at {self.cache_path}; `moe-nvfp4 tune` "
-                    "fills it)")  # fmt: skip
+            return f"{head}: default configs (no autotune cache at {self.cache_path}; `moe-nvfp4 tune` fills it)"
         if self.source != "timed":
             where = f" ({self.cache_path}" + (f", up to {self.covered} tokens" if self.covered else "") + ")"
             return f"{head}: configs from {self.source}" + (where if self.cache_path else "")
-        changed = [f"T<={b.tokens} {b.start_us:.1f}->{b.us:.1f} us" for b in self.buckets
-                   if b.config != b.start and b.us is not None and b.start_us is not None]  # fmt: skip
+        changed = [
+            f"T<={b.tokens} {b.start_us:.1f}->{b.us:.1f} us"
+            for b in self.buckets
+            if b.config != b.start and b.us is not None and b.start_us is not None
+        ]
         timed = sum(b.timed for b in self.buckets)
-        return (f"{head}: {timed} timings over {len(self.buckets)} buckets in {self.seconds:.1f} s; "
-                f"{len(changed)} changed" + (f" ({', '.join(changed)})" if changed else "")
-                + (f"; cache {self.cache_path}" if self.cache_path else ""))  # fmt: skip
+        return (
+            f"{head}: {timed} timings over {len(self.buckets)} buckets in {self.seconds:.1f} s; "
+            f"{len(changed)} changed"
+            + (f" ({', '.join(changed)})" if changed else "")
+            + (f"; cache {self.cache_path}" if self.cache_path else "")
+        )
 
 
 def _served_entries(shape: LayerShape, device: DeviceTraits, buckets: Sequence[int]) -> list[dict]:
     """The configs that serve ``buckets`` now (the tuned file's or the default), as untimed entries."""
-    return [BucketResult(t, select_config(t, shape, device), select_config(t, shape, device)).entry(shape)
-            for t in buckets]  # fmt: skip
+    return [
+        BucketResult(t, select_config(t, shape, device), select_config(t, shape, device)).entry(shape) for t in buckets
+    ]
 
 
 def cached_configs(
@@ -372,8 +429,9 @@ def tune_layer(
             known = {}
     covered = cached[0] if known else 0  # tune only the buckets past what the cache covers
     buckets = [t for t in token_buckets(max_tokens, shape, device) if t > covered]
-    results = search(buckets, lambda t: select_config(t, shape, device), lambda c, t: neighbours(c, t, shape),
-                     measure, budget_s)  # fmt: skip
+    results = search(
+        buckets, lambda t: select_config(t, shape, device), lambda c, t: neighbours(c, t, shape), measure, budget_s
+    )
     entries = [e for _, e in sorted(known.items())] + [r.entry(shape) for r in results]
     register_entries(device, entries)
     seconds = time.monotonic() - began
@@ -406,8 +464,7 @@ def gpu_timer(
         x, tw, ti = inputs[tokens]
 
         def run() -> torch.Tensor:
-            return fused_moe_sm90(x, *weights.tensors, tw, ti, expert_map, shape.intermediate, cfg,
-                                  **weights.variant)  # fmt: skip
+            return fused_moe_sm90(x, *weights.tensors, tw, ti, expert_map, shape.intermediate, cfg, **weights.variant)
 
         try:
             out = run().float()

@@ -70,30 +70,57 @@ class Backend:
 
 _TRITON_PLAN = "moe_nvfp4.triton.grouped_w4a4:plan_grouped_nvfp4"
 # A CPU plan launches the Triton kernel (TRITON_INTERPRET=1 in tests); the one-call grouped GEMM runs the reference.
-TORCH = Backend("torch", frozenset(OPERATIONS), frozenset({"cpu"}), frozenset({"cpu"}),
-                "the reference ops (moe_nvfp4.reference); the default for CPU tensors",
-                {"quantize": "moe_nvfp4.reference:quantize_activations_torch",
-                 "moe_w4a4": "moe_nvfp4.reference:fused_moe_w4a4_torch",
-                 "grouped_gemm": "moe_nvfp4.reference:grouped_gemm_nvfp4_torch",
-                 "plan_grouped_gemm": _TRITON_PLAN},
-                w4a4_layout="sm100_interleaved", reference=True)  # fmt: skip
-TRITON = Backend("triton", frozenset({"moe_w4a16", "grouped_gemm", "quantize"}), None, frozenset({"sm_90"}),
-                 "Triton kernels: weights decoded in registers; tuned on sm_90 (H100, H200)",
-                 {"quantize": "moe_nvfp4.triton.quant_act:quantize_activations_sm90",
-                  "grouped_gemm": "moe_nvfp4.triton.grouped_w4a4:grouped_gemm_nvfp4_triton",
-                  "plan_grouped_gemm": _TRITON_PLAN},
-                 interpreted_on_cpu=True)  # fmt: skip
-CUTE = Backend("cute", frozenset({"moe_w4a4", "grouped_gemm"}), frozenset({"sm_100", "sm_103"}), frozenset(),
-               "our CuTe DSL kernels (block-scaled tcgen05 MMA): compiled, PTX checked, never run on a GPU",
-               {"moe_w4a4": "moe_nvfp4.cute.moe_host:fused_moe_w4a4_sm100",
-                "grouped_gemm": "moe_nvfp4.cute.host:grouped_gemm_nvfp4_sm100",
-                "plan_grouped_gemm": "moe_nvfp4.cute.host:plan_grouped_nvfp4_sm100"},
-               w4a4_layout="sm100_interleaved")  # fmt: skip
-FLASHINFER = Backend("flashinfer", frozenset({"moe_w4a4"}), frozenset({"sm_100", "sm_103"}), frozenset(),
-                     "FlashInfer's TRT-LLM-gen NVFP4 fused MoE (trtllm_fp4_block_scale_routed_moe), the kernel vLLM "
-                     "0.26 runs for modelopt_fp4 on Blackwell; our layouts and arguments checked on CPU only",
-                     {"moe_w4a4": "moe_nvfp4.flashinfer_moe:fused_moe_w4a4_flashinfer"},
-                     w4a4_layout="flashinfer_trtllm")  # fmt: skip
+TORCH = Backend(
+    "torch",
+    frozenset(OPERATIONS),
+    frozenset({"cpu"}),
+    frozenset({"cpu"}),
+    "the reference ops (moe_nvfp4.reference); the default for CPU tensors",
+    {
+        "quantize": "moe_nvfp4.reference:quantize_activations_torch",
+        "moe_w4a4": "moe_nvfp4.reference:fused_moe_w4a4_torch",
+        "grouped_gemm": "moe_nvfp4.reference:grouped_gemm_nvfp4_torch",
+        "plan_grouped_gemm": _TRITON_PLAN,
+    },
+    w4a4_layout="sm100_interleaved",
+    reference=True,
+)
+TRITON = Backend(
+    "triton",
+    frozenset({"moe_w4a16", "grouped_gemm", "quantize"}),
+    None,
+    frozenset({"sm_90"}),
+    "Triton kernels: weights decoded in registers; tuned on sm_90 (H100, H200)",
+    {
+        "quantize": "moe_nvfp4.triton.quant_act:quantize_activations_sm90",
+        "grouped_gemm": "moe_nvfp4.triton.grouped_w4a4:grouped_gemm_nvfp4_triton",
+        "plan_grouped_gemm": _TRITON_PLAN,
+    },
+    interpreted_on_cpu=True,
+)
+CUTE = Backend(
+    "cute",
+    frozenset({"moe_w4a4", "grouped_gemm"}),
+    frozenset({"sm_100", "sm_103"}),
+    frozenset(),
+    "our CuTe DSL kernels (block-scaled tcgen05 MMA): compiled, PTX checked, never run on a GPU",
+    {
+        "moe_w4a4": "moe_nvfp4.cute.moe_host:fused_moe_w4a4_sm100",
+        "grouped_gemm": "moe_nvfp4.cute.host:grouped_gemm_nvfp4_sm100",
+        "plan_grouped_gemm": "moe_nvfp4.cute.host:plan_grouped_nvfp4_sm100",
+    },
+    w4a4_layout="sm100_interleaved",
+)
+FLASHINFER = Backend(
+    "flashinfer",
+    frozenset({"moe_w4a4"}),
+    frozenset({"sm_100", "sm_103"}),
+    frozenset(),
+    "FlashInfer's TRT-LLM-gen NVFP4 fused MoE (trtllm_fp4_block_scale_routed_moe), the kernel vLLM "
+    "0.26 runs for modelopt_fp4 on Blackwell; our layouts and arguments checked on CPU only",
+    {"moe_w4a4": "moe_nvfp4.flashinfer_moe:fused_moe_w4a4_flashinfer"},
+    w4a4_layout="flashinfer_trtllm",
+)
 
 REGISTRY = (TORCH, TRITON, CUTE, FLASHINFER)
 

@@ -231,8 +231,9 @@ class MoEKernelConfig:
         """This config at token tile ``block_m``, each GEMM's narrow_tiles lowered as far as the new tile needs (its
         narrowest MMA must stay GemmConfig.narrowest_mma wide), so a move from 32-token tiles with narrow_tiles 2
         to 16 is not refused for 4-wide MMAs alone."""
-        return replace(self, block_m=block_m, gemm1=self.gemm1.narrowed_for(block_m),
-                       gemm2=self.gemm2.narrowed_for(block_m))  # fmt: skip
+        return replace(
+            self, block_m=block_m, gemm1=self.gemm1.narrowed_for(block_m), gemm2=self.gemm2.narrowed_for(block_m)
+        )
 
 
 def _pad(k: int) -> int:
@@ -259,8 +260,9 @@ HOPPER_132 = DeviceTraits("sm_90 with 132 SMs", (9, 0), 132)
 @lru_cache(maxsize=None)
 def _cuda_traits(index: int) -> DeviceTraits:
     props = torch.cuda.get_device_properties(index)
-    return DeviceTraits(props.name, (props.major, props.minor), props.multi_processor_count,
-                        round(props.total_memory / 2**30))  # fmt: skip
+    return DeviceTraits(
+        props.name, (props.major, props.minor), props.multi_processor_count, round(props.total_memory / 2**30)
+    )
 
 
 def device_traits(device: torch.device) -> DeviceTraits:
@@ -349,14 +351,22 @@ SHORT_K_ROWS = 32  # past these rows, 64-token tiles run GEMM2 on the Triton ker
 SHORT_K2 = 2048  # GEMM2's K (= I) under which that holds
 LONG_K2 = 8192  # 128-token tiles keep GEMM2 on the Gluon kernel from this K (long K hides its pipeline fill)
 # Every bound on rows the default compares against (configs_up_to finds the token counts where it changes).
-DEFAULT_ROW_BOUNDS = tuple(sorted({b for b, _ in TILE_BY_ROWS} | {b for b, _ in NARROW_64_BY_ROWS}
-                                  | {PARTIALS_IN_X_ROWS, SHORT_K_ROWS}))  # fmt: skip
+DEFAULT_ROW_BOUNDS = tuple(
+    sorted({b for b, _ in TILE_BY_ROWS} | {b for b, _ in NARROW_64_BY_ROWS} | {PARTIALS_IN_X_ROWS, SHORT_K_ROWS})
+)
 
 # Launch presets (GemmConfig fields) of the kernel families the tuned entries use.  ws: the warp-specialized
 # Gluon kernel (4 MMA warps + the loader's warp group: capped at 128 registers two programs fit an SM; 8 MMA
 # warps at 168 one does).
-WS_DECODE = dict(warp_specialized=True, block_n=64, num_warps=4, num_stages=2, chunks_per_stage=2, programs_per_sm=2,
-                 max_registers=128)  # fmt: skip
+WS_DECODE = dict(
+    warp_specialized=True,
+    block_n=64,
+    num_warps=4,
+    num_stages=2,
+    chunks_per_stage=2,
+    programs_per_sm=2,
+    max_registers=128,
+)
 WS_DECODE_WIDE = dict(WS_DECODE, block_n=128, num_stages=4, chunks_per_stage=1)
 WS_ONE_GROUP = dict(WS_DECODE, block_n=128)
 WS_TWO_GROUPS = dict(WS_DECODE, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1, max_registers=168)
@@ -430,17 +440,28 @@ def default_config(
             return fit_gemm(preset, k, block_m, two, loader_warps=2)
 
         # Under expert parallelism the presets run on routed 8-row tiles: pair tiles through the expert map were
-        # slower where one or two of the pairs are local (DBRX EP2 at one token 132 us against 99 routed, Kimi-K2
-        # EP8 49 against 36; H200, design 004 decision 7), though the kernel runs them (an explicit config).
-        cfg = MoEKernelConfig(block_m, pair_gemm(intermediate, k1, gated), pair_gemm(hidden, k2, False),
-                              partials_in_x_dtype=top_k > 2, pair_tiles=shape.global_experts == experts)  # fmt: skip
+        # slower where one or two of the pairs are local (design 004 decision 7), though the kernel runs them (an
+        # explicit config).
+        cfg = MoEKernelConfig(
+            block_m,
+            pair_gemm(intermediate, k1, gated),
+            pair_gemm(hidden, k2, False),
+            partials_in_x_dtype=top_k > 2,
+            pair_tiles=shape.global_experts == experts,
+        )
     else:
         block_m = _first(TILE_BY_ROWS, rows, 128)
         narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]
         if block_m == 8:
             gemm1 = fit_gemm(_decode_preset(shape, tokens, intermediate, device), k1, 8, gated, loader_warps=2)
-            gemm2 = fit_gemm(_decode_preset(shape, tokens, hidden, device), k2, 8, False, loader_warps=2,
-                             block_n=DECODE_GEMM2_BLOCK_N)  # fmt: skip
+            gemm2 = fit_gemm(
+                _decode_preset(shape, tokens, hidden, device),
+                k2,
+                8,
+                False,
+                loader_warps=2,
+                block_n=DECODE_GEMM2_BLOCK_N,
+            )
         elif block_m == 16:
             gemm1 = fit_gemm(WS_DECODE_WIDE, k1, block_m, gated, narrow_tiles=narrow, loader_warps=4)
             gemm2 = fit_gemm(WS_DECODE_WIDE, k2, block_m, False, narrow_tiles=narrow, loader_warps=4)
@@ -455,8 +476,9 @@ def default_config(
         else:
             gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, gated)
             long_k = intermediate >= LONG_K2
-            gemm2 = fit_gemm(dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL,
-                            k2, block_m, False)  # fmt: skip
+            gemm2 = fit_gemm(
+                dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL, k2, block_m, False
+            )
         cfg = MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=top_k > 2 or rows > PARTIALS_IN_X_ROWS)
     if not cfg.is_valid(k1, k2, gated):
         raise AssertionError(f"default_config produced an invalid config {cfg}")  # a bug, not user input
@@ -474,10 +496,14 @@ def default_bounds(shape: LayerShape, device: DeviceTraits) -> list[int]:
     """The token counts after which ``default_config`` may change for ``shape`` on ``device``: each count with
     pair tiles (their tiles follow the pairs), the last T under each bound on rows it compares
     (DEFAULT_ROW_BOUNDS), and the last T under each SM-count bound on 8-token tiles (_decode_preset)."""
-    under_sms = [lambda t, n=n: shape.decode_tiles(t, n, 8, 64) < device.sm_count
-                 for n in (shape.intermediate, shape.hidden)]  # fmt: skip
-    return sorted(set(range(1, PAIR_TILE_TOKENS + 1)) | {shape.tokens_up_to_rows(b) for b in DEFAULT_ROW_BOUNDS}
-                  | {_last_tokens_where(holds) for holds in under_sms})  # fmt: skip
+    under_sms = [
+        lambda t, n=n: shape.decode_tiles(t, n, 8, 64) < device.sm_count for n in (shape.intermediate, shape.hidden)
+    ]
+    return sorted(
+        set(range(1, PAIR_TILE_TOKENS + 1))
+        | {shape.tokens_up_to_rows(b) for b in DEFAULT_ROW_BOUNDS}
+        | {_last_tokens_where(holds) for holds in under_sms}
+    )
 
 
 @lru_cache(maxsize=None)
@@ -543,8 +569,15 @@ def register_entries(device: DeviceTraits, entries: Sequence[dict]) -> None:
 def entry_shape(entry: dict) -> LayerShape:
     """The layer shape a tuned entry is for (``global_experts`` defaults to ``experts``: no expert parallelism;
     ``gated`` to True)."""
-    return LayerShape(entry["experts"], entry["top_k"], entry["hidden"], entry["intermediate"], entry["dtype"],
-                      entry.get("global_experts", 0), entry.get("gated", True))  # fmt: skip
+    return LayerShape(
+        entry["experts"],
+        entry["top_k"],
+        entry["hidden"],
+        entry["intermediate"],
+        entry["dtype"],
+        entry.get("global_experts", 0),
+        entry.get("gated", True),
+    )
 
 
 def measured_entries(shape: LayerShape, device: DeviceTraits) -> list[dict]:
@@ -563,8 +596,16 @@ def select_config(tokens: int, shape: LayerShape, device: DeviceTraits) -> MoEKe
     entries = entries_for(shape, device)
     if entries:
         return MoEKernelConfig.from_dict(serving_entry(entries, tokens)["config"])
-    return default_config(tokens, shape.experts, shape.top_k, shape.hidden, shape.intermediate,
-                          global_experts=shape.global_experts, device=device, gated=shape.gated)  # fmt: skip
+    return default_config(
+        tokens,
+        shape.experts,
+        shape.top_k,
+        shape.hidden,
+        shape.intermediate,
+        global_experts=shape.global_experts,
+        device=device,
+        gated=shape.gated,
+    )
 
 
 def serving_entry(entries: Sequence[dict], tokens: int) -> dict:

@@ -87,18 +87,37 @@ def run_kernel_demo(key: str, shape: MoEShape, *, tokens: int = 64, seed: int = 
     bench.quiet_vllm()
     has_vllm = importlib.util.find_spec("vllm") is not None
     paths = [name for name, _, vllm in _PATHS if has_vllm or not vllm]
-    args = bench.finish_args(bench.build_parser().parse_args(
-        ["--models" if not key[0].isdigit() else "--shape", key, "--tokens", str(tokens), "--paths", ",".join(paths),
-         "--quick", "--seed", str(seed)]))  # fmt: skip
+    args = bench.finish_args(
+        bench.build_parser().parse_args(
+            [
+                "--models" if not key[0].isdigit() else "--shape",
+                key,
+                "--tokens",
+                str(tokens),
+                "--paths",
+                ",".join(paths),
+                "--quick",
+                "--seed",
+                str(seed),
+            ]
+        )
+    )
     ceilings = measure_ceilings(quick=True)
     props = torch.cuda.get_device_properties(0)
-    row = bench.run_model(key, shape, [tokens], args, ceilings, props.L2_cache_size, float("inf"),
-                          log=lambda _: None)[0]  # fmt: skip
+    row = bench.run_model(key, shape, [tokens], args, ceilings, props.L2_cache_size, float("inf"), log=lambda _: None)[
+        0
+    ]
     err, ours = row.get("rel_err_ours_vs_ref"), row.get("ours_us")
     ok = ours is not None and err is not None and err <= args.tol
-    table = [(label, format_value(row.get(f"{name}_us")),
-              "" if name == "ours" else format_value(row.get(f"speedup_vs_{name}"), ".2f") + "x")
-             for name, label, _ in _PATHS if name in paths]  # fmt: skip
+    table = [
+        (
+            label,
+            format_value(row.get(f"{name}_us")),
+            "" if name == "ours" else format_value(row.get(f"speedup_vs_{name}"), ".2f") + "x",
+        )
+        for name, label, _ in _PATHS
+        if name in paths
+    ]
     floor = f"HBM floor ({row['touched_experts']} experts' NVFP4 weights once)"
     table.append((floor, f"{row['hbm_floor_us']:.1f}", ""))
     width = max(len(label) for label, _, _ in table)

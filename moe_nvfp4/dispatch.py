@@ -70,8 +70,10 @@ def _select(arch: str, forced_name: str | None) -> Selection:
     if forced_name is not None:
         forced = by_name(forced_name)
         if not (forced.supports(arch) or (forced.interpreted_on_cpu and arch == "cpu")):
-            raise ValueError(f"{OVERRIDE_ENV}={forced_name}: {forced.name} runs on "
-                             f"{sorted(forced.archs or ['sm_80+'])}, not on {arch}")  # fmt: skip
+            raise ValueError(
+                f"{OVERRIDE_ENV}={forced_name}: {forced.name} runs on "
+                f"{sorted(forced.archs or ['sm_80+'])}, not on {arch}"
+            )
         default = {op: forced if op in forced.operations else default[op] for op in default}
         default["moe_w4a4"] = forced if "moe_w4a4" in forced.operations else None
     return Selection(arch, **default)

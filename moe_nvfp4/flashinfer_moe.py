@@ -50,8 +50,9 @@ def fused_moe_w4a4_flashinfer(
     if t == 0:
         return torch.empty_like(x)
     x_in = torch.nn.functional.pad(x.to(torch.bfloat16), (0, h_pad - h))
-    x_fp4, x_scale = flashinfer.fp4_quantize(x_in, 1.0 / a13, sf_vec_size=NVFP4.block_size, sf_use_ue8m0=False,
-                                             is_sf_swizzled_layout=False)  # fmt: skip
+    x_fp4, x_scale = flashinfer.fp4_quantize(
+        x_in, 1.0 / a13, sf_vec_size=NVFP4.block_size, sf_use_ue8m0=False, is_sf_swizzled_layout=False
+    )
     out = torch.empty(t, h_pad, dtype=torch.bfloat16, device=x.device)
     gs = weights.w13_global
     trtllm_fp4_block_scale_routed_moe(

@@ -218,8 +218,10 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None, *,
     nonfinite = ~torch.isfinite(w)
     if bool(nonfinite.any()):
         where = tuple(nonfinite.nonzero()[0].tolist())
-        raise ValueError(f"quantize_nvfp4: w has {int(nonfinite.sum())} NaN/inf values (the first at {where}); "
-                         "NVFP4 has no code for them")  # fmt: skip
+        raise ValueError(
+            f"quantize_nvfp4: w has {int(nonfinite.sum())} NaN/inf values (the first at {where}); "
+            "NVFP4 has no code for them"
+        )
     wf = w.float()
     if global_scale is None:
         seg = wf.reshape(*batch_shape, segments, n // segments, k)
@@ -276,8 +278,10 @@ def quantize_activations_nvfp4(x: torch.Tensor, input_global_scale: torch.Tensor
     """
     batch_shape, n, _ = _matrix_shape(x, "quantize_activations_nvfp4: x")
     if not isinstance(input_global_scale, torch.Tensor) or input_global_scale.numel() != 1:
-        raise ValueError(f"quantize_activations_nvfp4: input_global_scale must be a tensor of one value, got "
-                         f"{getattr(input_global_scale, 'shape', type(input_global_scale))}")  # fmt: skip
+        raise ValueError(
+            f"quantize_activations_nvfp4: input_global_scale must be a tensor of one value, got "
+            f"{getattr(input_global_scale, 'shape', type(input_global_scale))}"
+        )
     gs = input_scale_or_nan(input_global_scale.reshape(()).to(x.device))
     gs = gs.expand(batch_shape).contiguous() if batch_shape else gs
     packed, block_scale = _quantize(x.float(), _row_scales(gs, batch_shape, n), poison_nonfinite=True)
@@ -296,13 +300,18 @@ def grouped_operands(
         for name, t in (("A", ag), ("B", bg)):
             want = padded_scale_shape(t.n, t.k // NVFP4.block_size)
             if tuple(t.block_scale.shape) != want:
-                raise ValueError(f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, "
-                                 f"expected {want}")  # fmt: skip
+                raise ValueError(
+                    f"group {g}: {name} swizzled scales have shape {tuple(t.block_scale.shape)}, expected {want}"
+                )
     scale = torch.stack(
         [ag.global_scale.float().reshape(()) * bg.global_scale.float().reshape(()) for ag, bg in zip(a, b)]
     )
     if alpha is not None:
         scale = scale * alpha
-    operands = ([t.packed.contiguous() for t in a_sw], [t.block_scale.contiguous() for t in a_sw],
-                [t.packed.contiguous() for t in b_sw], [t.block_scale.contiguous() for t in b_sw])  # fmt: skip
+    operands = (
+        [t.packed.contiguous() for t in a_sw],
+        [t.block_scale.contiguous() for t in a_sw],
+        [t.packed.contiguous() for t in b_sw],
+        [t.block_scale.contiguous() for t in b_sw],
+    )
     return operands, scale

@@ -56,8 +56,15 @@ class TuneShape:
         """The ``configs.LayerShape`` the plugin keys the cache by for this rank."""
         from .configs import LayerShape
 
-        return LayerShape(self.experts, self.top_k, self.hidden, self.intermediate, self.dtype, self.global_experts,
-                          self.activation.gated)  # fmt: skip
+        return LayerShape(
+            self.experts,
+            self.top_k,
+            self.hidden,
+            self.intermediate,
+            self.dtype,
+            self.global_experts,
+            self.activation.gated,
+        )
 
 
 def _first_int(holder: dict, keys: tuple[str, ...]) -> tuple[str, int] | None:
@@ -94,17 +101,31 @@ def shapes_from_config(model_dir: str | Path, *, dtype: str = "auto") -> list[Tu
         experts = _first_int(merged, _EXPERTS)
         if experts is None:
             continue
-        found = {"top-k": _first_int(merged, _TOP_K), "hidden size": _first_int(merged, _HIDDEN),
-                 "expert intermediate size": _first_int(merged, _INTERMEDIATE)}  # fmt: skip
+        found = {
+            "top-k": _first_int(merged, _TOP_K),
+            "hidden size": _first_int(merged, _HIDDEN),
+            "expert intermediate size": _first_int(merged, _INTERMEDIATE),
+        }
         missing = [what for what, v in found.items() if v is None]
         if missing:
-            raise ValueError(f"{path}: {experts[0]}={experts[1]} but no {', '.join(missing)} (looked for "
-                             f"{_TOP_K}, {_HIDDEN}, {_INTERMEDIATE})")  # fmt: skip
+            raise ValueError(
+                f"{path}: {experts[0]}={experts[1]} but no {', '.join(missing)} (looked for "
+                f"{_TOP_K}, {_HIDDEN}, {_INTERMEDIATE})"
+            )
         model_type = str(holder.get("model_type") or config.get("model_type") or "")
         name = f"{Path(model_dir).name} ({model_type or 'unknown model type'})"
-        return [TuneShape(name, experts[1], found["top-k"][1], found["hidden size"][1],
-                          found["expert intermediate size"][1], _dtype(config, holder, dtype),
-                          _ACTIVATION.get(model_type, SILU), model_type in _BIASES)]  # fmt: skip
+        return [
+            TuneShape(
+                name,
+                experts[1],
+                found["top-k"][1],
+                found["hidden size"][1],
+                found["expert intermediate size"][1],
+                _dtype(config, holder, dtype),
+                _ACTIVATION.get(model_type, SILU),
+                model_type in _BIASES,
+            )
+        ]
     raise ValueError(f"{path}: no MoE layer (none of {', '.join(_EXPERTS)} in it or its text_config)")
 
 
@@ -113,8 +134,15 @@ def shape_from_flag(text: str, *, dtype: str = "auto", activation: str = "silu")
     from .bench.moe import parse_shape
 
     s = parse_shape(text)
-    return TuneShape(f"--shape {text.replace(' ', '')}", s.num_experts, s.top_k, s.hidden, s.inter, "bfloat16" if dtype == "auto" else dtype,
-                     ExpertActivation(activation))  # fmt: skip
+    return TuneShape(
+        f"--shape {text.replace(' ', '')}",
+        s.num_experts,
+        s.top_k,
+        s.hidden,
+        s.inter,
+        "bfloat16" if dtype == "auto" else dtype,
+        ExpertActivation(activation),
+    )
 
 
 def per_rank(shape: TuneShape, *, tp: int = 1, ep: int = 1) -> TuneShape:
@@ -127,8 +155,10 @@ def per_rank(shape: TuneShape, *, tp: int = 1, ep: int = 1) -> TuneShape:
     if tp > 1:
         i = shape.intermediate // tp
         if shape.intermediate % tp or i % SCALE_BLOCK:
-            raise ValueError(f"--tp {tp}: the expert intermediate size {shape.intermediate} / {tp} is not a whole "
-                             f"multiple of {SCALE_BLOCK} (an NVFP4 scale block); vLLM's nvfp4_grouped refuses that split")  # fmt: skip
+            raise ValueError(
+                f"--tp {tp}: the expert intermediate size {shape.intermediate} / {tp} is not a whole "
+                f"multiple of {SCALE_BLOCK} (an NVFP4 scale block); vLLM's nvfp4_grouped refuses that split"
+            )
         return replace(shape, name=f"{shape.name} TP{tp}", intermediate=i)
     if ep > 1:
         if shape.experts % ep:
@@ -194,8 +224,14 @@ def tune_one(shape: TuneShape, args: argparse.Namespace):
 
     with contextlib.ExitStack() as stack:
         traits, measure = gpu_measure(shape, stack)
-        bar = stack.enter_context(tqdm(total=round(args.budget_s), desc=shape.name, disable=args.quiet,
-                                       bar_format="{desc}: {bar} {n:.0f} of {total} s{postfix}"))  # fmt: skip
+        bar = stack.enter_context(
+            tqdm(
+                total=round(args.budget_s),
+                desc=shape.name,
+                disable=args.quiet,
+                bar_format="{desc}: {bar} {n:.0f} of {total} s{postfix}",
+            )
+        )
         began = time.monotonic()
 
         def timed(cfg, tokens: int) -> float | None:
@@ -204,8 +240,7 @@ def tune_one(shape: TuneShape, args: argparse.Namespace):
             bar.set_postfix_str(f"T={tokens}: " + ("failed" if us is None else f"{us:.1f} us"), refresh=False)
             return us
 
-        return tune_layer(shape.layer_shape(), traits, args.max_tokens, timed, budget_s=args.budget_s,
-                          force=args.force)  # fmt: skip
+        return tune_layer(shape.layer_shape(), traits, args.max_tokens, timed, budget_s=args.budget_s, force=args.force)
 
 
 def summary(report) -> str:
@@ -230,12 +265,15 @@ def _check_gpu() -> None:
     from .bench.device import verified_archs
 
     if not torch.cuda.is_available():
-        raise ValueError(f"tuning times the kernels on the GPU you serve with, and torch {torch.__version__} sees no "
-                         "CUDA GPU here (--dry-run lists the shapes without one)")  # fmt: skip
+        raise ValueError(
+            f"tuning times the kernels on the GPU you serve with, and torch {torch.__version__} sees no "
+            "CUDA GPU here (--dry-run lists the shapes without one)"
+        )
     arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
     if arch not in verified_archs():
-        raise ValueError(f"{torch.cuda.get_device_name()} is {arch}; the kernels tuned here run on "
-                         f"{', '.join(verified_archs())}")  # fmt: skip
+        raise ValueError(
+            f"{torch.cuda.get_device_name()} is {arch}; the kernels tuned here run on {', '.join(verified_archs())}"
+        )
 
 
 def _fail(message: str) -> int:
@@ -252,8 +290,11 @@ def _shapes(args: argparse.Namespace) -> list[TuneShape]:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     if not args.budget_s > 0:
         raise ValueError(f"--budget-s {args.budget_s}: must be > 0")
-    found = ([shape_from_flag(args.shape, dtype=args.dtype, activation=args.activation)] if args.shape else
-             shapes_from_config(args.model_dir, dtype=args.dtype))  # fmt: skip
+    found = (
+        [shape_from_flag(args.shape, dtype=args.dtype, activation=args.activation)]
+        if args.shape
+        else shapes_from_config(args.model_dir, dtype=args.dtype)
+    )
     return [per_rank(s, tp=args.tp, ep=args.ep) for s in found]
 
 
@@ -267,16 +308,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     for s in shapes:
-        print(f"{s.name}: E={s.experts}" + (f" of {s.global_experts}" if s.global_experts else "")
-              + f" top-{s.top_k} H={s.hidden} I={s.intermediate} {s.dtype} {s.activation.name}"
-              + (" with biases" if s.biases else "") + f", up to {args.max_tokens} tokens")  # fmt: skip
+        print(
+            f"{s.name}: E={s.experts}"
+            + (f" of {s.global_experts}" if s.global_experts else "")
+            + f" top-{s.top_k} H={s.hidden} I={s.intermediate} {s.dtype} {s.activation.name}"
+            + (" with biases" if s.biases else "")
+            + f", up to {args.max_tokens} tokens"
+        )
     if args.dry_run:
         print(f"cache: {cache_dir()} (nothing timed: --dry-run)")
         return 0
     reports = [tune_one(s, args) for s in shapes]
     print("\n".join(summary(r) for r in reports))
-    print(f"cache: {cache_dir()}; the next `vllm serve --quantization nvfp4_grouped` on this GPU reads it "
-          "(same moe_nvfp4, Triton and torch; MOE_NVFP4_CACHE_DIR moves it)")  # fmt: skip
+    print(
+        f"cache: {cache_dir()}; the next `vllm serve --quantization nvfp4_grouped` on this GPU reads it "
+        "(same moe_nvfp4, Triton and torch; MOE_NVFP4_CACHE_DIR moves it)"
+    )
     return 0
 
 
@@ -315,9 +362,14 @@ def add_tune_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         metavar="N",
         help="expert-parallel size (TP x DP with --enable-expert-parallel): E/N local experts",
     )
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="T",
-                   help=f"tokens per forward to tune up to: vLLM's --max-num-batched-tokens times the data-parallel size "
-                   f"(default {DEFAULT_MAX_TOKENS}, vllm serve's on a >= 70 GiB GPU)")  # fmt: skip
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="T",
+        help=f"tokens per forward to tune up to: vLLM's --max-num-batched-tokens times the data-parallel size "
+        f"(default {DEFAULT_MAX_TOKENS}, vllm serve's on a >= 70 GiB GPU)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",

@@ -33,8 +33,14 @@ from .checkpoint import (
 )
 from .formats import NVFP4
 
-__all__ = ["Finding", "INPUT_SCALE_OUTLIER_RATIO", "check_moe_layer", "lost_blocks", "raise_first_error",
-           "stacked_layer_clean"]  # fmt: skip
+__all__ = [
+    "Finding",
+    "INPUT_SCALE_OUTLIER_RATIO",
+    "check_moe_layer",
+    "lost_blocks",
+    "raise_first_error",
+    "stacked_layer_clean",
+]
 
 # An expert's input scale more than this many times its GEMM's median is refused: the kernels quantize every
 # expert's activations with the largest scale, so the others' block scales shrink by the same ratio; at 1e3 a
@@ -112,9 +118,11 @@ def _input_outliers(layer: str, scales: dict[tuple[int, str], float], input_key:
     (e, proj), worst = max(scales.items(), key=lambda kv: kv[1])
     if worst <= INPUT_SCALE_OUTLIER_RATIO * median:
         return []
-    msg = (f"input scale {worst:.4g} is {worst / median:.3g}x the median {median:.4g} of this GEMM's experts "
-           f"(bound {INPUT_SCALE_OUTLIER_RATIO:g}x); W4A4 quantizes every expert's activations with the largest, "
-           "which would zero the others")  # fmt: skip
+    msg = (
+        f"input scale {worst:.4g} is {worst / median:.3g}x the median {median:.4g} of this GEMM's experts "
+        f"(bound {INPUT_SCALE_OUTLIER_RATIO:g}x); W4A4 quantizes every expert's activations with the largest, "
+        "which would zero the others"
+    )
     return [Finding(f"{layer}.{e}.{proj}.{input_key}", msg, e)]
 
 
@@ -159,8 +167,10 @@ def check_moe_layer(
         if gate in read and up in read:
             g, u = float(read[gate].weight.global_scale), float(read[up].weight.global_scale)
             if g != u:
-                msg = (f"gate/up global scales differ (gate {g:.6g}, up {u:.6g}); loaded exactly here, but engines "
-                       "fusing w13 with one scale lose precision")  # fmt: skip
+                msg = (
+                    f"gate/up global scales differ (gate {g:.6g}, up {u:.6g}); loaded exactly here, but engines "
+                    "fusing w13 with one scale lose precision"
+                )
                 findings.append(Finding(f"{layer}.{e}.{up}.{global_key}", msg, e, "warning"))
     for scales in inputs.values():
         findings += _input_outliers(layer, scales, input_key)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["THREADS_ENV", "compile_kernels", "run_bounded", "warmup_threads", "warmup_token_counts"]
 
 THREADS_ENV = "MOE_NVFP4_WARMUP_THREADS"
-MAX_THREADS = 8  # 8 threads took Qwen3-30B-A3B's warm-up from 34.4 s to 14.7 s, 16 only to 14.3 (design 004)
+MAX_THREADS = 8  # more threads gained nothing measurable (design 004 decision 10)
 
 
 def warmup_threads() -> int:
@@ -119,8 +119,14 @@ def compile_kernels(
                 stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
             x = torch.zeros(t, weights.hidden, dtype=dtype, device=device)
             ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
-            forward(x, weights, torch.full((t, top_k), 1.0 / top_k, device=device), ids, expert_map=expert_map,
-                    apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
+            forward(
+                x,
+                weights,
+                torch.full((t, top_k), 1.0 / top_k, device=device),
+                ids,
+                expert_map=expert_map,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+            )
             if cuda and not serial:
                 torch.cuda.current_stream(device).synchronize()  # its memory is free again when it leaves the budget
 

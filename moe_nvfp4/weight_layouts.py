@@ -30,8 +30,18 @@ import torch
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout
 from .layouts import GATE_UP_BLOCK, FragmentLayout, round_up, swizzle_scales_128x4, unswizzle_scales_128x4
 
-__all__ = ["MoELayout", "Sm90Layout", "Sm100Layout", "FlashInferLayout", "weight_layout", "padded_intermediate",
-           "gated_rows_order", "shuffle_rows_order", "INTERMEDIATE_ALIGN", "HIDDEN_ALIGN"]  # fmt: skip
+__all__ = [
+    "MoELayout",
+    "Sm90Layout",
+    "Sm100Layout",
+    "FlashInferLayout",
+    "weight_layout",
+    "padded_intermediate",
+    "gated_rows_order",
+    "shuffle_rows_order",
+    "INTERMEDIATE_ALIGN",
+    "HIDDEN_ALIGN",
+]
 
 # The values a packing launch reads at most (one expert's block at least): in place, the copy set aside.
 PACK_RUN_BYTES = 1 << 24
@@ -90,8 +100,12 @@ class Sm90Layout(MoELayout):
         def pack(q: NVFP4Tensor, row_blocks: tuple[tuple[int, int], ...], k: int) -> tuple[torch.Tensor, torch.Tensor]:
             """Each (start, rows) block of q's rows becomes its own padded run of rows (gate and up stay apart)."""
             np_, kp = sum(layout.padded_n(rows) for _, rows in row_blocks), layout.padded_k(k)
-            in_place = (reuse_input_memory and (np_, kp) == (q.n, k) and q.packed.is_contiguous()
-                        and q.block_scale.is_contiguous())  # fmt: skip
+            in_place = (
+                reuse_input_memory
+                and (np_, kp) == (q.n, k)
+                and q.packed.is_contiguous()
+                and q.block_scale.is_contiguous()
+            )
             if in_place:
                 packed, scale = q.packed, q.block_scale.view(torch.uint8)
             else:
@@ -168,12 +182,14 @@ class Sm100Layout(MoELayout):
             return torch.cat(tuple(blocks), 2).reshape(e, 2 * inter_pad, t.shape[2])
 
         w2_scale = _pad(w2.block_scale.view(torch.uint8), hidden, inter_pad // 16)
-        return (interleave(w13.packed).contiguous(),
-                swizzle_scales_128x4(interleave(w13.block_scale.view(torch.uint8))).view(NVFP4.scale_dtype),
-                w13.global_scale.float().contiguous(),
-                _pad(w2.packed, hidden, inter_pad // 2).contiguous(),
-                swizzle_scales_128x4(w2_scale).view(NVFP4.scale_dtype),
-                w2.global_scale.float().contiguous())  # fmt: skip
+        return (
+            interleave(w13.packed).contiguous(),
+            swizzle_scales_128x4(interleave(w13.block_scale.view(torch.uint8))).view(NVFP4.scale_dtype),
+            w13.global_scale.float().contiguous(),
+            _pad(w2.packed, hidden, inter_pad // 2).contiguous(),
+            swizzle_scales_128x4(w2_scale).view(NVFP4.scale_dtype),
+            w2.global_scale.float().contiguous(),
+        )
 
     def to_nvfp4(self, weights: MoEWeights) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         e, inter, hidden = weights.num_experts, weights.intermediate, weights.hidden
@@ -184,8 +200,9 @@ class Sm100Layout(MoELayout):
             blocks = t.reshape(e, inter_pad // GATE_UP_BLOCK, 2, GATE_UP_BLOCK, t.shape[-1])
             return torch.cat([blocks[:, :, h].reshape(e, inter_pad, -1)[:, :inter] for h in (0, 1)], 1)
 
-        w13 = NVFP4Tensor(deinterleave(weights.w13_packed), deinterleave(scales).view(NVFP4.scale_dtype),
-                          weights.w13_global)  # fmt: skip
+        w13 = NVFP4Tensor(
+            deinterleave(weights.w13_packed), deinterleave(scales).view(NVFP4.scale_dtype), weights.w13_global
+        )
         w2 = NVFP4Tensor(
             weights.w2_packed, weights.w2_scale, weights.w2_global, ScaleLayout.SWIZZLED_128x4
         ).linear_scales()
@@ -233,12 +250,14 @@ class FlashInferLayout(MoELayout):
 
         s13 = up_gate(w13.block_scale.view(torch.uint8), h_pad // 16)[:, w13_rows]
         s2 = _pad(w2.block_scale.view(torch.uint8), h_pad, i_pad // 16)[:, w2_rows]
-        return (up_gate(w13.packed, h_pad // 2)[:, w13_rows].contiguous(),
-                swizzle_scales_128x4(s13).view(NVFP4.scale_dtype),
-                w13.global_scale.float().contiguous(),
-                _pad(w2.packed, h_pad, i_pad // 2)[:, w2_rows].contiguous(),
-                swizzle_scales_128x4(s2).view(NVFP4.scale_dtype),
-                w2.global_scale.float().contiguous())  # fmt: skip
+        return (
+            up_gate(w13.packed, h_pad // 2)[:, w13_rows].contiguous(),
+            swizzle_scales_128x4(s13).view(NVFP4.scale_dtype),
+            w13.global_scale.float().contiguous(),
+            _pad(w2.packed, h_pad, i_pad // 2)[:, w2_rows].contiguous(),
+            swizzle_scales_128x4(s2).view(NVFP4.scale_dtype),
+            w2.global_scale.float().contiguous(),
+        )
 
     def to_nvfp4(self, weights: MoEWeights) -> tuple[NVFP4Tensor, NVFP4Tensor]:
         h, i = weights.hidden, weights.intermediate
@@ -254,9 +273,11 @@ class FlashInferLayout(MoELayout):
 
         v13, s13 = undo(weights.w13_packed, weights.w13_scale, w13_rows)
         up, gate = (slice(0, i), slice(i_pad, i_pad + i))
-        w13 = NVFP4Tensor(torch.cat((v13[:, gate, : h // 2], v13[:, up, : h // 2]), 1),
-                          torch.cat((s13[:, gate, : h // 16], s13[:, up, : h // 16]), 1).view(NVFP4.scale_dtype),
-                          weights.w13_global)  # fmt: skip
+        w13 = NVFP4Tensor(
+            torch.cat((v13[:, gate, : h // 2], v13[:, up, : h // 2]), 1),
+            torch.cat((s13[:, gate, : h // 16], s13[:, up, : h // 16]), 1).view(NVFP4.scale_dtype),
+            weights.w13_global,
+        )
         v2, s2 = undo(weights.w2_packed, weights.w2_scale, w2_rows)
         w2 = NVFP4Tensor(v2[:, :h, : i // 2], s2[:, :h, : i // 16].view(NVFP4.scale_dtype), weights.w2_global)
         return w13, w2

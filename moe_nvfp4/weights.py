@@ -12,8 +12,15 @@ from .configs import LayerShape
 from .expert_activation import SILU, ExpertActivation
 from .formats import NVFP4, NVFP4Tensor
 from .layouts import padded_scale_shape, round_up
-from .weight_layouts import (HIDDEN_ALIGN, INTERMEDIATE_ALIGN, FlashInferLayout, MoELayout, Sm90Layout, Sm100Layout,
-                             padded_intermediate)  # fmt: skip
+from .weight_layouts import (
+    HIDDEN_ALIGN,
+    INTERMEDIATE_ALIGN,
+    FlashInferLayout,
+    MoELayout,
+    Sm90Layout,
+    Sm100Layout,
+    padded_intermediate,
+)
 
 __all__ = ["MoEWeights", "LAYOUT"]
 
@@ -60,17 +67,23 @@ class MoEWeights:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % NVFP4.block_size:
                 raise ValueError(f"MoEWeights.{name} must be a positive multiple of {NVFP4.block_size}, got {value!r}")
         if not isinstance(self.w13_packed, torch.Tensor) or self.w13_packed.dim() != 3:
-            raise ValueError(f"MoEWeights.w13_packed must be a [E, rows, K/2] tensor, got "
-                             f"{getattr(self.w13_packed, 'shape', type(self.w13_packed))}")  # fmt: skip
+            raise ValueError(
+                f"MoEWeights.w13_packed must be a [E, rows, K/2] tensor, got "
+                f"{getattr(self.w13_packed, 'shape', type(self.w13_packed))}"
+            )
         if self.num_experts < 1:
             raise ValueError("MoEWeights.w13_packed holds no experts (E=0)")
-        if not isinstance(self.layout, Sm90Layout) and (self.activation.name != "silu" or self.w13_bias is not None
-                                                         or self.w2_bias is not None):  # fmt: skip
-            raise ValueError(f"MoEWeights in the {self.layout.name} layout (W4A4) run a gated SiLU without biases; "
-                             f"got activation {self.activation.name}, biases "
-                             f"{self.w13_bias is not None}/{self.w2_bias is not None}")  # fmt: skip
-        expected = _expected_tensors(self.layout, self.num_experts, self.hidden, self.intermediate,
-                                     self.activation.gated)  # fmt: skip
+        if not isinstance(self.layout, Sm90Layout) and (
+            self.activation.name != "silu" or self.w13_bias is not None or self.w2_bias is not None
+        ):
+            raise ValueError(
+                f"MoEWeights in the {self.layout.name} layout (W4A4) run a gated SiLU without biases; "
+                f"got activation {self.activation.name}, biases "
+                f"{self.w13_bias is not None}/{self.w2_bias is not None}"
+            )
+        expected = _expected_tensors(
+            self.layout, self.num_experts, self.hidden, self.intermediate, self.activation.gated
+        )
         device = self.w13_packed.device
         for name, (shape, dtype) in expected.items():
             t = getattr(self, name)
@@ -79,9 +92,11 @@ class MoEWeights:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"MoEWeights.{name} must be a tensor, got {type(t).__name__}")
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"MoEWeights.{name} must be {dtype} {shape} for E={self.num_experts}, "
-                                 f"hidden={self.hidden}, intermediate={self.intermediate} in the {self.layout.name} "
-                                 f"layout ({self.activation.name}); got {t.dtype} {tuple(t.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"MoEWeights.{name} must be {dtype} {shape} for E={self.num_experts}, "
+                    f"hidden={self.hidden}, intermediate={self.intermediate} in the {self.layout.name} "
+                    f"layout ({self.activation.name}); got {t.dtype} {tuple(t.shape)}"
+                )
             if t.device != device:
                 raise ValueError(f"MoEWeights.{name} is on {t.device}, w13_packed on {device}: one device for all")
             if not t.is_contiguous():
@@ -105,8 +120,9 @@ class MoEWeights:
         """What configs are chosen for when these weights run with ``top_k``, ``dtype`` activations and
         ``expert_map`` (its length is the routing's expert count)."""
         n_global = 0 if expert_map is None else expert_map.numel()
-        return LayerShape(self.num_experts, top_k, self.hidden, self.intermediate, dtype, n_global,
-                          gated=self.activation.gated)  # fmt: skip
+        return LayerShape(
+            self.num_experts, top_k, self.hidden, self.intermediate, dtype, n_global, gated=self.activation.gated
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.tensors, self.w13_bias, self.w2_bias) if t is not None)
@@ -116,20 +132,28 @@ class MoEWeights:
         return self.layout.to_nvfp4(self)
 
 
-def _expected_tensors(layout: MoELayout, e: int, h: int, i: int,
-                      gated: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # fmt: skip
+def _expected_tensors(
+    layout: MoELayout, e: int, h: int, i: int, gated: bool
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Field name -> (shape, dtype) of every tensor of ``MoEWeights`` with these dimensions in ``layout``, as its
     ``pack`` writes them (weight_layouts)."""
     u8, e4m3, f32 = torch.uint8, NVFP4.scale_dtype, torch.float32
-    common = {"w13_global": ((e, 2) if gated else (e,), f32), "w2_global": ((e,), f32),
-              "w13_bias": ((e, 2 * i if gated else i), f32), "w2_bias": ((e, h), f32)}  # fmt: skip
+    common = {
+        "w13_global": ((e, 2) if gated else (e,), f32),
+        "w2_global": ((e,), f32),
+        "w13_bias": ((e, 2 * i if gated else i), f32),
+        "w2_bias": ((e, h), f32),
+    }
     if isinstance(layout, Sm90Layout):
         f = layout.fragments
         rows13 = (2 if gated else 1) * f.padded_n(i)
-        return {"w13_packed": ((e, rows13, f.padded_k(h) // 2), u8),
-                "w13_scale": ((e, rows13, f.padded_k(h) // 16), u8),
-                "w2_packed": ((e, f.padded_n(h), f.padded_k(i) // 2), u8),
-                "w2_scale": ((e, f.padded_n(h), f.padded_k(i) // 16), u8), **common}  # fmt: skip
+        return {
+            "w13_packed": ((e, rows13, f.padded_k(h) // 2), u8),
+            "w13_scale": ((e, rows13, f.padded_k(h) // 16), u8),
+            "w2_packed": ((e, f.padded_n(h), f.padded_k(i) // 2), u8),
+            "w2_scale": ((e, f.padded_n(h), f.padded_k(i) // 16), u8),
+            **common,
+        }
     if isinstance(layout, Sm100Layout):
         if h % 32:
             raise ValueError(f"MoEWeights.hidden={h}; the {layout.name} layout needs a multiple of 32")
@@ -138,7 +162,10 @@ def _expected_tensors(layout: MoELayout, e: int, h: int, i: int,
         i_pad, h_pad = round_up(i, INTERMEDIATE_ALIGN), round_up(h, HIDDEN_ALIGN)
     else:
         raise TypeError(f"MoEWeights: no shape rule for the {layout.name} layout")
-    return {"w13_packed": ((e, 2 * i_pad, h_pad // 2), u8),
-            "w13_scale": ((e, *padded_scale_shape(2 * i_pad, h_pad // 16)), e4m3),
-            "w2_packed": ((e, h_pad, i_pad // 2), u8),
-            "w2_scale": ((e, *padded_scale_shape(h_pad, i_pad // 16)), e4m3), **common}  # fmt: skip
+    return {
+        "w13_packed": ((e, 2 * i_pad, h_pad // 2), u8),
+        "w13_scale": ((e, *padded_scale_shape(2 * i_pad, h_pad // 16)), e4m3),
+        "w2_packed": ((e, h_pad, i_pad // 2), u8),
+        "w2_scale": ((e, *padded_scale_shape(h_pad, i_pad // 16)), e4m3),
+        **common,
+    }

@@ -87,29 +87,66 @@ def tiny_config(family: Family):
         # topk_method and scoring_func are not DeepseekV3Config fields in transformers 5, but vLLM 0.26 reads them
         # (without them it builds no correction bias and scores with softmax): they go to config.json as extras.
         return DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * EXPERT_INTERMEDIATE,
-            moe_intermediate_size=EXPERT_INTERMEDIATE, num_hidden_layers=DEEPSEEK_LAYERS, num_attention_heads=8,
-            num_key_value_heads=8, n_routed_experts=DEEPSEEK_EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K,
-            n_group=DEEPSEEK_GROUPS, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-            routed_scaling_factor=DEEPSEEK_ROUTED_SCALING, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512,
-            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=512,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * EXPERT_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            num_hidden_layers=DEEPSEEK_LAYERS,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            n_routed_experts=DEEPSEEK_EXPERTS,
+            n_shared_experts=1,
+            num_experts_per_tok=TOP_K,
+            n_group=DEEPSEEK_GROUPS,
+            topk_group=2,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=DEEPSEEK_ROUTED_SCALING,
+            first_k_dense_replace=1,
+            q_lora_rank=64,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            max_position_embeddings=512,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
     if family == "nemotron_h":
         return NemotronHConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, layers_block_type=list(NEMOTRON_LAYERS), num_attention_heads=4,
-            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_INTERMEDIATE, moe_shared_expert_intermediate_size=EXPERT_INTERMEDIATE,
-            n_shared_experts=1, intermediate_size=2 * EXPERT_INTERMEDIATE, n_group=1, topk_group=1, norm_topk_prob=True,
-            mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, max_position_embeddings=512,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            layers_block_type=list(NEMOTRON_LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            n_routed_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            moe_shared_expert_intermediate_size=EXPERT_INTERMEDIATE,
+            n_shared_experts=1,
+            intermediate_size=2 * EXPERT_INTERMEDIATE,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=1,
+            max_position_embeddings=512,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
     if family == "llama4_text":
-        return Llama4TextConfig(intermediate_size=EXPERT_INTERMEDIATE, intermediate_size_mlp=2 * EXPERT_INTERMEDIATE,
-                                num_local_experts=EXPERTS, **{**common, "num_experts_per_tok": 1})  # fmt: skip
+        return Llama4TextConfig(
+            intermediate_size=EXPERT_INTERMEDIATE,
+            intermediate_size_mlp=2 * EXPERT_INTERMEDIATE,
+            num_local_experts=EXPERTS,
+            **{**common, "num_experts_per_tok": 1},
+        )
     if family == "gpt_oss":
-        return GptOssConfig(intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=EXPERTS,
-                            **{**common, "head_dim": GPT_OSS_HEAD_DIM})  # fmt: skip
+        return GptOssConfig(
+            intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=EXPERTS, **{**common, "head_dim": GPT_OSS_HEAD_DIM}
+        )
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
@@ -133,8 +170,14 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family)).to(torch.bfloat16)
     if family in ("deepseek_v3", "nemotron_h"):  # sigmoid routers with spread scores and a correction bias
-        _redraw(model, seed + 1, {(".mlp.gate.weight", ".mixer.gate.weight"): DEEPSEEK_ROUTER_STD,
-                                  "gate.e_score_correction_bias": DEEPSEEK_BIAS_STD})  # fmt: skip
+        _redraw(
+            model,
+            seed + 1,
+            {
+                (".mlp.gate.weight", ".mixer.gate.weight"): DEEPSEEK_ROUTER_STD,
+                "gate.e_score_correction_bias": DEEPSEEK_BIAS_STD,
+            },
+        )
     if family == "gpt_oss":
         _redraw(model, seed + 2, {("experts.gate_up_proj_bias", "experts.down_proj_bias"): GPT_OSS_BIAS_STD})
     if not stacked:
@@ -189,9 +232,14 @@ def write_word_tokenizer(out_dir: str | Path, vocab_size: int):
     core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>",
-        additional_special_tokens=list(SPECIAL_TOKENS[3:]), chat_template=CHAT_TEMPLATE,
-    )  # fmt: skip
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        chat_template=CHAT_TEMPLATE,
+    )
     tok.save_pretrained(str(out_dir))
     return tok
 

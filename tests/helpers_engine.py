@@ -64,8 +64,12 @@ def resident_cuda_kernels(pgid: int, timeout_s: float = 45.0) -> str:
     report = []
     for pid in _group_pids(pgid)[:MAX_ATTACHED]:
         try:
-            r = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "info cuda kernels", "-ex", "detach"],
-                               capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+            r = subprocess.run(
+                [gdb, "-p", str(pid), "-batch", "-ex", "info cuda kernels", "-ex", "detach"],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
             report.append(f"pid {pid}: cuda-gdb timed out after {timeout_s} s")
             continue
@@ -79,8 +83,9 @@ def run_until_written(
 ) -> str:
     """Start ``cmd``; return its stderr once ``out`` exists and the process has exited or was killed
     ``exit_grace_s`` later; ``pytest.fail`` with the stderr tail if ``out`` never appears (exit or ``timeout_s``)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     stderr: list[str] = []  # read by a thread so a chatty engine cannot block on a full pipe
     log_dir = os.environ.get("MOE_NVFP4_ENGINE_LOGS")
 
@@ -164,12 +169,19 @@ class VllmServer:
         t0 = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with rc {self.proc.returncode} before it was healthy:\n"
-                                   f"{self.log()[-6000:]}")  # fmt: skip
+                raise RuntimeError(
+                    f"vllm serve exited with rc {self.proc.returncode} before it was healthy:\n{self.log()[-6000:]}"
+                )
             if self.healthy():
                 return time.monotonic() - t0
             time.sleep(1.0)
@@ -293,16 +305,33 @@ def request_mix(
     for g in range(GREEDY_GROUPS):
         prompt = ids(rng.choice(PROMPT_LENS[1:]))
         for _ in range(GREEDY_COPIES):
-            specs.append(RequestSpec(0, "completions", False, prompt, len(prompt), GREEDY_MAX_TOKENS, 0.0,
-                                     logprobs=TOP_LOGPROBS, group=f"greedy{g}"))  # fmt: skip
+            specs.append(
+                RequestSpec(
+                    0,
+                    "completions",
+                    False,
+                    prompt,
+                    len(prompt),
+                    GREEDY_MAX_TOKENS,
+                    0.0,
+                    logprobs=TOP_LOGPROBS,
+                    group=f"greedy{g}",
+                )
+            )
     rng.shuffle(specs)
     return [RequestSpec(i, *astuple(s)[1:]) for i, s in enumerate(specs)]
 
 
 def request_body(spec: RequestSpec, model: str) -> dict:
     """The JSON body of one request (vLLM's extra sampling fields included)."""
-    body = {"model": model, "max_tokens": spec.max_tokens, "temperature": spec.temperature, "seed": spec.index,
-            "stream": spec.stream, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "max_tokens": spec.max_tokens,
+        "temperature": spec.temperature,
+        "seed": spec.index,
+        "stream": spec.stream,
+        "ignore_eos": True,
+    }
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
     if spec.endpoint == "chat":
@@ -341,8 +370,11 @@ def response_problems(spec: RequestSpec, response: dict | list[dict], *, vocab: 
         finishes = [ch.get("finish_reason") for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
         if finishes != ["length"]:
             out.append(f"finish reasons {finishes}, expected one 'length'")
-        pieces = [(ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                  for c in chunks for ch in c.get("choices", [])]  # fmt: skip
+        pieces = [
+            (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            for c in chunks
+            for ch in c.get("choices", [])
+        ]
         if any(p is not None and not isinstance(p, str) for p in pieces):
             out.append("a chunk's text is not a string")
         if chunks[-1].get("choices"):

@@ -119,8 +119,11 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     s13, s2 = torch.tensor([0.7]), torch.tensor([0.3])
     ref = m.fused_moe_torch(x, w13, w2, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
     assert torch.equal(m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2), ref)
-    compiled = torch.compile(lambda x: m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2),
-                             fullgraph=True, backend="eager")  # fmt: skip
+    compiled = torch.compile(
+        lambda x: m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2),
+        fullgraph=True,
+        backend="eager",
+    )
     assert torch.equal(compiled(x), ref)
     with pytest.raises(ValueError, match="w2_input_scale must be one float32"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=torch.ones(2))

@@ -49,8 +49,21 @@ def test_buckets_end_at_the_default_bounds_powers_of_four_and_max_tokens() -> No
 
 def test_buckets_follow_the_entries_where_a_shape_has_them(monkeypatch) -> None:
     cfg = select_config(16, QWEN3, H100)
-    configs.register_entries(H100, [dict(experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16",
-                                         max_tokens=t, config=cfg.to_dict()) for t in (7, 300)])  # fmt: skip
+    configs.register_entries(
+        H100,
+        [
+            dict(
+                experts=128,
+                top_k=8,
+                hidden=2048,
+                intermediate=768,
+                dtype="bfloat16",
+                max_tokens=t,
+                config=cfg.to_dict(),
+            )
+            for t in (7, 300)
+        ],
+    )
     assert token_buckets(1024, QWEN3, H100) == [1, 4, 7, 16, 64, 300, 1024]
 
 
@@ -117,23 +130,40 @@ def test_search_stops_at_its_budget_and_times_every_start_first() -> None:
         return 100.0
 
     buckets = token_buckets(8192, QWEN3, H100)
-    out = search(buckets, lambda t: select_config(t, QWEN3, H100), lambda c, t: neighbours(c, t, QWEN3), measure,
-                 budget_s=len(buckets) + 5.5, clock=lambda: clock[0])  # fmt: skip
+    out = search(
+        buckets,
+        lambda t: select_config(t, QWEN3, H100),
+        lambda c, t: neighbours(c, t, QWEN3),
+        measure,
+        budget_s=len(buckets) + 5.5,
+        clock=lambda: clock[0],
+    )
     assert all(r.start_us == 100.0 for r in out)
     assert sum(r.timed for r in out) == len(buckets) + 6  # no timing starts past the budget
-    short = search(buckets, lambda t: select_config(t, QWEN3, H100), lambda c, t: [], measure, budget_s=2.5,
-                   clock=lambda: clock[0])  # fmt: skip
+    short = search(
+        buckets, lambda t: select_config(t, QWEN3, H100), lambda c, t: [], measure, budget_s=2.5, clock=lambda: clock[0]
+    )
     assert [r.timed for r in short] == [1, 1, 1] + [0] * (len(buckets) - 3)  # the rest keep their config untimed
     assert all(r.config == r.start for r in short)
 
 
 def test_cache_keys_change_with_everything_a_choice_depends_on() -> None:
     base = cache_key(QWEN3, H100)
-    variants = [cache_key(dataclasses.replace(QWEN3, **change), H100) for change in (
-        dict(experts=64), dict(top_k=4), dict(hidden=4096), dict(intermediate=384), dict(dtype="float16"),
-        dict(global_experts=256))]  # fmt: skip
-    variants += [cache_key(QWEN3, dataclasses.replace(H100, **change))
-                 for change in (dict(name="NVIDIA H200"), dict(sm_count=114), dict(capability=(9, 1)))]  # fmt: skip
+    variants = [
+        cache_key(dataclasses.replace(QWEN3, **change), H100)
+        for change in (
+            dict(experts=64),
+            dict(top_k=4),
+            dict(hidden=4096),
+            dict(intermediate=384),
+            dict(dtype="float16"),
+            dict(global_experts=256),
+        )
+    ]
+    variants += [
+        cache_key(QWEN3, dataclasses.replace(H100, **change))
+        for change in (dict(name="NVIDIA H200"), dict(sm_count=114), dict(capability=(9, 1)))
+    ]
     paths = {autotune.cache_path(k) for k in [base, *variants]}
     assert len(paths) == len(variants) + 1
     assert {"package", "kernels", "triton", "torch", "config_version"} <= set(base)
@@ -147,8 +177,9 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path) -> None:
     assert autotune.cache_dir() == Path.home() / ".cache" / "moe_nvfp4" / "autotune"
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True),
-                                      ("True", True), (" on ", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "value,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("True", True), (" on ", True)]
+)
 def test_the_switch_is_off_unless_asked_for(monkeypatch, value, on) -> None:
     if value is None:
         monkeypatch.delenv(autotune.SWITCH_ENV, raising=False)
@@ -188,8 +219,9 @@ def test_a_larger_budget_of_tokens_tunes_only_the_buckets_past_the_cache(tmp_pat
     monkeypatch.setattr(configs, "_MEASURED", {})
     calls: list = []
     report = tune_layer(QWEN3, H100, 4096, _fake({}, calls), budget_s=60, directory=tmp_path)
-    assert report.source == "timed" and {t for _, t in calls} == {b for b in token_buckets(4096, QWEN3, H100)
-                                                                   if b > 256}  # fmt: skip
+    assert report.source == "timed" and {t for _, t in calls} == {
+        b for b in token_buckets(4096, QWEN3, H100) if b > 256
+    }
     assert [e["max_tokens"] for e in json.loads(report.cache_path.read_text())["entries"]] == token_buckets(
         4096, QWEN3, H100
     )
@@ -211,8 +243,9 @@ def test_a_damaged_or_foreign_cache_file_is_timed_again(tmp_path, damage: str) -
 def test_a_cache_entry_with_an_invalid_config_is_timed_again(tmp_path) -> None:
     key = cache_key(QWEN3, H100)
     bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=configs.GemmConfig())
-    entry = dict(experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64,
-                 config=bad.to_dict())  # fmt: skip
+    entry = dict(
+        experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64, config=bad.to_dict()
+    )
     autotune.write_cache(autotune.cache_path(key, tmp_path), key, 64, [entry], 1.0)
     calls: list = []
     assert tune_layer(QWEN3, H100, 64, _fake({}, calls), budget_s=60, directory=tmp_path).source == "timed"
@@ -262,7 +295,8 @@ def test_a_start_without_tuning_serves_exactly_what_the_tuner_cached(tmp_path, m
     registered = configs.measured_entries(KIMI_EP8, H100)
     assert registered[: len(written)] == written and select_config(64, KIMI_EP8, H100) == winner
     assert [e["max_tokens"] for e in registered[len(written) :]] == [
-        t for t in token_buckets(8192, KIMI_EP8, H100) if t > 1024]  # fmt: skip
+        t for t in token_buckets(8192, KIMI_EP8, H100) if t > 1024
+    ]
     assert {t: select_config(t, KIMI_EP8, H100) for t in default} == default
     assert autotune.cached_configs(KIMI_EP8, H100, 8192, directory=tmp_path).source == "process"
 
@@ -270,8 +304,9 @@ def test_a_start_without_tuning_serves_exactly_what_the_tuner_cached(tmp_path, m
 def test_a_damaged_cache_leaves_the_default_serving_at_a_start(tmp_path) -> None:
     key = cache_key(QWEN3, H100)
     bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=configs.GemmConfig())
-    entry = dict(experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64,
-                 config=bad.to_dict())  # fmt: skip
+    entry = dict(
+        experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64, config=bad.to_dict()
+    )
     autotune.write_cache(autotune.cache_path(key, tmp_path), key, 64, [entry], 1.0)
     assert autotune.cached_configs(QWEN3, H100, 64, directory=tmp_path).source == "default"
     assert configs.measured_entries(QWEN3, H100) == []
@@ -289,8 +324,10 @@ def test_force_times_again_what_the_cache_holds(tmp_path, monkeypatch) -> None:
 def test_load_reads_the_cache_and_tunes_only_when_switched_on(switch, tmp_path, monkeypatch) -> None:
     """What the vLLM plugin runs at load: by default (and with 0) the cache (cached_configs), never a timing; with
     MOE_NVFP4_AUTOTUNE=1 the autotuner, with the scheduler's token budget and the expert map."""
-    weights = SimpleNamespace(w13_packed=SimpleNamespace(device=torch.device("cuda", 0)),  # where and what shape only
-                              layer_shape=lambda top_k, dtype, expert_map=None: QWEN3)  # fmt: skip
+    weights = SimpleNamespace(
+        w13_packed=SimpleNamespace(device=torch.device("cuda", 0)),  # where and what shape only
+        layer_shape=lambda top_k, dtype, expert_map=None: QWEN3,
+    )
     monkeypatch.setattr(autotune, "device_traits", lambda device: H100)
     monkeypatch.setenv("MOE_NVFP4_CACHE_DIR", str(tmp_path))
     if switch is None:

@@ -24,13 +24,16 @@ def _on(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], forced: st
     return select_backends(torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize(("capability", "w4a4", "grouped"), [
-    ((9, 0), None, TRITON),          # Hopper: ours; no FP4 tensor cores, so no W4A4 MoE
-    ((8, 0), None, TRITON),
-    ((12, 0), None, TRITON),         # consumer Blackwell: its FP4 MMA is another instruction
-    ((10, 0), FLASHINFER, CUTE),     # B200: FlashInfer's fused MoE by default
-    ((10, 3), FLASHINFER, CUTE),     # B300
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("capability", "w4a4", "grouped"),
+    [
+        ((9, 0), None, TRITON),  # Hopper: ours; no FP4 tensor cores, so no W4A4 MoE
+        ((8, 0), None, TRITON),
+        ((12, 0), None, TRITON),  # consumer Blackwell: its FP4 MMA is another instruction
+        ((10, 0), FLASHINFER, CUTE),  # B200: FlashInfer's fused MoE by default
+        ((10, 3), FLASHINFER, CUTE),  # B300
+    ],
+)
 def test_defaults_per_architecture(monkeypatch, capability, w4a4, grouped) -> None:
     s = _on(monkeypatch, capability)
     assert s.arch == f"sm_{capability[0]}{capability[1]}"
@@ -56,11 +59,14 @@ def test_overrides(monkeypatch) -> None:
     assert (cpu.moe_w4a16, cpu.moe_w4a4, cpu.grouped_gemm, cpu.quantize) == (TRITON, None, TRITON, TRITON)
 
 
-@pytest.mark.parametrize(("capability", "forced", "match"), [
-    ((9, 0), "cute", r"cute runs on \['sm_100', 'sm_103'\], not on sm_90"),
-    ((9, 0), "flashinfer", "flashinfer runs on .* not on sm_90"),
-    ((10, 0), "cuda", "unknown backend 'cuda'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("capability", "forced", "match"),
+    [
+        ((9, 0), "cute", r"cute runs on \['sm_100', 'sm_103'\], not on sm_90"),
+        ((9, 0), "flashinfer", "flashinfer runs on .* not on sm_90"),
+        ((10, 0), "cuda", "unknown backend 'cuda'"),
+    ],
+)
 def test_override_refused_where_it_cannot_run(monkeypatch, capability, forced, match) -> None:
     with pytest.raises(ValueError, match=match):
         _on(monkeypatch, capability, forced)
@@ -91,8 +97,12 @@ def test_registry_states_what_ran_on_hardware() -> None:
 def test_backend_names_are_compared_nowhere_else() -> None:
     """The failure this prevents: a call site comparing a backend string that the registry no longer returns."""
     pattern = re.compile(r"""[=!]=\s*["'](torch|triton|cute|flashinfer)["']""")
-    offenders = [str(p.relative_to(ROOT)) for base in ("moe_nvfp4", "integrations") for p in (ROOT / base).rglob("*.py")
-                 if pattern.search(p.read_text())]  # fmt: skip
+    offenders = [
+        str(p.relative_to(ROOT))
+        for base in ("moe_nvfp4", "integrations")
+        for p in (ROOT / base).rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
     assert offenders == []
 
 
@@ -117,8 +127,12 @@ def test_backend_objects_are_named_only_by_the_registry_and_dispatch() -> None:
     object to compare it with ``is``."""
     pattern = re.compile(r"\b(TORCH|TRITON|CUTE|FLASHINFER)\b(?!_)")
     allowed = {"moe_nvfp4/backends.py", "moe_nvfp4/dispatch.py"}
-    offenders = [rel for base in ("moe_nvfp4", "integrations") for p in (ROOT / base).rglob("*.py")
-                 if (rel := str(p.relative_to(ROOT))) not in allowed and pattern.search(p.read_text())]  # fmt: skip
+    offenders = [
+        rel
+        for base in ("moe_nvfp4", "integrations")
+        for p in (ROOT / base).rglob("*.py")
+        if (rel := str(p.relative_to(ROOT))) not in allowed and pattern.search(p.read_text())
+    ]
     assert offenders == []
 
 

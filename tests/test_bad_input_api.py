@@ -49,11 +49,13 @@ def _strided_views(tw: torch.Tensor, ti: torch.Tensor, gen: torch.Generator) -> 
     tall_w[::2], tall_i[::2] = tw, ti
     mid_w, mid_i = torch.rand(t, k + 2, generator=gen), torch.randint(0, E, (t, k + 2), generator=gen).int()
     mid_w[:, 1 : k + 1], mid_i[:, 1 : k + 1] = tw, ti
-    return {"[:, :1] of top-k routing": (tw[:, :1], ti[:, :1]),
-            "first columns of a wider buffer (int64 ids)": (wide_w[:, :k], wide_i[:, :k]),
-            "every other row": (tall_w[::2], tall_i[::2]),
-            "a column slice in the middle": (mid_w[:, 1 : k + 1], mid_i[:, 1 : k + 1]),
-            "strided ids, contiguous weights": (tw[:, :1].contiguous(), wide_i[:, :1])}  # fmt: skip
+    return {
+        "[:, :1] of top-k routing": (tw[:, :1], ti[:, :1]),
+        "first columns of a wider buffer (int64 ids)": (wide_w[:, :k], wide_i[:, :k]),
+        "every other row": (tall_w[::2], tall_i[::2]),
+        "a column slice in the middle": (mid_w[:, 1 : k + 1], mid_i[:, 1 : k + 1]),
+        "strided ids, contiguous weights": (tw[:, :1].contiguous(), wide_i[:, :1]),
+    }
 
 
 def test_strided_routing_on_cpu_equals_contiguous(gen: torch.Generator) -> None:
@@ -97,8 +99,13 @@ def test_strided_routing_through_the_triton_kernels(seed: int) -> None:
     """The Triton path (interpreter) reads routing views as their values, not as the bytes of a contiguous
     tensor (before the fix: 0.35-1.33 relative error)."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    proc = subprocess.run([sys.executable, "-c", STRIDED_SCRIPT, str(seed % 2**31), os.path.dirname(__file__)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", STRIDED_SCRIPT, str(seed % 2**31), os.path.dirname(__file__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 5, proc.stdout
@@ -124,14 +131,16 @@ METADATA_CASES = [  # (fields replaced, what the error must say)
     (dict(w2_global=torch.ones(4, 2)), r"MoEWeights\.w2_global must be torch\.float32 \(4,\)"),
     (dict(w13_global=torch.ones(4, 2, dtype=torch.float64)), r"MoEWeights\.w13_global must be torch\.float32"),
     (dict(w2_packed=torch.zeros(4, 64, 64, dtype=torch.int8)), r"MoEWeights\.w2_packed must be torch\.uint8"),
-    (dict(w2_packed=torch.zeros(4, 64, 128, dtype=torch.uint8)[:, :, ::2]),
-     r"MoEWeights\.w2_packed must be contiguous"),
+    (
+        dict(w2_packed=torch.zeros(4, 64, 128, dtype=torch.uint8)[:, :, ::2]),
+        r"MoEWeights\.w2_packed must be contiguous",
+    ),
     (dict(w2_scale=torch.zeros(4, 64, 8, dtype=torch.uint8, device="meta")), r"MoEWeights\.w2_scale is on meta"),
     (dict(w13_bias=torch.zeros(4, 32)), r"MoEWeights\.w13_bias must be torch\.float32 \(4, 64\)"),
     (dict(w2_bias=torch.zeros(4, 64, dtype=torch.float16)), r"MoEWeights\.w2_bias must be torch\.float32"),
     (dict(w13_packed=torch.zeros(0, 128, 32, dtype=torch.uint8)), r"holds no experts"),
     (dict(w13_packed=torch.zeros(128, 32, dtype=torch.uint8)), r"MoEWeights\.w13_packed must be a \[E, rows, K/2\]"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -296,11 +305,15 @@ def test_w4a4_nan_token_gives_nan_like_w4a16(gen: torch.Generator) -> None:
     x = torch.randn(4, H, generator=gen).bfloat16()
     tw, ti = _routing(gen, 4)
     scale = torch.tensor([0.01])
-    clean = (m.fused_moe(x, weights, tw, ti),
-             m.fused_moe_w4a4(x, w4a4, tw, ti, w13_input_scale=scale, w2_input_scale=scale))  # fmt: skip
+    clean = (
+        m.fused_moe(x, weights, tw, ti),
+        m.fused_moe_w4a4(x, w4a4, tw, ti, w13_input_scale=scale, w2_input_scale=scale),
+    )
     x[1, 7] = float("nan")
-    poisoned = (m.fused_moe(x, weights, tw, ti),
-                m.fused_moe_w4a4(x, w4a4, tw, ti, w13_input_scale=scale, w2_input_scale=scale))  # fmt: skip
+    poisoned = (
+        m.fused_moe(x, weights, tw, ti),
+        m.fused_moe_w4a4(x, w4a4, tw, ti, w13_input_scale=scale, w2_input_scale=scale),
+    )
     for before, after in zip(clean, poisoned):
         assert after[1].isnan().all()
         rest = [0, 2, 3]
@@ -351,8 +364,13 @@ def test_triton_quantizer_propagates_nan_with_the_reference_bytes(seed: int) -> 
     """The Triton quantizer (interpreter) gives the reference's bytes for NaN/inf blocks (scale byte 0x7F, codes 0)
     and for unusable global scales (every block NaN), in every input dtype."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", QUANT_SCRIPT, str(seed % 2**31)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", QUANT_SCRIPT, str(seed % 2**31)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 15 and all(line.endswith("True True") for line in lines), proc.stdout

@@ -38,8 +38,9 @@ def test_defaults_are_qwen3_the_full_token_sweep_and_the_available_paths(monkeyp
 
 
 def test_models_shapes_tokens_and_paths():
-    args = _args("--model", "kimi-k2-ep8,mixtral", "--shape", "60,4,1040,336", "--tokens", "1,16", "--paths",
-                 "ours,BF16,ours")  # fmt: skip
+    args = _args(
+        "--model", "kimi-k2-ep8,mixtral", "--shape", "60,4,1040,336", "--tokens", "1,16", "--paths", "ours,BF16,ours"
+    )
     assert list(args.models) == ["kimi-k2-ep8", "mixtral-8x7b", "60,4,1040,336"]
     ep8 = zoo_shape("kimi-k2-ep8")
     assert _dims(args.models["kimi-k2-ep8"]) == (ep8.experts, 8, 7168, 2048, 384)
@@ -127,8 +128,10 @@ def test_available_paths_follow_the_installed_packages(monkeypatch):
 
 def test_the_package_bench_imports_no_vllm():
     """Importing the bench, the CLI and the demo must not import vLLM (the paths import it when they are built)."""
-    code = ("import sys; import moe_nvfp4.bench.moe, moe_nvfp4.bench.paths, moe_nvfp4.cli, moe_nvfp4.demo; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'humming')))")  # fmt: skip
+    code = (
+        "import sys; import moe_nvfp4.bench.moe, moe_nvfp4.bench.paths, moe_nvfp4.cli, moe_nvfp4.demo; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'humming')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -141,8 +144,22 @@ def test_the_package_bench_imports_no_vllm():
 def test_bench_on_the_cpu_writes_json_and_markdown(tmp_path, capsys):
     """Ours (the torch reference on a CPU) and the torch loop on an odd little layer (5 experts, top-3) at T=1 and
     T=3: the table on stdout, and --out as JSON (today's rows and meta) and as Markdown."""
-    common = ["bench", "--device", "cpu", "--shape", "5,3,64,48", "--tokens", "1,3", "--paths", "ours,torch",
-              "--rounds", "1", "--replays", "2", "--no-rotate"]  # fmt: skip
+    common = [
+        "bench",
+        "--device",
+        "cpu",
+        "--shape",
+        "5,3,64,48",
+        "--tokens",
+        "1,3",
+        "--paths",
+        "ours,torch",
+        "--rounds",
+        "1",
+        "--replays",
+        "2",
+        "--no-rotate",
+    ]
     assert main([*common, "--out", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "| model | config | T | ours µs | torch µs | floor µs |" in out and "Marlin" not in out, out

@@ -23,8 +23,16 @@ from moe_nvfp4.convert import inspect_checkpoint  # noqa: E402
 from moe_nvfp4.formats import NVFP4Tensor, dequantize_nvfp4  # noqa: E402
 from moe_nvfp4.zoo import zoo_shape  # noqa: E402
 
-ENV = {"device": "cpu", "torch": "2", "cuda": None, "vllm": "0.26.0", "triton": "3.6.0", "moe_nvfp4": "0",
-       "git_commit": "abc", "date": "2026-11-27"}  # fmt: skip
+ENV = {
+    "device": "cpu",
+    "torch": "2",
+    "cuda": None,
+    "vllm": "0.26.0",
+    "triton": "3.6.0",
+    "moe_nvfp4": "0",
+    "git_commit": "abc",
+    "date": "2026-11-27",
+}
 
 
 @pytest.fixture
@@ -42,16 +50,20 @@ def test_directly_written_checkpoint_is_clean_and_has_the_weights_rms(tmp_path, 
     assert report.ok and not report.problems, str(report)
     moe = zoo_shape("qwen3-30b-a3b")
     assert report.experts_per_layer == {"model.layers.0.mlp.experts": moe.experts}
-    assert report.shapes == {"gate": (moe.intermediate, moe.hidden), "up": (moe.intermediate, moe.hidden),
-                             "down": (moe.hidden, moe.intermediate)}  # fmt: skip
+    assert report.shapes == {
+        "gate": (moe.intermediate, moe.hidden),
+        "up": (moe.intermediate, moe.hidden),
+        "down": (moe.hidden, moe.intermediate),
+    }
     cfg = json.loads((out / "config.json").read_text())
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))  # transformers 5 renamed Qwen3-MoE's key
     assert (cfg["num_hidden_layers"], experts, cfg["moe_intermediate_size"]) == (1, moe.experts, moe.intermediate)
     assert report.quant_algo == "W4A16_NVFP4" and report.metadata["gate_up_global_scale"] == "separate"
     tensors = load_file(str(out / "model-00001-of-00002.safetensors"))
     p = "model.layers.0.mlp.experts.5.up_proj"
-    up = NVFP4Tensor(tensors[f"{p}.weight"][None], tensors[f"{p}.weight_scale"][None],
-                     tensors[f"{p}.weight_scale_2"].reshape(1))  # fmt: skip
+    up = NVFP4Tensor(
+        tensors[f"{p}.weight"][None], tensors[f"{p}.weight_scale"][None], tensors[f"{p}.weight_scale_2"].reshape(1)
+    )
     rms = float(dequantize_nvfp4(up).pow(2).mean().sqrt())  # ModelOpt's weight_scale_2 multiplies, as ours
     assert 0.8 * e2e.WEIGHT_RMS < rms < 1.25 * e2e.WEIGHT_RMS, rms
     mtime = (out / "config.json").stat().st_mtime_ns
@@ -152,8 +164,10 @@ def test_the_throughput_runner_script_writes_what_run_path_reads(tmp_path, monke
     assert [(r["batch"], len(r["seconds_all"])) for r in result["rows"]] == [(1, 2), (3, 2)]
     assert all(r["output_tokens_per_s"] > 0 for r in result["rows"]) and result["engine_start_s"] >= 0
     assert result["plugin_log"] == ["INFO nvfp4_grouped: compiled MoE kernels for token counts [1] (up to 8) in 0.0 s"]
-    assert result["start_log"] == ["INFO [default_loader.py:291] Loading weights took 0.98 seconds",
-                                   "INFO [monitor.py:53] torch.compile took 27.45 s in total"]  # fmt: skip
+    assert result["start_log"] == [
+        "INFO [default_loader.py:291] Loading weights took 0.98 seconds",
+        "INFO [monitor.py:53] torch.compile took 27.45 s in total",
+    ]
 
 
 @pytest.mark.usefixtures("no_checkpoints")
@@ -209,8 +223,15 @@ def test_bench_arguments_parse_with_vllms_own_client():
 @pytest.mark.parametrize(("completed", "failed"), [(256, 0), (250, 6)])
 def test_bench_once_keeps_the_metrics_and_refuses_a_partial_run(tmp_path, monkeypatch, completed, failed):
     """A run where requests failed is marked an error: its timings are over part of the load, not this rate's."""
-    raw = {"completed": completed, "failed": failed, "output_throughput": 5000.0, "median_ttft_ms": 30.0,
-           "p99_ttft_ms": 90.0, "median_tpot_ms": 8.0, "p99_tpot_ms": 9.5}  # fmt: skip
+    raw = {
+        "completed": completed,
+        "failed": failed,
+        "output_throughput": 5000.0,
+        "median_ttft_ms": 30.0,
+        "p99_ttft_ms": 90.0,
+        "median_tpot_ms": 8.0,
+        "p99_tpot_ms": 9.5,
+    }
 
     def client(cmd, **kw):
         (tmp_path / cmd[cmd.index("--result-filename") + 1]).write_text(json.dumps(raw))
@@ -232,8 +253,17 @@ def test_serving_table_keeps_earlier_paths_and_sets_ours_against_each(tmp_path, 
 
     def run_path(name, ckpt, args, out_dir):
         tok, tpot = metrics[name]
-        rows = [{"rate": r, "output_throughput": tok, "median_ttft_ms": 20.0, "p99_ttft_ms": 40.0,
-                 "median_tpot_ms": tpot, "p99_tpot_ms": tpot * 1.5} for r in args.rates]  # fmt: skip
+        rows = [
+            {
+                "rate": r,
+                "output_throughput": tok,
+                "median_ttft_ms": 20.0,
+                "p99_ttft_ms": 40.0,
+                "median_tpot_ms": tpot,
+                "p99_tpot_ms": tpot * 1.5,
+            }
+            for r in args.rates
+        ]
         if name == "vllm_modelopt_fp4":
             rows[-1] = {"rate": args.rates[-1], "error": "250 of 256 requests completed (6 failed)"}
         return {"path": name, "rows": rows}
@@ -256,8 +286,20 @@ def _fake_serving(monkeypatch, tmp_path, seen):
 
     def run_path(name, ckpt, args, out_dir):
         seen.append((name, args.input_len, args.output_len, args.workload))
-        return {"path": name, "rows": [{"rate": r, "output_throughput": 100.0, "median_ttft_ms": 20.0, "p99_ttft_ms": 40.0,
-                                        "median_tpot_ms": 5.0, "p99_tpot_ms": 6.0} for r in args.rates]}  # fmt: skip
+        return {
+            "path": name,
+            "rows": [
+                {
+                    "rate": r,
+                    "output_throughput": 100.0,
+                    "median_ttft_ms": 20.0,
+                    "p99_ttft_ms": 40.0,
+                    "median_tpot_ms": 5.0,
+                    "p99_tpot_ms": 6.0,
+                }
+                for r in args.rates
+            ],
+        }
 
     monkeypatch.setattr(serve_bench, "run_path", run_path)
 
@@ -274,8 +316,11 @@ def test_the_prefill_heavy_workload_is_2048_in_128_out_in_its_own_report(tmp_pat
     common = ["--layers", "2", "--out", str(tmp_path / "out"), "--rates", "inf"]
     assert serve_bench.main(["--paths", "ours", *common]) == 0
     assert serve_bench.main(["--paths", "ours", "humming", "--workload", "prefill-heavy", *common]) == 0
-    assert seen == [("ours", 512, 256, "default"), ("ours", 2048, 128, "prefill-heavy"),
-                    ("humming", 2048, 128, "prefill-heavy")]  # fmt: skip
+    assert seen == [
+        ("ours", 512, 256, "default"),
+        ("ours", 2048, 128, "prefill-heavy"),
+        ("humming", 2048, 128, "prefill-heavy"),
+    ]
     report = json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2_prefill-heavy.json").read_text())
     assert list(report["results"]) == ["ours", "humming"] and report["args"]["workload"] == "prefill-heavy"
     assert list(json.loads((tmp_path / "out" / "serve_qwen3-30b-a3b_L2.json").read_text())["results"]) == ["ours"]

@@ -39,9 +39,21 @@ class DType:
         return self.name
 
 
-DTYPES = types.SimpleNamespace(**{n: DType(n, b) for n, b in [
-    ("float16", 16), ("bfloat16", 16), ("float32", 32), ("float8e4m3", 8), ("float8e5m2", 8), ("int8", 8),
-    ("int4", 4), ("float4e2m1", 4)]})  # fmt: skip
+DTYPES = types.SimpleNamespace(
+    **{
+        n: DType(n, b)
+        for n, b in [
+            ("float16", 16),
+            ("bfloat16", 16),
+            ("float32", 32),
+            ("float8e4m3", 8),
+            ("float8e5m2", 8),
+            ("int8", 8),
+            ("int4", 4),
+            ("float4e2m1", 4),
+        ]
+    }
+)
 
 
 class GemmType(enum.Enum):
@@ -94,9 +106,12 @@ class FakeHumming:
                 pad = lambda v, m: -(-v // m) * m  # noqa: E731
                 layer.humming_metas = getattr(layer, "humming_metas", {})
                 layer.humming_metas[kw["sublayer_name"]] = types.SimpleNamespace(
-                    num_experts=kw["num_experts"], shape_n=pad(kw["shape_n"], kw["pad_n_to_multiple"]),
-                    shape_k=pad(kw["shape_k"], kw["pad_k_to_multiple"]), a_dtype=DTYPES.bfloat16,
-                    c_dtype=DTYPES.bfloat16)  # fmt: skip
+                    num_experts=kw["num_experts"],
+                    shape_n=pad(kw["shape_n"], kw["pad_n_to_multiple"]),
+                    shape_k=pad(kw["shape_k"], kw["pad_k_to_multiple"]),
+                    a_dtype=DTYPES.bfloat16,
+                    c_dtype=DTYPES.bfloat16,
+                )
 
             @staticmethod
             def transform_humming_layer(layer, sublayer_name):
@@ -107,10 +122,14 @@ class FakeHumming:
                 return [[0, 1 << 30, {"block_shape": [16, 128, 128]}]]
 
         self.facade = dict(
-            BaseWeightSchema=types.SimpleNamespace(from_config=ModeloptSchema), HummingWeightSchema=HummingWeightSchema,
-            HummingInputSchema=HummingInputSchema, HummingMethod=HummingMethod, HummingLayerMeta=object,
-            GemmType=GemmType, dtypes=DTYPES,
-        )  # fmt: skip
+            BaseWeightSchema=types.SimpleNamespace(from_config=ModeloptSchema),
+            HummingWeightSchema=HummingWeightSchema,
+            HummingInputSchema=HummingInputSchema,
+            HummingMethod=HummingMethod,
+            HummingLayerMeta=object,
+            GemmType=GemmType,
+            dtypes=DTYPES,
+        )
 
     def of(self, kind: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == kind]
@@ -125,13 +144,39 @@ def fake_apply(seen: list):
     """HummingIndexedExperts.apply less its GPU kernels: records what vLLM's modular kernel passes and the buffers
     the experts carve from the workspaces, then writes a marker into the output."""
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input):  # fmt: skip
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         buffers = self.prepare_buffers(workspace13, workspace2, topk_ids.size(0), topk_ids.size(1), activation)
-        seen.append(dict(x=hidden_states, w=topk_weights, ids=topk_ids, act=activation, e=global_num_experts,
-                         map=expert_map, m=self.estimate_local_valid_shape_m(topk_ids), w1=w1, layer=self.layer,
-                         shapes={k: tuple(v.shape) for k, v in buffers.items()}))  # fmt: skip
+        seen.append(
+            dict(
+                x=hidden_states,
+                w=topk_weights,
+                ids=topk_ids,
+                act=activation,
+                e=global_num_experts,
+                map=expert_map,
+                m=self.estimate_local_valid_shape_m(topk_ids),
+                w1=w1,
+                layer=self.layer,
+                shapes={k: tuple(v.shape) for k, v in buffers.items()},
+            )
+        )
         output.fill_(1.5)
 
     return apply
@@ -191,11 +236,25 @@ def test_prepare_hands_vllm_the_modelopt_checkpoint(bench, vllm_humming):
         assert (kw["pad_n_to_multiple"], kw["pad_k_to_multiple"]) == (256, 128)
     # transform sees the converted parameters only: the checkpoint's scale_2 and activation scales are gone
     assert fake.of("transform") == [
-        ("transform", "w13", ["w13_global_scale", "w13_weight", "w13_weight_scale",
-                              "w2_input_scale", "w2_weight", "w2_weight_scale", "w2_weight_scale_2"]),
-        ("transform", "w2", ["w13_global_scale", "w13_weight", "w13_weight_scale",
-                             "w2_global_scale", "w2_weight", "w2_weight_scale"]),
-    ]  # fmt: skip
+        (
+            "transform",
+            "w13",
+            [
+                "w13_global_scale",
+                "w13_weight",
+                "w13_weight_scale",
+                "w2_input_scale",
+                "w2_weight",
+                "w2_weight_scale",
+                "w2_weight_scale_2",
+            ],
+        ),
+        (
+            "transform",
+            "w2",
+            ["w13_global_scale", "w13_weight", "w13_weight_scale", "w2_global_scale", "w2_weight", "w2_weight_scale"],
+        ),
+    ]
 
     assert len(p.weights) == len(p._kernels) == 3
     # the oracle's pick among the three Humming experts classes (all accept this device here)
@@ -221,8 +280,12 @@ def test_forward_runs_vllms_modular_kernel(bench, vllm_humming):
     assert s["layer"] is p.weights[1] and s["w1"] is p.weights[1].w13_weight
     assert (s["e"], s["map"], s["m"]) == (e, None, T * k)  # the forward context: no DP metadata
     assert s["act"].name == "SILU"
-    assert s["shapes"] == {"gate_up_output": (T * k, 2 * i), "activation_output": (T * k, i),
-                           "down_output": (T * k, h), "output": (T, h)}  # fmt: skip
+    assert s["shapes"] == {
+        "gate_up_output": (T * k, 2 * i),
+        "activation_output": (T * k, i),
+        "down_output": (T * k, h),
+        "output": (T, h),
+    }
 
 
 def test_refusals_say_why(bench, vllm_humming, monkeypatch):

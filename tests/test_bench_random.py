@@ -167,8 +167,15 @@ def test_a_rows_config_source_follows_the_files_and_the_autotuner(monkeypatch, t
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs._tuned_entries.cache_clear()
     assert config_source(qwen3, H200) == "default"
-    entry = dict(experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=4096,
-                 config=configs.select_config(4096, qwen3, H200).to_dict())  # fmt: skip
+    entry = dict(
+        experts=128,
+        top_k=8,
+        hidden=2048,
+        intermediate=768,
+        dtype="bfloat16",
+        max_tokens=4096,
+        config=configs.select_config(4096, qwen3, H200).to_dict(),
+    )
     configs.register_entries(H200, [entry])
     assert config_source(qwen3, H200) == "autotuned"
 
@@ -201,10 +208,16 @@ def test_the_humming_kernels_version_comes_from_metadata():
 # the prefill summary
 # --------------------------------------------------------------------------------------------------
 def _row(model, t, ours, bf16, humming, compute_floor, mismatched=()):
-    return dict(model=model, tokens=t, ours_us=ours, compute_floor_us=compute_floor,
-                pct_of_compute_floor=100.0 * compute_floor / ours, speedup_vs_bf16=bf16 / ours,
-                speedup_vs_humming=None if humming is None else humming / ours,
-                mismatched=list(mismatched))  # fmt: skip
+    return dict(
+        model=model,
+        tokens=t,
+        ours_us=ours,
+        compute_floor_us=compute_floor,
+        pct_of_compute_floor=100.0 * compute_floor / ours,
+        speedup_vs_bf16=bf16 / ours,
+        speedup_vs_humming=None if humming is None else humming / ours,
+        mismatched=list(mismatched),
+    )
 
 
 def test_the_prefill_summary_reads_the_targets_off_one_table():
@@ -237,8 +250,10 @@ def test_the_prefill_summary_reads_the_targets_off_one_table():
     assert "| A | 2 | 60 / 70 | 0.95 / 1.02 | 1.20 / 1.30 |" in table, table
     assert "| B | 2 | 70 / 80 | 1.20 / 1.35 | - |" in table, table
     assert "| **all** | 5 |" in "\n".join(table)
-    assert table[-1] == ("Rows meeting issue 58's targets: ours % compute floor >= 75%: 2 of 4; × BF16 >= 1x: 3 of 4; "
-                         "× Humming >= 1.3x: 1 of 2.")  # fmt: skip
+    assert table[-1] == (
+        "Rows meeting issue 58's targets: ours % compute floor >= 75%: 2 of 4; × BF16 >= 1x: 3 of 4; "
+        "× Humming >= 1.3x: 1 of 2."
+    )
     assert prefill_summary([r for r in rows if r.get("tokens", 0) < 1024]) == {} and prefill_table({}) == []
 
 
@@ -304,28 +319,56 @@ def test_the_cpu_run_is_quick_and_its_footer_claims_no_gpu(tmp_path, capsys):
 
 
 def test_the_gpu_header_names_humming_kernels_and_the_random_layers():
-    meta = dict(device_kind="cuda", device="NVIDIA H200", capability="9.0", torch="2.11", triton="3.6.0",
-                vllm="0.26.0", humming_kernels="0.1.10", command="bench", date="today", git_commit="abc",
-                l2_policy="rotating", tuned_entries=False, config_sources={"default": 3}, config_dir="/tmp/empty",
-                random=bench.random_meta(_args("--models", "random:16").models),
-                ceilings={"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0, "copy": {}, "matmul": {"n": 8192}})  # fmt: skip
+    meta = dict(
+        device_kind="cuda",
+        device="NVIDIA H200",
+        capability="9.0",
+        torch="2.11",
+        triton="3.6.0",
+        vllm="0.26.0",
+        humming_kernels="0.1.10",
+        command="bench",
+        date="today",
+        git_commit="abc",
+        l2_policy="rotating",
+        tuned_entries=False,
+        config_sources={"default": 3},
+        config_dir="/tmp/empty",
+        random=bench.random_meta(_args("--models", "random:16").models),
+        ceilings={"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0, "copy": {}, "matmul": {"n": 8192}},
+    )
     lines = summary_lines(meta)
     assert lines[0] == ("device: NVIDIA H200 (sm_90), torch 2.11, triton 3.6.0, vllm 0.26.0, humming-kernels 0.1.10")
     assert "(8192^3, cuBLAS)" in lines[1] and lines[3].startswith("timing: CUDA graph replay")
-    assert lines[-1] == ("random layers: seed 0 (default 0), 16 drawn: E 8-512 (log-uniform), top-k 1-10, H and I "
-                         "multiples of 128 in 1024-8192, gated SiLU, at most 16.9 G expert parameters (the zoo's "
-                         "largest layer)")  # fmt: skip
+    assert lines[-1] == (
+        "random layers: seed 0 (default 0), 16 drawn: E 8-512 (log-uniform), top-k 1-10, H and I "
+        "multiples of 128 in 1024-8192, gated SiLU, at most 16.9 G expert parameters (the zoo's "
+        "largest layer)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # runs taken apart, one report
 # --------------------------------------------------------------------------------------------------
 def _run_meta(command: str, device: str = "NVIDIA H200", **extra) -> dict:
-    return dict(device_kind="cuda", device=device, capability="9.0", torch="2.11", triton="3.6.0", vllm="0.26.0",
-                humming_kernels="0.1.10", command=command, date="today", git_commit="abc", l2_policy="rotating",
-                config_dir="/tmp/empty", wall_s=100.0, args={"paths": ["ours", "bf16"], "repro_command": "b"},
-                ceilings={"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0, "copy": {}, "matmul": {"n": 8192}},
-                **extra)  # fmt: skip
+    return dict(
+        device_kind="cuda",
+        device=device,
+        capability="9.0",
+        torch="2.11",
+        triton="3.6.0",
+        vllm="0.26.0",
+        humming_kernels="0.1.10",
+        command=command,
+        date="today",
+        git_commit="abc",
+        l2_policy="rotating",
+        config_dir="/tmp/empty",
+        wall_s=100.0,
+        args={"paths": ["ours", "bf16"], "repro_command": "b"},
+        ceilings={"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0, "copy": {}, "matmul": {"n": 8192}},
+        **extra,
+    )
 
 
 def test_merged_runs_make_one_report(tmp_path, capsys):

@@ -19,7 +19,11 @@ from bench_w4a4 import PROBLEMS, problem_bytes, shrink  # noqa: E402
 
 def test_problems_are_the_four_benchmark_shapes() -> None:
     assert [(len(ms), sum(ms), n, k) for ms, n, k in PROBLEMS] == [
-        (8, 1024, 4096, 7168), (8, 1024, 7168, 2048), (2, 512, 3072, 4096), (2, 512, 4096, 1536)]  # fmt: skip
+        (8, 1024, 4096, 7168),
+        (8, 1024, 7168, 2048),
+        (2, 512, 3072, 4096),
+        (2, 512, 4096, 1536),
+    ]
 
 
 def test_bytes_count_both_operands_scales_and_output() -> None:
@@ -36,8 +40,18 @@ def test_shrink_keeps_valid_sizes() -> None:
 @pytest.mark.slow
 def test_script_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, str(BENCH / "bench_w4a4.py"), "--device", "cpu", "--shrink", "64", "--problems", "3",
-           "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(BENCH / "bench_w4a4.py"),
+        "--device",
+        "cpu",
+        "--shrink",
+        "64",
+        "--problems",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "w4a4.json").read_text())["rows"]

@@ -148,8 +148,10 @@ def test_k_groups_fit_one_program_on_an_sm() -> None:
     assert not dataclasses.replace(groups, max_registers=176).is_valid(1024)  # 32 x 176 x 12 > 65536
     assert not dataclasses.replace(groups, num_stages=5).is_valid(1024)
     assert not dataclasses.replace(groups, warp_specialized=False).is_valid(1024)
-    assert not any(dataclasses.replace(groups, k_groups=g, num_stages=stages, max_registers=64).is_valid(1024)
-                   for g, stages in ((3, 6), (4, 4), (5, 5)))  # fmt: skip
+    assert not any(
+        dataclasses.replace(groups, k_groups=g, num_stages=stages, max_registers=64).is_valid(1024)
+        for g, stages in ((3, 6), (4, 4), (5, 5))
+    )
     assert not dataclasses.replace(groups, num_warps=8, block_n=128).is_valid(1024)  # 20 warps x 168 registers
     assert dataclasses.replace(groups, num_warps=8, block_n=128, max_registers=96).is_valid(1024)
     assert dataclasses.replace(groups, num_stages=4).is_valid(1024)

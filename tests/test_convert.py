@@ -355,8 +355,11 @@ def test_nemotron_h_non_gated_experts(family_sources, tmp_path, convention):
             for proj in ("up_proj", "down_proj"):
                 module = f"backbone.layers.{layer}.mixer.experts.{e}.{proj}"
                 gs = out[f"{module}.{names[2]}"]
-                q = NVFP4Tensor(out[f"{module}.{names[0]}"], out[f"{module}.{names[1]}"],
-                                1.0 / gs if convention is Convention.COMPRESSED_TENSORS else gs)  # fmt: skip
+                q = NVFP4Tensor(
+                    out[f"{module}.{names[0]}"],
+                    out[f"{module}.{names[1]}"],
+                    1.0 / gs if convention is Convention.COMPRESSED_TENSORS else gs,
+                )
                 assert_within_bound(src[f"{module}.weight"], q, module)
             assert not any(".gate_proj" in n for n in out)
         shared = f"backbone.layers.{layer}.mixer.shared_experts.up_proj.weight"
@@ -414,8 +417,11 @@ def test_llama4_stacked_transposed_experts(family_sources, tmp_path):
 
 
 def test_gpt_oss_is_refused_with_the_reason(family_sources, tmp_path):
-    with pytest.raises(ConversionError, match=r"mlp.experts.*vLLM \(0.26, 0.33\) loads gpt-oss experts only as BF16.*"
-                                              r"--quantization nvfp4_grouped"):  # fmt: skip
+    with pytest.raises(
+        ConversionError,
+        match=r"mlp.experts.*vLLM \(0.26, 0.33\) loads gpt-oss experts only as BF16.*"
+        r"--quantization nvfp4_grouped",
+    ):
         convert_checkpoint(family_sources["gpt_oss"], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -62,8 +62,11 @@ def stacked(gen: torch.Generator, transposed: bool) -> dict[str, torch.Tensor]:
     down = torch.stack([w[f"{PREFIX}.{e}.w2.weight"] for e in range(E)])
     if transposed:  # transformers' Llama-4 layout: [E, H, 2I] and [E, I, H]
         gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
-    return {"model.embed_tokens.weight": w["model.embed_tokens.weight"],
-            f"{PREFIX}.gate_up_proj": gate_up, f"{PREFIX}.down_proj": down}  # fmt: skip
+    return {
+        "model.embed_tokens.weight": w["model.embed_tokens.weight"],
+        f"{PREFIX}.gate_up_proj": gate_up,
+        f"{PREFIX}.down_proj": down,
+    }
 
 
 def read_all(root: Path) -> dict[str, torch.Tensor]:
@@ -281,8 +284,9 @@ def test_signal_removes_the_temp_directory(gen, tmp_path, sig):
     src = write_source(tmp_path / "src", expert_weights(gen))
     out, converting = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}.converting"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(out), str(converting)], env=env,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, str(src), str(out), str(converting)], env=env, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 60
     while not converting.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

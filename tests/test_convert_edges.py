@@ -37,11 +37,19 @@ def _renumbered(gen: torch.Generator, ids: list[int]) -> dict[str, torch.Tensor]
     return out
 
 
-@pytest.mark.parametrize("ids, experts, message", [
-    ([0, 1, 10**12], 3, rf"{PREFIX}.2: missing: expert ids have gaps, 3 experts with ids up to 1000000000000"),
-    ([0, 1], 10**12, rf"{PREFIX}.2: missing: the checkpoint has 2 experts \(0..1\), config.json says 1000000000000"),
-    ([0, 1, 2], 2, rf"{PREFIX}.2: outside the config's experts: the checkpoint has 3 experts"),
-], ids=["id-10**12", "claimed-10**12", "more-than-claimed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "ids, experts, message",
+    [
+        ([0, 1, 10**12], 3, rf"{PREFIX}.2: missing: expert ids have gaps, 3 experts with ids up to 1000000000000"),
+        (
+            [0, 1],
+            10**12,
+            rf"{PREFIX}.2: missing: the checkpoint has 2 experts \(0..1\), config.json says 1000000000000",
+        ),
+        ([0, 1, 2], 2, rf"{PREFIX}.2: outside the config's experts: the checkpoint has 3 experts"),
+    ],
+    ids=["id-10**12", "claimed-10**12", "more-than-claimed"],
+)
 def test_expert_ids_are_checked_before_writing(gen, tmp_path, ids, experts, message):
     """Before issue 54 the converter wrote everything, then its self-check looped up to the claimed count or the
     largest id (10**12: never answered)."""
@@ -56,8 +64,10 @@ def test_meta_device_is_refused_by_name(gen, tmp_path, capsys):
     src = write_source(tmp_path / "src", expert_weights(gen))
     assert main(["convert", str(src), str(tmp_path / "out"), "--device", "meta", "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == ("moe-nvfp4 convert: error: --device meta: a meta device holds shapes, not values, so nothing "
-                   "could be quantized; use cpu or a GPU (e.g. cuda)")  # fmt: skip
+    assert err == (
+        "moe-nvfp4 convert: error: --device meta: a meta device holds shapes, not values, so nothing "
+        "could be quantized; use cpu or a GPU (e.g. cuda)"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -107,8 +117,11 @@ _SLOW_CLI_CONVERT = SLOW_CONVERTER + (
 def test_ctrl_c_in_convert_is_one_line_and_removes_the_partial_output(gen, tmp_path):
     src = write_source(tmp_path / "src", expert_weights(gen))
     out, converting = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}.converting-cli"
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CLI_CONVERT, str(src), str(out), str(converting)],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI_CONVERT, str(src), str(out), str(converting)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not converting.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

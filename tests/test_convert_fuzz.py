@@ -20,12 +20,37 @@ from moe_nvfp4.convert import ConversionError, convert_checkpoint, inspect_check
 EXAMPLES = 40
 
 L = "model.layers.0.mlp.experts"
-NAMES = [f"{L}.0.gate_proj.weight", f"{L}.0.up_proj.weight", f"{L}.0.down_proj.weight", f"{L}.gate_up_proj",
-         f"{L}.down_proj", f"{L}.0.gate_proj.weight_scale", f"{L}.0.gate_proj.weight_scale_2", f"{L}.0.up_proj.input_scale",
-         f"{L}.0.down_proj.weight_packed", f"{L}.0.down_proj.weight_global_scale", "model.embed_tokens.weight",
-         "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]  # fmt: skip
-DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "BOOL": 1, "F64": 8,
-          "U16": 2, "I32": 4, "F4": 1, "XYZ": 1}  # fmt: skip
+NAMES = [
+    f"{L}.0.gate_proj.weight",
+    f"{L}.0.up_proj.weight",
+    f"{L}.0.down_proj.weight",
+    f"{L}.gate_up_proj",
+    f"{L}.down_proj",
+    f"{L}.0.gate_proj.weight_scale",
+    f"{L}.0.gate_proj.weight_scale_2",
+    f"{L}.0.up_proj.input_scale",
+    f"{L}.0.down_proj.weight_packed",
+    f"{L}.0.down_proj.weight_global_scale",
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "lm_head.weight",
+]
+DTYPES = {
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "BOOL": 1,
+    "F64": 8,
+    "U16": 2,
+    "I32": 4,
+    "F4": 1,
+    "XYZ": 1,
+}
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),

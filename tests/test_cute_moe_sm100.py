@@ -141,8 +141,9 @@ def test_padded_rows_hold_every_local_pair_once(case: str, gen: torch.Generator)
     counts = torch.bincount(local[local >= 0], minlength=e)
     sorted_pairs = plan.sorted_pairs.clone()
     sorted_pairs[int(counts.sum()) :] = 2**30
-    rows = padded_rows(sorted_pairs, plan.expert_counts, plan.expert_offsets, plan.tile_expert,
-                       plan.tile_row_start, weights)  # fmt: skip
+    rows = padded_rows(
+        sorted_pairs, plan.expert_counts, plan.expert_offsets, plan.tile_expert, plan.tile_row_start, weights
+    )
     assert rows.counts.tolist() == counts.tolist()
     padded = (counts + TILE_M - 1) // TILE_M * TILE_M
     assert rows.padded_offsets.tolist() == (torch.cumsum(padded, 0) - padded).tolist()  # 128-aligned, in order
@@ -165,8 +166,9 @@ def test_tile_walk_covers_each_experts_rows_once(case: str, num_ctas: int, gen: 
     per output column tile and never a row of another expert's segment."""
     ids, weights, expert_map, e = _routing(case, gen)
     plan = plan_routing(ids, e, TILE_M, expert_map=expert_map)
-    rows = padded_rows(plan.sorted_pairs, plan.expert_counts, plan.expert_offsets, plan.tile_expert,
-                       plan.tile_row_start, weights)  # fmt: skip
+    rows = padded_rows(
+        plan.sorted_pairs, plan.expert_counts, plan.expert_offsets, plan.tile_expert, plan.tile_row_start, weights
+    )
     n, tile_n = 384, 256
     sizes = [(c, n, 256) for c in rows.counts.tolist()]
     covered = torch.zeros(rows.row_pairs.numel(), -(-n // tile_n), dtype=torch.int32)
@@ -184,25 +186,47 @@ def test_gemm_plans_point_each_expert_at_its_rows_and_weights(gen: torch.Generat
     w13, w2 = _weights(e, hidden, inter, gen)
     packed = prepare_moe_weights_sm100(w13, w2)
     plan = plan_routing(ids, e, TILE_M, expert_map=expert_map)
-    rows = padded_rows(plan.sorted_pairs, plan.expert_counts, plan.expert_offsets, plan.tile_expert,
-                       plan.tile_row_start, weights)  # fmt: skip
+    rows = padded_rows(
+        plan.sorted_pairs, plan.expert_counts, plan.expert_offsets, plan.tile_expert, plan.tile_row_start, weights
+    )
     r = rows.row_pairs.numel()
     a = m.quantize_activations(torch.randn(r, hidden, generator=gen), torch.tensor([0.01]))
     act = torch.empty(r, padded_intermediate(inter), dtype=torch.bfloat16)
     alpha = packed.w13_global * 0.01
     gemm1 = _gemm_plan(MoeGateUpVariant(128), a, packed.w13_packed, packed.w13_scale, act, rows, alpha, (), 3)
     partial = torch.empty(ids.numel(), hidden)
-    gemm2 = _gemm_plan(MoeDownVariant(256), a, packed.w2_packed, packed.w2_scale, partial, rows,
-                       packed.w2_global[:, None], (rows.row_pairs, rows.row_weights), 3)  # fmt: skip
+    gemm2 = _gemm_plan(
+        MoeDownVariant(256),
+        a,
+        packed.w2_packed,
+        packed.w2_scale,
+        partial,
+        rows,
+        packed.w2_global[:, None],
+        (rows.row_pairs, rows.row_weights),
+        3,
+    )
     scale_row = a.block_scale.shape[1]  # bytes per row of the swizzled A scales: a 128-row segment is 128 rows
     for expert in range(e):
         off = int(rows.padded_offsets[expert])
         a_columns = (a.packed.data_ptr() + off * hidden // 2, a.block_scale.data_ptr() + off * scale_row)
-        expected1 = [a_columns[0], packed.w13_packed[expert].data_ptr(), a_columns[1],
-                     packed.w13_scale[expert].data_ptr(), act[off].data_ptr()]  # fmt: skip
+        expected1 = [
+            a_columns[0],
+            packed.w13_packed[expert].data_ptr(),
+            a_columns[1],
+            packed.w13_scale[expert].data_ptr(),
+            act[off].data_ptr(),
+        ]
         assert gemm1.pointers[expert].tolist() == expected1
-        expected2 = [a_columns[0], packed.w2_packed[expert].data_ptr(), a_columns[1], packed.w2_scale[expert].data_ptr(),
-                     partial.data_ptr(), rows.row_pairs[off:].data_ptr(), rows.row_weights[off:].data_ptr()]  # fmt: skip
+        expected2 = [
+            a_columns[0],
+            packed.w2_packed[expert].data_ptr(),
+            a_columns[1],
+            packed.w2_scale[expert].data_ptr(),
+            partial.data_ptr(),
+            rows.row_pairs[off:].data_ptr(),
+            rows.row_weights[off:].data_ptr(),
+        ]
         assert gemm2.pointers[expert].tolist() == expected2
     count = rows.counts.tolist()
     assert gemm1.sizes.tolist() == [[c, 2 * padded_intermediate(inter), hidden] for c in count]
@@ -235,9 +259,9 @@ def test_fused_moe_matches_the_w4a4_reference(case: str, tile_n: int, gen: torch
     s13, s2 = torch.tensor([4.0 / 2688]), torch.tensor([2.0 / 2688])
     packed = prepare_moe_weights_sm100(w13.to("cuda"), w2.to("cuda"))
     emap = None if expert_map is None else expert_map.cuda()
-    got = fused_moe_w4a4_sm100(x.cuda(), packed, weights.cuda(), ids.cuda(), emap, (s13.cuda(), s2.cuda()),
-                               tile_n=tile_n).cpu()  # fmt: skip
-    ref = m.fused_moe_torch(x, w13, w2, weights, ids, expert_map=expert_map, w13_input_scale=s13,
-                            w2_input_scale=s2)  # fmt: skip
+    got = fused_moe_w4a4_sm100(
+        x.cuda(), packed, weights.cuda(), ids.cuda(), emap, (s13.cuda(), s2.cuda()), tile_n=tile_n
+    ).cpu()
+    ref = m.fused_moe_torch(x, w13, w2, weights, ids, expert_map=expert_map, w13_input_scale=s13, w2_input_scale=s2)
     error = (got.float() - ref.float()).norm() / ref.float().norm()
     assert error <= REL_TOL, f"relative error {error:.3g}"

@@ -34,8 +34,12 @@ def compile_ptx(module: str, variants: tuple, out: Path) -> dict[str, str]:
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "CUTE_DSL_NO_CACHE": "1"}
     run = subprocess.run(
         [sys.executable, "-m", module, str(out)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     seconds = json.loads(run.stdout.strip().splitlines()[-1])
     texts = {}

@@ -52,9 +52,20 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch):
 # ---- the zoo ----
 def test_zoo_holds_every_model_of_the_issue_with_its_per_rank_shapes() -> None:
     assert [(m.experts, m.top_k, m.hidden, m.intermediate) for m in MODELS] == [
-        (8, 2, 4096, 14336), (8, 2, 6144, 16384), (128, 8, 2048, 768), (128, 8, 4096, 1536), (384, 8, 7168, 2048),
-        (160, 8, 5120, 1536), (512, 10, 2048, 512), (128, 4, 2880, 2880), (128, 1, 5120, 8192),
-        (16, 4, 6144, 10752), (16, 2, 4096, 6400), (64, 8, 2048, 1024), (128, 6, 2688, 1856)]  # fmt: skip
+        (8, 2, 4096, 14336),
+        (8, 2, 6144, 16384),
+        (128, 8, 2048, 768),
+        (128, 8, 4096, 1536),
+        (384, 8, 7168, 2048),
+        (160, 8, 5120, 1536),
+        (512, 10, 2048, 512),
+        (128, 4, 2880, 2880),
+        (128, 1, 5120, 8192),
+        (16, 4, 6144, 10752),
+        (16, 2, 4096, 6400),
+        (64, 8, 2048, 1024),
+        (128, 6, 2688, 1856),
+    ]
     # Nemotron-3-Nano's experts are ReLU^2, not gated: its GEMM1 has I rows (a LayerShape of its own)
     assert [m.key for m in MODELS if m.activation is not SILU] == ["nemotron-3-nano"]
     assert zoo_shape("nemotron-3-nano").activation is RELU2 and not layer(zoo_shape("nemotron-3-nano")).gated
@@ -119,10 +130,22 @@ def test_default_is_valid_on_odd_shapes(e: int, k: int, h: int, i: int) -> None:
         assert LayerShape(e, k, h, i).accepts(cfg), (t, cfg)
 
 
-@pytest.mark.parametrize("s", [layer(zoo_shape(key)) for key in ("mixtral-8x7b", "qwen3-30b-a3b", "kimi-k2-ep8",
-                                                                  "llama-4-maverick", "dbrx-tp8", "qwen3-next-80b-a3b")]
-                         + [LayerShape(60, 4, 256, 256), LayerShape(512, 16, 256, 256), LayerShape(3, 3, 64, 64)],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "s",
+    [
+        layer(zoo_shape(key))
+        for key in (
+            "mixtral-8x7b",
+            "qwen3-30b-a3b",
+            "kimi-k2-ep8",
+            "llama-4-maverick",
+            "dbrx-tp8",
+            "qwen3-next-80b-a3b",
+        )
+    ]
+    + [LayerShape(60, 4, 256, 256), LayerShape(512, 16, 256, 256), LayerShape(3, 3, 64, 64)],
+    ids=str,
+)
 def test_configs_up_to_finds_every_default_config(fresh_process, s: LayerShape, monkeypatch, tmp_path) -> None:
     """Every config the default gives for 1..8192 tokens, found from its bounds alone (what a warm-up compiles)."""
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
@@ -173,8 +196,15 @@ def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
     )
 
     def gemms(s: LayerShape, t: int, sm: int = 132) -> tuple[GemmConfig, GemmConfig]:
-        cfg = default_config(t, s.experts, s.top_k, s.hidden, s.intermediate, global_experts=s.global_experts,
-                             device=DeviceTraits("x", (9, 0), sm))  # fmt: skip
+        cfg = default_config(
+            t,
+            s.experts,
+            s.top_k,
+            s.hidden,
+            s.intermediate,
+            global_experts=s.global_experts,
+            device=DeviceTraits("x", (9, 0), sm),
+        )
         assert cfg.block_m == 8
         return cfg.gemm1, cfg.gemm2
 
@@ -238,11 +268,16 @@ def test_shipped_files_record_the_traits_they_serve() -> None:
         assert {(e["experts"], e["top_k"]) for e in entries} == {(8, 2), (128, 8)}
 
 
-def test_measured_entries_come_before_the_file_and_the_file_before_the_default(fresh_process, tmp_path,
-                                                                               monkeypatch) -> None:  # fmt: skip
+def test_measured_entries_come_before_the_file_and_the_file_before_the_default(
+    fresh_process, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    _write_file(tmp_path, "NVIDIA H200", dict(capability=[9, 0], sm_count=132, memory_gib=140),
-                [_entry(SMALL, 16), _entry(LARGE, 4096)])  # fmt: skip
+    _write_file(
+        tmp_path,
+        "NVIDIA H200",
+        dict(capability=[9, 0], sm_count=132, memory_gib=140),
+        [_entry(SMALL, 16), _entry(LARGE, 4096)],
+    )
     s = LayerShape(8, 2, 256, 256)
     assert select_config(1, s, H200) == SMALL and select_config(17, s, H200) == LARGE
     assert select_config(99999, s, H200) == LARGE  # past every entry: the largest
@@ -251,8 +286,9 @@ def test_measured_entries_come_before_the_file_and_the_file_before_the_default(f
         LayerShape(8, 2, 256, 256, "float16"),
         LayerShape(8, 2, 256, 256, global_experts=16),
     ):  # top-k, dtype, expert parallelism differ
-        assert select_config(1, other, H200) == default_config(1, other.experts, other.top_k, 256, 256,
-                                                               global_experts=other.global_experts)  # fmt: skip
+        assert select_config(1, other, H200) == default_config(
+            1, other.experts, other.top_k, 256, 256, global_experts=other.global_experts
+        )
     register_entries(H200, [_entry(LARGE, 8)])
     assert select_config(1, s, H200) == LARGE and configs.entries_for(s, H200)[0]["max_tokens"] == 8
     register_entries(H200, [_entry(SMALL, 8)])  # the same bucket again replaces it

@@ -110,8 +110,9 @@ def runs(monkeypatch):
     """Which demo ran, with what: the two runners replaced by recorders."""
     calls = []
     monkeypatch.setattr(demo, "run_reference_demo", lambda shape, **kw: calls.append(("cpu", shape, kw)) or "cpu ran")
-    monkeypatch.setattr(demo, "run_kernel_demo",
-                        lambda key, shape, **kw: calls.append(("gpu", key, shape, kw)) or ("gpu ran", True))  # fmt: skip
+    monkeypatch.setattr(
+        demo, "run_kernel_demo", lambda key, shape, **kw: calls.append(("gpu", key, shape, kw)) or ("gpu ran", True)
+    )
     return calls
 
 
@@ -151,15 +152,18 @@ def test_a_failing_kernel_check_exits_1(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
-@pytest.mark.parametrize("capability, name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((10, 0), "NVIDIA B200"),
-                                              ((8, 9), "NVIDIA L40S")])  # fmt: skip
+@pytest.mark.parametrize(
+    "capability, name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((10, 0), "NVIDIA B200"), ((8, 9), "NVIDIA L40S")]
+)
 def test_an_unsupported_gpu_is_refused_naming_what_is_supported(capsys, monkeypatch, runs, device, capability, name):
     fake_gpu(monkeypatch, available=True, capability=capability, name=name)
     assert main(["demo", "--device", device]) == 2
     err = capsys.readouterr().err
     sm = f"sm_{capability[0]}{capability[1]}"
-    assert err == (f"moe-nvfp4 demo: error: {name} is {sm}; the fused kernel supports sm_90 GPUs (H100, H200, GH200);"
-                   " --device cpu runs the torch reference instead\n")  # fmt: skip
+    assert err == (
+        f"moe-nvfp4 demo: error: {name} is {sm}; the fused kernel supports sm_90 GPUs (H100, H200, GH200);"
+        " --device cpu runs the torch reference instead\n"
+    )
     assert not runs
     assert main(["demo", "--device", "cpu", "--tokens", "2"]) == 0 and runs[0][0] == "cpu"  # the way out works
 
@@ -186,8 +190,18 @@ def test_kernel_demo_runs_the_bench_paths_it_can(monkeypatch):
 
     def fake_run_model(key, shape, tokens, args, ceilings, l2, deadline, log):
         seen.update(key=key, tokens=tokens, paths=args.paths, quick=args.quick)
-        return [dict(ours_us=50.0, torch_us=5000.0, speedup_vs_torch=100.0, rel_err_ours_vs_ref=3e-3,
-                     touched_experts=61, hbm_floor_us=20.0, pct_of_floor=40.0, notes=[])]  # fmt: skip
+        return [
+            dict(
+                ours_us=50.0,
+                torch_us=5000.0,
+                speedup_vs_torch=100.0,
+                rel_err_ours_vs_ref=3e-3,
+                touched_experts=61,
+                hbm_floor_us=20.0,
+                pct_of_floor=40.0,
+                notes=[],
+            )
+        ]
 
     class Props:
         name, major, minor, L2_cache_size = "NVIDIA H200", 9, 0, 50 << 20

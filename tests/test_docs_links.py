@@ -82,8 +82,11 @@ def test_the_checker_catches_a_missing_file() -> None:
 
 
 def test_tried_and_lost_rows_have_a_result_a_date_and_a_file() -> None:
-    rows = [line for line in (ROOT / "docs" / "design" / "tried-and-lost.md").read_text().splitlines()
-            if line.startswith("| ") and not line.startswith("| tried ")]  # fmt: skip
+    rows = [
+        line
+        for line in (ROOT / "docs" / "design" / "tried-and-lost.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| tried ")
+    ]
     assert len(rows) > 40
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split(" | ")]
@@ -97,8 +100,18 @@ def test_tried_and_lost_rows_have_a_result_a_date_and_a_file() -> None:
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
 def test_config_meta_is_data_with_one_pointer(path: Path) -> None:
     meta = json.loads(path.read_text())["meta"]
-    assert set(meta) == {"kernel", "version", "device", "capability", "sm_count", "memory_gib", "torch", "triton",
-                         "date", "produced_by"}  # fmt: skip
+    assert set(meta) == {
+        "kernel",
+        "version",
+        "device",
+        "capability",
+        "sm_count",
+        "memory_gib",
+        "torch",
+        "triton",
+        "date",
+        "produced_by",
+    }
     pointed = re.findall(r"(?:benchmarks|docs)/[\w./*-]+\w", meta["produced_by"])
     assert pointed and all(_exists(p) for p in pointed), pointed
     record = re.search(r"(docs/design/[\w.-]+\.md), section '([^']+)'", meta["produced_by"])

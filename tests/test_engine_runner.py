@@ -84,16 +84,23 @@ def test_hang_after_writing_is_killed_with_a_warning(tmp_path: Path) -> None:
 def test_failure_without_results_reports_stderr(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     with pytest.raises(pytest.fail.Exception, match="(?s)rc 3.*engine exploded"):
-        run_until_written(_python("import sys; sys.stderr.write('engine exploded'); sys.exit(3)"), dict(os.environ), out,
-                          tag="fail", timeout_s=30, exit_grace_s=5)  # fmt: skip
+        run_until_written(
+            _python("import sys; sys.stderr.write('engine exploded'); sys.exit(3)"),
+            dict(os.environ),
+            out,
+            tag="fail",
+            timeout_s=30,
+            exit_grace_s=5,
+        )
 
 
 def test_hang_without_results_times_out(tmp_path: Path, fake_cuda_gdb: Path) -> None:
     out = tmp_path / "r.json"
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="no results"):
-        run_until_written(_python("import time; time.sleep(600)"), dict(os.environ), out, tag="stuck", timeout_s=2,
-                          exit_grace_s=5)  # fmt: skip
+        run_until_written(
+            _python("import time; time.sleep(600)"), dict(os.environ), out, tag="stuck", timeout_s=2, exit_grace_s=5
+        )
     assert time.monotonic() - start < 20
 
 
@@ -121,8 +128,9 @@ def test_kernel_report_without_cuda_gdb(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no cuda-gdb anywhere
     out = tmp_path / "r.json"
     with pytest.raises(pytest.fail.Exception, match="resident CUDA kernels at the time limit:\ncuda-gdb not installed"):
-        run_until_written(_python("import time; time.sleep(600)"), dict(os.environ), out, tag="stuck", timeout_s=2,
-                          exit_grace_s=5)  # fmt: skip
+        run_until_written(
+            _python("import time; time.sleep(600)"), dict(os.environ), out, tag="stuck", timeout_s=2, exit_grace_s=5
+        )
 
 
 def test_engine_log_written_line_by_line(tmp_path: Path, monkeypatch) -> None:

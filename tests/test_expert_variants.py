@@ -30,8 +30,14 @@ def _sigmoid(v: float) -> float:
 
 def _hand_moe(x: list[float], w13: list[list[float]], w2: list[list[float]], weight: float = 1.0, **kw) -> torch.Tensor:
     """One expert, one token, top-1 at ``weight``: moe_dense_torch on float32 weights."""
-    out = moe_dense_torch(torch.tensor([x]), torch.tensor([w13]), torch.tensor([w2]), torch.tensor([[weight]]),
-                          torch.zeros(1, 1, dtype=torch.int32), **kw)  # fmt: skip
+    out = moe_dense_torch(
+        torch.tensor([x]),
+        torch.tensor([w13]),
+        torch.tensor([w2]),
+        torch.tensor([[weight]]),
+        torch.zeros(1, 1, dtype=torch.int32),
+        **kw,
+    )
     return out[0].double()
 
 
@@ -80,12 +86,15 @@ def test_hand_computed_biases_and_router_weight_on_input() -> None:
     a = 2.5 * _sigmoid(2.5) * 2  # gate 2 + 0.5, up 3 - 1, before the activation
     _close(_hand_moe([2.0, 3.0], gate_up, w2, 0.5, w13_bias=b13, w2_bias=b2), [0.5 * (a + 0.25), 0.5 * (2 * a - 4)])
     h = 5 - 2 - 4.0  # relu2 with a bias that makes the row negative
-    _close(_hand_moe([5.0, 2.0], [[1.0, -1.0]], w2, activation=m.RELU2, w13_bias=torch.tensor([[-4.0]]),
-                     w2_bias=b2), [max(h, 0) ** 2 + 0.25, 2 * max(h, 0) ** 2 - 4])  # fmt: skip
+    _close(
+        _hand_moe([5.0, 2.0], [[1.0, -1.0]], w2, activation=m.RELU2, w13_bias=torch.tensor([[-4.0]]), w2_bias=b2),
+        [max(h, 0) ** 2 + 0.25, 2 * max(h, 0) ** 2 - 4],
+    )
     # the router weight on the input: SiLU(0.5 x0) * 0.5 x1, unweighted sum (the bias is not weighted either)
     a = 1 * _sigmoid(1) * 1.5
-    _close(_hand_moe([2.0, 3.0], gate_up, w2, 0.5, w2_bias=b2, apply_router_weight_on_input=True),
-           [a + 0.25, 2 * a - 4])  # fmt: skip
+    _close(
+        _hand_moe([2.0, 3.0], gate_up, w2, 0.5, w2_bias=b2, apply_router_weight_on_input=True), [a + 0.25, 2 * a - 4]
+    )
 
 
 @pytest.mark.vllm
@@ -165,8 +174,9 @@ def test_w13_bias_is_added_before_the_activation(gen: torch.Generator) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", VARIANTS, ids=lambda a: a.name)
-def test_router_weight_on_input_is_the_weighted_input(activation: m.ExpertActivation, dtype: torch.dtype,
-                                                      gen: torch.Generator) -> None:  # fmt: skip
+def test_router_weight_on_input_is_the_weighted_input(
+    activation: m.ExpertActivation, dtype: torch.dtype, gen: torch.Generator
+) -> None:
     """Top-1: the MoE of x * w (rounded to x's dtype, as vLLM rounds it) with unit routing weights; top-3: the sum
     over slots of the top-1 MoE of each slot."""
     w13, w2, b13, b2 = _layer(gen, activation)
@@ -179,8 +189,10 @@ def test_router_weight_on_input_is_the_weighted_input(activation: m.ExpertActiva
     assert torch.equal(got, want)
     tw3, ti3 = _routing(gen, 6, 5, 3)
     got3 = m.fused_moe_torch(x, w13, w2, tw3, ti3, apply_router_weight_on_input=True, **kw).double()
-    want3 = sum(m.fused_moe_torch(x * tw3[:, j : j + 1].to(dtype), w13, w2, torch.ones(6, 1), ti3[:, j : j + 1],
-                                  **kw).double() for j in range(3))  # fmt: skip
+    want3 = sum(
+        m.fused_moe_torch(x * tw3[:, j : j + 1].to(dtype), w13, w2, torch.ones(6, 1), ti3[:, j : j + 1], **kw).double()
+        for j in range(3)
+    )
     assert (got3 - want3).abs().max() <= 3 * 2**-8 * want3.abs().max()  # each slot's output rounded to x's dtype
 
 
@@ -239,8 +251,18 @@ def test_cpu_fused_moe_is_the_reference(activation: m.ExpertActivation, on_input
     tw, ti = _routing(gen, 9, 7, 2)
     emap = torch.tensor([0, -1, 1, 2, -1, 3, 4], dtype=torch.int32)  # two global experts on another rank
     got = m.fused_moe(x, weights, tw, ti, expert_map=emap, apply_router_weight_on_input=on_input)
-    want = m.fused_moe_torch(x, w13, w2, tw, ti, expert_map=emap, activation=activation, w13_bias=b13, w2_bias=b2,
-                             apply_router_weight_on_input=on_input)  # fmt: skip
+    want = m.fused_moe_torch(
+        x,
+        w13,
+        w2,
+        tw,
+        ti,
+        expert_map=emap,
+        activation=activation,
+        w13_bias=b13,
+        w2_bias=b2,
+        apply_router_weight_on_input=on_input,
+    )
     assert torch.equal(got, want)
 
 
@@ -261,8 +283,9 @@ def test_custom_op_carries_the_variant(gen: torch.Generator) -> None:
     def layer(x, tw, ti):
         return m.fused_moe(x, weights, tw, ti, apply_router_weight_on_input=True) * 2
 
-    want = m.fused_moe_torch(x, w13, w2, tw, ti, activation=act, w13_bias=b13, w2_bias=b2,
-                             apply_router_weight_on_input=True)  # fmt: skip
+    want = m.fused_moe_torch(
+        x, w13, w2, tw, ti, activation=act, w13_bias=b13, w2_bias=b2, apply_router_weight_on_input=True
+    )
     assert torch.equal(layer(x, tw, ti), want * 2)
 
 

@@ -28,8 +28,40 @@ def prepare_moe_weights_flashinfer(w13: m.NVFP4Tensor, w2: m.NVFP4Tensor, *, exp
 
 
 # TRT-LLM-gen's srcToDstBlk32RowMap, as printed in its source: old row r of a 32-row block goes to row MAP[r].
-BLK32_MAP = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
-             4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]  # fmt: skip
+BLK32_MAP = [
+    0,
+    8,
+    16,
+    24,
+    1,
+    9,
+    17,
+    25,
+    2,
+    10,
+    18,
+    26,
+    3,
+    11,
+    19,
+    27,
+    4,
+    12,
+    20,
+    28,
+    5,
+    13,
+    21,
+    29,
+    6,
+    14,
+    22,
+    30,
+    7,
+    15,
+    23,
+    31,
+]
 
 
 def _experts(gen: torch.Generator, e: int, h: int, i: int) -> tuple[m.NVFP4Tensor, m.NVFP4Tensor]:
@@ -83,15 +115,29 @@ def _flashinfer_helpers() -> dict:
     if spec is None:  # .ci/run's vLLM 0.26 environment has it (vLLM's deps list); the 0.33 one leaves GPU packages out
         pytest.skip("FlashInfer's sources are not installed (vLLM 0.26's CPU environment of .ci/run has them)")
     root = pathlib.Path(spec.origin).parent
-    wanted = {"utils.py": {"srcToDstBlk16RowMap", "srcToDstBlk32RowMap", "get_shuffle_block_size",
-                           "get_shuffle_matrix_a_row_indices", "get_shuffle_matrix_sf_a_row_indices"},
-              "fused_moe/core.py": {"get_reorder_rows_for_gated_act_gemm_row_indices",
-                                    "_maybe_get_cached_w3_w1_permute_indices", "get_w2_permute_indices_with_cache"}}  # fmt: skip
+    wanted = {
+        "utils.py": {
+            "srcToDstBlk16RowMap",
+            "srcToDstBlk32RowMap",
+            "get_shuffle_block_size",
+            "get_shuffle_matrix_a_row_indices",
+            "get_shuffle_matrix_sf_a_row_indices",
+        },
+        "fused_moe/core.py": {
+            "get_reorder_rows_for_gated_act_gemm_row_indices",
+            "_maybe_get_cached_w3_w1_permute_indices",
+            "get_w2_permute_indices_with_cache",
+        },
+    }
     namespace = {"torch": torch, "Union": __import__("typing").Union}
     for file, names in wanted.items():
         tree = ast.parse((root / file).read_text())
-        nodes = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in names)
-                 or (isinstance(n, ast.Assign) and {getattr(t, "id", None) for t in n.targets} & names)]  # fmt: skip
+        nodes = [
+            n
+            for n in tree.body
+            if (isinstance(n, ast.FunctionDef) and n.name in names)
+            or (isinstance(n, ast.Assign) and {getattr(t, "id", None) for t in n.targets} & names)
+        ]
         assert len(nodes) == len(names), f"{file}: found {len(nodes)} of {sorted(names)}"
         exec(compile(ast.Module(body=nodes, type_ignores=[]), str(root / file), "exec"), namespace)  # noqa: S102
     return namespace
@@ -112,8 +158,9 @@ def test_layout_matches_flashinfer_helpers(gen, e, h, i) -> None:
     v2, s2 = w2.packed, w2.block_scale.view(torch.uint8)
     for x in range(e):
         rows = fi["_maybe_get_cached_w3_w1_permute_indices"](cache, v13[x], 128, is_gated_act_gemm=True)
-        sf_rows = fi["_maybe_get_cached_w3_w1_permute_indices"](cache, s13[x], 128, num_elts_per_sf=16,
-                                                                is_gated_act_gemm=True)  # fmt: skip
+        sf_rows = fi["_maybe_get_cached_w3_w1_permute_indices"](
+            cache, s13[x], 128, num_elts_per_sf=16, is_gated_act_gemm=True
+        )
         assert torch.equal(ours.w13_packed[x], v13[x][rows])
         assert torch.equal(ours.w13_scale[x].view(torch.uint8), m.swizzle_scales_128x4(s13[x][sf_rows]))
         rows = fi["get_w2_permute_indices_with_cache"](cache, v2[x], 128)
@@ -161,8 +208,9 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
     calls: dict = {}
 
     def fp4_quantize(x, global_scale, sf_vec_size, sf_use_ue8m0, is_sf_swizzled_layout):
-        calls["quantize"] = dict(x=x, global_scale=global_scale, sf_vec_size=sf_vec_size, ue8m0=sf_use_ue8m0,
-                                 swizzled=is_sf_swizzled_layout)  # fmt: skip
+        calls["quantize"] = dict(
+            x=x, global_scale=global_scale, sf_vec_size=sf_vec_size, ue8m0=sf_use_ue8m0, swizzled=is_sf_swizzled_layout
+        )
         return torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8), torch.zeros(
             x.shape[0] * x.shape[1] // 16, dtype=torch.uint8
         )
@@ -199,8 +247,12 @@ def test_arguments_handed_to_flashinfer(gen, monkeypatch) -> None:
         ids.dtype == torch.int32 and torch.equal(ids, ti.to(torch.int32)) and torch.equal(weights_bf16, tw.bfloat16())
     )
     assert k["hidden_states_scale"].dtype == torch.float8_e4m3fn and k["hidden_states_scale"].shape == (t, 16)
-    for name, tensor in (("gemm1_weights", weights.w13_packed), ("gemm1_weights_scale", weights.w13_scale),
-                         ("gemm2_weights", weights.w2_packed), ("gemm2_weights_scale", weights.w2_scale)):  # fmt: skip
+    for name, tensor in (
+        ("gemm1_weights", weights.w13_packed),
+        ("gemm1_weights_scale", weights.w13_scale),
+        ("gemm2_weights", weights.w2_packed),
+        ("gemm2_weights_scale", weights.w2_scale),
+    ):
         assert k[name] is tensor
     gs = w13.global_scale
     torch.testing.assert_close(k["output1_scale_gate_scalar"], 0.25 * gs[:, 0], rtol=1e-6, atol=0)

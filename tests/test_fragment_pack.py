@@ -63,14 +63,22 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("e", "i", "h"), [(3, 128, 128), (2, 48, 144), (1, 64, 256)],
-                         ids=["both-in-place", "rows-and-k-padded", "w13-in-place-w2-k-padded"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("e", "i", "h"),
+    [(3, 128, 128), (2, 48, 144), (1, 64, 256)],
+    ids=["both-in-place", "rows-and-k-padded", "w13-in-place-w2-k-padded"],
+)
 def test_kernel_gives_the_twins_bytes(e: int, i: int, h: int, seed: int) -> None:
     """I=48, H=144: rows and K padded inside the unit and chunk, so nothing is packed in place; I=64: w13 in place,
     w2's K padded (64 -> 128); I=H=128: both in place."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(e), str(i), str(h), str(seed % 2**31)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(e), str(i), str(h), str(seed % 2**31)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["block"] and result["layer_reuse=False"] and result["layer_reuse=True"], result
@@ -101,8 +109,10 @@ def test_reuse_input_memory_packs_the_same_bytes_into_the_inputs(i: int, h: int,
     for name in ("w13_packed", "w13_scale", "w13_global", "w2_packed", "w2_scale", "w2_global"):
         assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
     layout = Sm90Layout().fragments
-    for q, orig, packed, scale, (rows, k) in ((c13, w13, reused.w13_packed, reused.w13_scale, (i, h)),
-                                              (c2, w2, reused.w2_packed, reused.w2_scale, (h, i))):  # fmt: skip
+    for q, orig, packed, scale, (rows, k) in (
+        (c13, w13, reused.w13_packed, reused.w13_scale, (i, h)),
+        (c2, w2, reused.w2_packed, reused.w2_scale, (h, i)),
+    ):
         in_place = layout.padded_n(rows) == rows and layout.padded_k(k) == k
         assert (packed.data_ptr() == q.packed.data_ptr()) == in_place
         assert (scale.data_ptr() == q.block_scale.data_ptr()) == in_place
@@ -110,8 +120,12 @@ def test_reuse_input_memory_packs_the_same_bytes_into_the_inputs(i: int, h: int,
             assert torch.equal(q.packed, orig.packed) and torch.equal(
                 q.block_scale.view(torch.uint8), orig.block_scale.view(torch.uint8)
             )
-    out = m.fused_moe(torch.randn(5, h, generator=gen).half(), reused, torch.rand(5, 2, generator=gen),
-                      torch.randint(0, 3, (5, 2), generator=gen))  # fmt: skip
+    out = m.fused_moe(
+        torch.randn(5, h, generator=gen).half(),
+        reused,
+        torch.rand(5, 2, generator=gen),
+        torch.randint(0, 3, (5, 2), generator=gen),
+    )
     assert torch.isfinite(out).all()
 
 
@@ -134,13 +148,27 @@ def test_kernel_compiles_for_hopper() -> None:
 
     from moe_nvfp4.triton.fragment_pack import _pack_fragments_kernel
 
-    signature = dict(src_ptr="*u8", src_scale_ptr="*u8", dst_ptr="*i32", dst_scale_ptr="*u8", bits_ptr="*i32",
-                     e5m3_ptr="*u8", n="i32", k="i32", src_stride="i32", scale_stride="i32", chunks="i32",
-                     src_matrix_stride="i64", scale_matrix_stride="i64", dst_matrix_words="i64",
-                     dst_scale_matrix_stride="i64")  # fmt: skip
+    signature = dict(
+        src_ptr="*u8",
+        src_scale_ptr="*u8",
+        dst_ptr="*i32",
+        dst_scale_ptr="*u8",
+        bits_ptr="*i32",
+        e5m3_ptr="*u8",
+        n="i32",
+        k="i32",
+        src_stride="i32",
+        scale_stride="i32",
+        chunks="i32",
+        src_matrix_stride="i64",
+        scale_matrix_stride="i64",
+        dst_matrix_words="i64",
+        dst_scale_matrix_stride="i64",
+    )
     assert list(signature) == _pack_fragments_kernel.arg_names, "test signature out of date with the kernel"
-    compiled = triton.compile(ASTSource(_pack_fragments_kernel, signature), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4))  # fmt: skip
+    compiled = triton.compile(
+        ASTSource(_pack_fragments_kernel, signature), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)
+    )
     assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
 
 
@@ -187,7 +215,12 @@ def test_known_answer_check_passes_the_kernel_and_catches_one_wrong_byte(where: 
     """agrees_with_twin under the interpreter: the kernel agrees; one flipped bit anywhere in its output (first
     and last code byte, last scale byte of the padded 128 x 384 block) does not."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", KNOWN_ANSWER_SCRIPT, where, str(offset)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", KNOWN_ANSWER_SCRIPT, where, str(offset)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "False"], proc.stdout

@@ -62,8 +62,21 @@ def _strided(t: torch.Tensor, how: str, gen: torch.Generator) -> torch.Tensor:
 
 LAYOUTS = st.sampled_from(["contiguous", "wider", "every other row", "column-major"])
 # a mutation that must be refused with a clear error (None: a valid call)
-MOE_MUTATIONS = st.sampled_from([None] * 6 + ["x float32", "x width", "ids float", "weights int", "ids rows",
-                                              "map 2-D", "map short", "intermediate", "hidden", "k 17"])  # fmt: skip
+MOE_MUTATIONS = st.sampled_from(
+    [None] * 6
+    + [
+        "x float32",
+        "x width",
+        "ids float",
+        "weights int",
+        "ids rows",
+        "map 2-D",
+        "map short",
+        "intermediate",
+        "hidden",
+        "k 17",
+    ]
+)
 
 
 @st.composite
@@ -133,8 +146,11 @@ def check_fused_moe(c: dict, device: str) -> None:
     elif mutation == "map 2-D":
         kwargs["expert_map"] = torch.zeros(2, n_global, dtype=torch.int32, device=device)
     elif mutation == "map short":
-        kwargs["expert_map"] = torch.zeros(e - 1, dtype=torch.int32, device=device) if e > 1 else torch.zeros(
-            0, dtype=torch.int32, device=device)  # fmt: skip
+        kwargs["expert_map"] = (
+            torch.zeros(e - 1, dtype=torch.int32, device=device)
+            if e > 1
+            else torch.zeros(0, dtype=torch.int32, device=device)
+        )
     elif mutation == "k 17":
         tw_in, ti_in = tw_in.new_zeros(t, 17), ti_in.new_zeros(t, 17)
     elif mutation in ("intermediate", "hidden"):
@@ -151,18 +167,27 @@ def check_fused_moe(c: dict, device: str) -> None:
         return
     out = m.fused_moe(x_in, weights, tw_in, ti_in, **kwargs)
     r13, r2 = (q.to("cpu") for q in weights.to_nvfp4())
-    ref = m.fused_moe_torch(x_in.cpu().contiguous(), r13, r2, tw.float(), ti, expert_map=None if emap is None else
-                            emap.cpu(), activation=act, w13_bias=weights.w13_bias.cpu() if c["biases"] else None,
-                            w2_bias=weights.w2_bias.cpu() if c["biases"] else None,
-                            compute_dtype=torch.float64)  # fmt: skip
+    ref = m.fused_moe_torch(
+        x_in.cpu().contiguous(),
+        r13,
+        r2,
+        tw.float(),
+        ti,
+        expert_map=None if emap is None else emap.cpu(),
+        activation=act,
+        w13_bias=weights.w13_bias.cpu() if c["biases"] else None,
+        w2_bias=weights.w2_bias.cpu() if c["biases"] else None,
+        compute_dtype=torch.float64,
+    )
     out = out.cpu()
     assert out.shape == x_in.shape and out.dtype == c["dtype"]
     bad_in = ~torch.isfinite(x_in.cpu()).all(1)
     _, routed = m.routing.routed_pairs(ti, e, None if emap is None else emap.cpu())
     routed = routed.view(t, k).any(1)
     assert torch.equal(~torch.isfinite(out).all(1), bad_in & routed), "non-finite rows"
-    assert torch.equal(~torch.isfinite(out).any(1) | ~(bad_in & routed), torch.ones(t, dtype=torch.bool)), \
-        "a non-finite token's row is partly finite"  # fmt: skip
+    assert torch.equal(~torch.isfinite(out).any(1) | ~(bad_in & routed), torch.ones(t, dtype=torch.bool)), (
+        "a non-finite token's row is partly finite"
+    )
     keep = ~(bad_in & routed)
     assert _rel(out[keep], ref[keep]) < MOE_REL_TOL[c["dtype"]]
 
@@ -224,7 +249,7 @@ def grouped_cases(draw) -> dict:
                 [None] * 4
                 + ["scale rows", "scale NaN", "scale negative", "global 0", "global NaN", "K differs", "int8 packed"]
             )
-        ),  # fmt: skip
+        ),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -247,8 +272,9 @@ def check_grouped_gemm(c: dict, device: str, launch_plan: bool) -> None:
         bits[-1, 0] = 0x7F if mutation == "scale NaN" else 0xB8
         victim = m.NVFP4Tensor(linear.packed, bits.view(m.NVFP4.scale_dtype), linear.global_scale)
     elif mutation in ("global 0", "global NaN"):
-        victim = m.NVFP4Tensor(linear.packed, linear.block_scale, torch.tensor(0.0 if mutation == "global 0" else
-                                                                               float("nan")))  # fmt: skip
+        victim = m.NVFP4Tensor(
+            linear.packed, linear.block_scale, torch.tensor(0.0 if mutation == "global 0" else float("nan"))
+        )
     elif mutation == "K differs":
         victim = m.quantize_nvfp4(torch.randn(linear.n, linear.k + 16, generator=gen))
     elif mutation == "int8 packed":
@@ -258,8 +284,11 @@ def check_grouped_gemm(c: dict, device: str, launch_plan: bool) -> None:
     alpha_dev = None if alpha is None else alpha.to(device)
     entries = [lambda: m.grouped_gemm_nvfp4(a_dev, b_dev, alpha=alpha_dev, out_dtype=c["out_dtype"])]
     if launch_plan:
-        entries.append(lambda: m.launch_grouped_gemm_nvfp4(
-            m.plan_grouped_gemm_nvfp4(a_dev, b_dev, alpha=alpha_dev, out_dtype=c["out_dtype"])))  # fmt: skip
+        entries.append(
+            lambda: m.launch_grouped_gemm_nvfp4(
+                m.plan_grouped_gemm_nvfp4(a_dev, b_dev, alpha=alpha_dev, out_dtype=c["out_dtype"])
+            )
+        )
     if mutation is not None:
         for entry in entries:
             with pytest.raises(CLEAR_ERRORS):
@@ -305,7 +334,9 @@ def test_public_api_properties(device: str, seed: int) -> None:
 @pytest.mark.slow
 def test_public_api_properties_under_the_triton_interpreter(seed: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton", PYTHONWARNINGS="ignore")
-    script = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_fuzz_api as f; "
-              f"f.run_all({seed % 2**31}, {EXAMPLES}, 'cpu', interpreted=True)")  # fmt: skip
+    script = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_fuzz_api as f; "
+        f"f.run_all({seed % 2**31}, {EXAMPLES}, 'cpu', interpreted=True)"
+    )
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -34,15 +34,39 @@ FP4 = {
     "symmetric": True,
     "dynamic": False,
 }
-MODELOPT = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16, "kv_cache_scheme": None,
-            "ignore": ["lm_head", "re:.*mlp\\.gate$"], "producer": {"name": "moe_nvfp4", "version": "0.1.0"}}  # fmt: skip
-HF_QUANT = {"producer": {"name": "modelopt", "version": "0.29.0"}, "quant_method": "modelopt_fp4",
-            "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                             "exclude_modules": ["lm_head"]}}  # fmt: skip
-CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-      "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(FP4), "format": "nvfp4-pack-quantized",
-                                    "input_activations": {**FP4, "dynamic": "local"}}},
-      "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None}  # fmt: skip
+MODELOPT = {
+    "quant_method": "modelopt",
+    "quant_algo": "W4A16_NVFP4",
+    "group_size": 16,
+    "kv_cache_scheme": None,
+    "ignore": ["lm_head", "re:.*mlp\\.gate$"],
+    "producer": {"name": "moe_nvfp4", "version": "0.1.0"},
+}
+HF_QUANT = {
+    "producer": {"name": "modelopt", "version": "0.29.0"},
+    "quant_method": "modelopt_fp4",
+    "quantization": {
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head"],
+    },
+}
+CT = {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": dict(FP4),
+            "format": "nvfp4-pack-quantized",
+            "input_activations": {**FP4, "dynamic": "local"},
+        }
+    },
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+    "kv_cache_scheme": None,
+}
 VALID = [MODELOPT, HF_QUANT, CT]
 
 keys = st.text(string.ascii_letters + "_", min_size=1, max_size=6)
@@ -51,8 +75,27 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(keys, children, max_size=3),
     max_leaves=8,
 )
-odd_values = st.sampled_from(["16.0", "16", "", "re:((", "re:[a", "re:", "re:*x", 16.0, True, [], {}, None, [None], ["re:(("],
-                              {"targets": "Linear"}, [["Linear"]], 2**63])  # fmt: skip
+odd_values = st.sampled_from(
+    [
+        "16.0",
+        "16",
+        "",
+        "re:((",
+        "re:[a",
+        "re:",
+        "re:*x",
+        16.0,
+        True,
+        [],
+        {},
+        None,
+        [None],
+        ["re:(("],
+        {"targets": "Linear"},
+        [["Linear"]],
+        2**63,
+    ]
+)
 
 
 def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
@@ -125,21 +168,40 @@ BAD_CONFIGS = [
     ("a list", [MODELOPT], ""),
     ("a string", "modelopt", ""),
     ("config_groups as a list", {**CT, "config_groups": [CT["config_groups"]["group_0"]]}, "config_groups"),
-    ("a group without targets", {**CT, "config_groups": {"group_0": {"weights": FP4}}}, "config_groups.group_0.targets"),
-    ("targets a string", {**CT, "config_groups": {"group_0": {"targets": "Linear", "weights": FP4}}},
-     "config_groups.group_0.targets"),
+    (
+        "a group without targets",
+        {**CT, "config_groups": {"group_0": {"weights": FP4}}},
+        "config_groups.group_0.targets",
+    ),
+    (
+        "targets a string",
+        {**CT, "config_groups": {"group_0": {"targets": "Linear", "weights": FP4}}},
+        "config_groups.group_0.targets",
+    ),
     ("group_size '16.0'", {**MODELOPT, "group_size": "16.0"}, "group_size"),
-    ("group_size 32 in hf_quant_config.json", {**HF_QUANT, "quantization": {**HF_QUANT["quantization"], "group_size": 32}},
-     "quantization.group_size"),
+    (
+        "group_size 32 in hf_quant_config.json",
+        {**HF_QUANT, "quantization": {**HF_QUANT["quantization"], "group_size": 32}},
+        "quantization.group_size",
+    ),
     ("a bad re: pattern in ignore", {**CT, "ignore": ["lm_head", "re:(("]}, "ignore[1]"),
-    ("a bad re: target", {**CT, "config_groups": {"group_0": {"targets": ["re:[a"], "weights": FP4}}},
-     "config_groups.group_0.targets[0]"),
-    ("num_bits a string", {**CT, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**FP4, "num_bits": "4"}}}},
-     "config_groups.group_0.weights.num_bits"),
+    (
+        "a bad re: target",
+        {**CT, "config_groups": {"group_0": {"targets": ["re:[a"], "weights": FP4}}},
+        "config_groups.group_0.targets[0]",
+    ),
+    (
+        "num_bits a string",
+        {**CT, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**FP4, "num_bits": "4"}}}},
+        "config_groups.group_0.weights.num_bits",
+    ),
     ("quant_algo a number", {**MODELOPT, "quant_algo": 4}, "quant_algo"),
-    ("exclude_modules a string", {**HF_QUANT, "quantization": {**HF_QUANT["quantization"], "exclude_modules": "lm_head"}},
-     "quantization.exclude_modules"),
-]  # fmt: skip
+    (
+        "exclude_modules a string",
+        {**HF_QUANT, "quantization": {**HF_QUANT["quantization"], "exclude_modules": "lm_head"}},
+        "quantization.exclude_modules",
+    ),
+]
 
 
 @pytest.mark.parametrize("why, cfg, field", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])

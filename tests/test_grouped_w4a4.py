@@ -95,10 +95,19 @@ def test_decode_covers_every_code_and_scale_byte() -> None:
 @pytest.mark.parametrize("sizes", [SIZES, EVEN_K_SIZES], ids=["k_tail", "even_k"])
 @pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
 def test_triton_kernel_matches_the_reference(out_dtype: str, sizes: list, seed: int) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(sizes), str(seed % 2**31), out_dtype], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        MOE_NVFP4_BACKEND="triton",
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(sizes), str(seed % 2**31), out_dtype],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(result["shapes"]) and all(result["exact"]) and all(result["replanned"]), result
@@ -123,15 +132,29 @@ CONFIG_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", [SIZES, EVEN_K_SIZES], ids=["k_tail", "even_k"])
-@pytest.mark.parametrize("config", [dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2),
-                                    dict(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2),
+        dict(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3),
+    ],
+)
 def test_other_tile_configs_are_exact(config: dict, sizes: list, seed: int) -> None:
     """Tiles other than the default (two scale words per row at block_k 128; 256 rows of B, past one 128-row
     scale block) are bit exact too: fp16 out, exact data."""
-    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", CONFIG_SCRIPT, json.dumps(sizes), str(seed % 2**31), json.dumps(config)],
-                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        MOE_NVFP4_BACKEND="triton",
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", CONFIG_SCRIPT, json.dumps(sizes), str(seed % 2**31), json.dumps(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(json.loads(proc.stdout.strip().splitlines()[-1]))
 

@@ -14,8 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"moe_nvfp4": ROOT / "moe_nvfp4", "moe_nvfp4_vllm": ROOT / "integrations" / "moe_nvfp4_vllm"}
 KERNEL_PACKAGES = ("moe_nvfp4.triton", "moe_nvfp4.cute")
 # what sits above the kernels; the package itself re-exports the API, so importing it imports the API too
-ABOVE_KERNELS = ("moe_nvfp4.api", "moe_nvfp4.ops", "moe_nvfp4.autotune", "moe_nvfp4.warmup", "moe_nvfp4.tune_cli",
-                 "moe_nvfp4.bench", "moe_nvfp4.cli", "moe_nvfp4.demo", "moe_nvfp4.convert", "moe_nvfp4_vllm")  # fmt: skip
+ABOVE_KERNELS = (
+    "moe_nvfp4.api",
+    "moe_nvfp4.ops",
+    "moe_nvfp4.autotune",
+    "moe_nvfp4.warmup",
+    "moe_nvfp4.tune_cli",
+    "moe_nvfp4.bench",
+    "moe_nvfp4.cli",
+    "moe_nvfp4.demo",
+    "moe_nvfp4.convert",
+    "moe_nvfp4_vllm",
+)
 
 
 def modules(packages: dict[str, Path]) -> dict[str, Path]:

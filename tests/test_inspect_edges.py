@@ -53,8 +53,13 @@ def write_nvfp4(
 
 
 def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_nvfp4.cli", *args], capture_output=True, text=True,
-                          timeout=ANSWER_WITHIN_S, **kwargs)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "moe_nvfp4.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=ANSWER_WITHIN_S,
+        **kwargs,
+    )
 
 
 def test_claimed_expert_count_is_never_looped_over(gen, tmp_path):
@@ -80,12 +85,16 @@ def test_largest_expert_id_is_never_looped_over(gen, tmp_path):
     )
 
 
-@pytest.mark.parametrize("ids, claimed, where, message", [
-    ([0, 2, 3], None, 1, "expert ids have gaps, 3 experts with ids up to 3 (missing [1])"),
-    ([1, 2], None, 0, "expert ids have gaps, 2 experts with ids up to 2 (missing [0])"),
-    ([0, 1, 2], 2, 2, "outside the config's experts: the checkpoint has 3 experts (0..2), config.json says 2"),
-    ([0, 1], 3, 2, "missing: the checkpoint has 2 experts (0..1), config.json says 3"),
-], ids=["gap", "no-expert-0", "more-than-claimed", "fewer-than-claimed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "ids, claimed, where, message",
+    [
+        ([0, 2, 3], None, 1, "expert ids have gaps, 3 experts with ids up to 3 (missing [1])"),
+        ([1, 2], None, 0, "expert ids have gaps, 2 experts with ids up to 2 (missing [0])"),
+        ([0, 1, 2], 2, 2, "outside the config's experts: the checkpoint has 3 experts (0..2), config.json says 2"),
+        ([0, 1], 3, 2, "missing: the checkpoint has 2 experts (0..1), config.json says 3"),
+    ],
+    ids=["gap", "no-expert-0", "more-than-claimed", "fewer-than-claimed"],
+)
 def test_expert_id_mismatch_is_one_error_naming_it(gen, tmp_path, ids, claimed, where, message):
     report = inspect_checkpoint(write_nvfp4(tmp_path / "ckpt", gen, ids, claimed=claimed))
     errors = [p for p in report.problems if p.severity == "error"]
@@ -96,9 +105,11 @@ def test_expert_id_mismatch_is_one_error_naming_it(gen, tmp_path, ids, claimed, 
 def _huge_shard(root: Path, tensor_bytes: int) -> Path:
     """A valid safetensors shard holding one U8 tensor of ``tensor_bytes`` and a scalar, made sparse (no disk)."""
     name = f"{LAYER.format(0)}.0.gate_proj"
-    header = {"__metadata__": {"format": "pt"},
-              f"{name}.weight": {"dtype": "U8", "shape": [tensor_bytes // 16, 16], "data_offsets": [0, tensor_bytes]},
-              f"{name}.weight_scale_2": {"dtype": "F32", "shape": [], "data_offsets": [tensor_bytes, tensor_bytes + 4]}}  # fmt: skip
+    header = {
+        "__metadata__": {"format": "pt"},
+        f"{name}.weight": {"dtype": "U8", "shape": [tensor_bytes // 16, 16], "data_offsets": [0, tensor_bytes]},
+        f"{name}.weight_scale_2": {"dtype": "F32", "shape": [], "data_offsets": [tensor_bytes, tensor_bytes + 4]},
+    }
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     root.mkdir()
@@ -124,8 +135,12 @@ def test_huge_shard_under_a_memory_limit_is_one_clear_error(tmp_path):
     root = _huge_shard(tmp_path / "ckpt", 64 * 2**30)
     with open_checkpoint(root) as src:  # headers only: no mapping, whatever the limit
         assert src.tensors[f"{LAYER.format(0)}.0.gate_proj.weight"].nbytes == 64 * 2**30
-    run = subprocess.run([sys.executable, "-c", _UNDER_LIMIT, str(6 * 10**9), str(root)], capture_output=True,
-                         text=True, timeout=ANSWER_WITHIN_S)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", _UNDER_LIMIT, str(6 * 10**9), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=ANSWER_WITHIN_S,
+    )
     assert run.returncode == 1, run.stderr[-3000:]
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.safetensors: cannot map the shard (68.7 GB) into memory" in lines[0], run.stderr[
@@ -200,8 +215,13 @@ def test_closed_pipe_ends_quietly_with_141(gen, tmp_path):
     root = write_nvfp4(tmp_path / "ckpt", gen, [0, 1])
     read, write = os.pipe()
     os.close(read)  # closed before the report is written: the first write meets a broken pipe
-    proc = subprocess.run([sys.executable, "-m", "moe_nvfp4.cli", "inspect", str(root)], stdout=write,
-                          stderr=subprocess.PIPE, text=True, timeout=ANSWER_WITHIN_S)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_nvfp4.cli", "inspect", str(root)],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=ANSWER_WITHIN_S,
+    )
     os.close(write)
     assert proc.returncode == 141, proc.stderr[-3000:]
     assert proc.stderr == ""

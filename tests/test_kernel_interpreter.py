@@ -171,21 +171,25 @@ ROUTE_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("e,k,t,block_m,use_map,skew,chunks", [
-    pytest.param(8, 2, 64, 16, 0, 0, 1, id="128 pairs: one program"),
-    pytest.param(8, 2, 65, 16, 0, 0, 1, id="130 pairs: one program, one step of 1024"),
-    pytest.param(8, 2, 513, 16, 0, 0, 5, id="1026 pairs: counted, 5 chunks"),
-    pytest.param(5, 3, 700, 32, 1, 0, 9, id="2100 pairs, odd E, expert map: 9 chunks"),
-    pytest.param(3, 4, 400, 64, 0, 1, 7, id="1600 pairs on mostly one expert: its run over 7 chunks"),
-    pytest.param(300, 2, 4500, 16, 0, 0, 18, id="E=300: 32 chunks at most, so 9000 pairs in 18 of 512"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "e,k,t,block_m,use_map,skew,chunks",
+    [
+        pytest.param(8, 2, 64, 16, 0, 0, 1, id="128 pairs: one program"),
+        pytest.param(8, 2, 65, 16, 0, 0, 1, id="130 pairs: one program, one step of 1024"),
+        pytest.param(8, 2, 513, 16, 0, 0, 5, id="1026 pairs: counted, 5 chunks"),
+        pytest.param(5, 3, 700, 32, 1, 0, 9, id="2100 pairs, odd E, expert map: 9 chunks"),
+        pytest.param(3, 4, 400, 64, 0, 1, 7, id="1600 pairs on mostly one expert: its run over 7 chunks"),
+        pytest.param(300, 2, 4500, 16, 0, 0, 18, id="E=300: 32 chunks at most, so 9000 pairs in 18 of 512"),
+    ],
+)
 def test_route_matches_plan(
     e: int, k: int, t: int, block_m: int, use_map: int, skew: int, chunks: int, seed: int
 ) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     args = [str(v) for v in (e, k, t, block_m, seed % 2**31, use_map, skew)]
-    proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT, *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", ROUTE_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip().splitlines()[-1]) == chunks
 
@@ -252,23 +256,38 @@ POISON_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("e,k,h,i,t,use_map,block_m,low,via_api,pair", [
-    pytest.param(4, 2, 128, 128, 9, 0, 16, 0, 0, 0, id="ids -1, E, 1000, int32 extremes"),
-    pytest.param(5, 3, 144, 80, 11, 1, 16, 1, 0, 0, id="expert map: -1 entries, an entry past the local experts"),
-    pytest.param(6, 2, 128, 128, 13, 1, 8, 0, 0, 0, id="8-token tiles, expert map"),
-    pytest.param(4, 2, 256, 128, 600, 0, 32, 0, 0, 0, id="1200 pairs: the counted routing path"),
-    pytest.param(4, 2, 128, 128, 7, 1, 16, 0, 1, 0, id="through fused_moe: strided x, expert map"),
-    pytest.param(6, 3, 128, 128, 2, 1, 8, 1, 0, 1,
-                 id="pair tiles asked for with an expert map, two tokens: the interpreter routes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "e,k,h,i,t,use_map,block_m,low,via_api,pair",
+    [
+        pytest.param(4, 2, 128, 128, 9, 0, 16, 0, 0, 0, id="ids -1, E, 1000, int32 extremes"),
+        pytest.param(5, 3, 144, 80, 11, 1, 16, 1, 0, 0, id="expert map: -1 entries, an entry past the local experts"),
+        pytest.param(6, 2, 128, 128, 13, 1, 8, 0, 0, 0, id="8-token tiles, expert map"),
+        pytest.param(4, 2, 256, 128, 600, 0, 32, 0, 0, 0, id="1200 pairs: the counted routing path"),
+        pytest.param(4, 2, 128, 128, 7, 1, 16, 0, 1, 0, id="through fused_moe: strided x, expert map"),
+        pytest.param(
+            6,
+            3,
+            128,
+            128,
+            2,
+            1,
+            8,
+            1,
+            0,
+            1,
+            id="pair tiles asked for with an expert map, two tokens: the interpreter routes",
+        ),
+    ],
+)
 def test_poisoned_routing_contributes_nothing(e, k, h, i, t, use_map, block_m, low, via_api, pair, seed: int) -> None:
     """Same bound as the clean cases (REL_TOL against the float64 reference, which drops the same pairs); a token
     whose pairs are all poisoned gets exactly zero; route() equals plan_routing exactly.  The Gluon pair tiles
     cannot run here: tests/gpu/test_bounds_gpu.py runs them, test_sm90_ptx checks their PTX."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
     args = [str(v) for v in (e, k, h, i, t, seed % 2**31, use_map, block_m, low, via_api, pair)]
-    proc = subprocess.run([sys.executable, "-c", POISON_SCRIPT, *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", POISON_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL
 
@@ -320,21 +339,40 @@ VARIANT_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
-@pytest.mark.parametrize("e,k,h,i,t,use_map,block_m,narrow,bias,on_input,via_api", [
-    pytest.param(6, 2, 256, 128, 13, 0, 16, 0, 1, 0, 0, id="biases, 16-token tiles"),
-    pytest.param(5, 1, 144, 80, 9, 1, 8, 0, 1, 1, 0,
-                 id="top-1 router weight on input, biases, expert map, 8-token tiles, padded K"),
-    pytest.param(8, 6, 128, 80, 40, 0, 64, 2, 0, 0, 0, id="top-6, 64-token tiles narrow 2, odd I, empty experts"),
-    pytest.param(4, 3, 128, 128, 50, 0, 128, 0, 1, 1, 0, id="top-3 router weight on input, 128-token tiles, biases"),
-    pytest.param(5, 2, 128, 128, 1, 1, 0, 0, 1, 0, 1, id="one token through fused_moe: the host picks the config"),
-])  # fmt: skip
-def test_variants_match_reference(activation, e, k, h, i, t, use_map, block_m, narrow, bias, on_input, via_api,
-                                  seed: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "e,k,h,i,t,use_map,block_m,narrow,bias,on_input,via_api",
+    [
+        pytest.param(6, 2, 256, 128, 13, 0, 16, 0, 1, 0, 0, id="biases, 16-token tiles"),
+        pytest.param(
+            5,
+            1,
+            144,
+            80,
+            9,
+            1,
+            8,
+            0,
+            1,
+            1,
+            0,
+            id="top-1 router weight on input, biases, expert map, 8-token tiles, padded K",
+        ),
+        pytest.param(8, 6, 128, 80, 40, 0, 64, 2, 0, 0, 0, id="top-6, 64-token tiles narrow 2, odd I, empty experts"),
+        pytest.param(
+            4, 3, 128, 128, 50, 0, 128, 0, 1, 1, 0, id="top-3 router weight on input, 128-token tiles, biases"
+        ),
+        pytest.param(5, 2, 128, 128, 1, 1, 0, 0, 1, 0, 1, id="one token through fused_moe: the host picks the config"),
+    ],
+)
+def test_variants_match_reference(
+    activation, e, k, h, i, t, use_map, block_m, narrow, bias, on_input, via_api, seed: int
+) -> None:
     """Every expert-MLP variant on the Triton kernel against the float64 reference, REL_TOL (the same fp16
     roundings as the SiLU cases; the reference rounds the router-scaled input to fp16 as the kernel's pre-pass)."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
     args = [activation, *map(str, (e, k, h, i, t, seed % 2**31, use_map, block_m, narrow, bias, on_input, via_api))]
-    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT, *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", VARIANT_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < REL_TOL

@@ -35,8 +35,13 @@ from moe_nvfp4.triton import sm90_common
 GOLDEN = Path(__file__).with_name("launch_groups_golden.json")
 E = 8  # experts (local ones; an expert map has 10 global ones)
 # the recorded launch objects: (module, attribute)
-KERNELS = [(K, "_moe_gemm_kernel"), (W, "_moe_gemm_ws_kernel"), (R, "_route_kernel"), (R, "_count_kernel"),
-           (combine_module, "_combine_kernel")]  # fmt: skip
+KERNELS = [
+    (K, "_moe_gemm_kernel"),
+    (W, "_moe_gemm_ws_kernel"),
+    (R, "_route_kernel"),
+    (R, "_count_kernel"),
+    (combine_module, "_combine_kernel"),
+]
 
 
 H, I = 256, 128  # noqa: E741  hidden and intermediate of most cases: K of two and one 128-wide chunks
@@ -51,11 +56,16 @@ def _ws(preset: dict, k: int, block_m: int, gated: bool, **fields) -> GemmConfig
 def _cases() -> dict[str, dict]:
     """name -> (config or None for select_config's, tokens, top_k, expert map, variant, Gluon rows, PDL, x dtype):
     every kernel family the configs choose, the expert-MLP variants of issue 42, and the host's other branches."""
-    k_groups = MoEKernelConfig(8, _ws(C.WS_K_GROUPS, H, 8, True, loader_warps=2),
-                               _ws(C.WS_K_GROUPS, I, 8, False, loader_warps=2), partials_in_x_dtype=True,
-                               pair_tiles=True)  # fmt: skip
-    pairs = MoEKernelConfig(8, _ws(C.WS_DECODE, H, 8, True, loader_warps=2), _ws(C.WS_DECODE, I, 8, False,
-                            loader_warps=2), pair_tiles=True)  # fmt: skip
+    k_groups = MoEKernelConfig(
+        8,
+        _ws(C.WS_K_GROUPS, H, 8, True, loader_warps=2),
+        _ws(C.WS_K_GROUPS, I, 8, False, loader_warps=2),
+        partials_in_x_dtype=True,
+        pair_tiles=True,
+    )
+    pairs = MoEKernelConfig(
+        8, _ws(C.WS_DECODE, H, 8, True, loader_warps=2), _ws(C.WS_DECODE, I, 8, False, loader_warps=2), pair_tiles=True
+    )
     decode8 = MoEKernelConfig(
         8,
         _ws(C.WS_DECODE_DEEP, H, 8, True, loader_warps=2),
@@ -145,8 +155,10 @@ def _describe(v, names: _Names):
         where = f"{names.of(v)} offset {v.storage_offset()}"
         return f"tensor {where} shape {list(v.shape)} stride {list(v.stride())} {v.dtype}"
     if isinstance(v, TensorDescriptor):
-        return [f"descriptor shape {v.shape} strides {v.strides} block {v.block_shape} {v.layout!r} {v.padding}",
-                _describe(v.base, names)]  # fmt: skip
+        return [
+            f"descriptor shape {v.shape} strides {v.strides} block {v.block_shape} {v.layout!r} {v.padding}",
+            _describe(v.base, names),
+        ]
     if isinstance(v, tl.constexpr):
         return f"constexpr {_describe(v.value, names)}"
     if isinstance(v, tl.dtype):
@@ -181,25 +193,55 @@ def record(case: dict, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     activation = {"relu2": m.RELU2, "swiglu_oai": m.SWIGLU_OAI}.get(variant, m.SILU)
     h, i = case["hidden"], case["intermediate"]
     w13 = m.quantize_nvfp4(torch.randn(E, (2 if gated else 1) * i, h, generator=g), segments=2 if gated else 1)
-    biases = dict(w13_bias=torch.randn(E, 2 * i, generator=g), w2_bias=torch.randn(E, h, generator=g)) \
-        if variant == "swiglu_oai" else {}  # fmt: skip
-    w = m.prepare_moe_weights(w13, m.quantize_nvfp4(torch.randn(E, h, i, generator=g)), activation=activation,
-                              **biases)  # fmt: skip
+    biases = (
+        dict(w13_bias=torch.randn(E, 2 * i, generator=g), w2_bias=torch.randn(E, h, generator=g))
+        if variant == "swiglu_oai"
+        else {}
+    )
+    w = m.prepare_moe_weights(w13, m.quantize_nvfp4(torch.randn(E, h, i, generator=g)), activation=activation, **biases)
     t, top_k = case["tokens"], case["top_k"]
     x = torch.randn(t, h + case["row_pad"], generator=g).to(getattr(torch, case["dtype"]))[:, :h]
     expert_map = torch.tensor([-1] + list(range(E)) + [-1], dtype=torch.int32) if case["expert_map"] else None
     tw, ti = m.topk_softmax(torch.randn(t, E if expert_map is None else E + 2, generator=g), top_k)
     out = torch.empty_like(x)
     config = case["config"]
-    named = dict(x=x, w13_packed=w.w13_packed, w13_scale=w.w13_scale, w13_global=w.w13_global, w2_packed=w.w2_packed,
-                 w2_scale=w.w2_scale, w2_global=w.w2_global, topk_weights=tw, topk_ids=ti, expert_map=expert_map,
-                 w13_bias=w.w13_bias, w2_bias=w.w2_bias, out=out)  # fmt: skip
-    K.fused_moe_sm90(x, *w.tensors, tw, ti, expert_map, i, config, out, **w.variant,
-                     apply_router_weight_on_input=variant == "router_on_input")  # fmt: skip
+    named = dict(
+        x=x,
+        w13_packed=w.w13_packed,
+        w13_scale=w.w13_scale,
+        w13_global=w.w13_global,
+        w2_packed=w.w2_packed,
+        w2_scale=w.w2_scale,
+        w2_global=w.w2_global,
+        topk_weights=tw,
+        topk_ids=ti,
+        expert_map=expert_map,
+        w13_bias=w.w13_bias,
+        w2_bias=w.w2_bias,
+        out=out,
+    )
+    K.fused_moe_sm90(
+        x,
+        *w.tensors,
+        tw,
+        ti,
+        expert_map,
+        i,
+        config,
+        out,
+        **w.variant,
+        apply_router_weight_on_input=variant == "router_on_input",
+    )
     names = _Names(named)
-    return [dict(kernel=name, grid=_describe(grid, names), args=[_describe(a, names) for a in args],
-                 kwargs={key: _describe(v, names) for key, v in sorted(kwargs.items())})
-            for name, grid, args, kwargs in calls]  # fmt: skip
+    return [
+        dict(
+            kernel=name,
+            grid=_describe(grid, names),
+            args=[_describe(a, names) for a in args],
+            kwargs={key: _describe(v, names) for key, v in sorted(kwargs.items())},
+        )
+        for name, grid, args, kwargs in calls
+    ]
 
 
 CASES = _cases()

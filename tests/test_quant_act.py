@@ -37,10 +37,19 @@ SCRIPT = textwrap.dedent(
 def test_triton_kernel_gives_the_reference_bytes(rows: int, k: int, dtype: str, seed: int) -> None:
     """Odd row counts (130 spans two 128-row scale tiles), K/16 = 3 and 17 (padded to 4 and 20 scale columns,
     a masked K tail), helpers_quant.hard_activations: bytes equal, and the inputs reach all 16 codes."""
-    env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(rows), str(k), dtype, str(seed % 2**31)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        MOE_NVFP4_BACKEND="triton",
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(rows), str(k), dtype, str(seed % 2**31)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_reference_bytes(json.loads(proc.stdout.strip().splitlines()[-1]))
 

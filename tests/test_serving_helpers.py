@@ -68,13 +68,19 @@ def test_word_tokenizer_round_trips_ids_and_renders_chat(tokenizer):
     assert tokenizer.decode(ids) == text
     assert tokenizer("w99999")["input_ids"] == [0]  # unknown word -> <unk>
     rendered = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "w10"}, {"role": "user", "content": "w11 w12"}], add_generation_prompt=True,
+        [{"role": "system", "content": "w10"}, {"role": "user", "content": "w11 w12"}],
+        add_generation_prompt=True,
         tokenize=False,
-    )  # fmt: skip
+    )
     role = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     assert tokenizer(rendered, add_special_tokens=False)["input_ids"] == [
-        role["<|system|>"], 10, role["<|user|>"], 11, 12, role["<|assistant|>"]
-    ]  # fmt: skip
+        role["<|system|>"],
+        10,
+        role["<|user|>"],
+        11,
+        12,
+        role["<|assistant|>"],
+    ]
 
 
 def test_word_tokenizer_needs_room_for_words(tmp_path):
@@ -100,8 +106,11 @@ def test_deepseek_v3_tiny_checkpoint_converts_with_its_routing_intact(tmp_path):
     assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
     assert cfg["routed_scaling_factor"] == DEEPSEEK_ROUTED_SCALING != 1
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["first_k_dense_replace"], cfg["n_shared_experts"]) == (
-        512, 64, 1, 1
-    )  # fmt: skip
+        512,
+        64,
+        1,
+        1,
+    )
 
     def tensors(d):
         t = {}
@@ -115,16 +124,23 @@ def test_deepseek_v3_tiny_checkpoint_converts_with_its_routing_intact(tmp_path):
     scale_2 = sorted(k for k in after if k.endswith(".weight_scale_2"))
     assert scale_2 == sorted(
         f"model.layers.{layer}.mlp.experts.{e}.{p}.weight_scale_2"
-        for layer in moe_layers for e in range(DEEPSEEK_EXPERTS) for p in ("gate_proj", "up_proj", "down_proj")
-    )  # fmt: skip
+        for layer in moe_layers
+        for e in range(DEEPSEEK_EXPERTS)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    )
     for name, t in before.items():
         if ".experts." not in name:
             assert torch.equal(after[name], t), f"{name} changed by the conversion"
     bias = before["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.abs().max() > 0 and bias.unique().numel() > 1  # a bias that reorders experts, not HF's zeros
     ignore = set(cfg["quantization_config"]["ignore"])
-    assert {"model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.down_proj",
-            "model.layers.1.self_attn.kv_a_proj_with_mqa", "model.layers.2.mlp.gate", "lm_head"} <= ignore  # fmt: skip
+    assert {
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.1.mlp.shared_experts.down_proj",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa",
+        "model.layers.2.mlp.gate",
+        "lm_head",
+    } <= ignore
     assert not any(".experts." in m and "shared_experts" not in m for m in ignore)
 
 
@@ -136,8 +152,12 @@ def test_request_mix_covers_every_kind_and_counts_prompt_tokens(tokenizer):
     specs = request_mix(256, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256, count_chat_tokens=count, seed=5)
     assert len(specs) == 256 and [s.index for s in specs] == list(range(256))
     kinds = {(s.endpoint, s.stream, type(s.prompt).__name__) for s in specs}
-    assert {("completions", False, "list"), ("completions", True, "str"), ("chat", True, "list"),
-            ("chat", False, "list")} <= kinds  # fmt: skip
+    assert {
+        ("completions", False, "list"),
+        ("completions", True, "str"),
+        ("chat", True, "list"),
+        ("chat", False, "list"),
+    } <= kinds
     assert {s.temperature for s in specs} == {0.0, 0.8}
     assert len({s.max_tokens for s in specs}) >= 4 and len({s.prompt_tokens for s in specs}) >= 4
     for s in specs:
@@ -151,8 +171,11 @@ def test_request_mix_covers_every_kind_and_counts_prompt_tokens(tokenizer):
         if s.group:
             groups.setdefault(s.group, []).append(s)
     assert len(groups) == GREEDY_GROUPS and all(len(g) == GREEDY_COPIES for g in groups.values())
-    assert all(s.temperature == 0.0 and s.logprobs and len({json.dumps(x.prompt) for x in g}) == 1
-               for g in groups.values() for s in g)  # fmt: skip
+    assert all(
+        s.temperature == 0.0 and s.logprobs and len({json.dumps(x.prompt) for x in g}) == 1
+        for g in groups.values()
+        for s in g
+    )
     again = request_mix(256, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256, count_chat_tokens=count, seed=5)
     assert again == specs
 
@@ -170,24 +193,51 @@ def test_request_body_carries_vllm_fields():
 
 COMPLETION = RequestSpec(0, "completions", False, [7, 8, 9], 3, 2, 0.0, logprobs=2)
 GOOD_COMPLETION = {
-    "id": "cmpl-1", "object": "text_completion", "model": "m",
-    "choices": [{"index": 0, "text": " w9 w10", "finish_reason": "length", "logprobs": {
-        "tokens": ["token_id:9", "token_id:10"], "token_logprobs": [-1.0, -2.0],
-        "top_logprobs": [{"token_id:9": -1.0, "token_id:11": -1.5}, {"token_id:10": -2.0, "token_id:12": -2.5}]}}],
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "text": " w9 w10",
+            "finish_reason": "length",
+            "logprobs": {
+                "tokens": ["token_id:9", "token_id:10"],
+                "token_logprobs": [-1.0, -2.0],
+                "top_logprobs": [{"token_id:9": -1.0, "token_id:11": -1.5}, {"token_id:10": -2.0, "token_id:12": -2.5}],
+            },
+        }
+    ],
     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-}  # fmt: skip
+}
 CHAT = RequestSpec(1, "chat", False, [{"role": "user", "content": "w7"}], 3, 2, 0.8)
-GOOD_CHAT = {"id": "chat-1", "object": "chat.completion",
-             "choices": [{"index": 0, "message": {"role": "assistant", "content": "w9 w10"}, "finish_reason": "length"}],
-             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}  # fmt: skip
+GOOD_CHAT = {
+    "id": "chat-1",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "w9 w10"}, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+}
 STREAM = RequestSpec(2, "chat", True, [{"role": "user", "content": "w7"}], 3, 2, 0.0)
 GOOD_STREAM = [
-    {"id": "c", "object": "chat.completion.chunk", "choices": [{"delta": {"role": "assistant", "content": ""}}], "usage": None},
+    {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"delta": {"role": "assistant", "content": ""}}],
+        "usage": None,
+    },
     {"id": "c", "object": "chat.completion.chunk", "choices": [{"delta": {"content": "w9"}, "finish_reason": None}]},
-    {"id": "c", "object": "chat.completion.chunk", "choices": [{"delta": {"content": " w10"}, "finish_reason": "length"}]},
-    {"id": "c", "object": "chat.completion.chunk", "choices": [],
-     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
-]  # fmt: skip
+    {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"delta": {"content": " w10"}, "finish_reason": "length"}],
+    },
+    {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    },
+]
 
 
 def _broken(answer, edit):
@@ -211,8 +261,12 @@ def test_well_formed_answers_pass(spec, answer):
         (COMPLETION, GOOD_COMPLETION, lambda a: a["choices"][0].update(text=None), "not a string"),
         (COMPLETION, GOOD_COMPLETION, lambda a: a["choices"].append(a["choices"][0]), "2 choices"),
         (COMPLETION, GOOD_COMPLETION, lambda a: a["choices"][0]["logprobs"]["tokens"].pop(), "1 log-prob tokens"),
-        (COMPLETION, GOOD_COMPLETION, lambda a: a["choices"][0]["logprobs"].update(tokens=["token_id:9", "token_id:999"]),
-         "outside the vocabulary"),
+        (
+            COMPLETION,
+            GOOD_COMPLETION,
+            lambda a: a["choices"][0]["logprobs"].update(tokens=["token_id:9", "token_id:999"]),
+            "outside the vocabulary",
+        ),
         (COMPLETION, GOOD_COMPLETION, lambda a: a["choices"][0]["logprobs"].update(tokens=["w9", "w10"]), "unreadable"),
         (CHAT, GOOD_CHAT, lambda a: a.update(object="text_completion"), "object"),
         (CHAT, GOOD_CHAT, lambda a: a["choices"][0]["message"].update(role="user"), "role"),
@@ -222,7 +276,7 @@ def test_well_formed_answers_pass(spec, answer):
         (STREAM, GOOD_STREAM, lambda a: a[3]["usage"].update(completion_tokens=3), "completion_tokens 3"),
         (STREAM, GOOD_STREAM, lambda a: a[1].update(object="text_completion"), "chunk 1: object"),
     ],
-)  # fmt: skip
+)
 def test_each_defect_is_reported(spec, answer, edit, expect):
     problems = response_problems(spec, _broken(answer, edit), vocab=VOCAB)
     assert any(expect in p for p in problems), problems
@@ -295,11 +349,22 @@ class _FakeVllm(BaseHTTPRequestHandler):
             for k, t in enumerate(tokens):
                 piece = {"delta": {"content": f" w{t}"}} if chat else {"text": f" w{t}"}
                 choice = {"index": 0, **piece, "finish_reason": finish if k == n - 1 else None}
-                chunk = {"id": "x", "object": f"{kind}.chunk" if chat else kind, "created": 0, "model": "m",
-                         "choices": [choice]}  # fmt: skip
+                chunk = {
+                    "id": "x",
+                    "object": f"{kind}.chunk" if chat else kind,
+                    "created": 0,
+                    "model": "m",
+                    "choices": [choice],
+                }
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            last = {"id": "x", "object": f"{kind}.chunk" if chat else kind, "created": 0, "model": "m", "choices": [],
-                    "usage": usage}  # fmt: skip
+            last = {
+                "id": "x",
+                "object": f"{kind}.chunk" if chat else kind,
+                "created": 0,
+                "model": "m",
+                "choices": [],
+                "usage": usage,
+            }
             self.wfile.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
             return None
         text = "".join(f" w{t}" for t in tokens)
@@ -308,9 +373,17 @@ class _FakeVllm(BaseHTTPRequestHandler):
             choice["message"] = {"role": "assistant", "content": text}
         else:
             name = (lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids") else (lambda t: f"w{t}")
-            choice.update(text=text, logprobs=None if body.get("logprobs") is None else {
-                "tokens": [name(t) for t in tokens], "token_logprobs": [-1.0] * n, "text_offset": list(range(n)),
-                "top_logprobs": [{name(t): -1.0, name(t + 1): -1.5} for t in tokens]})  # fmt: skip
+            choice.update(
+                text=text,
+                logprobs=None
+                if body.get("logprobs") is None
+                else {
+                    "tokens": [name(t) for t in tokens],
+                    "token_logprobs": [-1.0] * n,
+                    "text_offset": list(range(n)),
+                    "top_logprobs": [{name(t): -1.0, name(t + 1): -1.5} for t in tokens],
+                },
+            )
         return self._json(
             200, {"id": "x", "object": kind, "created": 0, "model": "m", "choices": [choice], "usage": usage}
         )
@@ -334,11 +407,15 @@ def test_client_drives_a_server_and_the_checks_read_what_it_answers(fake_server,
     from helpers_engine import drive
 
     url, _ = fake_server
-    specs = request_mix(48, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256,
-                        count_chat_tokens=_count_chat(tokenizer), seed=7)  # fmt: skip
-    bad = [{"model": "m", "prompt": list(range(10, 300)), "max_tokens": 4}, {"model": "m", "prompt": [10], "max_tokens": -1},
-           {"model": "nope", "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4},
-           {"model": "m", "prompt": [10, VOCAB + 7], "max_tokens": 4}]  # fmt: skip
+    specs = request_mix(
+        48, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256, count_chat_tokens=_count_chat(tokenizer), seed=7
+    )
+    bad = [
+        {"model": "m", "prompt": list(range(10, 300)), "max_tokens": 4},
+        {"model": "m", "prompt": [10], "max_tokens": -1},
+        {"model": "nope", "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4},
+        {"model": "m", "prompt": [10, VOCAB + 7], "max_tokens": 4},
+    ]
     answers, statuses = asyncio.run(drive(url, "m", specs, bad, concurrency=8, timeout_s=60))
     assert statuses == [400, 400, 404, 400]
     problems = [(s.index, p) for s, a in zip(specs, answers) for p in response_problems(s, a, vocab=VOCAB)]
@@ -355,7 +432,12 @@ def test_checks_catch_a_server_that_drops_vllm_fields(fake_server, tokenizer, mo
     url, _ = fake_server
     real = helpers_engine.request_body
     monkeypatch.setattr(helpers_engine, "request_body", lambda spec, model: {**real(spec, model), "ignore_eos": False})
-    specs = [s for s in request_mix(24, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256,
-                                    count_chat_tokens=_count_chat(tokenizer), seed=8) if s.max_tokens > 1]  # fmt: skip
+    specs = [
+        s
+        for s in request_mix(
+            24, vocab=VOCAB, first_word=FIRST_WORD, max_model_len=256, count_chat_tokens=_count_chat(tokenizer), seed=8
+        )
+        if s.max_tokens > 1
+    ]
     answers, _ = asyncio.run(helpers_engine.drive(url, "m", specs, concurrency=4, timeout_s=60))
     assert all(response_problems(s, a, vocab=VOCAB) for s, a in zip(specs, answers))

@@ -78,13 +78,37 @@ ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16
 KERNELS = {
     "route": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=False), 8),
     "route counted": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=True, BLOCK_P=256), 8),
-    "count": (K._count_kernel, dict(ids_ptr="*i32", expert_map_ptr="*i32", hist_ptr="*i32", num_pairs="i32",
-              chunk="i32", num_global="i32", num_experts="i32"), dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128), 4),
+    "count": (
+        K._count_kernel,
+        dict(
+            ids_ptr="*i32",
+            expert_map_ptr="*i32",
+            hist_ptr="*i32",
+            num_pairs="i32",
+            chunk="i32",
+            num_global="i32",
+            num_experts="i32",
+        ),
+        dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128),
+        4,
+    ),
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
     "gemm2": (K._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"), dict(GEMM1_CONSTEXPRS, GATED=False), 4),
-    "combine": (K._combine_kernel, dict(partial_ptr="*fp32", ids_ptr="*i32", expert_map_ptr="*i32", out_ptr="*bf16",
-                hidden="i32", num_global="i32", num_experts="i32"), dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16), 4),
-}  # fmt: skip
+    "combine": (
+        K._combine_kernel,
+        dict(
+            partial_ptr="*fp32",
+            ids_ptr="*i32",
+            expert_map_ptr="*i32",
+            out_ptr="*bf16",
+            hidden="i32",
+            num_global="i32",
+            num_experts="i32",
+        ),
+        dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16),
+        4,
+    ),
+}
 
 
 # sm90_common.Epilogue's fields: the host's defaults (gated SiLU without biases, GEMM2 weighting each pair's row)
@@ -104,11 +128,18 @@ def _epilogue(kernel, fields: tuple) -> tuple[tuple, dict]:
 def _divisibility(signature: dict, unaligned: tuple[str, ...] = ()) -> dict:
     """What the JIT specializes at launch: 16-byte aligned pointers (but ``unaligned`` ones; the epilogue's bias
     pointer included), strides and sizes divisible by 16, as the ``attrs`` of an AST source."""
-    divisible = [(i,) for i, (n, t) in enumerate(signature.items())
-                 if (isinstance(t, str) and t.startswith("*") and n not in unaligned)
-                 or n.startswith(("stride", "n_", "k"))]  # fmt: skip
-    divisible += [(i, j) for i, t in enumerate(signature.values()) if isinstance(t, tuple)
-                  for j, f in enumerate(t) if f.startswith("*")]  # fmt: skip
+    divisible = [
+        (i,)
+        for i, (n, t) in enumerate(signature.items())
+        if (isinstance(t, str) and t.startswith("*") and n not in unaligned) or n.startswith(("stride", "n_", "k"))
+    ]
+    divisible += [
+        (i, j)
+        for i, t in enumerate(signature.values())
+        if isinstance(t, tuple)
+        for j, f in enumerate(t)
+        if f.startswith("*")
+    ]
     return {path: [["tt.divisibility", 16]] for path in divisible}
 
 
@@ -183,8 +214,12 @@ def test_register_cap_bounds_the_gemm_registers() -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
             f.write(ptx)
             f.flush()
-            info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                                  capture_output=True, text=True, check=True).stderr  # fmt: skip
+            info = subprocess.run(
+                [get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stderr
         return int(re.search(r"Used (\d+) registers", info).group(1))
 
     options = GemmConfig(max_registers=80).launch_options()
@@ -223,21 +258,63 @@ def _compile_ws(
     w = torch.zeros(8, 64, 4096, dtype=torch.uint8)  # any FragmentLayout-shaped bytes: only the views matter
     views = W._descriptors(w, w[:, :8], 1024, block_n // 64, chunks)
     descs = [native_specialize_impl(CUDABackend, d, False, True, True)[0] for d in views]
-    signature = dict(a_ptr="*bf16", stride_a="i32", w_desc=descs[0], s_desc=descs[1], gs_ptr="*fp32",
-                     out_ptr="*bf16" if gated else "*fp32", stride_out="i32", sorted_pairs_ptr="*i32",
-                     tile_expert_ptr="*i32", tile_row_ptr="*i32", tile_row_end_ptr="*i32", num_tiles_ptr="*i32",
-                     ids_ptr="*i32", num_pairs="i32", expert_map_ptr="*i32", num_global="i32", num_experts="i32",
-                     topk_weights_ptr="*fp32", n_out="i32", k="i32", kp="i32", epilogue=None)  # fmt: skip
-    gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, max_registers=maxnreg, warp_specialized=True,
-                      chunks_per_stage=chunks, k_groups=k_groups, narrow_tiles=narrow, loader_warps=loader_warps)  # fmt: skip
+    signature = dict(
+        a_ptr="*bf16",
+        stride_a="i32",
+        w_desc=descs[0],
+        s_desc=descs[1],
+        gs_ptr="*fp32",
+        out_ptr="*bf16" if gated else "*fp32",
+        stride_out="i32",
+        sorted_pairs_ptr="*i32",
+        tile_expert_ptr="*i32",
+        tile_row_ptr="*i32",
+        tile_row_end_ptr="*i32",
+        num_tiles_ptr="*i32",
+        ids_ptr="*i32",
+        num_pairs="i32",
+        expert_map_ptr="*i32",
+        num_global="i32",
+        num_experts="i32",
+        topk_weights_ptr="*fp32",
+        n_out="i32",
+        k="i32",
+        kp="i32",
+        epilogue=None,
+    )
+    gemm = GemmConfig(
+        block_n,
+        num_warps=warps,
+        num_stages=stages,
+        max_registers=maxnreg,
+        warp_specialized=True,
+        chunks_per_stage=chunks,
+        k_groups=k_groups,
+        narrow_tiles=narrow,
+        loader_warps=loader_warps,
+    )
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
-    constexprs = dict(TOP_K=2, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, DTYPE=W.gl.bfloat16,
-                      PDL=True, LOADER_REGS=W.LOADER_REGISTERS, CHUNKS=chunks, K_GROUPS=k_groups,
-                      MMA_REGS=W._mma_registers(gemm), NARROW=narrow, LOADER_WARPS=loader_warps,
-                      PAIR_TILES=pair_tiles, HAS_MAP=has_map)  # fmt: skip
+    constexprs = dict(
+        TOP_K=2,
+        GATED=gated,
+        BLOCK_N=block_n,
+        BLOCK_M=block_m,
+        STAGES=stages,
+        DTYPE=W.gl.bfloat16,
+        PDL=True,
+        LOADER_REGS=W.LOADER_REGISTERS,
+        CHUNKS=chunks,
+        K_GROUPS=k_groups,
+        MMA_REGS=W._mma_registers(gemm),
+        NARROW=narrow,
+        LOADER_WARPS=loader_warps,
+        PAIR_TILES=pair_tiles,
+        HAS_MAP=has_map,
+    )
     assert list(signature) + list(constexprs) == W._moe_gemm_ws_kernel.arg_names, "test signature out of date"
-    signature["epilogue"], paths = _epilogue(W._moe_gemm_ws_kernel, DEFAULT_EPILOGUE[gated] if epilogue is None
-                                             else epilogue)  # fmt: skip
+    signature["epilogue"], paths = _epilogue(
+        W._moe_gemm_ws_kernel, DEFAULT_EPILOGUE[gated] if epilogue is None else epilogue
+    )
     attrs = _divisibility(signature, unaligned=("ids_ptr", "expert_map_ptr"))  # do_not_specialize_on_alignment
     src = GluonASTSource(
         W._moe_gemm_ws_kernel, dict(signature, **{c: "constexpr" for c in constexprs}), {**constexprs, **paths}, attrs
@@ -273,9 +350,15 @@ def _sass(cubin: bytes) -> str:
 
 @pytest.mark.parametrize(
     "gated,block_n,warps,maxnreg,chunks",
-    [(True, 64, 4, None, 1), (False, 128, 4, 128, 1), (True, 128, 8, 128, 1), (True, 64, 4, 128, 2),
-     (True, 128, 4, 128, 2), (False, 64, 4, None, 4)],
-)  # fmt: skip
+    [
+        (True, 64, 4, None, 1),
+        (False, 128, 4, 128, 1),
+        (True, 128, 8, 128, 1),
+        (True, 64, 4, 128, 2),
+        (True, 128, 4, 128, 2),
+        (False, 64, 4, None, 4),
+    ],
+)
 def test_warp_specialized_gemm_protocol(
     gated: bool, block_n: int, warps: int, maxnreg: int | None, chunks: int
 ) -> None:
@@ -371,9 +454,13 @@ def test_eight_token_tiles_are_wgmma_n8(gated: bool, block_n: int, chunks: int, 
 
 @pytest.mark.parametrize(
     "gated,block_n,warps,maxnreg,chunks,k_groups,block_m,narrow,widths",
-    [(True, 128, 8, 128, 2, 1, 32, 2, (8, 16, 32)), (False, 128, 4, None, 1, 1, 32, 1, (16, 32)),
-     (True, 64, 4, 168, 2, 2, 16, 1, (8, 16)), (True, 128, 8, 128, 2, 1, 32, 0, (32,))],
-)  # fmt: skip
+    [
+        (True, 128, 8, 128, 2, 1, 32, 2, (8, 16, 32)),
+        (False, 128, 4, None, 1, 1, 32, 1, (16, 32)),
+        (True, 64, 4, 168, 2, 2, 16, 1, (8, 16)),
+        (True, 128, 8, 128, 2, 1, 32, 0, (32,)),
+    ],
+)
 def test_narrow_tiles_run_narrower_wgmma(
     gated: bool,
     block_n: int,
@@ -388,8 +475,17 @@ def test_narrow_tiles_run_narrower_wgmma(
     """GemmConfig.narrow_tiles: the kernel holds one copy of the tile's K loop per MMA width (block_m, and
     block_m / 2, / 4 down to 8 tokens), each the full stage protocol (every MMA of a stage retired before the
     stage is freed), and chooses one per tile at run time; no width spills."""
-    asm = _compile_ws(gated, block_n, warps, maxnreg, chunks, k_groups, 2 * k_groups if k_groups > 1 else 4,
-                      block_m=block_m, narrow=narrow)  # fmt: skip
+    asm = _compile_ws(
+        gated,
+        block_n,
+        warps,
+        maxnreg,
+        chunks,
+        k_groups,
+        2 * k_groups if k_groups > 1 else 4,
+        block_m=block_m,
+        narrow=narrow,
+    )
     ptx = asm["ptx"]
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]+\}, \{", ptx)
     assert sorted({int(n) for n in wgmma}) == list(widths)
@@ -412,9 +508,15 @@ def test_loader_warps_issue_the_token_rows(loader_warps: int, block_m: int) -> N
     assert ".local" not in ptx and not re.search(r"\bSTL", _sass(asm["cubin"]))
 
 
-@pytest.mark.parametrize("gated,block_n,maxnreg,chunks,k_groups,stages,block_m,narrow,loader_warps", [
-    (True, 64, 168, 2, 2, 4, 8, 0, 4), (False, 64, 128, 2, 1, 2, 8, 0, 2), (True, 128, 128, 2, 1, 2, 16, 1, 1),
-    (False, 64, 168, 4, 2, 4, 16, 0, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "gated,block_n,maxnreg,chunks,k_groups,stages,block_m,narrow,loader_warps",
+    [
+        (True, 64, 168, 2, 2, 4, 8, 0, 4),
+        (False, 64, 128, 2, 1, 2, 8, 0, 2),
+        (True, 128, 128, 2, 1, 2, 16, 1, 1),
+        (False, 64, 168, 4, 2, 4, 16, 0, 4),
+    ],
+)
 @pytest.mark.parametrize("has_map", [False, True], ids=["no map", "expert map"])
 def test_pair_tiles_read_topk_ids_not_the_tile_map(
     gated: bool,
@@ -433,10 +535,23 @@ def test_pair_tiles_read_topk_ids_not_the_tile_map(
     routing kernel's buffers (its five tile-map parameters go unloaded) and no sorted pair ids; a tile of one row
     runs the narrowest MMAs the config allows (8 tokens wide here); the shipped T=1 shapes (Qwen3: 8-token tiles,
     2 K groups; Mixtral: 16-token tiles, narrow 1, one loader warp) spill nothing the routed builds do not."""
-    asm = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow,
-                      loader_warps=loader_warps, pair_tiles=True, has_map=has_map)  # fmt: skip
-    routed = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow,
-                         loader_warps=loader_warps)  # fmt: skip
+    asm = _compile_ws(
+        gated,
+        block_n,
+        4,
+        maxnreg,
+        chunks,
+        k_groups,
+        stages,
+        block_m=block_m,
+        narrow=narrow,
+        loader_warps=loader_warps,
+        pair_tiles=True,
+        has_map=has_map,
+    )
+    routed = _compile_ws(
+        gated, block_n, 4, maxnreg, chunks, k_groups, stages, block_m=block_m, narrow=narrow, loader_warps=loader_warps
+    )
     params = re.compile(r"ld\.param\.\w+\s+%\w+, \[_moe_gemm_ws_kernel_param_(\d+)\]")
     loaded, routed_loaded = set(params.findall(asm["ptx"])), set(params.findall(routed["ptx"]))
     # the tile map out; in: topk_ids, their count, the global expert count (with a map also the map, the local count)
@@ -535,8 +650,14 @@ def test_k_groups_share_a_tile(
     from moe_nvfp4.triton import moe_sm90_ws as W
 
     ptx = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages)["ptx"]
-    gemm = GemmConfig(block_n, num_stages=stages, max_registers=maxnreg, warp_specialized=True, chunks_per_stage=chunks,
-                      k_groups=k_groups)  # fmt: skip
+    gemm = GemmConfig(
+        block_n,
+        num_stages=stages,
+        max_registers=maxnreg,
+        warp_specialized=True,
+        chunks_per_stage=chunks,
+        k_groups=k_groups,
+    )
     assert f".reqntid {32 * (4 * k_groups + 4)}" in ptx and f".maxnreg {maxnreg}" in ptx
     assert 32 * maxnreg * (4 * k_groups + 4) <= 65536  # one program fits an SM
     mma_regs = W._mma_registers(gemm)
@@ -633,8 +754,9 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
 
     shipped = select()
     assert shipped.gemm1.programs_per_sm != 7
-    assert ab_moe.tuned_config(tmp_path, select) == dataclasses.replace(shipped, gemm1=dataclasses.replace(
-        shipped.gemm1, programs_per_sm=7))  # fmt: skip
+    assert ab_moe.tuned_config(tmp_path, select) == dataclasses.replace(
+        shipped, gemm1=dataclasses.replace(shipped.gemm1, programs_per_sm=7)
+    )
     assert select() == shipped  # the package's directory again
 
 
@@ -646,15 +768,21 @@ def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
 
     from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
 
-    cfg = MoEKernelConfig(8, GemmConfig(64, max_registers=168, k_groups=2, warp_specialized=True),
-                          GemmConfig(64, warp_specialized=True), pair_tiles=True)  # fmt: skip
+    cfg = MoEKernelConfig(
+        8,
+        GemmConfig(64, max_registers=168, k_groups=2, warp_specialized=True),
+        GemmConfig(64, warp_specialized=True),
+        pair_tiles=True,
+    )
     one = ab_moe.gemm_variant(cfg, "gemm1:programs_per_sm=3/k_groups=1/max_registers=none")
-    assert one == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, programs_per_sm=3, k_groups=1,
-                                                                     max_registers=None))  # fmt: skip
+    assert one == dataclasses.replace(
+        cfg, gemm1=dataclasses.replace(cfg.gemm1, programs_per_sm=3, k_groups=1, max_registers=None)
+    )
     assert ab_moe.gemm_variant(cfg, "gemm2:num_stages=2").gemm2.num_stages == 2
     both = ab_moe.gemm_variant(cfg, "gemms:narrow_tiles=2")
-    assert both == dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, narrow_tiles=2),
-                                       gemm2=dataclasses.replace(cfg.gemm2, narrow_tiles=2))  # fmt: skip
+    assert both == dataclasses.replace(
+        cfg, gemm1=dataclasses.replace(cfg.gemm1, narrow_tiles=2), gemm2=dataclasses.replace(cfg.gemm2, narrow_tiles=2)
+    )
 
 
 PARAM_LOAD = re.compile(r"ld\.param\.\w+\s+%\w+, \[(\w+)_param_(\d+)\]")

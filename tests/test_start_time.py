@@ -19,8 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import e2e_throughput as e2e  # noqa: E402
 import start_time  # noqa: E402
 
-ENV = {"device": "NVIDIA H200", "torch": "2.11", "cuda": "12.9", "vllm": "0.26.0", "triton": "3.6.0",
-       "moe_nvfp4": "0.1.0", "git_commit": "abc", "date": "2026-11-28"}  # fmt: skip
+ENV = {
+    "device": "NVIDIA H200",
+    "torch": "2.11",
+    "cuda": "12.9",
+    "vllm": "0.26.0",
+    "triton": "3.6.0",
+    "moe_nvfp4": "0.1.0",
+    "git_commit": "abc",
+    "date": "2026-11-28",
+}
 PREFIX = "(EngineCore_DP0 pid=4242) INFO 11-28 10:00:00 "
 LOG = [  # what vLLM 0.26 and the plugin log during a start of ours (two layer shapes warmed)
     PREFIX + "[default_loader.py:431] Loading weights took 5.25 seconds",
@@ -41,16 +49,28 @@ LOG = [  # what vLLM 0.26 and the plugin log during a start of ours (two layer s
 
 def test_phases_are_read_from_vllms_lines_and_the_plugins_are_summed() -> None:
     phases = start_time.parse_phases(LOG)
-    assert phases == {"weights_s": 5.25, "autotune_s": 50.5, "warmup_s": 15.0, "model_loading_s": 72.25,
-                      "torch_compile_s": 27.45, "profiling_s": 0.31, "cuda_graphs_s": 12.0, "init_engine_s": 60.2,
-                      "init_repack_s": 1.5}  # fmt: skip
+    assert phases == {
+        "weights_s": 5.25,
+        "autotune_s": 50.5,
+        "warmup_s": 15.0,
+        "model_loading_s": 72.25,
+        "torch_compile_s": 27.45,
+        "profiling_s": 0.31,
+        "cuda_graphs_s": 12.0,
+        "init_engine_s": 60.2,
+        "init_repack_s": 1.5,
+    }
     other = [
         "INFO Model loading took 5.5 GiB and 8.0 seconds",
         "INFO Loading weights took 2.0 seconds",
         "INFO torch.compile takes 24.9 s in total",
     ]  # the other runner's and older releases' spellings
-    assert start_time.parse_phases(other) == {"model_loading_s": 8.0, "weights_s": 2.0, "torch_compile_s": 24.9,
-                                              "init_repack_s": 6.0}  # fmt: skip
+    assert start_time.parse_phases(other) == {
+        "model_loading_s": 8.0,
+        "weights_s": 2.0,
+        "torch_compile_s": 24.9,
+        "init_repack_s": 6.0,
+    }
     assert start_time.parse_phases(["INFO nvfp4_grouped: autotune E=16 ...: configs from cache (/c/x.json)"]) == {}
 
 
@@ -71,8 +91,9 @@ def stand_in(tmp_path, monkeypatch):
             Path(spec["env"][name]).mkdir(parents=True, exist_ok=True)
             (Path(spec["env"][name]) / f"entry{len(specs)}").write_text("x")
         if not fail[0]:
-            Path(spec["out"]).write_text(json.dumps({"engine_start_s": seconds[spec["quantization"]] + len(specs),
-                                                     "first_generate_s": 0.5}))  # fmt: skip
+            Path(spec["out"]).write_text(
+                json.dumps({"engine_start_s": seconds[spec["quantization"]] + len(specs), "first_generate_s": 0.5})
+            )
         log = "\n".join(LOG) if spec["quantization"] == "nvfp4_grouped" else LOG[0]
         return Namespace(returncode=1 if fail[0] else 0, stdout=log, stderr="Traceback: engine died")
 
@@ -123,8 +144,12 @@ def test_first_starts_get_fresh_caches_and_calls_merge_into_one_table(tmp_path, 
 def test_warm_starts_reuse_one_filled_cache_per_path_and_variants_stay_apart(tmp_path, stand_in) -> None:
     specs, _ = stand_in
     common = ["--model", "tiny", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--warm"]
-    assert start_time.main([*common, "--paths", "ours", "--repeats", "2", "--variant", "serial",
-                            "--env", "MOE_NVFP4_WARMUP_THREADS=1"]) == 0  # fmt: skip
+    assert (
+        start_time.main(
+            [*common, "--paths", "ours", "--repeats", "2", "--variant", "serial", "--env", "MOE_NVFP4_WARMUP_THREADS=1"]
+        )
+        == 0
+    )
     assert len(specs) == 3  # one unrecorded start fills the caches, then two on them
     assert len({spec["env"]["TRITON_CACHE_DIR"] for spec in specs}) == 1
     assert all(spec["env"]["MOE_NVFP4_WARMUP_THREADS"] == "1" for spec in specs)

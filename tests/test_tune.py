@@ -103,8 +103,9 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
     assert any(c.gemm1 == first.gemm1 and c.gemm2 != first.gemm2 for c in near)
     # from a warp-specialized GEMM with tiles of 16 tokens or more, narrower MMAs are one step away; so are
     # loaders of other widths
-    ws = dataclasses.replace(first, block_m=max(first.block_m, 16),
-                             gemm1=GemmConfig(128, num_warps=8, num_stages=4, warp_specialized=True))  # fmt: skip
+    ws = dataclasses.replace(
+        first, block_m=max(first.block_m, 16), gemm1=GemmConfig(128, num_warps=8, num_stages=4, warp_specialized=True)
+    )
     assert ws.is_valid(-(-h // 128) * 128, -(-i // 128) * 128)
     ws_near = neighbors(ws, tokens, e, k, h, i)
     assert {c.gemm1.narrow_tiles for c in ws_near} >= {1, 2} - ({2} if ws.block_m < 32 else set())
@@ -114,8 +115,11 @@ def test_neighbors_differ_in_exactly_one_value(model: str, tokens: int) -> None:
 def test_search_climbs_to_the_optimum_within_the_limit() -> None:
     e, k, h, i = MODELS["qwen3-30b-a3b"]
     tokens = 1
-    target = MoEKernelConfig(block_m=16, gemm1=GemmConfig(block_n=64, programs_per_sm=3, max_registers=168),
-                             gemm2=GemmConfig(block_n=128, num_stages=3, programs_per_sm=2))  # fmt: skip
+    target = MoEKernelConfig(
+        block_m=16,
+        gemm1=GemmConfig(block_n=64, programs_per_sm=3, max_registers=168),
+        gemm2=GemmConfig(block_n=128, num_stages=3, programs_per_sm=2),
+    )
     assert target.is_valid(h, i)
 
     def distance(c: MoEKernelConfig) -> float:  # a cost with one minimum, at target
@@ -146,14 +150,18 @@ def test_search_reports_nothing_when_every_config_fails() -> None:
 
 def test_merge_entries_replaces_only_what_was_retuned() -> None:
     def entry(tokens: int, us: float, experts: int = 8) -> dict:
-        return dict(experts=experts, top_k=2, hidden=4096, intermediate=14336, dtype="bfloat16", max_tokens=tokens,
-                    time_us=us)  # fmt: skip
+        return dict(
+            experts=experts, top_k=2, hidden=4096, intermediate=14336, dtype="bfloat16", max_tokens=tokens, time_us=us
+        )
 
     old = [entry(1, 90.0), entry(16, 280.0), entry(1, 30.0, experts=128)]
     new = [entry(1, 60.0)]
     merged = merge_entries(old, new)
     assert sorted((m["experts"], m["max_tokens"], m["time_us"]) for m in merged) == [
-        (8, 1, 60.0), (8, 16, 280.0), (128, 1, 30.0)]  # fmt: skip
+        (8, 1, 60.0),
+        (8, 16, 280.0),
+        (128, 1, 30.0),
+    ]
 
 
 def test_climb_start_is_the_config_the_file_serves_the_size_with() -> None:
@@ -225,8 +233,10 @@ def test_rotated_weights_cover_four_l2_sizes_of_touched_experts(monkeypatch: pyt
     l2 = [50 << 20]
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": l2[0]}))
     experts, per_expert = 16, 1 << 20  # bytes of an expert's slice, over two tensors
-    weights = (torch.randint(0, 255, (experts, per_expert // 2), dtype=torch.uint8),
-               torch.randn(experts, per_expert // 8))  # float32: 4 bytes an element  # fmt: skip
+    weights = (
+        torch.randint(0, 255, (experts, per_expert // 2), dtype=torch.uint8),
+        torch.randn(experts, per_expert // 8),
+    )  # float32: 4 bytes an element
     one_expert = torch.zeros(1, 2, dtype=torch.long)
     copies = rotated_weights(weights, one_expert)
     assert len(copies) == 16 and copies[0] is weights  # harness.rotation_copies caps at 16
@@ -238,9 +248,16 @@ def test_rotated_weights_cover_four_l2_sizes_of_touched_experts(monkeypatch: pyt
     assert rotated_weights(weights, one_expert) == [weights]  # one expert's MiB is past 4 x L2: no clone
 
 
-@pytest.mark.parametrize("model,tokens,offered", [("qwen3-30b-a3b", 1, True), ("qwen3-30b-a3b", 2, True),
-                                                  ("qwen3-30b-a3b", 3, False), ("mixtral-8x7b", 1, True),
-                                                  ("mixtral-8x7b", 16, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "model,tokens,offered",
+    [
+        ("qwen3-30b-a3b", 1, True),
+        ("qwen3-30b-a3b", 2, True),
+        ("qwen3-30b-a3b", 3, False),
+        ("mixtral-8x7b", 1, True),
+        ("mixtral-8x7b", 16, False),
+    ],
+)
 def test_pair_tiles_are_offered_up_to_two_tokens(model: str, tokens: int, offered: bool) -> None:
     """One token's k pairs hit k distinct experts, two tokens' mostly do; past that, pairs sharing an expert would
     each stream its weights (configs.PAIR_TILE_TOKENS, where the default takes them too).  Pair tiles need both GEMMs
@@ -275,8 +292,11 @@ def test_gemm_sweep_varies_one_gemm_over_every_shape_and_register_cap(model: str
 def test_search_times_each_sweep_from_the_best_so_far_before_climbing() -> None:
     e, k, h, i = MODELS["qwen3-30b-a3b"]
     first = triton_start(1, e, k, h, i)
-    target = dataclasses.replace(first, gemm1=dataclasses.replace(first.gemm1, block_n=128, max_registers=168, programs_per_sm=3),
-                                 gemm2=dataclasses.replace(first.gemm2, programs_per_sm=2, max_registers=128))  # fmt: skip
+    target = dataclasses.replace(
+        first,
+        gemm1=dataclasses.replace(first.gemm1, block_n=128, max_registers=168, programs_per_sm=3),
+        gemm2=dataclasses.replace(first.gemm2, programs_per_sm=2, max_registers=128),
+    )
 
     def cost(c: MoEKernelConfig) -> float:  # separable: each GEMM's sweep finds its half of the target
         return 10.0 + (c.gemm1 != target.gemm1) + (c.gemm2 != target.gemm2) + (c.block_m != target.block_m)
@@ -300,9 +320,15 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
     for gemm, block_m in (("gemm1", 16), ("gemm1", 64), ("gemm2", 16), ("gemm2", 64)):
         other = "gemm2" if gemm == "gemm1" else "gemm1"
         swept = ws_sweep(dataclasses.replace(first, block_m=block_m), gemm, 1, e, k, h, i)
-        fits = [(shape, ring) for shape in SWEEP_SHAPES for ring in WS_RINGS
-                if GemmConfig(shape[0], num_stages=ring[1], chunks_per_stage=ring[0]).ws_shared_bytes(
-                    gemm == "gemm1", block_m) <= WS_SMEM_LIMIT]  # fmt: skip
+        fits = [
+            (shape, ring)
+            for shape in SWEEP_SHAPES
+            for ring in WS_RINGS
+            if GemmConfig(shape[0], num_stages=ring[1], chunks_per_stage=ring[0]).ws_shared_bytes(
+                gemm == "gemm1", block_m
+            )
+            <= WS_SMEM_LIMIT
+        ]
         # at block_m 16 every ring fits (the largest, GEMM1's 128-row tiles in 4 stages of 2 chunks, takes 176 KiB)
         every = len(SWEEP_SHAPES) * len(WS_RINGS)
         assert len(fits) == every if block_m == 16 or gemm == "gemm2" else 0 < len(fits) < every
@@ -313,8 +339,9 @@ def test_ws_sweep_makes_one_gemm_warp_specialized_in_every_shape_and_residency()
         assert all(getattr(c, other) == getattr(first, other) for c in swept)
         # and the search space's token tiles at T=1, 8 and 16: 8 needs both GEMMs warp-specialized, not so here
         assert {c.block_m for c in swept} == {block_m, 16}
-    gluon2 = dataclasses.replace(first, gemm1=GemmConfig(), gemm2=GemmConfig(128, max_registers=128, programs_per_sm=2,
-                                                                               warp_specialized=True))  # fmt: skip
+    gluon2 = dataclasses.replace(
+        first, gemm1=GemmConfig(), gemm2=GemmConfig(128, max_registers=128, programs_per_sm=2, warp_specialized=True)
+    )
     assert {c.block_m for c in ws_sweep(gluon2, "gemm1", 1, e, k, h, i)} == {8, 16}
     turned_on = [c for c in neighbors(first, 1, e, k, h, i) if c.gemm1.warp_specialized]
     assert turned_on == [dataclasses.replace(first, gemm1=dataclasses.replace(first.gemm1, warp_specialized=True))]
@@ -333,12 +360,26 @@ def test_group_sweep_offers_every_fitting_k_group_ring(model: str) -> None:
     for gemm in ("gemm1", "gemm2"):
         swept = group_sweep(first, gemm, 1, e, k, h, i)
         kp = -(-(h if gemm == "gemm1" else i) // 128) * 128
-        expected = {(bn, groups, ring) for bn in (64, 128) for groups, _ in WS_K_GROUPS for ring in GROUP_RINGS
-                    if ring[1] % groups == 0 and (kp // 128) % ring[0] == 0
-                    and GemmConfig(bn, num_stages=ring[1], chunks_per_stage=ring[0], k_groups=groups).ws_shared_bytes(
-                        gemm == "gemm1", first.block_m) <= WS_SMEM_LIMIT}  # fmt: skip
-        got = [(getattr(c, gemm).block_n, getattr(c, gemm).k_groups,
-                (getattr(c, gemm).chunks_per_stage, getattr(c, gemm).num_stages)) for c in swept]  # fmt: skip
+        expected = {
+            (bn, groups, ring)
+            for bn in (64, 128)
+            for groups, _ in WS_K_GROUPS
+            for ring in GROUP_RINGS
+            if ring[1] % groups == 0
+            and (kp // 128) % ring[0] == 0
+            and GemmConfig(bn, num_stages=ring[1], chunks_per_stage=ring[0], k_groups=groups).ws_shared_bytes(
+                gemm == "gemm1", first.block_m
+            )
+            <= WS_SMEM_LIMIT
+        }
+        got = [
+            (
+                getattr(c, gemm).block_n,
+                getattr(c, gemm).k_groups,
+                (getattr(c, gemm).chunks_per_stage, getattr(c, gemm).num_stages),
+            )
+            for c in swept
+        ]
         assert len(got) == len(set(got)) and set(got) == expected and {g for _, g, _ in got} == {2}
         assert {r for _, _, r in got} == {r for r in GROUP_RINGS if (kp // 128) % r[0] == 0} and len(expected) > 8
         regs = dict(WS_K_GROUPS)

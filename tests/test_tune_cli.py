@@ -62,8 +62,9 @@ def test_shapes_from_a_saved_config(tmp_path, family, experts, top_k, activation
         EXPERT_INTERMEDIATE,
     )
     assert (shape.activation, shape.biases, shape.dtype) == (activation, biases, "bfloat16")
-    assert shape.layer_shape() == LayerShape(experts, top_k, HIDDEN, EXPERT_INTERMEDIATE, "bfloat16",
-                                             gated=activation.gated)  # fmt: skip
+    assert shape.layer_shape() == LayerShape(
+        experts, top_k, HIDDEN, EXPERT_INTERMEDIATE, "bfloat16", gated=activation.gated
+    )
 
 
 def test_a_multimodal_config_is_read_through_its_text_config(tmp_path) -> None:
@@ -74,8 +75,10 @@ def test_a_multimodal_config_is_read_through_its_text_config(tmp_path) -> None:
     assert (shape.experts, shape.top_k, shape.hidden, shape.intermediate) == (EXPERTS, 1, HIDDEN, EXPERT_INTERMEDIATE)
 
 
-@pytest.mark.parametrize("written,requested,dtype", [("float16", "auto", "float16"), ("float32", "auto", "bfloat16"),
-                                                     ("bfloat16", "float16", "float16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "written,requested,dtype",
+    [("float16", "auto", "float16"), ("float32", "auto", "bfloat16"), ("bfloat16", "float16", "float16")],
+)
 def test_the_activation_dtype_follows_vllms_auto(tmp_path, written, requested, dtype) -> None:
     config = tiny_config("mixtral").to_dict()
     config["torch_dtype"] = written
@@ -84,8 +87,11 @@ def test_the_activation_dtype_follows_vllms_auto(tmp_path, written, requested, d
 
 
 def test_dbrx_reads_its_ffn_config(tmp_path) -> None:
-    config = {"model_type": "dbrx", "d_model": 6144,
-              "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752}}  # fmt: skip
+    config = {
+        "model_type": "dbrx",
+        "d_model": 6144,
+        "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     (shape,) = shapes_from_config(tmp_path)
     assert (shape.experts, shape.top_k, shape.hidden, shape.intermediate) == (16, 4, 6144, 10752)
@@ -99,27 +105,31 @@ def test_per_rank_shapes_are_what_the_plugin_keys_its_cache_by() -> None:
     assert per_rank(qwen) == qwen
 
 
-@pytest.mark.parametrize("tp,ep,match", [(5, 1, "768 / 5"), (64, 1, "768 / 64"), (1, 3, "128 experts"),
-                                         (2, 2, "not both"), (0, 1, ">= 1")])  # fmt: skip
+@pytest.mark.parametrize(
+    "tp,ep,match", [(5, 1, "768 / 5"), (64, 1, "768 / 64"), (1, 3, "128 experts"), (2, 2, "not both"), (0, 1, ">= 1")]
+)
 def test_splits_the_plugin_would_refuse_are_refused(tp, ep, match) -> None:
     with pytest.raises(ValueError, match=match):
         per_rank(TuneShape("qwen3", 128, 8, 2048, 768), tp=tp, ep=ep)
 
 
-@pytest.mark.parametrize("argv,message", [
-    ([], "give a model directory or --shape"),
-    (["DIR", "--shape", "16,4,512,256"], "give a model directory or --shape"),
-    (["--shape", "16,4,512"], "four integers"),
-    (["--shape", "16,32,512,256"], "top-k K=32"),
-    (["--shape", "16,4,500,256"], "hidden H=500"),
-    (["DIR", "--activation", "relu2"], "--activation is for --shape"),
-    (["--shape", "16,4,512,256", "--max-tokens", "0"], "--max-tokens 0"),
-    (["--shape", "16,4,512,256", "--budget-s", "0"], "--budget-s 0"),
-    (["--shape", "16,4,512,256", "--tp", "32"], "256 / 32"),
-    (["NOWHERE"], "no config.json there"),
-    (["NOMOE"], "no MoE layer"),
-    (["--shape", "16,4,512,256"], "sees no CUDA GPU"),  # a run that would time needs a GPU
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "give a model directory or --shape"),
+        (["DIR", "--shape", "16,4,512,256"], "give a model directory or --shape"),
+        (["--shape", "16,4,512"], "four integers"),
+        (["--shape", "16,32,512,256"], "top-k K=32"),
+        (["--shape", "16,4,500,256"], "hidden H=500"),
+        (["DIR", "--activation", "relu2"], "--activation is for --shape"),
+        (["--shape", "16,4,512,256", "--max-tokens", "0"], "--max-tokens 0"),
+        (["--shape", "16,4,512,256", "--budget-s", "0"], "--budget-s 0"),
+        (["--shape", "16,4,512,256", "--tp", "32"], "256 / 32"),
+        (["NOWHERE"], "no config.json there"),
+        (["NOMOE"], "no MoE layer"),
+        (["--shape", "16,4,512,256"], "sees no CUDA GPU"),  # a run that would time needs a GPU
+    ],
+)
 def test_bad_arguments_get_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, message) -> None:
     import torch
     from transformers import LlamaConfig

@@ -37,8 +37,11 @@ def build_layer(gen: torch.Generator, convention: Convention, w4a4: bool) -> Ten
     one global scale as the converter writes them; W4A4 input scales vary within 4x across experts."""
     out: Tensors = {}
     for e in range(E):
-        w = {p: torch.randn(*(H, I) if p == "down_proj" else (I, H), generator=gen) * (1 + 3 * torch.rand(1, generator=gen))
-             for p in PROJ}  # fmt: skip
+        w = {
+            p: torch.randn(*(H, I) if p == "down_proj" else (I, H), generator=gen)
+            * (1 + 3 * torch.rand(1, generator=gen))
+            for p in PROJ
+        }
         shared = torch.maximum(global_scale_for(w["gate_proj"]), global_scale_for(w["up_proj"]))
         for p in PROJ:
             q = quantize_nvfp4(w[p], None if p == "down_proj" else shared)
@@ -54,10 +57,18 @@ def write_checkpoint(root: Path, tensors: Tensors, convention: Convention, w4a4:
         qc = {"quant_method": "modelopt", "quant_algo": "NVFP4" if w4a4 else "W4A16_NVFP4"}
     else:
         act = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
-        qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-              "config_groups": {"group_0": {"weights": act, "input_activations": act if w4a4 else None}}}  # fmt: skip
-    config = {"model_type": "mixtral", "hidden_size": H, "intermediate_size": I, "num_local_experts": E,
-              "quantization_config": qc}  # fmt: skip
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"weights": act, "input_activations": act if w4a4 else None}},
+        }
+    config = {
+        "model_type": "mixtral",
+        "hidden_size": H,
+        "intermediate_size": I,
+        "num_local_experts": E,
+        "quantization_config": qc,
+    }
     (root / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     return root
@@ -69,8 +80,12 @@ def loader_params(
     """What the vLLM method holds after loading: stacked ``w13_*`` / ``w2_*`` params (NaN where nothing
     arrived, as create_weights fills them) and the (param, expert, shard) set that did arrive."""
     packed, scale, global_, input_, _ = TENSOR_NAMES[convention]
-    shapes = {packed: lambda n, k: ((n, k // 2), torch.uint8), scale: lambda n, k: ((n, k // 16), torch.float8_e4m3fn),
-              global_: lambda n, k: ((), torch.float32), input_: lambda n, k: ((), torch.float32)}  # fmt: skip
+    shapes = {
+        packed: lambda n, k: ((n, k // 2), torch.uint8),
+        scale: lambda n, k: ((n, k // 16), torch.float8_e4m3fn),
+        global_: lambda n, k: ((), torch.float32),
+        input_: lambda n, k: ((), torch.float32),
+    }
     params, loaded = {}, set()
     for suffix, shape_of in shapes.items():
         for prefix, projs in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
@@ -266,8 +281,15 @@ def test_vllm_loader_agrees(gen, case):
     from moe_nvfp4_vllm.moe_method import validate_loaded_experts
 
     params, loaded = loader_params(corrupted(gen, case), case.convention)
-    check = lambda: validate_loaded_experts(LAYER, params, loaded, list(range(E)), case.convention, PROJ,  # noqa: E731
-                                            require_input_scales=case.w4a4)  # fmt: skip
+    check = lambda: validate_loaded_experts(
+        LAYER,
+        params,
+        loaded,
+        list(range(E)),
+        case.convention,
+        PROJ,  # noqa: E731
+        require_input_scales=case.w4a4,
+    )
     if case.tensor is None or case.severity == "warning":
         assert check() == case.w4a4
         return
@@ -323,8 +345,14 @@ def _per_expert(params: dict[str, torch.Tensor], convention: Convention, need_in
 
 
 def _has_error(params: dict[str, torch.Tensor], convention: Convention, need_input: bool) -> bool:
-    findings = check_moe_layer(LAYER, _per_expert(params, convention, need_input), convention=convention,
-                               expected_experts=range(E), projections=PROJ, require_input_scales=need_input)  # fmt: skip
+    findings = check_moe_layer(
+        LAYER,
+        _per_expert(params, convention, need_input),
+        convention=convention,
+        expected_experts=range(E),
+        projections=PROJ,
+        require_input_scales=need_input,
+    )
     return any(f.severity == "error" for f in findings)
 
 
@@ -332,8 +360,9 @@ def _has_error(params: dict[str, torch.Tensor], convention: Convention, need_inp
 def test_stacked_screen_flags_every_value_error(gen, case):
     """The loader's one-sync screen says clean exactly where the per-expert validator finds no error."""
     params, _ = loader_params(corrupted(gen, case), case.convention)
-    clean = stacked_layer_clean(_stacked(params, case.w4a4, case.convention), convention=case.convention,
-                                need_input=case.w4a4)  # fmt: skip
+    clean = stacked_layer_clean(
+        _stacked(params, case.w4a4, case.convention), convention=case.convention, need_input=case.w4a4
+    )
     assert clean == (case.tensor is None or case.severity == "warning")
     assert clean == (not _has_error(params, case.convention, case.w4a4))
 
@@ -367,8 +396,9 @@ def test_stacked_screen_agrees_on_random_corruptions(gen, convention):
             else:
                 flat[at] = SCALARS[int(torch.randint(len(SCALARS), (1,), generator=gen))]
         need_input = bool(trial % 2)
-        clean = stacked_layer_clean(_stacked(params, need_input, convention), convention=convention,
-                                    need_input=need_input)  # fmt: skip
+        clean = stacked_layer_clean(
+            _stacked(params, need_input, convention), convention=convention, need_input=need_input
+        )
         assert clean == (not _has_error(params, convention, need_input)), trial
         verdicts.add(clean)
     assert verdicts == {True, False}  # both verdicts were exercised

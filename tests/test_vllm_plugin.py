@@ -262,11 +262,22 @@ def _routed_experts(
     # vLLM builds non-gated MoE configs only on CUDA/ROCm/XPU platforms; the layer itself is platform-free.
     with mock.patch.object(moe_config_module.current_platform, "is_cuda_alike", return_value=True):
         cfg = FusedMoEConfig(
-            num_experts=E, experts_per_token=top_k, hidden_dim=H, intermediate_size=inter, num_local_experts=E // ep,
-            num_logical_experts=E, activation=act, device="cpu", routing_method=RoutingMethodType.Renormalize,
-            moe_parallel_config=pc, in_dtype=torch.bfloat16, has_bias=has_bias, swiglu_limit=limit,
-            swiglu_alpha=alpha, swiglu_beta=beta,
-        )  # fmt: skip
+            num_experts=E,
+            experts_per_token=top_k,
+            hidden_dim=H,
+            intermediate_size=inter,
+            num_local_experts=E // ep,
+            num_logical_experts=E,
+            activation=act,
+            device="cpu",
+            routing_method=RoutingMethodType.Renormalize,
+            moe_parallel_config=pc,
+            in_dtype=torch.bfloat16,
+            has_bias=has_bias,
+            swiglu_limit=limit,
+            swiglu_alpha=alpha,
+            swiglu_beta=beta,
+        )
     # NemotronH's names: vLLM 0.26 spells "no up projection" "", 0.33 None (and checks it against the activation)
     no_up = "" if _release() == (0, 26) else None
     names = {} if act.is_gated else {"ckpt_gate_proj_name": "up_proj", "ckpt_up_proj_name": no_up}
@@ -281,8 +292,9 @@ def _routed_experts(
             placement_strategy="linear",
             enable_eplb=False,
         )
-        return RoutedExperts(LAYER, torch.bfloat16, cfg, qc, emm, apply_router_weight_on_input=router_weight_on_input,
-                             **names)  # fmt: skip
+        return RoutedExperts(
+            LAYER, torch.bfloat16, cfg, qc, emm, apply_router_weight_on_input=router_weight_on_input, **names
+        )
 
 
 @dataclass
@@ -377,9 +389,14 @@ def test_load_and_apply_matches_reference(plugin, gen, convention, w4a4):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
-@pytest.mark.parametrize(("convention", "backend", "layout"), [("modelopt", "cute", "sm100_interleaved"),
-                                                              ("compressed-tensors", "cute", "sm100_interleaved"),
-                                                              ("modelopt", None, "flashinfer_trtllm")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("convention", "backend", "layout"),
+    [
+        ("modelopt", "cute", "sm100_interleaved"),
+        ("compressed-tensors", "cute", "sm100_interleaved"),
+        ("modelopt", None, "flashinfer_trtllm"),
+    ],
+)
 def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, convention, backend, layout, monkeypatch):
     """Where dispatch has a W4A4 MoE backend (sm_100/sm_103; faked here: FlashInfer's by default, ours when
     chosen) a checkpoint with input scales is laid out for that backend and apply quantizes the activations with
@@ -655,8 +672,9 @@ def test_llama4_router_weight_applied_to_the_input(plugin, gen, convention):
         w13 = stacked_gate_up.transpose(-1, -2).chunk(2, dim=-2)  # what Llama4Model.load_moe_expert_weights passes
         for shard, t in zip(("w1", "w3"), w13):
             layer.w13_weight.weight_loader(layer.w13_weight, t, "w13_weight", shard_id=shard, expert_id=0)
-        layer.w2_weight.weight_loader(layer.w2_weight, down.transpose(1, 2).bfloat16().transpose(-1, -2), "w2_weight",
-                                      shard_id="w2", expert_id=0)  # fmt: skip
+        layer.w2_weight.weight_loader(
+            layer.w2_weight, down.transpose(1, 2).bfloat16().transpose(-1, -2), "w2_weight", shard_id="w2", expert_id=0
+        )
         layer.quant_method.process_weights_after_loading(layer)
     else:
         _load(layer, tensors)
@@ -735,9 +753,16 @@ def test_gpt_oss_tensor_parallel_ranks_sum_to_reference(plugin, gen):
             moe_nvfp4.quantize_nvfp4(torch.cat([dense["gate"], dense["up"]], 1).bfloat16().float(), segments=2)
         )
         w2_deq = moe_nvfp4.dequantize_nvfp4(moe_nvfp4.quantize_nvfp4(dense["down"].bfloat16().float()))
-        refs = refs + _moe_reference(x, w13_deq, w2_deq, tw, ids, "swiglu_oai",
-                                     b13=torch.cat([biases["gate"], biases["up"]], 1),
-                                     b2=biases["down"] if rank == 0 else None)  # fmt: skip
+        refs = refs + _moe_reference(
+            x,
+            w13_deq,
+            w2_deq,
+            tw,
+            ids,
+            "swiglu_oai",
+            b13=torch.cat([biases["gate"], biases["up"]], 1),
+            b2=biases["down"] if rank == 0 else None,
+        )
     assert _rel(total, refs) <= FAMILY_REL_TOL
 
 
@@ -751,12 +776,16 @@ def test_gpt_oss_bias_never_written_is_named(plugin, gen):
         layer.quant_method.process_weights_after_loading(layer)
 
 
-@pytest.mark.parametrize(("activation", "swiglu", "match"), [
-    ("gelu", None, "activation gelu"),
-    ("silu_no_mul", None, "activation silu_no_mul"),
-    ("silu", (7.0, None, None), "activation silu with swiglu limit/alpha/beta 7.0/None/None"),
-    ("swigluoai", (7.0, 1.702, 1.0), "activation swigluoai with swiglu limit/alpha/beta 7.0/1.702/1.0"),
-], ids=["gelu", "non-gated-silu", "clamped-silu", "swiglu-beta"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("activation", "swiglu", "match"),
+    [
+        ("gelu", None, "activation gelu"),
+        ("silu_no_mul", None, "activation silu_no_mul"),
+        ("silu", (7.0, None, None), "activation silu with swiglu limit/alpha/beta 7.0/None/None"),
+        ("swigluoai", (7.0, 1.702, 1.0), "activation swigluoai with swiglu limit/alpha/beta 7.0/1.702/1.0"),
+    ],
+    ids=["gelu", "non-gated-silu", "clamped-silu", "swiglu-beta"],
+)
 def test_unsupported_activations_are_rejected_naming_the_layer(plugin, activation, swiglu, match):
     with pytest.raises(NotImplementedError, match=rf"{LAYER}: nvfp4_grouped does not support {match}"):
         _routed_experts(_config(plugin, "modelopt"), activation=activation, swiglu=swiglu)
@@ -1140,8 +1169,17 @@ def _moe_layer(qc):
 
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vllm_config):
-        layer = factory(num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
-                        renormalize=True, custom_routing_function=route, quant_config=qc, prefix=LAYER)  # fmt: skip
+        layer = factory(
+            num_experts=E,
+            top_k=TOPK,
+            hidden_size=H,
+            intermediate_size=I,
+            params_dtype=torch.bfloat16,
+            renormalize=True,
+            custom_routing_function=route,
+            quant_config=qc,
+            prefix=LAYER,
+        )
     return layer, vllm_config
 
 
@@ -1219,8 +1257,11 @@ def test_converted_family_loads_in_vllms_own_modelopt_method(plugin, single_proc
     with mock.patch.object(modelopt, "select_nvfp4_moe_backend", return_value=(None, None)):
         layer = _routed_experts(qc, activation="silu" if gated else "relu2_no_mul")
     assert type(layer.quant_method).__name__ == "ModelOptNvFp4FusedMoE"
-    list(layer.load_weights(iter(sorted((k.removeprefix(prefix + "."), v) for k, v in tensors.items()
-                                        if k.startswith(prefix + ".")))))  # fmt: skip
+    list(
+        layer.load_weights(
+            iter(sorted((k.removeprefix(prefix + "."), v) for k, v in tensors.items() if k.startswith(prefix + ".")))
+        )
+    )
     w13_projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
     for e in range(E):
         want13 = torch.cat([tensors[f"{prefix}.{e}.{p}.weight"] for p in w13_projs])
@@ -1262,11 +1303,22 @@ def test_moe_runner_forward_family_layers(plugin, gen, single_process_group, fam
         else dict(activation="relu2_no_mul", ckpt_names=("up_proj", "down_proj", "" if _release() == (0, 26) else None))
     )
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    with set_current_vllm_config(vllm_config), mock.patch.object(moe_config_module.current_platform, "is_cuda_alike",
-                                                                 return_value=True):  # fmt: skip
-        layer = factory(num_experts=E, top_k=top_k, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
-                        renormalize=False, custom_routing_function=route, quant_config=_config(plugin, "modelopt"),
-                        prefix=LAYER, **extra)  # fmt: skip
+    with (
+        set_current_vllm_config(vllm_config),
+        mock.patch.object(moe_config_module.current_platform, "is_cuda_alike", return_value=True),
+    ):
+        layer = factory(
+            num_experts=E,
+            top_k=top_k,
+            hidden_size=H,
+            intermediate_size=I,
+            params_dtype=torch.bfloat16,
+            renormalize=False,
+            custom_routing_function=route,
+            quant_config=_config(plugin, "modelopt"),
+            prefix=LAYER,
+            **extra,
+        )
     method = layer.routed_experts.quant_method
     assert type(method).__name__ == "NVFP4GroupedMoEMethod"
     list(layer.load_weights(iter(sorted(tensors.items()))))

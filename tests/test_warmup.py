@@ -31,8 +31,19 @@ def _weights(experts: int = 8, hidden: int = 128, inter: int = 64) -> moe_nvfp4.
 def _recorder(calls: list, lock: threading.Lock):
     def forward(x, weights, topk_weights, topk_ids, *, expert_map=None, apply_router_weight_on_input=False):
         with lock:
-            calls.append((tuple(x.shape), x.dtype, bool((x == 0).all()), topk_weights.dtype, topk_weights.tolist(),
-                          topk_ids.dtype, topk_ids.tolist(), expert_map, apply_router_weight_on_input))  # fmt: skip
+            calls.append(
+                (
+                    tuple(x.shape),
+                    x.dtype,
+                    bool((x == 0).all()),
+                    topk_weights.dtype,
+                    topk_weights.tolist(),
+                    topk_ids.dtype,
+                    topk_ids.tolist(),
+                    expert_map,
+                    apply_router_weight_on_input,
+                )
+            )
         return torch.empty_like(x)
 
     return forward
@@ -49,11 +60,20 @@ def test_the_same_forwards_as_the_apis_warmup(monkeypatch, threads: int, ep: boo
     theirs: list = []  # the API's warm-up, serially: the order the forwards were always run in
     monkeypatch.setattr(api, "fused_moe", _recorder(theirs, lock))
     monkeypatch.setenv("MOE_NVFP4_WARMUP_THREADS", "1")
-    counts = api.warmup_fused_moe(weights, 4, torch.bfloat16, 4096, expert_map=expert_map,
-                                  apply_router_weight_on_input=on_input)  # fmt: skip
+    counts = api.warmup_fused_moe(
+        weights, 4, torch.bfloat16, 4096, expert_map=expert_map, apply_router_weight_on_input=on_input
+    )
     ours: list = []
-    got = compile_kernels(weights, 4, torch.bfloat16, 4096, forward=_recorder(ours, lock), expert_map=expert_map,
-                          apply_router_weight_on_input=on_input, threads=threads)  # fmt: skip
+    got = compile_kernels(
+        weights,
+        4,
+        torch.bfloat16,
+        4096,
+        forward=_recorder(ours, lock),
+        expert_map=expert_map,
+        apply_router_weight_on_input=on_input,
+        threads=threads,
+    )
     assert got == counts and len(counts) > 3
     assert sorted(ours, key=lambda c: c[0]) == theirs  # every forward once, argument for argument
     if threads == 1:

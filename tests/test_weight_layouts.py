@@ -20,8 +20,10 @@ def _checkpoint(gen: torch.Generator, e: int, h: int, i: int) -> tuple[m.NVFP4Te
         scales = (torch.rand(e, n, k // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn)
         return packed, scales
 
-    return (m.NVFP4Tensor(*rand(2 * i, h), torch.rand(e, 2, generator=gen) + 0.5),
-            m.NVFP4Tensor(*rand(h, i), torch.rand(e, generator=gen) + 0.5))  # fmt: skip
+    return (
+        m.NVFP4Tensor(*rand(2 * i, h), torch.rand(e, 2, generator=gen) + 0.5),
+        m.NVFP4Tensor(*rand(h, i), torch.rand(e, generator=gen) + 0.5),
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)

@@ -107,8 +107,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     e, k, h, i, n_global = zs.experts, zs.top_k, zs.hidden, zs.intermediate, zs.global_experts
     shape, device = LayerShape(e, k, h, i, global_experts=n_global), device_traits(torch.device("cuda"))
     cfg = select_config(tokens, shape, device)
-    tuned_in = {v: tuned_config(Path(v[len("configs="):]), lambda: select_config(tokens, shape, device))
-                for v in variants if v.startswith("configs=")}  # fmt: skip
+    tuned_in = {
+        v: tuned_config(Path(v[len("configs=") :]), lambda: select_config(tokens, shape, device))
+        for v in variants
+        if v.startswith("configs=")
+    }
     if zs.ep > 1:  # bench_moe's inputs and rank (the first E / EP experts local), so a row of its is repeated
         x, tw, ti, expert_map = make_inputs(MoEShape.from_zoo(zs), tokens, draw, "cuda")
     else:
@@ -133,8 +136,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, expert_map, i, c) for ws in copies]
 
     padded = FragmentLayout().padded_k
-    invalid = [v for v in variants if v.startswith(("gemm1:", "gemm2:", "gemms:"))
-               and not configured(v).is_valid(padded(h), padded(i))]  # fmt: skip
+    invalid = [
+        v
+        for v in variants
+        if v.startswith(("gemm1:", "gemm2:", "gemms:")) and not configured(v).is_valid(padded(h), padded(i))
+    ]
     for v in invalid:
         print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)
     variants = [v for v in variants if v not in invalid]
@@ -152,10 +158,21 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     local_pairs = int((local_ids >= 0).sum())
     rows = []
     for v in variants:
-        rows.append(dict(model=model, tokens=tokens, draw=draw, local_pairs=local_pairs, variant=v,
-                         median_us=statistics.median(times[v]),
-                         min_us=min(times[v]), max_us=max(times[v]), rel_diff=errors[v], copies=len(copies),
-                         config=configured(v).to_dict()))  # fmt: skip
+        rows.append(
+            dict(
+                model=model,
+                tokens=tokens,
+                draw=draw,
+                local_pairs=local_pairs,
+                variant=v,
+                median_us=statistics.median(times[v]),
+                min_us=min(times[v]),
+                max_us=max(times[v]),
+                rel_diff=errors[v],
+                copies=len(copies),
+                config=configured(v).to_dict(),
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -186,8 +203,11 @@ def table(rows: list[dict], cases: list[str], variants: list[str]) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="mixtral-8x7b:1,mixtral-8x7b:16,mixtral-8x7b:64,qwen3-30b-a3b:1,"
-                                      "qwen3-30b-a3b:16,qwen3-30b-a3b:64", help="model:tokens, comma separated")  # fmt: skip
+    p.add_argument(
+        "--cases",
+        default="mixtral-8x7b:1,mixtral-8x7b:16,mixtral-8x7b:64,qwen3-30b-a3b:1,qwen3-30b-a3b:16,qwen3-30b-a3b:64",
+        help="model:tokens, comma separated",
+    )
     p.add_argument(
         "--variants",
         default="shipped",
@@ -201,8 +221,11 @@ def main() -> int:
     from moe_nvfp4.zoo import zoo_shape
 
     with tempfile.TemporaryDirectory() as tmp:
-        modules = {v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
-                   for i, v in enumerate(variants) if v.startswith("pkg=")}  # fmt: skip
+        modules = {
+            v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
+            for i, v in enumerate(variants)
+            if v.startswith("pkg=")
+        }
         rows = []
         for case in args.cases.split(","):
             model, tokens = case.split(":")

@@ -119,8 +119,17 @@ def measure(model, experts: int, tokens: int, seed: int) -> list[dict]:
     rows = []
     for inputs in xs:
         ref = outs[inputs, "exact"]
-        row = dict(model=model.key, experts=e, top_k=k, hidden=model.hidden, intermediate=model.intermediate,
-                   activation=model.activation.name, tokens=tokens, inputs=inputs, seed=seed)  # fmt: skip
+        row = dict(
+            model=model.key,
+            experts=e,
+            top_k=k,
+            hidden=model.hidden,
+            intermediate=model.intermediate,
+            activation=model.activation.name,
+            tokens=tokens,
+            inputs=inputs,
+            seed=seed,
+        )
         for mode in MODES:
             out = outs[inputs, mode].to(torch.bfloat16).double() if mode == "w4a16" else outs[inputs, mode]
             row[mode] = ((out - ref).norm() / ref.norm()).item()
@@ -130,8 +139,10 @@ def measure(model, experts: int, tokens: int, seed: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model (H, I, top-k, activation) | inputs | " + " | ".join(MODES) + " |",
-             "|---|---|" + "---:|" * len(MODES)]  # fmt: skip
+    lines = [
+        "| model (H, I, top-k, activation) | inputs | " + " | ".join(MODES) + " |",
+        "|---|---|" + "---:|" * len(MODES),
+    ]
     for r in rows:
         shape = f"{r['model']} ({r['hidden']}, {r['intermediate']}, {r['top_k']}, {r['activation']})"
         lines.append(f"| {shape} | {r['inputs']} | " + " | ".join(f"{r[m]:.2e}" for m in MODES) + " |")
@@ -158,7 +169,9 @@ def main() -> int:
         (args.out / "accuracy.md").write_text(
             "# Activation precision against float64, the zoo's layers (CPU)\n\n"
             f"- command: `{command}`; torch {torch.__version__}; ||out - ref|| / ||ref||, same NVFP4 weights\n\n"
-            + "\n".join(lines) + "\n")  # fmt: skip
+            + "\n".join(lines)
+            + "\n"
+        )
     return 0
 
 

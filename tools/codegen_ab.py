@@ -80,9 +80,14 @@ def main() -> int:
     if len(sys.argv) != 3:
         print(__doc__)
         return 2
-    before, after = (json.loads(subprocess.run([sys.executable, __file__, "--digests", root], check=True,
-                                               capture_output=True, text=True).stdout)
-                     for root in sys.argv[1:])  # fmt: skip
+    before, after = (
+        json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--digests", root], check=True, capture_output=True, text=True
+            ).stdout
+        )
+        for root in sys.argv[1:]
+    )
     differ = [k for k in before if before[k] != after.get(k)]
     for k in before:
         print(f"{'same' if k not in differ else 'DIFFERS'}  {k}")

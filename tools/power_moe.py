@@ -37,8 +37,16 @@ import bench_moe as B  # noqa: E402  (no torch at import: its paths import it wh
 
 SMI_FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 # nvidia-smi's clocks_throttle_reasons bits (nvml.h, nvmlClocksEventReasons)
-THROTTLE_REASONS = {0x1: "gpu_idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal",
-                    0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}  # fmt: skip
+THROTTLE_REASONS = {
+    0x1: "gpu_idle",
+    0x2: "app_clocks",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+    0x100: "display_clocks",
+}
 
 
 @dataclass(frozen=True)
@@ -87,9 +95,14 @@ def summarize(rounds: list[dict], samples: list[Sample]) -> list[dict]:
         seen = dict(samples=len(inside))
         if inside:
             sm, watts = [s.sm_mhz for s in inside], [s.watts for s in inside]
-            seen.update(sm_mhz_median=statistics.median(sm), sm_mhz_min=min(sm), watts_median=statistics.median(watts),
-                        watts_max=max(watts), celsius_max=max(s.celsius for s in inside),
-                        throttle=reason_names(functools.reduce(operator.or_, (s.reasons for s in inside))))  # fmt: skip
+            seen.update(
+                sm_mhz_median=statistics.median(sm),
+                sm_mhz_min=min(sm),
+                watts_median=statistics.median(watts),
+                watts_max=max(watts),
+                celsius_max=max(s.celsius for s in inside),
+                throttle=reason_names(functools.reduce(operator.or_, (s.reasons for s in inside))),
+            )
         rows.append({**r, **seen})
     return rows
 
@@ -168,8 +181,12 @@ def main() -> int:
         samples = parse_samples(log.read().splitlines())
     rows = summarize(rounds, samples)
     for row in rows:
-        clocks = f"SM {row['sm_mhz_median']:.0f} MHz (min {row['sm_mhz_min']:.0f}), {row['watts_max']:.0f} W max, " \
-                 f"{','.join(row['throttle']) or 'no throttling'}" if row["samples"] else "no sample"  # fmt: skip
+        clocks = (
+            f"SM {row['sm_mhz_median']:.0f} MHz (min {row['sm_mhz_min']:.0f}), {row['watts_max']:.0f} W max, "
+            f"{','.join(row['throttle']) or 'no throttling'}"
+            if row["samples"]
+            else "no sample"
+        )
         print(f"{'replay' if args.replays else 'round'} {row['round']:3d}: {row['us']:9.1f} us  {clocks}")
     if args.out:
         from harness import environment

@@ -48,8 +48,10 @@ def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[s
             torch.cuda.synchronize()
     launches = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     per_forward = len(launches) // iters
-    return [(launches[j].name, sum(launches[j + per_forward * r].device_time for r in range(iters)) / iters)
-            for j in range(per_forward)]  # fmt: skip
+    return [
+        (launches[j].name, sum(launches[j + per_forward * r].device_time for r in range(iters)) / iters)
+        for j in range(per_forward)
+    ]
 
 
 def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Callable[[], object]:

@@ -80,8 +80,10 @@ def expert_activation(moe) -> ExpertActivation | str:
         limit = SWIGLU_OAI_LIMIT if moe.swiglu_limit is None else moe.swiglu_limit
         return ExpertActivation("swiglu_oai", alpha=alpha, limit=limit)
     if clamped:
-        return (f"activation {act.value} with swiglu limit/alpha/beta {moe.swiglu_limit}/{moe.swiglu_alpha}/"
-                f"{moe.swiglu_beta} (implemented: gated silu, swigluoai with limit and alpha, relu2_no_mul)")  # fmt: skip
+        return (
+            f"activation {act.value} with swiglu limit/alpha/beta {moe.swiglu_limit}/{moe.swiglu_alpha}/"
+            f"{moe.swiglu_beta} (implemented: gated silu, swigluoai with limit and alpha, relu2_no_mul)"
+        )
     return f"activation {act.value} (implemented: gated silu, swigluoai, relu2_no_mul)"
 
 
@@ -276,8 +278,15 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         else:
             params = {p.name: getattr(layer, p.name).data for p in self.params if p.kind != BIAS}
             projections = tuple(self._proj(layer, shard) for shard in (*self.w13_shards, "w2"))
-            has_input = validate_loaded_experts(name, params, self.loaded, global_ids, self.convention, projections,
-                                                require_input_scales=self.quant_config.input_scales)  # fmt: skip
+            has_input = validate_loaded_experts(
+                name,
+                params,
+                self.loaded,
+                global_ids,
+                self.convention,
+                projections,
+                require_input_scales=self.quant_config.input_scales,
+            )
             w13, w2 = self._checkpoint_tensors(layer, has_input)
         w13_bias, w2_bias = biases.get("w13_bias"), biases.get("w2_bias")
         if w13_bias is not None and interleaved:
@@ -289,15 +298,20 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         w4a4 = select_backends(w13.packed.device).moe_w4a4
         if plain and self.w13_input_scale is not None and w4a4 is not None and not w4a4.reference:
             if global_ids != list(range(global_ids[0], global_ids[0] + n_local)):
-                raise ValueError(f"{name}: the W4A4 MoE takes this rank's experts as one contiguous range of global "
-                                 f"ids, got {global_ids}; use the linear expert placement")  # fmt: skip
-            self.w4a4_input_scales = (self.w13_input_scale.max().reshape(1).float(),
-                                      self.w2_input_scale.max().reshape(1).float())  # fmt: skip
+                raise ValueError(
+                    f"{name}: the W4A4 MoE takes this rank's experts as one contiguous range of global "
+                    f"ids, got {global_ids}; use the linear expert placement"
+                )
+            self.w4a4_input_scales = (
+                self.w13_input_scale.max().reshape(1).float(),
+                self.w2_input_scale.max().reshape(1).float(),
+            )
             setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2, expert_offset=global_ids[0]))
             return
         # packed into the checkpoint tensors' own memory (their parameters are gone): one expert's block extra
-        weights = moe_nvfp4.prepare_moe_weights(w13, w2, activation=self.activation, w13_bias=w13_bias,
-                                                w2_bias=w2_bias, reuse_input_memory=True)  # fmt: skip
+        weights = moe_nvfp4.prepare_moe_weights(
+            w13, w2, activation=self.activation, w13_bias=w13_bias, w2_bias=w2_bias, reuse_input_memory=True
+        )
         del w13, w2, w13_bias, w2_bias
         setattr(layer, WEIGHTS_ATTR, weights)
         self._warmup(layer, weights)
@@ -307,22 +321,44 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         kernels for every token count now (Triton compiles lazily, per config), in threads."""
         dtype, top_k, expert_map = self.moe.in_dtype, self.moe.experts_per_token, layer.expert_map
         on_input = layer.apply_router_weight_on_input  # its own GEMM1 gather and combine: compiled apart
-        key = (weights.w13_packed.shape, weights.w2_packed.shape, weights.w13_packed.device, dtype, top_k,
-               None if expert_map is None else expert_map.numel(), self.max_tokens, self.activation,
-               self.moe.has_bias, on_input)  # fmt: skip
+        key = (
+            weights.w13_packed.shape,
+            weights.w2_packed.shape,
+            weights.w13_packed.device,
+            dtype,
+            top_k,
+            None if expert_map is None else expert_map.numel(),
+            self.max_tokens,
+            self.activation,
+            self.moe.has_bias,
+            on_input,
+        )
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
         report = load_configs(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
         if report.source != "cpu":  # CPU weights run the torch reference: nothing to choose
             logger.info("nvfp4_grouped: autotune %s", report.summary())
         start, threads = time.perf_counter(), warmup_threads()
-        counts = compile_kernels(weights, top_k, dtype, self.max_tokens, forward=moe_nvfp4.fused_moe,
-                                 expert_map=expert_map, apply_router_weight_on_input=on_input, threads=threads)  # fmt: skip
+        counts = compile_kernels(
+            weights,
+            top_k,
+            dtype,
+            self.max_tokens,
+            forward=moe_nvfp4.fused_moe,
+            expert_map=expert_map,
+            apply_router_weight_on_input=on_input,
+            threads=threads,
+        )
         _WARMED.add(key)
         if counts:
             torch.cuda.empty_cache()  # the warm-up's temporaries are not the model's memory
-            logger.info("nvfp4_grouped: compiled MoE kernels for token counts %s (up to %d) in %.1f s, %d threads",
-                        counts, self.max_tokens, time.perf_counter() - start, threads)  # fmt: skip
+            logger.info(
+                "nvfp4_grouped: compiled MoE kernels for token counts %s (up to %d) in %.1f s, %d threads",
+                counts,
+                self.max_tokens,
+                time.perf_counter() - start,
+                threads,
+            )
 
     def _by_kind(self, layer: torch.nn.Module, prefix: str, kind: str) -> torch.Tensor:
         p = next(p for p in self.params if p.kind == kind and p.name.startswith(prefix + "_"))
@@ -389,9 +425,14 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         if self.w4a4_input_scales is not None:
             w13_scale, w2_scale = self.w4a4_input_scales
             return moe_nvfp4.fused_moe_w4a4(
-                x, getattr(layer, WEIGHTS_ATTR), topk_weights.to(torch.float32), topk_ids.to(torch.int32),
-                w13_input_scale=w13_scale, w2_input_scale=w2_scale, expert_map=layer.expert_map,
-            )  # fmt: skip
+                x,
+                getattr(layer, WEIGHTS_ATTR),
+                topk_weights.to(torch.float32),
+                topk_ids.to(torch.int32),
+                w13_input_scale=w13_scale,
+                w2_input_scale=w2_scale,
+                expert_map=layer.expert_map,
+            )
         return moe_nvfp4.fused_moe(
             x,
             getattr(layer, WEIGHTS_ATTR),
@@ -450,8 +491,14 @@ def validate_loaded_experts(
                     part = w13_shards.index(shard)
                     t = t[part] if t.dim() == 1 else t.chunk(len(w13_shards), dim=0)[part]
                 experts.setdefault(g, {}).setdefault(proj, {})[name.removeprefix(prefix + "_")] = t
-    findings = check_moe_layer(layer_name, experts, convention=convention, expected_experts=global_ids,
-                               projections=projections, require_input_scales=require_input_scales)  # fmt: skip
+    findings = check_moe_layer(
+        layer_name,
+        experts,
+        convention=convention,
+        expected_experts=global_ids,
+        projections=projections,
+        require_input_scales=require_input_scales,
+    )
     raise_first_error(findings)
     return require_input_scales or any(input_key in t for ex in experts.values() for t in ex.values())
 

@@ -36,12 +36,15 @@ def pick_device(requested: str) -> str:
         if requested == "auto":
             return "cpu"
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise DeviceError(f"--device cuda, but torch {torch.__version__} ({build}) sees no CUDA GPU; --device cpu "
-                          "runs on the CPU")  # fmt: skip
+        raise DeviceError(
+            f"--device cuda, but torch {torch.__version__} ({build}) sees no CUDA GPU; --device cpu runs on the CPU"
+        )
     major, minor = torch.cuda.get_device_capability(0)
     arch = f"sm_{major}{minor}"
     if arch not in verified_archs():
         supported = ", ".join(f"{a} GPUs ({_GPUS[a]})" if a in _GPUS else a for a in verified_archs())
-        raise DeviceError(f"{torch.cuda.get_device_name(0)} is {arch}; the fused kernel supports {supported}; "
-                          "--device cpu runs the torch reference instead")  # fmt: skip
+        raise DeviceError(
+            f"{torch.cuda.get_device_name(0)} is {arch}; the fused kernel supports {supported}; "
+            "--device cpu runs the torch reference instead"
+        )
     return "cuda"

@@ -127,9 +127,15 @@ class MoEShape:
     @classmethod
     def from_zoo(cls, shape) -> "MoEShape":
         """A ``moe_nvfp4.zoo.ZooShape``."""
-        return cls(shape.name, num_experts=shape.experts, top_k=shape.top_k, hidden=shape.hidden,
-                   inter=shape.intermediate, global_experts=shape.global_experts,
-                   activation=shape.activation.name)  # fmt: skip
+        return cls(
+            shape.name,
+            num_experts=shape.experts,
+            top_k=shape.top_k,
+            hidden=shape.hidden,
+            inter=shape.intermediate,
+            global_experts=shape.global_experts,
+            activation=shape.activation.name,
+        )
 
 
 # --------------------------------------------------------------------------------------------------

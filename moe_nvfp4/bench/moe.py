@@ -79,8 +79,11 @@ def available_paths(device: str = "cuda") -> list[str]:
     has = lambda module: importlib.util.find_spec(module) is not None  # noqa: E731
     if device == "cpu":
         return ["ours", "torch"]
-    return [name for name, cls in REGISTRY.items()
-            if all(has(m) for m in cls.requires) and not any(has(m) for m in cls.auto_unless)]  # fmt: skip
+    return [
+        name
+        for name, cls in REGISTRY.items()
+        if all(has(m) for m in cls.requires) and not any(has(m) for m in cls.auto_unless)
+    ]
 
 
 def package_version(distribution: str) -> str:
@@ -203,8 +206,9 @@ def parse_shape(text: str) -> MoEShape:
     try:
         e, k, h, i = (int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"--shape {text!r}: give four integers E,K,H,I (experts, top-k, hidden, intermediate), "
-                         "e.g. 128,8,2048,768") from None  # fmt: skip
+        raise ValueError(
+            f"--shape {text!r}: give four integers E,K,H,I (experts, top-k, hidden, intermediate), e.g. 128,8,2048,768"
+        ) from None
     if not 1 <= e <= MAX_EXPERTS:
         raise ValueError(f"--shape {text!r}: experts E={e} must be in 1..{MAX_EXPERTS}")
     if not 1 <= k <= min(e, MAX_TOP_K):
@@ -225,8 +229,10 @@ def _random_spec(name: str) -> tuple[int, int]:
     except (ValueError, IndexError):
         count = seed = -1
     if len(parts) > 2 or count < 1 or seed < 0:
-        raise ValueError(f"--models {name!r}: give random:N or random:N:SEED, N >= 1 layers and SEED >= 0 "
-                         f"(random:16 draws seed {RANDOM_SEED}'s first 16)")  # fmt: skip
+        raise ValueError(
+            f"--models {name!r}: give random:N or random:N:SEED, N >= 1 layers and SEED >= 0 "
+            f"(random:16 draws seed {RANDOM_SEED}'s first 16)"
+        )
     return count, seed
 
 
@@ -241,8 +247,13 @@ def resolve_models(spec: str) -> dict[str, MoEShape]:
             for model in random_models(*_random_spec(name)):
                 out[model.key] = MoEShape.from_zoo(ZooShape(model))
             continue
-        keys = (list(zoo) if name == "zoo" else [k for k, s in zoo.items() if s.tp == s.ep == 1]
-                if name == "zoo-models" else [ALIASES.get(name, name)])  # fmt: skip
+        keys = (
+            list(zoo)
+            if name == "zoo"
+            else [k for k, s in zoo.items() if s.tp == s.ep == 1]
+            if name == "zoo-models"
+            else [ALIASES.get(name, name)]
+        )
         for key in keys:
             if key == "tiny":
                 out[key] = TINY
@@ -251,10 +262,12 @@ def resolve_models(spec: str) -> dict[str, MoEShape]:
             elif key.startswith("random-s"):
                 out[key] = MoEShape.from_zoo(ZooShape(random_model(key)))
             else:
-                raise ValueError(f"unknown model {name!r}; choose a zoo model ({', '.join(m.key for m in MODELS)}), "
-                                 "a per-rank key such as kimi-k2-ep8 or glm-4.5-tp4, zoo, zoo-models, random:N[:SEED], "
-                                 f"a random layer's key (random-s0-03), tiny, {', '.join(ALIASES)}, or give --shape "
-                                 "E,K,H,I")  # fmt: skip
+                raise ValueError(
+                    f"unknown model {name!r}; choose a zoo model ({', '.join(m.key for m in MODELS)}), "
+                    "a per-rank key such as kimi-k2-ep8 or glm-4.5-tp4, zoo, zoo-models, random:N[:SEED], "
+                    f"a random layer's key (random-s0-03), tiny, {', '.join(ALIASES)}, or give --shape "
+                    "E,K,H,I"
+                )
     return out
 
 
@@ -278,8 +291,11 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
         models[f"{shape.num_experts},{shape.top_k},{shape.hidden},{shape.inter}"] = shape
     args.models = models or resolve_models(CPU_MODEL if cpu else args.default_models)
     spec = args.paths.strip().lower()
-    args.paths = available_paths(args.device) if spec == "auto" else list(dict.fromkeys(
-        p.strip() for p in spec.split(",") if p.strip()))  # fmt: skip
+    args.paths = (
+        available_paths(args.device)
+        if spec == "auto"
+        else list(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
+    )
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown or not args.paths:
         raise ValueError(f"--paths {spec!r}: unknown {unknown}; choose from {list(PATHS)} or auto")
@@ -314,8 +330,9 @@ def random_meta(models: dict[str, MoEShape]) -> dict | None:
     drawn = {key: s for key, s in models.items() if key.startswith("random-s")}
     if not drawn:
         return None
-    layers = [dict(key=key, experts=s.num_experts, top_k=s.top_k, hidden=s.hidden, inter=s.inter)
-              for key, s in drawn.items()]  # fmt: skip
+    layers = [
+        dict(key=key, experts=s.num_experts, top_k=s.top_k, hidden=s.hidden, inter=s.inter) for key, s in drawn.items()
+    ]
     seeds = sorted({int(key.split("-")[1][1:]) for key in drawn})
     return {"seeds": seeds, "default_seed": RANDOM_SEED, "bounds": asdict(RANDOM_BOUNDS), "layers": layers}
 
@@ -347,13 +364,21 @@ def measure_meta(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[
 
     start = time.time()
     meta = device_meta(args)
-    log(f"bench on {meta.get('device', 'the CPU')}: torch {meta['torch']} triton {meta['triton']} vllm {meta['vllm']} "
-        f"humming-kernels {meta['humming_kernels']}; paths {','.join(args.paths)}")  # fmt: skip
+    log(
+        f"bench on {meta.get('device', 'the CPU')}: torch {meta['torch']} triton {meta['triton']} vllm {meta['vllm']} "
+        f"humming-kernels {meta['humming_kernels']}; paths {','.join(args.paths)}"
+    )
     ceilings = measure_ceilings(quick=args.quick or args.device == "cpu", device=args.device)
-    meta["ceilings"] = {"copy_GBps": ceilings.copy_bytes_per_s / 1e9, "bf16_TFLOPs": ceilings.bf16_flops_per_s / 1e12,
-                        "copy": ceilings.copy_detail, "matmul": ceilings.matmul_detail}  # fmt: skip
-    log(f"ceilings: copy {meta['ceilings']['copy_GBps']:.0f} GB/s, bf16 mm {meta['ceilings']['bf16_TFLOPs']:.0f} "
-        f"TFLOP/s ({time.time() - start:.1f} s)")  # fmt: skip
+    meta["ceilings"] = {
+        "copy_GBps": ceilings.copy_bytes_per_s / 1e9,
+        "bf16_TFLOPs": ceilings.bf16_flops_per_s / 1e12,
+        "copy": ceilings.copy_detail,
+        "matmul": ceilings.matmul_detail,
+    }
+    log(
+        f"ceilings: copy {meta['ceilings']['copy_GBps']:.0f} GB/s, bf16 mm {meta['ceilings']['bf16_TFLOPs']:.0f} "
+        f"TFLOP/s ({time.time() - start:.1f} s)"
+    )
     meta["l2_policy"] = (
         "one weight copy (--no-rotate)"
         if args.no_rotate
@@ -367,15 +392,18 @@ def measure_meta(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[
     )
     meta["rel_tol"] = args.tol
     meta["args"] = {k: v for k, v in vars(args).items() if k != "models" and not callable(v)} | {
-        "models": list(args.models)}  # fmt: skip
+        "models": list(args.models)
+    }
     meta["config_dir"] = str(configs.CONFIG_DIR)
     tuned_file = configs.tuned_file_for(configs.device_traits(torch.device("cuda"))) if args.device == "cuda" else None
     meta["tuned_file"] = str(tuned_file) if tuned_file else None  # serves this GPU; whether it served a row: below
     meta["autotune"] = args.autotune
     meta["random"] = random_meta(args.models)
     for layer in (meta["random"] or {}).get("layers", []):
-        log(f"random layer {layer['key']}: E={layer['experts']} top-{layer['top_k']} H={layer['hidden']} "
-            f"I={layer['inter']}")  # fmt: skip
+        log(
+            f"random layer {layer['key']}: E={layer['experts']} top-{layer['top_k']} H={layer['hidden']} "
+            f"I={layer['inter']}"
+        )
     return meta, ceilings
 
 

@@ -15,9 +15,21 @@ from typing import Any
 from .harness import markdown_table, write_json, write_markdown
 from .paths import BASELINES, NVFP4_PATHS, PATHS, REGISTRY
 
-__all__ = ["COLUMNS", "PREFILL_TARGETS", "PREFILL_TOKENS", "columns", "configs_meta", "merge_reports",
-           "model_summaries", "prefill_summary", "prefill_table", "read_report", "stdout_report", "summary_lines",
-           "write_reports"]  # fmt: skip
+__all__ = [
+    "COLUMNS",
+    "PREFILL_TARGETS",
+    "PREFILL_TOKENS",
+    "columns",
+    "configs_meta",
+    "merge_reports",
+    "model_summaries",
+    "prefill_summary",
+    "prefill_table",
+    "read_report",
+    "stdout_report",
+    "summary_lines",
+    "write_reports",
+]
 
 _LABEL = {name: cls.label for name, cls in REGISTRY.items()}
 COLUMNS = [
@@ -72,8 +84,13 @@ def _prefill_values(rows: list[dict], column: str) -> list[float]:
     """``column`` of the rows whose output matched: ours' own columns need ours to match, a speedup its baseline
     too (a ratio against a wrong answer says nothing)."""
     baseline = column.removeprefix("speedup_vs_") if column.startswith("speedup_vs_") else None
-    return [r[column] for r in rows if r.get(column) is not None and "ours" not in r.get("mismatched", ())
-            and baseline not in r.get("mismatched", ())]  # fmt: skip
+    return [
+        r[column]
+        for r in rows
+        if r.get(column) is not None
+        and "ours" not in r.get("mismatched", ())
+        and baseline not in r.get("mismatched", ())
+    ]
 
 
 def prefill_summary(rows: list[dict], min_tokens: int = PREFILL_TOKENS) -> dict[str, Any]:
@@ -103,8 +120,10 @@ def prefill_table(summary: dict[str, Any]) -> list[str]:
         return []
     by_model = summary["by_model"]
     stats = [c for c in _PREFILL_STATS if any(s[c] for s in by_model.values())]
-    header = {"pct_of_compute_floor": "ours % compute floor",
-              **{f"speedup_vs_{p}": f"× {_LABEL[p]}" for p in BASELINES}}  # fmt: skip
+    header = {
+        "pct_of_compute_floor": "ours % compute floor",
+        **{f"speedup_vs_{p}": f"× {_LABEL[p]}" for p in BASELINES},
+    }
     cell = lambda mm, spec: "-" if mm is None else f"{mm['min']:{spec}} / {mm['median']:{spec}}"  # noqa: E731
     lines = [
         f"Prefill (T >= {summary['min_tokens']}, rows whose outputs matched; min / median):",
@@ -115,8 +134,11 @@ def prefill_table(summary: dict[str, Any]) -> list[str]:
     for model, s in by_model.items():
         cells = [cell(s[c], ".0f" if c == "pct_of_compute_floor" else ".2f") for c in stats]
         lines.append(f"| {'**all**' if model == 'all' else model} | {s['rows']} | " + " | ".join(cells) + " |")
-    met = [f"{header[c]} >= {t['target']:g}{'%' if c == 'pct_of_compute_floor' else 'x'}: {t['met']} of {t['of']}"
-           for c, t in summary["targets"].items() if t["of"]]  # fmt: skip
+    met = [
+        f"{header[c]} >= {t['target']:g}{'%' if c == 'pct_of_compute_floor' else 'x'}: {t['met']} of {t['of']}"
+        for c, t in summary["targets"].items()
+        if t["of"]
+    ]
     return [*lines, "", "Rows meeting issue 58's targets: " + ("; ".join(met) or "none timed") + "."]
 
 
@@ -132,8 +154,11 @@ def _configs_line(meta: dict) -> str:
     counts = meta.get("config_sources") or {}
     served = sum(n for s, n in counts.items() if s != "default")
     by_source = ", ".join(f"{s} {n}" for s, n in counts.items())
-    head = (f"tuned entries served {served} of {sum(counts.values())} rows ({by_source})" if meta.get("tuned_entries")
-            else "no tuned entries: every row ran the default config")  # fmt: skip
+    head = (
+        f"tuned entries served {served} of {sum(counts.values())} rows ({by_source})"
+        if meta.get("tuned_entries")
+        else "no tuned entries: every row ran the default config"
+    )
     return (
         f"configs: {head} (tuned_entries {str(bool(meta.get('tuned_entries'))).lower()}); tuned file "
         f"{meta.get('tuned_file') or 'none'} (MOE_NVFP4_CONFIG_DIR={meta.get('config_dir')}); autotuning "
@@ -146,23 +171,31 @@ def _random_line(meta: dict) -> list[str]:
     if not rnd:
         return []
     b = rnd["bounds"]
-    return [f"random layers: seed {', '.join(map(str, rnd['seeds']))} (default {rnd['default_seed']}), "
-            f"{len(rnd['layers'])} drawn: E {b['min_experts']}-{b['max_experts']} (log-uniform), "
-            f"top-k 1-{b['max_top_k']}, H and I multiples of {b['dim_step']} in {b['min_dim']}-{b['max_dim']}, "
-            f"gated SiLU, at most {b['max_params'] / 1e9:.1f} G expert parameters (the zoo's largest layer)"]  # fmt: skip
+    return [
+        f"random layers: seed {', '.join(map(str, rnd['seeds']))} (default {rnd['default_seed']}), "
+        f"{len(rnd['layers'])} drawn: E {b['min_experts']}-{b['max_experts']} (log-uniform), "
+        f"top-k 1-{b['max_top_k']}, H and I multiples of {b['dim_step']} in {b['min_dim']}-{b['max_dim']}, "
+        f"gated SiLU, at most {b['max_params'] / 1e9:.1f} G expert parameters (the zoo's largest layer)"
+    ]
 
 
 def summary_lines(meta: dict) -> list[str]:
     """The report's header: device and versions, ceilings, command, timing, configs; on the CPU what it says there
     (no GPU, no cuBLAS, no CUDA graphs: a smoke test of the bench)."""
     c = meta["ceilings"]
-    versions = (f"torch {meta.get('torch')}, triton {meta.get('triton')}, vllm {meta.get('vllm')}, humming-kernels "
-                f"{meta.get('humming_kernels')}")  # fmt: skip
-    command = (f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}"
-               + (" (dirty)" if meta.get("git_dirty") else ""))  # fmt: skip
+    versions = (
+        f"torch {meta.get('torch')}, triton {meta.get('triton')}, vllm {meta.get('vllm')}, humming-kernels "
+        f"{meta.get('humming_kernels')}"
+    )
+    command = f"command: `{meta['command']}`; {meta['date']}; commit {meta.get('git_commit')}" + (
+        " (dirty)" if meta.get("git_dirty") else ""
+    )
     if meta.get("device_kind") == "cpu":
-        ours = ("the torch reference (moe_nvfp4.reference), no kernel" if meta.get("ours_reference") else
-                f"the {meta.get('ours_backend')} backend's kernels under the Triton interpreter")  # fmt: skip
+        ours = (
+            "the torch reference (moe_nvfp4.reference), no kernel"
+            if meta.get("ours_reference")
+            else f"the {meta.get('ours_backend')} backend's kernels under the Triton interpreter"
+        )
         return [
             f"device: CPU ({meta.get('cpu')}, {meta.get('cpu_threads')} torch threads): a smoke test of the bench, "
             f"not a kernel measurement; ours ran {ours}; {versions}",
@@ -231,8 +264,9 @@ def stdout_report(args, meta: dict, rows: list[dict]) -> str:
     short = [dict(r, status=_clip(r.get("status"), 60)) for r in rows]
     table = markdown_table(short, [c for c in columns(args.paths) if c[0] != "touched_experts"])
     prefill = prefill_table(meta.get("prefill") or {})
-    return "\n".join(["", *summary_lines(meta), *model_summaries(rows), *(["", *prefill] if prefill else []), "",
-                      table])  # fmt: skip
+    return "\n".join(
+        ["", *summary_lines(meta), *model_summaries(rows), *(["", *prefill] if prefill else []), "", table]
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,12 +290,12 @@ def merge_reports(reports: list[tuple[dict, list[dict]]]) -> tuple[dict, list[di
         raise ValueError("no reports to merge")
     devices = {(m.get("device_kind"), m.get("device")) for m, _ in reports}
     if len(devices) > 1:
-        raise ValueError(f"the runs were taken on different devices ({sorted(map(str, devices))}): one report a "
-                         "device")  # fmt: skip
+        raise ValueError(f"the runs were taken on different devices ({sorted(map(str, devices))}): one report a device")
     meta = dict(reports[0][0])
     rows = [r for _, run_rows in reports for r in run_rows]
-    meta["merged_from"] = [{k: m.get(k) for k in ("command", "date", "git_commit", "git_dirty", "device", "wall_s")}
-                           for m, _ in reports]  # fmt: skip
+    meta["merged_from"] = [
+        {k: m.get(k) for k in ("command", "date", "git_commit", "git_dirty", "device", "wall_s")} for m, _ in reports
+    ]
     paths = list(dict.fromkeys(p for m, _ in reports for p in m.get("args", {}).get("paths", [])))
     meta["args"] = {**meta.get("args", {}), "paths": paths}
     layers = [layer for m, _ in reports for layer in (m.get("random") or {}).get("layers", [])]

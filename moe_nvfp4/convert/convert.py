@@ -71,8 +71,10 @@ class ConvertSummary:
         lines += [f"  not copied:        {name}/ (a subdirectory)" for name in self.left_out]
         lines += [f"  warning: {w}" for w in self.warnings[:WARNINGS_SHOWN]]
         if len(self.warnings) > WARNINGS_SHOWN:  # one per expert on a real model would bury the summary
-            lines.append(f"  ... and {len(self.warnings) - WARNINGS_SHOWN} more warnings like these "
-                         f"({len(self.warnings)} in all; ConvertSummary.warnings lists every one)")  # fmt: skip
+            lines.append(
+                f"  ... and {len(self.warnings) - WARNINGS_SHOWN} more warnings like these "
+                f"({len(self.warnings)} in all; ConvertSummary.warnings lists every one)"
+            )
         return "\n".join(lines)
 
 
@@ -105,9 +107,11 @@ def _zeroed_warning(where: str, module: str, w: torch.Tensor, q: NVFP4Tensor, er
     zeroed = int((nonzero & (dequantize_nvfp4(q) == 0)).sum())
     if not count or zeroed <= ZEROED_WARNING_FRACTION * count:
         return None
-    return (f"{where}: {module}: {zeroed / count:.0%} of its non-zero weights quantize to 0 (relative error "
-            f"{err:.3g}); the global scale {float(q.global_scale.max()):.4g} follows an outlier, largest |w| "
-            f"{float(w.abs().max()):.4g}")  # fmt: skip
+    return (
+        f"{where}: {module}: {zeroed / count:.0%} of its non-zero weights quantize to 0 (relative error "
+        f"{err:.3g}); the global scale {float(q.global_scale.max()):.4g} follows an outlier, largest |w| "
+        f"{float(w.abs().max()):.4g}"
+    )
 
 
 def _run_unit(
@@ -163,8 +167,10 @@ def _check_device(device: str) -> None:
     except (RuntimeError, AssertionError, ValueError, TypeError) as e:
         raise ConversionError(f"--device {device}: not usable on this machine ({e})") from e
     if probe.is_meta:
-        raise ConversionError(f"--device {device}: a meta device holds shapes, not values, so nothing could be "
-                              "quantized; use cpu or a GPU (e.g. cuda)")  # fmt: skip
+        raise ConversionError(
+            f"--device {device}: a meta device holds shapes, not values, so nothing could be "
+            "quantized; use cpu or a GPU (e.g. cuda)"
+        )
     try:
         float(probe.sum())
     except (RuntimeError, NotImplementedError) as e:

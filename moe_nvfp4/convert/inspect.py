@@ -99,8 +99,11 @@ class InspectReport:
             return None
         per_layer = Counter(gate.rsplit(".", 2)[0] for gate, _, _ in self.gate_up_pairs)
         counts = set(per_layer.values())
-        where = (f"{counts.pop()} experts x {len(per_layer)} layers" if len(counts) == 1
-                 else f"{len(self.gate_up_pairs)} experts over {len(per_layer)} layers")  # fmt: skip
+        where = (
+            f"{counts.pop()} experts x {len(per_layer)} layers"
+            if len(counts) == 1
+            else f"{len(self.gate_up_pairs)} experts over {len(per_layer)} layers"
+        )
         first = next(p for p in self.problems if p.fixable)
         return (
             f"warning: {where} have separate gate/up global scales (first: {first.module}: {first.message}) "
@@ -149,7 +152,7 @@ class InspectReport:
             "problems": [
                 {"module": p.module, "severity": p.severity, "message": p.message, "fixable": p.fixable}
                 for p in self.problems
-            ],  # fmt: skip
+            ],
         }
 
 
@@ -241,8 +244,14 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
         wrong_ids = expert_id_problem(prefix, ids, claimed)
         if wrong_ids:
             problems.append(Problem(*wrong_ids))
-        for f in check_moe_layer(prefix, lazy, convention=convention, expected_experts=ids,
-                                 projections=projections, require_input_scales=bool(w4a4)):  # fmt: skip
+        for f in check_moe_layer(
+            prefix,
+            lazy,
+            convention=convention,
+            expected_experts=ids,
+            projections=projections,
+            require_input_scales=bool(w4a4),
+        ):
             gate_up = f.severity == "warning"
             problems.append(Problem(f.tensor, f.message, f.severity, fixable=gate_up))
             if gate_up:

@@ -184,11 +184,15 @@ def expert_id_problem(layer: str, ids: Sequence[int], claimed: tuple[str, int] |
             if len(missing) >= 3:
                 break
         more = " ..." if ids[-1] + 1 - len(ids) > len(missing) else ""
-        return f"{layer}.{missing[0]}", (f"missing: expert ids have gaps, {len(ids)} experts with ids up to {ids[-1]} "
-                                         f"(missing {missing}{more}); a layer's experts are numbered 0..E-1")  # fmt: skip
+        return f"{layer}.{missing[0]}", (
+            f"missing: expert ids have gaps, {len(ids)} experts with ids up to {ids[-1]} "
+            f"(missing {missing}{more}); a layer's experts are numbered 0..E-1"
+        )
     if claimed is not None and len(ids) != claimed[1]:
         key, count = claimed
         what = "missing" if len(ids) < count else "outside the config's experts"
-        return f"{layer}.{min(len(ids), count)}", (f"{what}: the checkpoint has {len(ids)} experts (0..{len(ids) - 1}), "
-                                                    f"config.json says {count} ({key}); the two must agree")  # fmt: skip
+        return f"{layer}.{min(len(ids), count)}", (
+            f"{what}: the checkpoint has {len(ids)} experts (0..{len(ids) - 1}), "
+            f"config.json says {count} ({key}); the two must agree"
+        )
     return None

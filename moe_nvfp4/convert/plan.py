@@ -15,8 +15,19 @@ from typing import Callable
 import torch
 
 from ..formats import NVFP4
-from .names import (ExpertWeight, LinearWeight, Other, Role, StackedExperts, TensorKind, claimed_experts, classify,
-                    expert_id_problem, gated_experts, stacked_output_name)  # fmt: skip
+from .names import (
+    ExpertWeight,
+    LinearWeight,
+    Other,
+    Role,
+    StackedExperts,
+    TensorKind,
+    claimed_experts,
+    classify,
+    expert_id_problem,
+    gated_experts,
+    stacked_output_name,
+)
 from .source import ConversionError, SourceCheckpoint, TensorInfo
 
 __all__ = ["Selection", "QuantUnit", "Plan", "make_plan"]
@@ -179,8 +190,10 @@ def _check_not_transposed(src: SourceCheckpoint, gate: TensorInfo, down: TensorI
     h, i = dims
     for info, want in ((gate, (i, h)), (down, (h, i))):
         if info.shape == want[::-1]:
-            raise ConversionError(f"{info.name}: shape {info.shape} is the transpose of [N, K] = {list(want)} "
-                                  f"(hidden_size {h}, intermediate size {i}); store experts as [out, in]")  # fmt: skip
+            raise ConversionError(
+                f"{info.name}: shape {info.shape} is the transpose of [N, K] = {list(want)} "
+                f"(hidden_size {h}, intermediate size {i}); store experts as [out, in]"
+            )
 
 
 def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bool) -> list[tuple[str, QuantUnit]]:
@@ -196,14 +209,21 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
         if missing:
             raise ConversionError(f"{prefix}.{e}: expert has no {missing} projection (found {found})")
         if not gated and Role.GATE in roles:
-            raise ConversionError(f"{prefix}.{e}: {roles[Role.GATE].name}: model_type {src.config.get('model_type')} "
-                                  f"has non-gated experts (up and down only), yet this expert has a gate")  # fmt: skip
+            raise ConversionError(
+                f"{prefix}.{e}: {roles[Role.GATE].name}: model_type {src.config.get('model_type')} "
+                f"has non-gated experts (up and down only), yet this expert has a gate"
+            )
         info = {r: src.tensors[roles[r].name] for r in wanted}
         up, down = info[Role.UP], info[Role.DOWN]
         if not gated:
             _check_not_transposed(src, up, down)
-            units += [(info[r].name, QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False,
-                                               _load_one(info[r].name))) for r in wanted]  # fmt: skip
+            units += [
+                (
+                    info[r].name,
+                    QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False, _load_one(info[r].name)),
+                )
+                for r in wanted
+            ]
             continue
         gate = info[Role.GATE]
         if gate.shape != up.shape:
@@ -212,11 +232,21 @@ def _expert_units(src: SourceCheckpoint, experts: list[ExpertWeight], shared: bo
             )
         _check_not_transposed(src, gate, down)
         if shared:
-            gu = [QuantUnit((roles[Role.GATE].module, roles[Role.UP].module), f"{gate.name}, {up.name}", e,
-                            gate.nbytes + up.nbytes, True, _load_pair(gate.name, up.name))]  # fmt: skip
+            gu = [
+                QuantUnit(
+                    (roles[Role.GATE].module, roles[Role.UP].module),
+                    f"{gate.name}, {up.name}",
+                    e,
+                    gate.nbytes + up.nbytes,
+                    True,
+                    _load_pair(gate.name, up.name),
+                )
+            ]
         else:
-            gu = [QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False, _load_one(info[r].name))
-                  for r in (Role.GATE, Role.UP)]  # fmt: skip
+            gu = [
+                QuantUnit((roles[r].module,), info[r].name, e, info[r].nbytes, False, _load_one(info[r].name))
+                for r in (Role.GATE, Role.UP)
+            ]
         units += [(gate.name, u) for u in gu]
         units.append(
             (down.name, QuantUnit((roles[Role.DOWN].module,), down.name, e, down.nbytes, False, _load_one(down.name)))

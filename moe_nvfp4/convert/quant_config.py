@@ -180,8 +180,18 @@ def _join(path: str, key: str | int) -> str:
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-                                          int: "an integer", float: "a number"}.get(type(value), type(value).__name__)  # fmt: skip
+    return (
+        "null"
+        if value is None
+        else {
+            dict: "an object",
+            list: "a list",
+            str: "a string",
+            bool: "a boolean",
+            int: "an integer",
+            float: "a number",
+        }.get(type(value), type(value).__name__)
+    )
 
 
 def _expect(
@@ -225,8 +235,14 @@ def _group_size(cfg: dict[str, Any], path: str) -> None:
 
 
 def _quantization_args(cfg: dict[str, Any], path: str, key: str, *, required: bool) -> None:
-    args = _expect(cfg, path, key, (dict, type(None)) if not required else (dict,), "an object of quantization args",
-                   required=required)  # fmt: skip
+    args = _expect(
+        cfg,
+        path,
+        key,
+        (dict, type(None)) if not required else (dict,),
+        "an object of quantization args",
+        required=required,
+    )
     if not args:
         return
     where = _join(path, key)

@@ -27,9 +27,22 @@ MAX_HEADER_BYTES = 100_000_000
 
 # safetensors dtype string -> bytes per element
 DTYPE_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class ConversionError(ValueError):
@@ -134,8 +147,10 @@ def _open_shard(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except MemoryError as e:
-        raise ConversionError(f"{path}: cannot map the shard ({path.stat().st_size / 1e9:.3g} GB) into memory ({e}); "
-                              "a memory limit (ulimit -v, a container) smaller than the shard?") from e  # fmt: skip
+        raise ConversionError(
+            f"{path}: cannot map the shard ({path.stat().st_size / 1e9:.3g} GB) into memory ({e}); "
+            "a memory limit (ulimit -v, a container) smaller than the shard?"
+        ) from e
     except _READ_ERRORS as e:
         raise ConversionError(
             f"{path}: cannot read safetensors shard ({e}); the file may be truncated or corrupt"

@@ -47,9 +47,15 @@ class GroupedW4A4Sm100:
     def _setup(self) -> None:
         """Tiled MMA, smem layouts and the stage count (everything static)."""
         self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            _AB, _AB, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K, _SF, SF_VEC,
-            tcgen05.CtaGroup.ONE, (TILE_M, self.tile_n),
-        )  # fmt: skip
+            _AB,
+            _AB,
+            tcgen05.OperandMajorMode.K,
+            tcgen05.OperandMajorMode.K,
+            _SF,
+            SF_VEC,
+            tcgen05.CtaGroup.ONE,
+            (TILE_M, self.tile_n),
+        )
         self.mma_tiler = (TILE_M, self.tile_n, TILE_K)
         self.cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (self.tiled_mma.thr_id.shape,))
 
@@ -63,9 +69,11 @@ class GroupedW4A4Sm100:
 
         a1, b1, sfa1, sfb1 = layouts(1)
         self.stage_bytes = (
-            cute.size_in_bytes(_AB, a1) + cute.size_in_bytes(_AB, b1)
-            + cute.size_in_bytes(_SF, sfa1) + cute.size_in_bytes(_SF, sfb1)
-        )  # fmt: skip
+            cute.size_in_bytes(_AB, a1)
+            + cute.size_in_bytes(_AB, b1)
+            + cute.size_in_bytes(_SF, sfa1)
+            + cute.size_in_bytes(_SF, sfb1)
+        )
         reserved = 1024 + _DESCRIPTORS * _DESCRIPTOR_BYTES  # barriers, TMEM address, descriptor staging
         self.ab_stages = (self.smem_capacity - reserved) // self.stage_bytes
         self.a_layout, self.b_layout, self.sfa_layout, self.sfb_layout = layouts(self.ab_stages)
@@ -102,12 +110,14 @@ class GroupedW4A4Sm100:
         cluster = self.cluster_layout_vmnk.shape
 
         def atom_a(op: object, t: cute.Tensor, layout: object, **kw: object) -> tuple:
-            return cute.nvgpu.make_tiled_tma_atom_A(op, t, cute.slice_(layout, (None, None, None, 0)),
-                                                    self.mma_tiler, self.tiled_mma, cluster, **kw)  # fmt: skip
+            return cute.nvgpu.make_tiled_tma_atom_A(
+                op, t, cute.slice_(layout, (None, None, None, 0)), self.mma_tiler, self.tiled_mma, cluster, **kw
+            )
 
         def atom_b(op: object, t: cute.Tensor, layout: object, **kw: object) -> tuple:
-            return cute.nvgpu.make_tiled_tma_atom_B(op, t, cute.slice_(layout, (None, None, None, 0)),
-                                                    self.mma_tiler, self.tiled_mma, cluster, **kw)  # fmt: skip
+            return cute.nvgpu.make_tiled_tma_atom_B(
+                op, t, cute.slice_(layout, (None, None, None, 0)), self.mma_tiler, self.tiled_mma, cluster, **kw
+            )
 
         tma_a, tma_tensor_a = atom_a(one_cta, a, self.a_layout)
         tma_b, tma_tensor_b = atom_b(one_cta, b, self.b_layout)
@@ -131,18 +141,33 @@ class GroupedW4A4Sm100:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            self.tiled_mma, self.cluster_layout_vmnk, self.a_layout, self.b_layout, self.sfa_layout,
-            self.sfb_layout, self.epi_tile,
-            tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_sfa, tma_tensor_sfa, tma_sfb, tma_tensor_sfb,
+            self.tiled_mma,
+            self.cluster_layout_vmnk,
+            self.a_layout,
+            self.b_layout,
+            self.sfa_layout,
+            self.sfb_layout,
+            self.epi_tile,
+            tma_a,
+            tma_tensor_a,
+            tma_b,
+            tma_tensor_b,
+            tma_sfa,
+            tma_tensor_sfa,
+            tma_sfb,
+            tma_tensor_sfb,
             _rows(pointers, num_groups, self.variant.pointer_columns),
             _rows(sizes, num_groups, 3),
             _rows(alpha, num_groups, self.variant.alpha_columns),
-            cute.make_tensor(descriptors, cute.make_layout(
-                (num_ctas, _DESCRIPTORS, _DESCRIPTOR_BYTES // 8),
-                stride=(_DESCRIPTORS * _DESCRIPTOR_BYTES // 8, _DESCRIPTOR_BYTES // 8, 1),
-            )),
+            cute.make_tensor(
+                descriptors,
+                cute.make_layout(
+                    (num_ctas, _DESCRIPTORS, _DESCRIPTOR_BYTES // 8),
+                    stride=(_DESCRIPTORS * _DESCRIPTOR_BYTES // 8, _DESCRIPTOR_BYTES // 8, 1),
+                ),
+            ),
             num_groups,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[1, 1, 1], stream=stream)  # fmt: skip
+        ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[1, 1, 1], stream=stream)
 
     @cute.jit
     def tiles_of(self, sizes: cute.Tensor, g: cutlass.Int32) -> cutlass.Int32:
@@ -150,8 +175,14 @@ class GroupedW4A4Sm100:
         return cute.ceil_div(sizes[g, 0], TILE_M) * cute.ceil_div(sizes[g, 1], self.tile_n)
 
     @cute.jit
-    def find_group(self, sizes: cute.Tensor, num_groups: cutlass.Int32, tile: cutlass.Int32,
-                   group: cutlass.Int32, first: cutlass.Int32) -> tuple:  # fmt: skip
+    def find_group(
+        self,
+        sizes: cute.Tensor,
+        num_groups: cutlass.Int32,
+        tile: cutlass.Int32,
+        group: cutlass.Int32,
+        first: cutlass.Int32,
+    ) -> tuple:
         """Move the cursor (group, first tile of group) forward until it holds ``tile``; group == num_groups
         once ``tile`` is past the last group.  Tiles only grow along a CTA's walk, so each role scans every
         group at most once per launch."""
@@ -267,8 +298,9 @@ class GroupedW4A4Sm100:
                 k_tiles = cute.ceil_div(k, TILE_K)
                 if k_tiles > 0:
                     if group != loaded_group:
-                        self.point_descriptors_at(descriptor_manager, atoms, desc_gmem_ptrs, desc_smem_ptrs,
-                                                  pointers, group, m, n, k)  # fmt: skip
+                        self.point_descriptors_at(
+                            descriptor_manager, atoms, desc_gmem_ptrs, desc_smem_ptrs, pointers, group, m, n, k
+                        )
                         for ptr in desc_gmem_ptrs:
                             descriptor_manager.fence_tensormap_update(ptr)
                         loaded_group = group
@@ -288,8 +320,13 @@ class GroupedW4A4Sm100:
                             (tma_sfa, gSFA, tAsSFA, desc_gmem_ptrs[2]),
                             (tma_sfb, gSFB, tBsSFB, desc_gmem_ptrs[3]),
                         ):
-                            cute.copy(atom, src[(None, kt)], dst[(None, state.index)], tma_bar_ptr=barrier,
-                                      tma_desc_ptr=descriptor_manager.get_tensormap_ptr(ptr, cute.AddressSpace.generic))  # fmt: skip
+                            cute.copy(
+                                atom,
+                                src[(None, kt)],
+                                dst[(None, state.index)],
+                                tma_bar_ptr=barrier,
+                                tma_desc_ptr=descriptor_manager.get_tensormap_ptr(ptr, cute.AddressSpace.generic),
+                            )
                         state.advance()
                 tile = tile + num_ctas
                 group, first = self.find_group(sizes, num_groups, tile, group, first)
@@ -303,14 +340,22 @@ class GroupedW4A4Sm100:
             tCtAcc = cute.make_tensor(acc_ptr, tCtAcc_layout)
             # Scales live in TMEM right after the accumulators: SFA, then SFB.
             sfa_ptr = cute.recast_ptr(acc_ptr + tcgen05.find_tmem_tensor_col_offset(tCtAcc), dtype=_SF)
-            tCtSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.make_tmem_layout_sfa(
-                tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(sfa_layout, (None, None, None, 0))))  # fmt: skip
+            tCtSFA = cute.make_tensor(
+                sfa_ptr,
+                blockscaled_utils.make_tmem_layout_sfa(
+                    tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(sfa_layout, (None, None, None, 0))
+                ),
+            )
             sfb_ptr = cute.recast_ptr(
                 acc_ptr + tcgen05.find_tmem_tensor_col_offset(tCtAcc) + tcgen05.find_tmem_tensor_col_offset(tCtSFA),
                 dtype=_SF,
             )
-            tCtSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.make_tmem_layout_sfb(
-                tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(sfb_layout, (None, None, None, 0))))  # fmt: skip
+            tCtSFB = cute.make_tensor(
+                sfb_ptr,
+                blockscaled_utils.make_tmem_layout_sfb(
+                    tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(sfb_layout, (None, None, None, 0))
+                ),
+            )
             copy_sfa, sSFA_s2t, tSFA_s2t = _scales_to_tmem(sSFA, tCtSFA)
             copy_sfb, sSFB_s2t, tSFB_s2t = _scales_to_tmem(sSFB, tCtSFB)
 
@@ -332,8 +377,13 @@ class GroupedW4A4Sm100:
                         for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
                             tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
                             tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
-                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, ab_state.index)],
-                                      tCrB[(None, None, kb, ab_state.index)], acc)  # fmt: skip
+                            cute.gemm(
+                                tiled_mma,
+                                acc,
+                                tCrA[(None, None, kb, ab_state.index)],
+                                tCrB[(None, None, kb, ab_state.index)],
+                                acc,
+                            )
                             tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                         ab_pipeline.consumer_release(ab_state)
                         ab_state.advance()
@@ -371,8 +421,20 @@ class GroupedW4A4Sm100:
                 k_tiles = cute.ceil_div(k, TILE_K)
                 if k_tiles > 0:
                     acc_pipeline.consumer_wait(acc_state)
-                self.store_tile(tiled_t2r, thr_t2r, tTR_tAcc[(None, None, None, None, None, acc_state.index)],
-                                epi_tile, pointers, alpha, group, m, n, tile_m, tile_n, k_tiles)  # fmt: skip
+                self.store_tile(
+                    tiled_t2r,
+                    thr_t2r,
+                    tTR_tAcc[(None, None, None, None, None, acc_state.index)],
+                    epi_tile,
+                    pointers,
+                    alpha,
+                    group,
+                    m,
+                    n,
+                    tile_m,
+                    tile_n,
+                    k_tiles,
+                )
                 if k_tiles > 0:
                     cute.arch.fence_view_async_tmem_load()
                     with cute.arch.elect_one():
@@ -387,9 +449,21 @@ class GroupedW4A4Sm100:
                 cute.arch.dealloc_tmem(acc_ptr, _TMEM_COLS)
 
     @cute.jit
-    def store_tile(self, tiled_t2r: cute.TiledCopy, thr_t2r: cute.TiledCopy, tTR_tAcc: cute.Tensor, epi_tile: cute.Tile,
-                   pointers: cute.Tensor, alpha: cute.Tensor, group: cutlass.Int32, m: cutlass.Int32,
-                   n: cutlass.Int32, tile_m: cutlass.Int32, tile_n: cutlass.Int32, k_tiles: cutlass.Int32):  # fmt: skip
+    def store_tile(
+        self,
+        tiled_t2r: cute.TiledCopy,
+        thr_t2r: cute.TiledCopy,
+        tTR_tAcc: cute.Tensor,
+        epi_tile: cute.Tile,
+        pointers: cute.Tensor,
+        alpha: cute.Tensor,
+        group: cutlass.Int32,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        tile_m: cutlass.Int32,
+        tile_n: cutlass.Int32,
+        k_tiles: cutlass.Int32,
+    ):
         """alpha_g * accumulator -> out_g[m, n] (row-major), rows past M_g and columns past N_g masked.
         ``tTR_tAcc``: this thread's TMEM accumulator, (copy, rest, rest, subtile M, subtile N)."""
         out_ptr = cute.make_ptr(self.out_dtype, pointers[group, 4], cute.AddressSpace.gmem, assumed_align=2)
@@ -410,8 +484,18 @@ class GroupedW4A4Sm100:
                 )
 
     @cute.jit
-    def point_descriptors_at(self, manager, atoms, gmem_ptrs, smem_ptrs, pointers: cute.Tensor,
-                             group: cutlass.Int32, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32):  # fmt: skip
+    def point_descriptors_at(
+        self,
+        manager,
+        atoms,
+        gmem_ptrs,
+        smem_ptrs,
+        pointers: cute.Tensor,
+        group: cutlass.Int32,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+    ):
         """Rewrite this CTA's four descriptors for ``group`` (address, sizes, strides), staged in smem."""
 
         def gmem(dtype: type, column: int, align: int) -> cute.Pointer:

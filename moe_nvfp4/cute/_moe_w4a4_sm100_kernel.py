@@ -27,9 +27,21 @@ class MoeGateUpSm100(GroupedW4A4Sm100):
             )
 
     @cute.jit
-    def store_tile(self, tiled_t2r: cute.TiledCopy, thr_t2r: cute.TiledCopy, tTR_tAcc: cute.Tensor, epi_tile: cute.Tile,
-                   pointers: cute.Tensor, alpha: cute.Tensor, group: cutlass.Int32, m: cutlass.Int32,
-                   n: cutlass.Int32, tile_m: cutlass.Int32, tile_n: cutlass.Int32, k_tiles: cutlass.Int32):  # fmt: skip
+    def store_tile(
+        self,
+        tiled_t2r: cute.TiledCopy,
+        thr_t2r: cute.TiledCopy,
+        tTR_tAcc: cute.Tensor,
+        epi_tile: cute.Tile,
+        pointers: cute.Tensor,
+        alpha: cute.Tensor,
+        group: cutlass.Int32,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        tile_m: cutlass.Int32,
+        tile_n: cutlass.Int32,
+        k_tiles: cutlass.Int32,
+    ):
         """Accumulator subtiles 2q and 2q + 1 are the gate and up rows of output subtile q: writes
         SiLU(alpha_gate * gate) * (alpha_up * up) to out_e[m, n / 2], ragged edges masked."""
         n_out = n // 2
@@ -58,9 +70,21 @@ class MoeDownSm100(GroupedW4A4Sm100):
     """GEMM2: rows scaled by their top-k weight and written to their (token, k) pair's row."""
 
     @cute.jit
-    def store_tile(self, tiled_t2r: cute.TiledCopy, thr_t2r: cute.TiledCopy, tTR_tAcc: cute.Tensor, epi_tile: cute.Tile,
-                   pointers: cute.Tensor, alpha: cute.Tensor, group: cutlass.Int32, m: cutlass.Int32,
-                   n: cutlass.Int32, tile_m: cutlass.Int32, tile_n: cutlass.Int32, k_tiles: cutlass.Int32):  # fmt: skip
+    def store_tile(
+        self,
+        tiled_t2r: cute.TiledCopy,
+        thr_t2r: cute.TiledCopy,
+        tTR_tAcc: cute.Tensor,
+        epi_tile: cute.Tile,
+        pointers: cute.Tensor,
+        alpha: cute.Tensor,
+        group: cutlass.Int32,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        tile_m: cutlass.Int32,
+        tile_n: cutlass.Int32,
+        k_tiles: cutlass.Int32,
+    ):
         """Row r of expert e: out[row_pairs_e[r], :] = alpha_e * row_weights_e[r] * acc[r, :] (rows past the
         expert's pair count and columns past N masked).  With 32x32b TMEM loads each thread holds one
         accumulator row (its TMEM lane), so the pair and weight are loaded once per thread and subtile row."""

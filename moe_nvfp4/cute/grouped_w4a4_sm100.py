@@ -91,9 +91,15 @@ def kernel_arguments(
     from cutlass.cute.typing import AddressSpace
 
     kinds = (
-        (cutlass.Float4E2M1FN, 16), (cutlass.Float4E2M1FN, 16), (cutlass.Float8E4M3FN, 16), (cutlass.Float8E4M3FN, 16),
-        (cutlass.Int64, 16), (cutlass.Int32, 16), (cutlass.Float32, 16), (cutlass.Int64, 128),
-    )  # fmt: skip
+        (cutlass.Float4E2M1FN, 16),
+        (cutlass.Float4E2M1FN, 16),
+        (cutlass.Float8E4M3FN, 16),
+        (cutlass.Float8E4M3FN, 16),
+        (cutlass.Int64, 16),
+        (cutlass.Int32, 16),
+        (cutlass.Float32, 16),
+        (cutlass.Int64, 128),
+    )
     pointers = [
         make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)
         for (dtype, align), address in zip(kinds, addresses)

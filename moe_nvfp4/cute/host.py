@@ -19,8 +19,15 @@ from ..formats import NVFP4Tensor, grouped_operands
 
 from .grouped_w4a4_sm100 import TILE_M, GroupedW4A4Variant, compiled_kernel, kernel_arguments
 
-__all__ = ["GroupedW4A4Sm100Plan", "plan_grouped_w4a4_sm100", "launch_grouped_w4a4_sm100", "num_ctas_for", "tile_walk",
-           "plan_grouped_nvfp4_sm100", "grouped_gemm_nvfp4_sm100"]  # fmt: skip
+__all__ = [
+    "GroupedW4A4Sm100Plan",
+    "plan_grouped_w4a4_sm100",
+    "launch_grouped_w4a4_sm100",
+    "num_ctas_for",
+    "tile_walk",
+    "plan_grouped_nvfp4_sm100",
+    "grouped_gemm_nvfp4_sm100",
+]
 
 DESCRIPTOR_WORDS = 4 * 128 // 8  # four 128-byte TMA descriptors per CTA, as int64
 _TMA_ALIGN = 16  # bytes: TMA global addresses and row strides
@@ -90,15 +97,17 @@ def plan_grouped_w4a4_sm100(
     )
 
 
-def plan_grouped_nvfp4_sm100(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
-                             out_dtype: torch.dtype) -> GroupedW4A4Sm100Plan:  # fmt: skip
+def plan_grouped_nvfp4_sm100(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None, out_dtype: torch.dtype
+) -> GroupedW4A4Sm100Plan:
     """The cute backend's ``plan_grouped_gemm`` (inputs checked by the API)."""
     operands, scale = grouped_operands(a, b, alpha)
     return plan_grouped_w4a4_sm100(operands, scale, out_dtype)
 
 
-def grouped_gemm_nvfp4_sm100(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
-                             out_dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
+def grouped_gemm_nvfp4_sm100(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None, out_dtype: torch.dtype
+) -> list[torch.Tensor]:
     """The cute backend's ``grouped_gemm``: plan, then one launch."""
     return launch_grouped_w4a4_sm100(plan_grouped_nvfp4_sm100(a, b, alpha=alpha, out_dtype=out_dtype))
 

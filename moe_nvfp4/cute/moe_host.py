@@ -78,9 +78,12 @@ def expert_pointers(columns: list[tuple[torch.Tensor, torch.Tensor | None]]) -> 
     (its first dimension's stride; None: the tensor's base for every expert)."""
     index = next(i for _, i in columns if i is not None)
     return torch.stack(
-        [t.data_ptr() + (torch.zeros_like(index) if i is None else i.long() * t.stride(0) * t.element_size())
-         for t, i in columns], 1,
-    )  # fmt: skip
+        [
+            t.data_ptr() + (torch.zeros_like(index) if i is None else i.long() * t.stride(0) * t.element_size())
+            for t, i in columns
+        ],
+        1,
+    )
 
 
 def _gemm_plan(
@@ -176,13 +179,35 @@ def fused_moe_w4a4_sm100(
     # Rows past each expert's pairs stay unwritten: they only feed padding rows of GEMM2, which are masked.
     act = torch.empty(rows.row_pairs.numel(), padded_intermediate(weights.intermediate), dtype=x.dtype, device=x.device)
     alpha1 = weights.w13_global * w13_input_scale.reshape(())
-    launch_grouped_w4a4_sm100(_gemm_plan(MoeGateUpVariant(tile_n, x.dtype), a1, weights.w13_packed,
-                                         weights.w13_scale, act, rows, alpha1, (), num_ctas))  # fmt: skip
+    launch_grouped_w4a4_sm100(
+        _gemm_plan(
+            MoeGateUpVariant(tile_n, x.dtype),
+            a1,
+            weights.w13_packed,
+            weights.w13_scale,
+            act,
+            rows,
+            alpha1,
+            (),
+            num_ctas,
+        )
+    )
 
     a2 = quantize_activations(act, w2_input_scale)
     partial = torch.empty(t * top_k, hidden, dtype=torch.float32, device=x.device)  # [pair, H]
     alpha2 = (weights.w2_global * w2_input_scale.reshape(()))[:, None]
-    launch_grouped_w4a4_sm100(_gemm_plan(MoeDownVariant(tile_n), a2, weights.w2_packed, weights.w2_scale,
-                                         partial, rows, alpha2, (rows.row_pairs, rows.row_weights), num_ctas))  # fmt: skip
+    launch_grouped_w4a4_sm100(
+        _gemm_plan(
+            MoeDownVariant(tile_n),
+            a2,
+            weights.w2_packed,
+            weights.w2_scale,
+            partial,
+            rows,
+            alpha2,
+            (rows.row_pairs, rows.row_weights),
+            num_ctas,
+        )
+    )
     combine(partial, topk_ids, expert_map, experts, out)
     return out

@@ -49,12 +49,20 @@ def combine(
     map entry out of range, routing.routed_pairs) are skipped: their rows were never written."""
     t, hidden = out.shape
     ids = topk_ids.reshape(-1)
-    # 512 columns a program (4 per thread): at decode, more programs for the few token rows.  H200, forward by graph
-    # replay against 1024: Qwen3 T=1 16.4 -> 16.0 us, T=16 71.7 -> 70.6, T=64 102.9 -> 102.1; prefill the same
-    # or faster; 256 and 128 no better
+    # 512 columns a program (4 per thread): at decode, more programs for the few token rows (design 002 decision 9)
     block_h = min(512, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        partial, ids, ids if expert_map is None else expert_map, out, hidden,
-        num_experts if expert_map is None else expert_map.numel(), num_experts, TOP_K=topk_ids.shape[1], HAS_MAP=expert_map is not None, BLOCK_H=block_h,
-        DTYPE=_TL_DTYPES[out.dtype], num_warps=4, **sm90_common._dependent_launch(out.device),
-    )  # fmt: skip
+        partial,
+        ids,
+        ids if expert_map is None else expert_map,
+        out,
+        hidden,
+        num_experts if expert_map is None else expert_map.numel(),
+        num_experts,
+        TOP_K=topk_ids.shape[1],
+        HAS_MAP=expert_map is not None,
+        BLOCK_H=block_h,
+        DTYPE=_TL_DTYPES[out.dtype],
+        num_warps=4,
+        **sm90_common._dependent_launch(out.device),
+    )

@@ -33,9 +33,22 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _pack_fragments_kernel(
-    src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr, bits_ptr, e5m3_ptr, n, k, src_stride, scale_stride, chunks,
-    src_matrix_stride, scale_matrix_stride, dst_matrix_words, dst_scale_matrix_stride,
-):  # fmt: skip
+    src_ptr,
+    src_scale_ptr,
+    dst_ptr,
+    dst_scale_ptr,
+    bits_ptr,
+    e5m3_ptr,
+    n,
+    k,
+    src_stride,
+    scale_stride,
+    chunks,
+    src_matrix_stride,
+    scale_matrix_stride,
+    dst_matrix_words,
+    dst_scale_matrix_stride,
+):
     """One (unit, chunk) tile of one matrix a program (axis 1: the matrix of the run): 1024 words, each the 8 codes FragmentLayout puts there (row = 64 unit +
     16 warp + 8 rh + r, k = 128 chunk + 16 g + 8 kh + 2 q + kp for word (slot = 32 warp + 4 r + q, g) and value
     j = 4 rh + 2 kh + kp), code bits at FRAGMENT_WORD_BITS[j]; codes of a zero-scale block and of the padding
@@ -91,16 +104,31 @@ def pack_fragment_block(
     if (layout.unit_rows, layout.chunk_k) != (64, 128):
         raise ValueError(f"the kernel packs 64-row units and 128-wide chunks, got {layout}")
     if tuple(dst.shape) != (e, np_, kp // 2) or tuple(dst_scales.shape) != (e, np_, kp // 16):
-        raise ValueError(f"dst {tuple(dst.shape)} / {tuple(dst_scales.shape)} must be [{np_}, {kp // 2}] / "
-                         f"[{np_}, {kp // 16}] for a [{n}, {k}] matrix")  # fmt: skip
+        raise ValueError(
+            f"dst {tuple(dst.shape)} / {tuple(dst_scales.shape)} must be [{np_}, {kp // 2}] / "
+            f"[{np_}, {kp // 16}] for a [{n}, {k}] matrix"
+        )
     if not all(t[0].is_contiguous() for t in (dst, dst_scales)) or packed.stride(2) != 1 or scales.stride(2) != 1:
         raise ValueError("each matrix of dst and dst_scales must be contiguous, and the inputs' rows too")
     bits, e5m3 = _tables(packed.device)
     _pack_fragments_kernel[((np_ // 64) * (kp // 128), e)](
-        packed, scales.view(torch.uint8), dst.view(torch.int32), dst_scales, bits, e5m3,
-        n, k, packed.stride(1), scales.stride(1), kp // 128,
-        packed.stride(0), scales.stride(0), dst.stride(0) // 4, dst_scales.stride(0), num_warps=4,
-    )  # fmt: skip
+        packed,
+        scales.view(torch.uint8),
+        dst.view(torch.int32),
+        dst_scales,
+        bits,
+        e5m3,
+        n,
+        k,
+        packed.stride(1),
+        scales.stride(1),
+        kp // 128,
+        packed.stride(0),
+        scales.stride(0),
+        dst.stride(0) // 4,
+        dst_scales.stride(0),
+        num_warps=4,
+    )
 
 
 @functools.cache

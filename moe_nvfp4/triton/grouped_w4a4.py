@@ -30,8 +30,13 @@ from ..dispatch import sm_count
 from ..formats import NVFP4Tensor, grouped_operands
 from .scale_layout import swizzled_offset
 
-__all__ = ["GroupedW4A4Plan", "plan_grouped_w4a4", "launch_grouped_w4a4", "plan_grouped_nvfp4",
-           "grouped_gemm_nvfp4_triton"]  # fmt: skip
+__all__ = [
+    "GroupedW4A4Plan",
+    "plan_grouped_w4a4",
+    "launch_grouped_w4a4",
+    "plan_grouped_nvfp4",
+    "grouped_gemm_nvfp4_triton",
+]
 
 
 # Decoded operands are value * 2^-7 in bf16 (code bits in the exponent LSBs: code * 2^-126, times the block
@@ -118,8 +123,19 @@ def _decode_portable(packed, scales, ROWS: tl.constexpr, BYTES: tl.constexpr):
 
 
 @triton.jit
-def _load_operand(ptr, scale_ptr, row0, rows_total, k0, k, scale_col_blocks, ROWS: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+def _load_operand(
+    ptr,
+    scale_ptr,
+    row0,
+    rows_total,
+    k0,
+    k,
+    scale_col_blocks,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
     """Rows row0.. of one operand, K columns k0..k0+BLOCK_K: bf16 [ROWS, BLOCK_K], value * 2^-7 (exact), K in
     the order k0 k2 k1 k3 within each group of four (the same for A and B, so the dot is unchanged)."""
     rows = row0 + tl.arange(0, ROWS)
@@ -317,22 +333,33 @@ def launch_grouped_w4a4(plan: GroupedW4A4Plan) -> list[torch.Tensor]:
     """One persistent launch (nothing else: no allocation, no host-to-device copy); returns plan.outs."""
     if plan.total_tiles:
         _grouped_w4a4_kernel[(plan.grid,)](
-            *plan.pointers, plan.sizes, plan.tile_starts, plan.alpha, plan.sizes.shape[0],
-            OUT_DTYPE=_TL_OUT[plan.out_dtype], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-            EVEN_K=plan.even_k, USE_ASM=plan.sizes.is_cuda,  # the interpreter runs on CPU tensors, without PTX
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
+            *plan.pointers,
+            plan.sizes,
+            plan.tile_starts,
+            plan.alpha,
+            plan.sizes.shape[0],
+            OUT_DTYPE=_TL_OUT[plan.out_dtype],
+            BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
+            BLOCK_K=plan.block_k,
+            EVEN_K=plan.even_k,
+            USE_ASM=plan.sizes.is_cuda,  # the interpreter runs on CPU tensors, without PTX
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        )
     return plan.outs
 
 
-def plan_grouped_nvfp4(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
-                       out_dtype: torch.dtype) -> GroupedW4A4Plan:  # fmt: skip
+def plan_grouped_nvfp4(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None, out_dtype: torch.dtype
+) -> GroupedW4A4Plan:
     """The triton backend's ``plan_grouped_gemm`` (inputs checked by the API)."""
     operands, scale = grouped_operands(a, b, alpha)
     return plan_grouped_w4a4(*operands, scale, out_dtype)
 
 
-def grouped_gemm_nvfp4_triton(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None,
-                              out_dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
+def grouped_gemm_nvfp4_triton(
+    a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tensor], *, alpha: torch.Tensor | None, out_dtype: torch.dtype
+) -> list[torch.Tensor]:
     """The triton backend's ``grouped_gemm``: plan, then one launch."""
     return launch_grouped_w4a4(plan_grouped_nvfp4(a, b, alpha=alpha, out_dtype=out_dtype))

@@ -206,8 +206,21 @@ def _loader(
             n_tile, expert, row0, row_end = _tile(pid, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES, HAS_MAP)
             early = gl.minimum(steps, STAGES) * _has_rows(row0, row_end, PAIR_TILES)
             for step in range(early):  # the ring's first uses: every stage is free
-                _stage_weights(w_desc, s_desc, w_smem, s_smem, ready.index(step), step, step,
-                               expert * matrices + n_tile * UNITS, n_units, True, HALVES, UNITS, CHUNKS)  # fmt: skip
+                _stage_weights(
+                    w_desc,
+                    s_desc,
+                    w_smem,
+                    s_smem,
+                    ready.index(step),
+                    step,
+                    step,
+                    expert * matrices + n_tile * UNITS,
+                    n_units,
+                    True,
+                    HALVES,
+                    UNITS,
+                    CHUNKS,
+                )
     _after_previous_kernel(PDL)
     num_m_tiles = _token_tiles(tile_map, PAIR_TILES)
     it = 0
@@ -233,8 +246,21 @@ def _loader(
                 mbarrier.arrive(bar, pred=step >= steps)  # in place of the weights' expect-arrive
             # the weights first: their boxes need only the tile's expert, the token rows also its pair ids (one
             # more dependent load at a tile's start)
-            _stage_weights(w_desc, s_desc, w_smem, s_smem, bar, s, step, unit0, n_units, real & (it >= early), HALVES,
-                           UNITS, CHUNKS)  # fmt: skip
+            _stage_weights(
+                w_desc,
+                s_desc,
+                w_smem,
+                s_smem,
+                bar,
+                s,
+                step,
+                unit0,
+                n_units,
+                real & (it >= early),
+                HALVES,
+                UNITS,
+                CHUNKS,
+            )
             for c in gl.static_range(CHUNKS):
                 chunk = step * CHUNKS + c
                 k_ok = (chunk * 128 + kk) < k
@@ -910,12 +936,39 @@ def launch_gemm_ws(
     topk_weights = routing.topk_weights if gated else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     pdl = sm90_common._dependent_launch(a.device)["PDL"]
     _moe_gemm_ws_kernel[(sms * gemm.programs_per_sm,)](
-        a, a.stride(0), w_desc, s_desc, weights.global_scale, out, out.stride(0), *routing.tile_map, ids, ids.numel(),
-        expert_map if has_map else ids, expert_map.numel() if has_map else num_experts, num_experts, topk_weights,
-        out.shape[1], a.shape[1], kp, epilogue,
-        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=config.block_m, STAGES=gemm.num_stages,
-        DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16, PDL=pdl,
-        LOADER_REGS=LOADER_REGISTERS, CHUNKS=gemm.chunks_per_stage, K_GROUPS=gemm.k_groups,
-        MMA_REGS=_mma_registers(gemm), NARROW=gemm.narrow_tiles, LOADER_WARPS=gemm.loader_warps,
-        PAIR_TILES=routing.pair_tiles, HAS_MAP=has_map, launch_pdl=pdl, **gemm.launch_options(),
-    )  # fmt: skip
+        a,
+        a.stride(0),
+        w_desc,
+        s_desc,
+        weights.global_scale,
+        out,
+        out.stride(0),
+        *routing.tile_map,
+        ids,
+        ids.numel(),
+        expert_map if has_map else ids,
+        expert_map.numel() if has_map else num_experts,
+        num_experts,
+        topk_weights,
+        out.shape[1],
+        a.shape[1],
+        kp,
+        epilogue,
+        TOP_K=top_k,
+        GATED=gated,
+        BLOCK_N=gemm.block_n,
+        BLOCK_M=config.block_m,
+        STAGES=gemm.num_stages,
+        DTYPE=gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16,
+        PDL=pdl,
+        LOADER_REGS=LOADER_REGISTERS,
+        CHUNKS=gemm.chunks_per_stage,
+        K_GROUPS=gemm.k_groups,
+        MMA_REGS=_mma_registers(gemm),
+        NARROW=gemm.narrow_tiles,
+        LOADER_WARPS=gemm.loader_warps,
+        PAIR_TILES=routing.pair_tiles,
+        HAS_MAP=has_map,
+        launch_pdl=pdl,
+        **gemm.launch_options(),
+    )

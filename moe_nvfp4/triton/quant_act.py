@@ -89,8 +89,11 @@ def _quantize_act_kernel(
     even, odd = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
     pairs = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     pair_ok = (rows < m)[:, None] & (pairs < k // 2)[None, :]
-    tl.store(packed_ptr + rows.to(tl.int64)[:, None] * (k // 2) + pairs[None, :], (even | (odd << 4)).to(tl.uint8),
-             mask=pair_ok)  # fmt: skip
+    tl.store(
+        packed_ptr + rows.to(tl.int64)[:, None] * (k // 2) + pairs[None, :],
+        (even | (odd << 4)).to(tl.uint8),
+        mask=pair_ok,
+    )
 
     # 128x4 blocked layout (layouts.swizzled_offset): 512-byte tiles of 128 rows x 4 scale columns
     j = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
@@ -116,7 +119,16 @@ def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor)
     block_k = min(128, triton.next_power_of_2(k))
     block_m = 32
     _quantize_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
-        x, x.stride(0), input_global_scale.reshape(1), packed, scales.view(torch.uint8), m, k, pcol // 4,
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
-    )  # fmt: skip
+        x,
+        x.stride(0),
+        input_global_scale.reshape(1),
+        packed,
+        scales.view(torch.uint8),
+        m,
+        k,
+        pcol // 4,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
     return result

@@ -126,9 +126,21 @@ _FP16_FIX = "\nshl.b32 t, x, 3; and.b32 t, t, 0x0E000E00; and.b32 x, x, 0x800080
 
 
 def _decode_asm(scale_mul: int, scale_add: str, fix: str, ty: str) -> str:
-    words = (_DECODE_WORD.format(select=select, word=8 + w, lo0=2 * w, lo1=2 * w + 1, hi0=4 + 2 * w, hi1=5 + 2 * w,
-                                 scale_mul=scale_mul, scale_add=scale_add, fix=fix, ty=ty)
-             for w, select in enumerate(("0x4140", "0x4342")))  # fmt: skip
+    words = (
+        _DECODE_WORD.format(
+            select=select,
+            word=8 + w,
+            lo0=2 * w,
+            lo1=2 * w + 1,
+            hi0=4 + 2 * w,
+            hi1=5 + 2 * w,
+            scale_mul=scale_mul,
+            scale_add=scale_add,
+            fix=fix,
+            ty=ty,
+        )
+        for w, select in enumerate(("0x4140", "0x4342"))
+    )
     return "{\n.reg .b32 s, x, t, lo, hi;\n.reg .b16 s0, s1;" + "".join(words) + "\n}"
 
 
@@ -165,8 +177,9 @@ def _silu_times(gate, up, USE_ASM: tl.constexpr):
     an epilogue that is on a decode forward's critical path.  Large negative gates give 2^x = inf, r = 0, 0."""
     denom = 1.0 + tl.exp2(gate * -1.4426950408889634)
     if USE_ASM:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True,
-                                      pack=1)  # fmt: skip
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         r = 1.0 / denom
     return gate * r * up
@@ -181,8 +194,9 @@ def _swiglu_oai(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr, USE_ASM: tl.
     up = tl.clamp(up, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
     denom = 1.0 + tl.exp2(gate * (-1.4426950408889634 * ALPHA))
     if USE_ASM:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True,
-                                      pack=1)  # fmt: skip
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [denom], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         r = 1.0 / denom
     return gate * r * (up + 1.0)

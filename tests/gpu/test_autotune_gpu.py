@@ -53,10 +53,12 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("key", ["qwen3-235b-a22b-tp8", "gpt-oss-120b", "llama-4-maverick", "qwen3-next-80b-a3b",
-                                 "kimi-k2-ep8"])  # fmt: skip
-def test_every_default_config_of_a_zoo_shape_matches_the_reference(key: str, gen: torch.Generator,
-                                                                    fresh_process, monkeypatch, tmp_path) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "key", ["qwen3-235b-a22b-tp8", "gpt-oss-120b", "llama-4-maverick", "qwen3-next-80b-a3b", "kimi-k2-ep8"]
+)
+def test_every_default_config_of_a_zoo_shape_matches_the_reference(
+    key: str, gen: torch.Generator, fresh_process, monkeypatch, tmp_path
+) -> None:
     """Each config the default model picks for the shape up to 4096 tokens (configs_up_to, as the warm-up compiles
     them), run at the fewest tokens that pick it and at 4x that, on a layer of the shape's H, I and top-k with
     fewer experts (the launch parameters are what is under test, and they do not depend on E), outputs poisoned."""

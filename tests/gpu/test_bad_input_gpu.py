@@ -94,8 +94,9 @@ def test_strided_routing_in_a_cuda_graph(gen: torch.Generator) -> None:
     for _ in range(3):
         write_routing()
         graph.replay()
-        ref = m.fused_moe_torch(x.cpu(), w13, w2, views[0].cpu().contiguous(), views[1].cpu().contiguous(),
-                                compute_dtype=torch.float64)  # fmt: skip
+        ref = m.fused_moe_torch(
+            x.cpu(), w13, w2, views[0].cpu().contiguous(), views[1].cpu().contiguous(), compute_dtype=torch.float64
+        )
         assert _rel(out, ref) < REL_TOL[torch.bfloat16]
 
 
@@ -103,11 +104,15 @@ def test_weights_metadata_is_checked_on_cuda(gen: torch.Generator) -> None:
     """A MoEWeights whose sizes outgrow its tensors (the kernels would read past them) or whose tensors sit on
     two devices is refused before any launch."""
     _, _, weights = _cuda_layer(gen)
-    for change, match in ((dict(intermediate=4 * I + 64), r"MoEWeights\.w13_packed must be"),
-                          (dict(hidden=4 * H + 128), r"MoEWeights\.w13_packed must be"),
-                          (dict(w2_global=weights.w2_global.cpu()), r"MoEWeights\.w2_global is on cpu"),
-                          (dict(w13_bias=torch.zeros(E, 2 * I, device="cuda", dtype=torch.float16)),
-                           r"MoEWeights\.w13_bias must be torch\.float32")):  # fmt: skip
+    for change, match in (
+        (dict(intermediate=4 * I + 64), r"MoEWeights\.w13_packed must be"),
+        (dict(hidden=4 * H + 128), r"MoEWeights\.w13_packed must be"),
+        (dict(w2_global=weights.w2_global.cpu()), r"MoEWeights\.w2_global is on cpu"),
+        (
+            dict(w13_bias=torch.zeros(E, 2 * I, device="cuda", dtype=torch.float16)),
+            r"MoEWeights\.w13_bias must be torch\.float32",
+        ),
+    ):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(weights, **change)
 
@@ -164,9 +169,11 @@ def test_grouped_gemm_value_checks_on_cuda(gen: torch.Generator) -> None:
     nan_bits = a.block_scale.view(torch.uint8).clone()
     nan_bits[5, 1] = 0x7F
     nan_scale = m.NVFP4Tensor(a.packed, nan_bits.view(m.NVFP4.scale_dtype), a.global_scale)
-    for args, match in ((([a], [zero]), r"B\.global_scale must be finite and positive"),
-                        (([short], [b]), r"A\.block_scale \(linear\) must be \(32, 4\)"),
-                        (([nan_scale], [b]), r"A\.block_scale holds NaN or negative")):  # fmt: skip
+    for args, match in (
+        (([a], [zero]), r"B\.global_scale must be finite and positive"),
+        (([short], [b]), r"A\.block_scale \(linear\) must be \(32, 4\)"),
+        (([nan_scale], [b]), r"A\.block_scale holds NaN or negative"),
+    ):
         for entry in (m.grouped_gemm_nvfp4, m.plan_grouped_gemm_nvfp4):
             with pytest.raises(ValueError, match=match):
                 entry(*args)

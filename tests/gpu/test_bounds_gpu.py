@@ -66,11 +66,16 @@ def _config(family: str, shape: Shape) -> MoEKernelConfig:
         cfg = default_config(1, shape.experts, shape.top_k, shape.hidden, shape.inter)
         assert cfg.pair_tiles
     elif family == "ws-decode":
-        cfg = MoEKernelConfig(8, fit_gemm(WS_DECODE, k1, 8, True, loader_warps=2),
-                              fit_gemm(WS_DECODE, k2, 8, False, loader_warps=2))  # fmt: skip
+        cfg = MoEKernelConfig(
+            8, fit_gemm(WS_DECODE, k1, 8, True, loader_warps=2), fit_gemm(WS_DECODE, k2, 8, False, loader_warps=2)
+        )
     elif family == "ws-64":
-        cfg = MoEKernelConfig(64, fit_gemm(WS_TWO_GROUPS, k1, 64, True, narrow_tiles=2),
-                              fit_gemm(WS_TWO_GROUPS, k2, 64, False, narrow_tiles=2), partials_in_x_dtype=True)  # fmt: skip
+        cfg = MoEKernelConfig(
+            64,
+            fit_gemm(WS_TWO_GROUPS, k1, 64, True, narrow_tiles=2),
+            fit_gemm(WS_TWO_GROUPS, k2, 64, False, narrow_tiles=2),
+            partials_in_x_dtype=True,
+        )
     else:
         cfg = MoEKernelConfig(128, fit_gemm(TRITON_PREFILL, k1, 128, True), fit_gemm(TRITON_PREFILL, k2, 128, False))
     assert cfg.is_valid(k1, k2), cfg

@@ -48,8 +48,18 @@ def test_demo_runs_the_kernel_checks_it_and_times_it(capsys):
 def test_bench_short_run_writes_sane_rows(tmp_path, capsys):
     paths = ["ours", "torch"] + (["marlin", "bf16"] if HAS_VLLM else [])
     out_json = tmp_path / "qwen3.json"
-    argv = ["bench", "--model", "qwen3-30b-a3b", "--tokens", "1,16", "--quick", "--paths", ",".join(paths),
-            "--out", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "--model",
+        "qwen3-30b-a3b",
+        "--tokens",
+        "1,16",
+        "--quick",
+        "--paths",
+        ",".join(paths),
+        "--out",
+        str(out_json),
+    ]
     assert main(argv) == 0
     print(capsys.readouterr().out)
     data = json.loads(out_json.read_text())

@@ -37,8 +37,9 @@ def _run(sizes: list[tuple[int, int, int]], seed: int, out_dtype: torch.dtype, t
     a, b, alpha = exact_groups(sizes, seed)
     # The public planner swizzles the scales and folds both global scales into alpha; its plan's inputs are
     # exactly the sm_100 planner's arguments.
-    checked = m.plan_grouped_gemm_nvfp4([t.to("cuda") for t in a], [t.to("cuda") for t in b],
-                                        alpha=alpha.cuda(), out_dtype=out_dtype)  # fmt: skip
+    checked = m.plan_grouped_gemm_nvfp4(
+        [t.to("cuda") for t in a], [t.to("cuda") for t in b], alpha=alpha.cuda(), out_dtype=out_dtype
+    )
     plan = plan_grouped_w4a4_sm100(checked.inputs, checked.alpha, out_dtype, tile_n=tile_n)
     got = launch_grouped_w4a4_sm100(plan)
     ref = m.grouped_gemm_nvfp4_torch(a, b, alpha=alpha, out_dtype=out_dtype)

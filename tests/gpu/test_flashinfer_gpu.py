@@ -83,20 +83,34 @@ def test_weight_layout_matches_vllm(e: int, h: int, i: int, gen) -> None:
         prepare_static_weights_for_trtllm_fp4_moe,
     )
 
-    w13 = m.NVFP4Tensor(torch.randint(0, 256, (e, 2 * i, h // 2), generator=gen, dtype=torch.uint8),
-                        (torch.rand(e, 2 * i, h // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
-                        torch.rand(e, 2, generator=gen) + 0.5)  # fmt: skip
-    w2 = m.NVFP4Tensor(torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8),
-                       (torch.rand(e, h, i // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
-                       torch.rand(e, generator=gen) + 0.5)  # fmt: skip
+    w13 = m.NVFP4Tensor(
+        torch.randint(0, 256, (e, 2 * i, h // 2), generator=gen, dtype=torch.uint8),
+        (torch.rand(e, 2 * i, h // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
+        torch.rand(e, 2, generator=gen) + 0.5,
+    )
+    w2 = m.NVFP4Tensor(
+        torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8),
+        (torch.rand(e, h, i // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn),
+        torch.rand(e, generator=gen) + 0.5,
+    )
     ours = _packed(w13, w2, FlashInferLayout())
     swap = lambda t: torch.cat((t[:, i:], t[:, :i]), 1).contiguous().cuda()  # noqa: E731
     v13, s13, v2, s2 = prepare_static_weights_for_trtllm_fp4_moe(
-        swap(w13.packed), w2.packed.cuda(), swap(w13.block_scale), w2.block_scale.cuda(), hidden_size=h,
-        intermediate_size=i, num_experts=e, is_gated_activation=True,
-    )  # fmt: skip
-    for name, got, want in (("w13", ours.w13_packed, v13), ("w13_scale", ours.w13_scale, s13), ("w2", ours.w2_packed, v2),
-                            ("w2_scale", ours.w2_scale, s2)):  # fmt: skip
+        swap(w13.packed),
+        w2.packed.cuda(),
+        swap(w13.block_scale),
+        w2.block_scale.cuda(),
+        hidden_size=h,
+        intermediate_size=i,
+        num_experts=e,
+        is_gated_activation=True,
+    )
+    for name, got, want in (
+        ("w13", ours.w13_packed, v13),
+        ("w13_scale", ours.w13_scale, s13),
+        ("w2", ours.w2_packed, v2),
+        ("w2_scale", ours.w2_scale, s2),
+    ):
         assert torch.equal(got.view(torch.uint8), want.cpu().view(torch.uint8).reshape(got.shape)), name
 
 
@@ -112,10 +126,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10),
-                    reason="FlashInfer's TRT-LLM-gen MoE needs sm_100/sm_103")  # fmt: skip
-@pytest.mark.parametrize(("e", "h", "i", "t", "top_k"), [(8, 1024, 512, 1, 2), (16, 2048, 768, 300, 4),
-                                                         (8, 4096, 1536, 4096, 8), (4, 960, 208, 17, 2)])  # fmt: skip
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10),
+    reason="FlashInfer's TRT-LLM-gen MoE needs sm_100/sm_103",
+)
+@pytest.mark.parametrize(
+    ("e", "h", "i", "t", "top_k"),
+    [(8, 1024, 512, 1, 2), (16, 2048, 768, 300, 4), (8, 4096, 1536, 4096, 8), (4, 960, 208, 17, 2)],
+)
 def test_default_w4a4_moe_on_blackwell(e, h, i, t, top_k, gen) -> None:
     """Shapes: one token, a ragged batch, a prefill, and H, I off the 256/64 alignment (padded)."""
     w13, w2, x, tw, ti = _moe_inputs(gen, e, h, i, t, top_k)

@@ -17,8 +17,11 @@ from moe_nvfp4.weight_layouts import PACK_RUN_BYTES, Sm90Layout
 
 # A failed known-answer check falls back to the twin with a RuntimeWarning: here it fails the test instead, so the
 # tests below measure the kernel and never the twin standing in for it.
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.filterwarnings("error::RuntimeWarning")]  # fmt: skip
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.filterwarnings("error::RuntimeWarning"),
+]
 
 
 def test_the_kernel_passes_its_known_answer_check() -> None:
@@ -43,8 +46,11 @@ def _checkpoint(e: int, i: int, h: int, seed: int, device: str) -> tuple[NVFP4Te
     )
 
 
-@pytest.mark.parametrize(("e", "i", "h"), [(4, 768, 2048), (2, 1856, 2688), (3, 96, 4096), (2, 208, 176)],
-                         ids=["qwen3-30b", "nemotron-3-nano", "i96-tp8-slice", "odd"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("e", "i", "h"),
+    [(4, 768, 2048), (2, 1856, 2688), (3, 96, 4096), (2, 208, 176)],
+    ids=["qwen3-30b", "nemotron-3-nano", "i96-tp8-slice", "odd"],
+)
 @pytest.mark.parametrize("reuse", [False, True])
 def test_the_twins_bytes(e: int, i: int, h: int, reuse: bool, seed: int) -> None:
     w13, w2 = _checkpoint(e, i, h, seed, "cpu")
@@ -83,8 +89,10 @@ def test_reuse_input_memory_peaks_far_under_the_layer(seed: int) -> None:
 def test_the_layout_reads_the_checkpoint_rows_it_overwrites_from_a_copy(seed: int) -> None:
     """Gate and up blocks of one expert in place: the up block must not read gate rows already repacked."""
     w13, w2 = _checkpoint(1, 128, 256, seed, "cuda")
-    want = Sm90Layout().pack(NVFP4Tensor(w13.packed.cpu(), w13.block_scale.cpu(), w13.global_scale.cpu()),
-                             NVFP4Tensor(w2.packed.cpu(), w2.block_scale.cpu(), w2.global_scale.cpu()))  # fmt: skip
+    want = Sm90Layout().pack(
+        NVFP4Tensor(w13.packed.cpu(), w13.block_scale.cpu(), w13.global_scale.cpu()),
+        NVFP4Tensor(w2.packed.cpu(), w2.block_scale.cpu(), w2.global_scale.cpu()),
+    )
     got = m.prepare_moe_weights(w13, w2, reuse_input_memory=True)
     assert got.w13_packed.data_ptr() == w13.packed.data_ptr()
     assert torch.equal(got.w13_packed.cpu(), want[0]) and torch.equal(got.w2_packed.cpu(), want[3])

@@ -189,12 +189,19 @@ def test_tensor_parallel_shards_sum_to_reference(tp: int, gen: torch.Generator) 
     shard = case.inter // tp
     total = torch.zeros(case.tokens, case.hidden, dtype=torch.float64, device="cuda")
     for rank in range(tp):
-        rows = torch.cat([torch.arange(rank * shard, (rank + 1) * shard),
-                          case.inter + torch.arange(rank * shard, (rank + 1) * shard)]).cuda()  # fmt: skip
+        rows = torch.cat(
+            [
+                torch.arange(rank * shard, (rank + 1) * shard),
+                case.inter + torch.arange(rank * shard, (rank + 1) * shard),
+            ]
+        ).cuda()
         w13 = m.NVFP4Tensor(q13.packed[:, rows], q13.block_scale[:, rows], q13.global_scale)
         cols = slice(rank * shard, (rank + 1) * shard)
-        w2 = m.NVFP4Tensor(q2.packed[..., cols.start // 2 : cols.stop // 2], q2.block_scale[..., cols.start // 16 : cols.stop // 16],
-                           q2.global_scale)  # fmt: skip
+        w2 = m.NVFP4Tensor(
+            q2.packed[..., cols.start // 2 : cols.stop // 2],
+            q2.block_scale[..., cols.start // 16 : cols.stop // 16],
+            q2.global_scale,
+        )
         total += m.fused_moe(x, m.prepare_moe_weights(w13, w2), tw, ti).double()
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     assert _rel(total, ref) < tp * REL_TOL[torch.bfloat16]  # each rank rounds its output to bf16 once
@@ -265,8 +272,11 @@ def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype
     block_n, warps, stages, pps = shape
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, programs_per_sm=pps)
     full = MoEKernelConfig(block_m, gemm, gemm)
-    cfg = dataclasses.replace(full, gemm1=dataclasses.replace(full.gemm1, narrow_tiles=narrow),
-                              gemm2=dataclasses.replace(full.gemm2, narrow_tiles=narrow))  # fmt: skip
+    cfg = dataclasses.replace(
+        full,
+        gemm1=dataclasses.replace(full.gemm1, narrow_tiles=narrow),
+        gemm2=dataclasses.replace(full.gemm2, narrow_tiles=narrow),
+    )
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (*w.tensors, tw, ti, None, case.inter)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
@@ -423,10 +433,25 @@ def test_warp_specialized_in_a_cuda_graph(k_groups: int, block_m: int, narrow: i
     tiles (each replay's routing picks other widths), too."""
     # one group: two programs per SM; two: one program of two MMA groups (stages a multiple of two)
     pps, stages = (2 if k_groups == 1 else 1), (4, 2)
-    ws = GemmConfig(64, num_stages=stages[0], max_registers=128, programs_per_sm=pps, warp_specialized=True,
-                    k_groups=k_groups, narrow_tiles=narrow)  # fmt: skip
-    ring = GemmConfig(128, num_stages=stages[1], max_registers=128, programs_per_sm=pps, warp_specialized=True,
-                      chunks_per_stage=2, k_groups=k_groups, narrow_tiles=narrow)  # fmt: skip
+    ws = GemmConfig(
+        64,
+        num_stages=stages[0],
+        max_registers=128,
+        programs_per_sm=pps,
+        warp_specialized=True,
+        k_groups=k_groups,
+        narrow_tiles=narrow,
+    )
+    ring = GemmConfig(
+        128,
+        num_stages=stages[1],
+        max_registers=128,
+        programs_per_sm=pps,
+        warp_specialized=True,
+        chunks_per_stage=2,
+        k_groups=k_groups,
+        narrow_tiles=narrow,
+    )
     tokens = 60 if narrow else 7  # narrow: experts of ~15 rows, spread over all three widths
     _graph_replays_with_new_routing(Case("graph ws", 16, 4, 1024, 512, tokens), MoEKernelConfig(block_m, ws, ring), gen)
 
@@ -609,8 +634,13 @@ def test_gated_activation_is_silu_times_up_to_fp32_rounding(gen: torch.Generator
     which the exponential magnifies to about |gate| 2^-24 (tl.exp rounds the same way), so 5.3e-6 at the
     largest gates that do not flush: far below the bf16 / fp16 rounding that follows.  Values under fp32's
     smallest normal may flush to zero."""
-    mags = torch.cat([torch.zeros(1, device="cuda"), torch.logspace(-30, 2.2, 4000, device="cuda"),
-                      torch.rand(20000, device="cuda", generator=gen) * 30])  # fmt: skip
+    mags = torch.cat(
+        [
+            torch.zeros(1, device="cuda"),
+            torch.logspace(-30, 2.2, 4000, device="cuda"),
+            torch.rand(20000, device="cuda", generator=gen) * 30,
+        ]
+    )
     gate = torch.cat([mags, -mags])
     up = torch.randn(gate.shape, device="cuda", generator=gen) * 3
     ref = torch.nn.functional.silu(gate.double()) * up.double()
@@ -622,8 +652,11 @@ def test_gated_activation_is_silu_times_up_to_fp32_rounding(gen: torch.Generator
         assert (err < bound).all(), (use_asm, gate[(err / bound).argmax()].item(), (err / bound).max().item())
 
 
-SHIPPED_ENTRIES = [(path, entry) for path in sorted((CONFIG_DIR / KERNEL_NAME).glob("*.json"))
-                   for entry in load_config_file(str(path))[1]]  # fmt: skip
+SHIPPED_ENTRIES = [
+    (path, entry)
+    for path in sorted((CONFIG_DIR / KERNEL_NAME).glob("*.json"))
+    for entry in load_config_file(str(path))[1]
+]
 
 
 @pytest.mark.parametrize(
@@ -676,8 +709,9 @@ def test_swiglu_oai_is_vllms_up_to_fp32_rounding(gen: torch.Generator) -> None:
     assert (gate > act.limit).any() and (up.abs() > act.limit).any()
     for use_asm in (True, False):
         out = torch.full_like(gate, float("nan"))
-        _swiglu_oai_kernel[(triton.cdiv(gate.numel(), 1024),)](gate, up, out, gate.numel(), ALPHA=act.alpha,
-                                                               LIMIT=act.limit, USE_ASM=use_asm)  # fmt: skip
+        _swiglu_oai_kernel[(triton.cdiv(gate.numel(), 1024),)](
+            gate, up, out, gate.numel(), ALPHA=act.alpha, LIMIT=act.limit, USE_ASM=use_asm
+        )
         g, u = gate.double().clamp(max=act.limit), up.double().clamp(-act.limit, act.limit)
         err = (out.double() - ref).abs() / (g * torch.sigmoid(act.alpha * g) * (u.abs() + 1)).abs().clamp_min(1e-28)
         bound = 6e-7 + (act.alpha * g).abs() * 2.0**-24
@@ -724,8 +758,18 @@ def _variant_problem(v: Variant, tokens: int, dtype: torch.dtype, gen: torch.Gen
 
 
 def _variant_reference(v: Variant, q13, q2, b13, b2, x, tw, ti) -> torch.Tensor:
-    return m.fused_moe_torch(x, q13, q2, tw, ti, activation=v.activation, w13_bias=b13, w2_bias=b2,
-                             apply_router_weight_on_input=v.on_input, compute_dtype=torch.float64)  # fmt: skip
+    return m.fused_moe_torch(
+        x,
+        q13,
+        q2,
+        tw,
+        ti,
+        activation=v.activation,
+        w13_bias=b13,
+        w2_bias=b2,
+        apply_router_weight_on_input=v.on_input,
+        compute_dtype=torch.float64,
+    )
 
 
 # the dispatcher's paths: pair tiles (T=1), the Gluon decode tiles (T=4..64), prefill tiles (T >= 256)
@@ -764,10 +808,22 @@ def test_variants_on_both_kernel_families(v: Variant, block_m: int, which: str, 
     emap = torch.arange(v.experts, dtype=torch.int32, device="cuda")
     emap[0] = emap[-1] = -1  # global experts 0 and E - 1 on another rank
     out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *w.tensors, tw, ti, emap, v.inter, cfg, out=out, **w.variant,
-                   apply_router_weight_on_input=v.on_input)  # fmt: skip
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, activation=v.activation, w13_bias=b13, w2_bias=b2,
-                            apply_router_weight_on_input=v.on_input, compute_dtype=torch.float64)  # fmt: skip
+    fused_moe_sm90(
+        x, *w.tensors, tw, ti, emap, v.inter, cfg, out=out, **w.variant, apply_router_weight_on_input=v.on_input
+    )
+    ref = m.fused_moe_torch(
+        x,
+        q13,
+        q2,
+        tw,
+        ti,
+        expert_map=emap,
+        activation=v.activation,
+        w13_bias=b13,
+        w2_bias=b2,
+        apply_router_weight_on_input=v.on_input,
+        compute_dtype=torch.float64,
+    )
     assert _rel(out, ref) < REL_TOL[torch.bfloat16], cfg
 
 
@@ -787,8 +843,9 @@ def test_variants_in_a_cuda_graph(tokens: int, gen: torch.Generator) -> None:
             tw.copy_(new_w)
             ti.copy_(new_ids)
             graph.replay()
-            torch.testing.assert_close(out, m.fused_moe(x, w, tw, ti, apply_router_weight_on_input=v.on_input),
-                                       rtol=0, atol=0)  # fmt: skip
+            torch.testing.assert_close(
+                out, m.fused_moe(x, w, tw, ti, apply_router_weight_on_input=v.on_input), rtol=0, atol=0
+            )
             assert _rel(out, _variant_reference(v, q13, q2, b13, b2, x, tw, ti)) < REL_TOL[torch.bfloat16]
 
 

@@ -38,8 +38,18 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_tune_command_fills_the_cache_a_start_serves(tmp_path, monkeypatch) -> None:
     env = dict(os.environ, MOE_NVFP4_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    argv = [sys.executable, "-m", "moe_nvfp4.cli", "tune", "--shape", f"{EXPERTS},{TOP_K},{HIDDEN},{INTER}",
-            "--max-tokens", str(MAX_TOKENS), "--budget-s", str(BUDGET_S)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "moe_nvfp4.cli",
+        "tune",
+        "--shape",
+        f"{EXPERTS},{TOP_K},{HIDDEN},{INTER}",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--budget-s",
+        str(BUDGET_S),
+    ]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout, proc.stderr[-2000:])
     assert proc.returncode == 0, proc.stderr[-3000:]

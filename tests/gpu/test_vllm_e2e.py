@@ -93,8 +93,9 @@ def _run_llm(
     """``engine``: extra ``LLM(...)`` keyword arguments (JSON-serialisable)."""
     key = (str(model), quantization, tp, tuple(sorted((env_extra or {}).items())), json.dumps(engine, sort_keys=True))
     if key not in _RUNS:
-        _RUNS[key] = _start_llm(tmp_path, model, quantization, tp=tp, tag=tag, env_extra=env_extra or {},
-                                engine=engine or {})  # fmt: skip
+        _RUNS[key] = _start_llm(
+            tmp_path, model, quantization, tp=tp, tag=tag, env_extra=env_extra or {}, engine=engine or {}
+        )
     return _RUNS[key]
 
 
@@ -253,8 +254,15 @@ def test_warp_specialized_gemms_in_vllm(tmp_path, checkpoints, family):
     ws = {"block_n": 64, "num_stages": 2, "programs_per_sm": 2, "max_registers": 128, "warp_specialized": True}
     config = {"block_m": 16, "gemm1": ws, "gemm2": {**ws, "programs_per_sm": 1, "max_registers": 168, "k_groups": 2}}
     assert MoEKernelConfig.from_dict(config).is_valid(128, 128)
-    entry = dict(experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN, intermediate=EXPERT_INTERMEDIATE, dtype="bfloat16",
-                 max_tokens=1 << 20, config=config)  # fmt: skip
+    entry = dict(
+        experts=EXPERTS,
+        top_k=TOP_K,
+        hidden=HIDDEN,
+        intermediate=EXPERT_INTERMEDIATE,
+        dtype="bfloat16",
+        max_tokens=1 << 20,
+        config=config,
+    )
     path = config_path(torch.cuda.get_device_name(), tmp_path / "configs")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"meta": {"kernel": KERNEL_NAME, "version": CONFIG_VERSION}, "entries": [entry]}))
@@ -305,8 +313,12 @@ def _dequantize_stacked(src_tensors: dict, q: dict, prefix: str) -> dict:
     from moe_nvfp4 import NVFP4Tensor, dequantize_nvfp4
 
     def deq(module):
-        return dequantize_nvfp4(NVFP4Tensor(q[f"{module}.weight"], q[f"{module}.weight_scale"],
-                                            q[f"{module}.weight_scale_2"].float().reshape(())), torch.bfloat16)  # fmt: skip
+        return dequantize_nvfp4(
+            NVFP4Tensor(
+                q[f"{module}.weight"], q[f"{module}.weight_scale"], q[f"{module}.weight_scale_2"].float().reshape(())
+            ),
+            torch.bfloat16,
+        )
 
     experts = src_tensors[f"{prefix}.gate_up_proj"].shape[0]
     gate_up = torch.stack(
@@ -391,16 +403,23 @@ def _family_checkpoint(tmp_path_factory, family: str) -> dict[str, Path]:
             _FAMILY_CHECKPOINTS[family] = {"bf16": src, "ref": _gpt_oss_reference(src, root / "dequantized-bf16")}
         else:
             modelopt = root / "modelopt"
-            convert_checkpoint(src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)),
-                               progress=False)  # fmt: skip
+            convert_checkpoint(
+                src, modelopt, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False
+            )
             reference = _llama4_reference if family == "llama4_text" else _dequantized_bf16
-            _FAMILY_CHECKPOINTS[family] = {"bf16": src, "modelopt": modelopt,
-                                           "ref": reference(src, modelopt, root / "dequantized-bf16")}  # fmt: skip
+            _FAMILY_CHECKPOINTS[family] = {
+                "bf16": src,
+                "modelopt": modelopt,
+                "ref": reference(src, modelopt, root / "dequantized-bf16"),
+            }
     return _FAMILY_CHECKPOINTS[family]
 
 
-@pytest.mark.parametrize(("family", "form"), [("nemotron_h", "modelopt"), ("llama4_text", "modelopt"), ("gpt_oss", "bf16")],
-                         ids=["nemotron_h-relu2", "llama4-router-weight-on-input", "gpt_oss-biases-swigluoai"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "form"),
+    [("nemotron_h", "modelopt"), ("llama4_text", "modelopt"), ("gpt_oss", "bf16")],
+    ids=["nemotron_h-relu2", "llama4-router-weight-on-input", "gpt_oss-biases-swigluoai"],
+)
 def test_issue42_family_greedy_tokens_match_dequantized_bf16(tmp_path, tmp_path_factory, family, form):
     """One engine of ours and one of vLLM's BF16 path per family, same bounds as the families above: NemotronH
     (relu2_no_mul, no Mamba layer, sigmoid grouped top-k with correction bias, shared expert) and Llama-4 text (top-1

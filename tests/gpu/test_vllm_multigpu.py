@@ -50,8 +50,9 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     for family in FAMILIES:
         src = make_tiny_checkpoint(family, root / f"{family}-bf16", seed=1)
         out[family] = root / f"{family}-modelopt"
-        convert_checkpoint(src, out[family], ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)),
-                           progress=False)  # fmt: skip
+        convert_checkpoint(
+            src, out[family], ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False
+        )
     return out
 
 
@@ -60,6 +61,13 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 def test_two_gpus_match_one(tmp_path, converted, family, mode):
     model = converted[family]
     tp1 = _run_llm(tmp_path, model, "nvfp4_grouped", tp=1, tag=f"{family}-mg-tp1", env_extra=ENV, engine=ENGINE)
-    two = _run_llm(tmp_path, model, "nvfp4_grouped", tp=2, tag=f"{family}-mg-{mode}", env_extra=ENV,
-                   engine={**ENGINE, **MODES[mode]})  # fmt: skip
+    two = _run_llm(
+        tmp_path,
+        model,
+        "nvfp4_grouped",
+        tp=2,
+        tag=f"{family}-mg-{mode}",
+        env_extra=ENV,
+        engine={**ENGINE, **MODES[mode]},
+    )
     _compare(two, tp1, f"{family} {mode} vs TP=1")

@@ -75,9 +75,25 @@ def served(tmp_path_factory):
     convert_checkpoint(src, model, ConvertOptions(settings=QuantSettings(separate_gate_up_scales=True)), progress=False)
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", MOE_NVFP4_AUTOTUNE="0")  # no JIT build, no tuning
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
-    args = [str(model), "--quantization", "nvfp4_grouped", "--served-model-name", MODEL_NAME, "--dtype", "bfloat16",
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CONCURRENCY), "--seed", "0",
-            "--gpu-memory-utilization", "0.3", "--max-logprobs", "5"]  # fmt: skip
+    args = [
+        str(model),
+        "--quantization",
+        "nvfp4_grouped",
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(CONCURRENCY),
+        "--seed",
+        "0",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-logprobs",
+        "5",
+    ]
     log = Path(os.environ.get("MOE_NVFP4_ENGINE_LOGS", root)) / "vllm-serve.log"
     with VllmServer(args, port=free_port(), log_path=log, env=env) as server:
         STATE["start_s"] = server.start(START_S)
@@ -111,16 +127,23 @@ def test_mixed_load_is_well_formed_and_greedy_repeats(served):
     server, tokenizer = served
     specs = _mix(tokenizer, N_REQUESTS, seed=0)
     answers, _ = _run(server, specs)
-    problems = [f"request {s.index} ({s.endpoint}, stream={s.stream}): {p}"
-                for s, a in zip(specs, answers) for p in response_problems(s, a, vocab=VOCAB)]  # fmt: skip
+    problems = [
+        f"request {s.index} ({s.endpoint}, stream={s.stream}): {p}"
+        for s, a in zip(specs, answers)
+        for p in response_problems(s, a, vocab=VOCAB)
+    ]
     assert not problems, "\n".join(problems[:20])
     groups: dict[str, list[dict]] = {}
     for s, a in zip(specs, answers):
         if s.group:
             groups.setdefault(s.group, []).append(a)
     assert len(groups) >= 2 and all(len(g) >= 2 for g in groups.values()), groups.keys()
-    parted = [f"{name} copy {i}: {d}" for name, g in groups.items() for i, other in enumerate(g[1:], 1)
-              if (d := greedy_divergence(g[0], other, tie=TIE))]  # fmt: skip
+    parted = [
+        f"{name} copy {i}: {d}"
+        for name, g in groups.items()
+        for i, other in enumerate(g[1:], 1)
+        if (d := greedy_divergence(g[0], other, tie=TIE))
+    ]
     assert not parted, "\n".join(parted)
 
 
