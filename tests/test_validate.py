@@ -278,7 +278,7 @@ def test_inspect_and_converter_self_check_agree(gen, tmp_path, case):
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.why)
 def test_vllm_loader_agrees(gen, case):
-    from moe_nvfp4_vllm.moe_method import validate_loaded_experts
+    from moe_nvfp4_vllm.loading import validate_loaded_experts
 
     params, loaded = loader_params(corrupted(gen, case), case.convention)
     check = lambda: validate_loaded_experts(

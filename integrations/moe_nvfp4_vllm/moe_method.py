@@ -3,14 +3,14 @@
 Life of a layer (``RoutedExperts``, the same in vLLM 0.26 and 0.33; ``compat`` holds what differs):
 
 1. ``create_weights``: checkpoint-shaped parameters, loaded by ``RoutedExperts.weight_loader`` (TP slicing of
-   the intermediate dimension, global -> local expert ids for EP).  Each loader is wrapped: it rejects a
-   tensor of the wrong dtype or shape (``copy_`` would silently convert or broadcast it) and records what
+   the intermediate dimension, global -> local expert ids for EP).  Each loader is wrapped (``loading``): it
+   rejects a tensor of the wrong dtype or shape (``copy_`` would silently convert or broadcast it) and records what
    arrived, so a tensor the checkpoint lacks is reported instead of leaving uninitialised memory.
 2. ``process_weights_after_loading``: every local expert's tensors are checked by ``moe_nvfp4.validate`` (the
    validator ``inspect`` and the converter run: never loaded, NaN/inf, negative, zero block scales over data,
-   non-positive scales as multipliers, outlier W4A4 input scales), gate and up keep their own global scales, BF16 experts are
-   quantized expert by expert, ``moe_nvfp4.prepare_moe_weights`` packs for the kernel and the checkpoint
-   parameters are freed.
+   non-positive scales as multipliers, outlier W4A4 input scales; ``loading.validate_loaded_experts``), gate and up
+   keep their own global scales, BF16 experts are quantized expert by expert, ``moe_nvfp4.prepare_moe_weights``
+   packs for the kernel and the checkpoint parameters are freed.
    Then, once per process and layer shape, ``moe_nvfp4.autotune.load_configs`` registers the configs
    ``moe-nvfp4 tune`` cached for this GPU and shape, if any (else the default serves; ``MOE_NVFP4_AUTOTUNE=1``
    times configs here first), and ``moe_nvfp4.warmup.compile_kernels`` compiles every kernel variant up to the
@@ -30,7 +30,6 @@ experts are quantized in one launch, and the largest calibrated range saturates 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
@@ -43,23 +42,31 @@ from moe_nvfp4.autotune import load_configs
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
-from moe_nvfp4.validate import check_moe_layer, raise_first_error, stacked_layer_clean
 from moe_nvfp4.warmup import compile_kernels, warmup_threads
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 
 from .compat import MoEMethodCompat, keep_finalized
+from .loading import (
+    BIAS,
+    BLOCK_SCALE,
+    DENSE,
+    GLOBAL_SCALE,
+    INPUT_SCALE,
+    PACKED,
+    W13_NON_GATED,
+    W13_SHARDS,
+    CheckedLoader,
+    ExpertParam,
+    deinterleave_rows,
+    validate_loaded_experts,
+)
 
-__all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR", "validate_loaded_experts"]
+__all__ = ["NVFP4GroupedMoEMethod", "WEIGHTS_ATTR"]
 
 WEIGHTS_ATTR = "moe_nvfp4_weights"  # the packed MoEWeights on the layer after loading
 _WARMED: set[tuple] = set()  # (shape, dtype, top_k, expert map, tokens) already compiled in this process
 logger = init_logger(f"vllm.{__name__}")  # under "vllm", whose handlers vLLM configures
 
-# Parameter kinds.
-PACKED, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE, DENSE = "packed", "block_scale", "global_scale", "input_scale", "dense"
-BIAS = "bias"
-W13_SHARDS = ("w1", "w3")  # gate, up (vLLM's shard ids)
-W13_NON_GATED = ("w1",)  # a non-gated layer's one w13 projection (Nemotron-H's up_proj) loads as shard w1
 # gpt-oss's defaults for vLLM's swigluoai_and_mul (vllm.model_executor.layers.activation.SwigluOAIAndMul)
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 
@@ -87,22 +94,6 @@ def expert_activation(moe) -> ExpertActivation | str:
     return f"activation {act.value} (implemented: gated silu, swigluoai, relu2_no_mul)"
 
 
-def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
-    """``[E, 2I, ...]`` with gate/up rows interleaved (row 2i gate i, row 2i+1 up i: vLLM's swigluoai layout) ->
-    gate rows then up rows (the layout ``prepare_moe_weights`` takes)."""
-    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
-
-
-@dataclass(frozen=True)
-class _Param:
-    """One parameter this method creates: its name on the layer, kind, and which shards fill it."""
-
-    name: str
-    kind: str
-    shards: tuple[str, ...]
-    suffix: str  # the checkpoint tensor suffix, e.g. "weight_scale_2"
-
-
 class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
     """Routed experts as NVFP4 (ModelOpt or compressed-tensors tensors, or BF16 quantized on load).
 
@@ -117,7 +108,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         keep_finalized(moe)
         self.quant_config = quant_config
         self.convention: Convention | None = quant_config.convention
-        self.params: list[_Param] = []
+        self.params: list[ExpertParam] = []
         self.activation = expert_activation(moe)  # a str says why the layer is refused (in create_weights)
         self.w13_shards = W13_SHARDS if moe.is_act_and_mul else W13_NON_GATED
         self.loaded: set[tuple[str, int, str]] = set()  # (param name, local expert, shard id)
@@ -133,18 +124,18 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
     def uses_weight_scale_2_pattern(self) -> bool:
         return self.convention is Convention.MODELOPT
 
-    def _layout(self) -> list[_Param]:
-        bias = [_Param("w13_bias", BIAS, self.w13_shards, "bias"), _Param("w2_bias", BIAS, ("w2",), "bias")]
+    def _layout(self) -> list[ExpertParam]:
+        bias = [ExpertParam("w13_bias", BIAS, self.w13_shards, "bias"), ExpertParam("w2_bias", BIAS, ("w2",), "bias")]
         out = bias if self.moe.has_bias else []
         if self.convention is None:
             return out + [
-                _Param("w13_weight", DENSE, self.w13_shards, "weight"),
-                _Param("w2_weight", DENSE, ("w2",), "weight"),
+                ExpertParam("w13_weight", DENSE, self.w13_shards, "weight"),
+                ExpertParam("w2_weight", DENSE, ("w2",), "weight"),
             ]
         packed, scale, global_, input_, _ = TENSOR_NAMES[self.convention]
         for kind, suffix in ((PACKED, packed), (BLOCK_SCALE, scale), (GLOBAL_SCALE, global_), (INPUT_SCALE, input_)):
-            out.append(_Param(f"w13_{suffix}", kind, self.w13_shards, suffix))
-            out.append(_Param(f"w2_{suffix}", kind, ("w2",), suffix))
+            out.append(ExpertParam(f"w13_{suffix}", kind, self.w13_shards, suffix))
+            out.append(ExpertParam(f"w2_{suffix}", kind, ("w2",), suffix))
         return out
 
     def create_weights(
@@ -195,7 +186,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                 attrs["quant_method"] = scale_kind[p.kind]
             # Biases keep vLLM's loader, as its unquantized method does: gpt-oss's model copies them (and its BF16
             # w13/w2) into the parameters itself, stacked; the NaN fill tells what it never wrote.
-            attrs["weight_loader"] = vllm_loader if p.kind == BIAS else _CheckedLoader(self, layer, p, vllm_loader)
+            attrs["weight_loader"] = vllm_loader if p.kind == BIAS else CheckedLoader(self, layer, p, vllm_loader)
             set_weight_attrs(param, attrs)
 
     def _check_supported(self, layer: torch.nn.Module, name: str, hidden: int, inter: int) -> None:
@@ -226,7 +217,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                 out[local] = g
         return out
 
-    def _proj(self, layer: torch.nn.Module, shard: str) -> str:
+    def proj_name(self, layer: torch.nn.Module, shard: str) -> str:
         names = {
             "w1": getattr(layer, "ckpt_gate_proj_name", "gate_proj"),
             "w3": getattr(layer, "ckpt_up_proj_name", "up_proj"),
@@ -234,7 +225,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         }
         return names[shard]
 
-    def _written(self, layer: torch.nn.Module, p: _Param, expert: int, shard: str) -> bool:
+    def _written(self, layer: torch.nn.Module, p: ExpertParam, expert: int, shard: str) -> bool:
         """Whether a float parameter's rows of one expert and shard lost their NaN fill: gpt-oss's model loader
         copies its stacked BF16 experts and biases into the parameters itself, past every weight loader."""
         if p.kind not in (DENSE, BIAS):
@@ -258,9 +249,10 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                         why = (
                             " (a W4A4 checkpoint needs input scales for every expert)" if p.kind == INPUT_SCALE else ""
                         )
+                        tensor = f"{self.proj_name(layer, shard)}.{p.suffix}"
                         raise CheckpointError(
-                            f"{name}: expert {global_ids[e]} {self._proj(layer, shard)}.{p.suffix} was never loaded: "
-                            f"the checkpoint has no {name}.{global_ids[e]}.{self._proj(layer, shard)}.{p.suffix}{why}"
+                            f"{name}: expert {global_ids[e]} {tensor} was never loaded: "
+                            f"the checkpoint has no {name}.{global_ids[e]}.{tensor}{why}"
                         )
         return need_input
 
@@ -277,7 +269,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             w13, w2 = self._quantize_dense(layer, name, global_ids, interleaved)
         else:
             params = {p.name: getattr(layer, p.name).data for p in self.params if p.kind != BIAS}
-            projections = tuple(self._proj(layer, shard) for shard in (*self.w13_shards, "w2"))
+            projections = tuple(self.proj_name(layer, shard) for shard in (*self.w13_shards, "w2"))
             has_input = validate_loaded_experts(
                 name,
                 params,
@@ -400,7 +392,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                     bad_row = int((~torch.isfinite(dense_expert)).any(-1).nonzero()[0, 0])
                     shard = self.w13_shards[bad_row // rows] if prefix == "w13" else "w2"
                     raise CheckpointError(
-                        f"{name}: expert {global_ids[expert]} {self._proj(layer, shard)}.weight holds NaN or inf"
+                        f"{name}: expert {global_ids[expert]} {self.proj_name(layer, shard)}.weight holds NaN or inf"
                     )
                 q = quantize_nvfp4(dense_expert, segments=segments)
                 packed[expert], scale[expert], gs[expert] = q.packed, q.block_scale, q.global_scale
@@ -441,135 +433,3 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             expert_map=layer.expert_map,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
         )
-
-
-def validate_loaded_experts(
-    layer_name: str,
-    params: dict[str, torch.Tensor],
-    loaded: set[tuple[str, int, str]],
-    global_ids: list[int],
-    convention: Convention,
-    projections: tuple[str, str, str],
-    *,
-    require_input_scales: bool,
-) -> bool:
-    """Run ``moe_nvfp4.validate.check_moe_layer`` (the validator ``inspect`` and the converter use) on what was
-    loaded; raise CheckpointError for its first error; return whether the layer has input scales.  A layer whose
-    every tensor arrived is screened first on the stacked parameters (``stacked_layer_clean``: one host
-    synchronisation); only a layer the screen flags goes through the per-expert validator for its findings.
-
-    params: ``w13_<suffix>`` / ``w2_<suffix>`` -> [local E, ...] (w13 rows: gate then up; its scalars [E, 2]; a
-    non-gated layer's w13 is its one projection, scalars [E, 1]); projections: the checkpoint's names of gate, up,
-    down, or of w13 and down for a non-gated layer; loaded: (param name, local expert, shard id) that arrived;
-    global_ids: local -> global expert id.
-    """
-    input_key = TENSOR_NAMES[convention][3]
-    w13_shards = W13_SHARDS if len(projections) == 3 else W13_NON_GATED
-    shards = {"w13": w13_shards, "w2": ("w2",)}
-    input_params = {f"{prefix}_{input_key}" for prefix in shards}
-    need_input = require_input_scales or any(name in input_params for name, _, _ in loaded)
-    wanted = [name for name in params if need_input or name not in input_params]
-    prefix_of = {name: name.split("_", 1)[0] for name in wanted}
-    expected = (
-        (name, local, shard) for name in wanted for local in range(len(global_ids)) for shard in shards[prefix_of[name]]
-    )
-    if all(key in loaded for key in expected):
-        gemms = {
-            p: {name.removeprefix(p + "_"): params[name] for name in wanted if prefix_of[name] == p} for p in shards
-        }
-        if stacked_layer_clean(gemms, convention=convention, need_input=need_input):
-            return need_input  # every tensor present and every value check passed: the common case, one sync
-    experts: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    for local, g in enumerate(global_ids):
-        for shard, proj in zip((*w13_shards, "w2"), projections):
-            prefix = "w2" if shard == "w2" else "w13"
-            for name, t in params.items():
-                if not name.startswith(prefix + "_") or (name, local, shard) not in loaded:
-                    continue
-                t = t[local]
-                if prefix == "w13":
-                    part = w13_shards.index(shard)
-                    t = t[part] if t.dim() == 1 else t.chunk(len(w13_shards), dim=0)[part]
-                experts.setdefault(g, {}).setdefault(proj, {})[name.removeprefix(prefix + "_")] = t
-    findings = check_moe_layer(
-        layer_name,
-        experts,
-        convention=convention,
-        expected_experts=global_ids,
-        projections=projections,
-        require_input_scales=require_input_scales,
-    )
-    raise_first_error(findings)
-    return require_input_scales or any(input_key in t for ex in experts.values() for t in ex.values())
-
-
-class _CheckedLoader:
-    """Wraps ``RoutedExperts.weight_loader`` for one parameter: dtype/shape checks, bookkeeping, input scales."""
-
-    supports_moe_loading = True
-
-    def __init__(self, method: NVFP4GroupedMoEMethod, layer: torch.nn.Module, param: _Param, inner) -> None:
-        self.method, self.param, self.inner = method, param, inner
-        self.layer_name = getattr(layer, "layer_name", "moe")
-        self._layer_ref = layer  # the loader lives on the layer's parameter; a plain reference is fine
-
-    def _expected(self, shard: str) -> tuple[tuple[int, ...] | None, str]:
-        """Full (unsharded) checkpoint shape of one expert's tensor, or None for a scalar; expected dtype."""
-        moe = self.method.moe
-        h, i = moe.hidden_dim_unpadded or moe.hidden_dim, moe.intermediate_size
-        rows, cols = (h, i) if shard == "w2" else (i, h)
-        kind = self.param.kind
-        if kind == PACKED:
-            return (rows, cols // 2), "torch.uint8"
-        if kind == BLOCK_SCALE:
-            return (rows, cols // NVFP4.block_size), "torch.float8_e4m3fn"
-        if kind == DENSE:
-            return (rows, cols), "floating point"
-        return None, "floating point"
-
-    def _check(self, w: torch.Tensor, shard: str, expert_id: int) -> None:
-        want_shape, want_dtype = self._expected(shard)
-        proj = self.method._proj(self._layer_ref, shard)
-        where = f"{self.layer_name}: expert {expert_id} {proj}.{self.param.suffix}"
-        kind = self.param.kind
-        dtype_ok = {
-            PACKED: w.dtype == torch.uint8,
-            BLOCK_SCALE: w.dtype == NVFP4.scale_dtype,
-        }.get(kind, w.dtype.is_floating_point)
-        if not dtype_ok:
-            raise CheckpointError(f"{where}: dtype {w.dtype}, expected {want_dtype}")
-        if want_shape is None:
-            if w.numel() != 1:
-                raise CheckpointError(f"{where}: expected a scalar, got shape {tuple(w.shape)}")
-        elif tuple(w.shape[-2:]) != want_shape:
-            raise CheckpointError(
-                f"{where}: shape {tuple(w.shape)}, expected {want_shape} (before tensor parallel slicing)"
-            )
-
-    def __call__(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        layer = self._layer_ref
-        stacked = loaded_weight.dim() == 3 and self.param.kind in (PACKED, BLOCK_SCALE, DENSE)
-        if shard_id not in self.param.shards:
-            raise CheckpointError(
-                f"{self.layer_name}: {weight_name} loaded as shard {shard_id}, expected {self.param.shards}"
-            )
-        self._check(loaded_weight, shard_id, expert_id)
-        if stacked:
-            ok = self.inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
-            locals_ = range(param.shape[0]) if ok else ()
-        else:
-            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
-            if local == -1:
-                return False if return_success else None
-            if self.param.kind == INPUT_SCALE:
-                target = param.data[local]
-                if target.dim() == 1:
-                    target = target[W13_SHARDS.index(shard_id)]
-                target.copy_(loaded_weight.reshape(()).to(torch.float32))
-                ok = True
-            else:
-                ok = self.inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
-            locals_ = (local,) if ok else ()
-        for e in locals_:
-            self.method.loaded.add((self.param.name, e, shard_id))
-        return ok if return_success else None
