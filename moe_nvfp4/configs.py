@@ -426,63 +426,65 @@ def default_config(
     matrix's (fit_gemm).
     """
     shape = LayerShape(experts, top_k, hidden, intermediate, global_experts=global_experts, gated=gated)
-    rows = shape.rows_per_active_expert(max(tokens, 1))
-    k1, k2 = shape.padded_k
     if tokens <= PAIR_TILE_TOKENS:
-        # the pairs this rank expects: under expert parallelism E/E_g of the T k (DBRX EP8 at one token: half a pair)
-        block_m, pairs = 8, max(tokens, 1) * top_k * experts / shape.global_experts
-
-        def pair_gemm(n: int, k: int, two: bool) -> GemmConfig:
-            units = pairs * -(-n // 64)  # tiles of 64 rows
-            preset = (
-                WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
-            )
-            return fit_gemm(preset, k, block_m, two, loader_warps=2)
-
-        # Under expert parallelism the presets run on routed 8-row tiles: pair tiles through the expert map were
-        # slower where one or two of the pairs are local (design 004 decision 7), though the kernel runs them (an
-        # explicit config).
-        cfg = MoEKernelConfig(
-            block_m,
-            pair_gemm(intermediate, k1, gated),
-            pair_gemm(hidden, k2, False),
-            partials_in_x_dtype=top_k > 2,
-            pair_tiles=shape.global_experts == experts,
-        )
+        cfg = _pair_tiles_config(shape, tokens, device)
     else:
-        block_m = _first(TILE_BY_ROWS, rows, 128)
-        narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]
-        if block_m == 8:
-            gemm1 = fit_gemm(_decode_preset(shape, tokens, intermediate, device), k1, 8, gated, loader_warps=2)
-            gemm2 = fit_gemm(
-                _decode_preset(shape, tokens, hidden, device),
-                k2,
-                8,
-                False,
-                loader_warps=2,
-                block_n=DECODE_GEMM2_BLOCK_N,
-            )
-        elif block_m == 16:
-            gemm1 = fit_gemm(WS_DECODE_WIDE, k1, block_m, gated, narrow_tiles=narrow, loader_warps=4)
-            gemm2 = fit_gemm(WS_DECODE_WIDE, k2, block_m, False, narrow_tiles=narrow, loader_warps=4)
-        elif block_m <= 64:
-            gemm1 = fit_gemm(WS_TWO_GROUPS, k1, block_m, gated, narrow_tiles=narrow)
-            if block_m == 32:
-                gemm2 = fit_gemm(WS_ONE_GROUP, k2, block_m, False, narrow_tiles=narrow)
-            elif rows <= SHORT_K_ROWS or intermediate >= SHORT_K2:
-                gemm2 = fit_gemm(WS_TWO_GROUPS, k2, block_m, False, narrow_tiles=narrow)
-            else:
-                gemm2 = fit_gemm(TRITON_PREFILL, k2, block_m, False, narrow_tiles=2, max_registers=128)
-        else:
-            gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, gated)
-            long_k = intermediate >= LONG_K2
-            gemm2 = fit_gemm(
-                dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL, k2, block_m, False
-            )
-        cfg = MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=top_k > 2 or rows > PARTIALS_IN_X_ROWS)
-    if not cfg.is_valid(k1, k2, gated):
+        cfg = _routed_config(shape, tokens, device)
+    if not cfg.is_valid(*shape.padded_k, gated):
         raise AssertionError(f"default_config produced an invalid config {cfg}")  # a bug, not user input
     return cfg
+
+
+def _pair_tiles_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEKernelConfig:
+    """default_config at one or two tokens: 8-token tiles, each pair a tile where no expert map routes them."""
+    k1, k2 = shape.padded_k
+    # the pairs this rank expects: under expert parallelism E/E_g of the T k (DBRX EP8 at one token: half a pair)
+    block_m, pairs = 8, max(tokens, 1) * shape.top_k * shape.experts / shape.global_experts
+
+    def pair_gemm(n: int, k: int, two: bool) -> GemmConfig:
+        units = pairs * -(-n // 64)  # tiles of 64 rows
+        preset = WS_K_GROUPS if units < device.sm_count else WS_ONE_GROUP if units >= 2 * device.sm_count else WS_DECODE
+        return fit_gemm(preset, k, block_m, two, loader_warps=2)
+
+    # Under expert parallelism the presets run on routed 8-row tiles: pair tiles through the expert map were
+    # slower where one or two of the pairs are local (design 004 decision 7), though the kernel runs them (an
+    # explicit config).
+    return MoEKernelConfig(
+        block_m,
+        pair_gemm(shape.intermediate, k1, shape.gated),
+        pair_gemm(shape.hidden, k2, False),
+        partials_in_x_dtype=shape.top_k > 2,
+        pair_tiles=shape.global_experts == shape.experts,
+    )
+
+
+def _routed_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEKernelConfig:
+    """default_config past two tokens: the token tile, kernel family and presets from the rows per busy expert."""
+    rows = shape.rows_per_active_expert(tokens)
+    (k1, k2), gated = shape.padded_k, shape.gated
+    block_m = _first(TILE_BY_ROWS, rows, 128)
+    narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]
+    if block_m == 8:
+        gemm1 = fit_gemm(_decode_preset(shape, tokens, shape.intermediate, device), k1, 8, gated, loader_warps=2)
+        gemm2_preset = _decode_preset(shape, tokens, shape.hidden, device)
+        gemm2 = fit_gemm(gemm2_preset, k2, 8, False, loader_warps=2, block_n=DECODE_GEMM2_BLOCK_N)
+    elif block_m == 16:
+        gemm1 = fit_gemm(WS_DECODE_WIDE, k1, block_m, gated, narrow_tiles=narrow, loader_warps=4)
+        gemm2 = fit_gemm(WS_DECODE_WIDE, k2, block_m, False, narrow_tiles=narrow, loader_warps=4)
+    elif block_m <= 64:
+        gemm1 = fit_gemm(WS_TWO_GROUPS, k1, block_m, gated, narrow_tiles=narrow)
+        if block_m == 32:
+            gemm2 = fit_gemm(WS_ONE_GROUP, k2, block_m, False, narrow_tiles=narrow)
+        elif rows <= SHORT_K_ROWS or shape.intermediate >= SHORT_K2:
+            gemm2 = fit_gemm(WS_TWO_GROUPS, k2, block_m, False, narrow_tiles=narrow)
+        else:
+            gemm2 = fit_gemm(TRITON_PREFILL, k2, block_m, False, narrow_tiles=2, max_registers=128)
+    else:
+        gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, gated)
+        long_k = shape.intermediate >= LONG_K2
+        gemm2_preset = dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL
+        gemm2 = fit_gemm(gemm2_preset, k2, block_m, False)
+    return MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=shape.top_k > 2 or rows > PARTIALS_IN_X_ROWS)
 
 
 def _decode_preset(shape: LayerShape, tokens: int, n: int, device: DeviceTraits) -> dict:

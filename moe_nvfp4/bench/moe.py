@@ -98,7 +98,8 @@ def package_version(distribution: str) -> str:
 # Command line: ``moe-nvfp4 bench`` and benchmarks/bench_moe.py (which changes the defaults: set_defaults)
 # --------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser, *, default_models: str = DEFAULT_MODEL) -> None:
-    """The bench's options on ``p``; ``default_models`` run when neither --models nor --shape is given."""
+    """The bench's options on ``p``: what runs here, how it is measured below; ``default_models`` run when neither
+    --models nor --shape is given."""
     p.add_argument(
         "--models",
         "--model",
@@ -140,6 +141,13 @@ def add_arguments(p: argparse.ArgumentParser, *, default_models: str = DEFAULT_M
         help="also write the results: FILE.json (rows and meta), FILE.md (report), or a directory "
         "(moe.json and moe.md)",
     )
+    _add_measurement_arguments(p)
+    # not options: the models run when neither --models nor --shape is given, and the command a row's repro names
+    p.set_defaults(default_models=default_models, repro_command="moe-nvfp4 bench")
+
+
+def _add_measurement_arguments(p: argparse.ArgumentParser) -> None:
+    """How each row is measured: autotune, replays, rounds, weight rotation, the reference check, the device."""
     p.add_argument(
         "--autotune",
         action="store_true",
@@ -179,8 +187,6 @@ def add_arguments(p: argparse.ArgumentParser, *, default_models: str = DEFAULT_M
         help="cpu: smoke-test the bench itself (the torch reference for ours, host clock, no graphs)",
     )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing paths")
-    # not options: the models run when neither --models nor --shape is given, and the command a row's repro names
-    p.set_defaults(default_models=default_models, repro_command="moe-nvfp4 bench")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

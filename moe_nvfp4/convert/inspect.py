@@ -225,25 +225,29 @@ def _read(src: SourceCheckpoint, module: str, names: dict[str, str]) -> tuple[Co
     return convention, from_checkpoint(tensors, convention, name=module)
 
 
-def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
-    """Every problem of an opened checkpoint: the check ``inspect`` prints and the converter runs on its output."""
-    algo, w4a4, ours = read_settings(src.config)
-    problems: list[Problem] = []
-    conventions: set[str] = set()
-    shapes: dict[str, tuple[int, int]] = {}
-    pairs: list[tuple[str, str, int]] = []
-    layers = _expert_layers(src)
+@dataclass
+class _Scan:
+    """What checking a checkpoint's modules collects on the way."""
+
+    problems: list[Problem] = field(default_factory=list)
+    conventions: set[str] = field(default_factory=set)
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # role (or "linear") -> (N, K)
+    pairs: list[tuple[str, str, int]] = field(default_factory=list)  # gate/up modules whose global scales differ
+    quantized: int = 0
+
+
+def _check_expert_layers(src: SourceCheckpoint, layers: dict, w4a4: bool | None, scan: _Scan) -> None:
+    """Every MoE layer through ``check_moe_layer``, over the experts present."""
     claimed = claimed_experts(src.config)
-    quantized = 0
     for prefix, experts in layers.items():
         convention = _convention(experts)
-        conventions.add(convention.value)
+        scan.conventions.add(convention.value)
         projections = _projections(experts, gated_experts(src.config))
         lazy = {e: {p: _LazyTensors(src, names) for p, names in projs.items()} for e, projs in experts.items()}
         ids = sorted(experts)  # the experts present, never a claimed count: a hostile one would loop for ever
         wrong_ids = expert_id_problem(prefix, ids, claimed)
         if wrong_ids:
-            problems.append(Problem(*wrong_ids))
+            scan.problems.append(Problem(*wrong_ids))
         for f in check_moe_layer(
             prefix,
             lazy,
@@ -253,18 +257,24 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
             require_input_scales=bool(w4a4),
         ):
             gate_up = f.severity == "warning"
-            problems.append(Problem(f.tensor, f.message, f.severity, fixable=gate_up))
+            scan.problems.append(Problem(f.tensor, f.message, f.severity, fixable=gate_up))
             if gate_up:
-                pairs.append(
+                scan.pairs.append(
                     (f"{prefix}.{f.expert}.{projections[0]}", f"{prefix}.{f.expert}.{projections[1]}", f.expert)
                 )
-        quantized += sum(len(projs) for projs in experts.values())
+        scan.quantized += sum(len(projs) for projs in experts.values())
         packed_key = TENSOR_NAMES[convention][0]
         for role, proj in zip(Role if len(projections) == 3 else (Role.UP, Role.DOWN), projections):
             first = next((projs[proj] for projs in experts.values() if packed_key in projs.get(proj, {})), None)
             shape = () if first is None else src.tensors[first[packed_key]].shape
             if len(shape) == 2:
-                shapes.setdefault(role.value, (shape[0], 2 * shape[1]))
+                scan.shapes.setdefault(role.value, (shape[0], 2 * shape[1]))
+
+
+def _check_linear_modules(
+    src: SourceCheckpoint, layers: dict, algo: str | None, w4a4: bool | None, scan: _Scan
+) -> None:
+    """Every quantized module outside the MoE layers, read and checked alone."""
     in_layers = {
         n for experts in layers.values() for projs in experts.values() for s in projs.values() for n in s.values()
     }
@@ -274,12 +284,12 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
         try:
             convention, layer = _read(src, module, names)
         except CheckpointError as e:
-            problems.append(Problem(e.tensor or module, e.reason))
+            scan.problems.append(Problem(e.tensor or module, e.reason))
             continue
-        conventions.add(convention.value)
+        scan.conventions.add(convention.value)
         lost = lost_blocks(layer)
         if lost:
-            problems.append(
+            scan.problems.append(
                 Problem(
                     f"{module}.{TENSOR_NAMES[convention][1]}",
                     f"{lost} block scales are zero over non-zero codes (those weights would read as 0)",
@@ -288,19 +298,27 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
         if layer.input_scale is None:
             without_input += 1
             if w4a4:
-                problems.append(Problem(module, f"missing input scale, required by quant_algo {algo} (W4A4)"))
+                scan.problems.append(Problem(module, f"missing input scale, required by quant_algo {algo} (W4A4)"))
         else:
             with_input += 1
-        shapes.setdefault("linear", (layer.weight.n, layer.weight.k))
+        scan.shapes.setdefault("linear", (layer.weight.n, layer.weight.k))
     if w4a4 is None and with_input and without_input:
-        problems.append(
-            Problem(
-                str(src.root), f"missing input scales: {without_input} of {with_input + without_input} layers have none"
-            )
+        total = with_input + without_input
+        scan.problems.append(
+            Problem(str(src.root), f"missing input scales: {without_input} of {total} layers have none")
         )
-    quantized += len(modules)
-    if not quantized:
-        problems.append(
+    scan.quantized += len(modules)
+
+
+def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
+    """Every problem of an opened checkpoint: the check ``inspect`` prints and the converter runs on its output."""
+    algo, w4a4, ours = read_settings(src.config)
+    layers = _expert_layers(src)
+    scan = _Scan()
+    _check_expert_layers(src, layers, w4a4, scan)
+    _check_linear_modules(src, layers, algo, w4a4, scan)
+    if not scan.quantized:
+        scan.problems.append(
             Problem(
                 str(src.root),
                 "no NVFP4 tensors (no weight_scale / weight_scale_2 / weight_packed); not an NVFP4 checkpoint",
@@ -308,14 +326,14 @@ def checkpoint_problems(src: SourceCheckpoint) -> InspectReport:
         )
     return InspectReport(
         root=src.root,
-        conventions=tuple(sorted(conventions)),
+        conventions=tuple(sorted(scan.conventions)),
         quant_algo=algo,
         metadata=ours,
-        quantized_modules=quantized,
+        quantized_modules=scan.quantized,
         experts_per_layer={p: len(es) for p, es in layers.items()},
-        shapes=shapes,
-        problems=problems,
-        gate_up_pairs=pairs,
+        shapes=scan.shapes,
+        problems=scan.problems,
+        gate_up_pairs=scan.pairs,
     )
 
 
