@@ -45,6 +45,7 @@ from .configs import (
     CHUNK_K,
     CONFIG_VERSION,
     KERNEL_NAME,
+    TOKEN_TILES,
     TRITON_PREFILL,
     WS_ONE_GROUP,
     WS_TWO_GROUPS,
@@ -89,7 +90,8 @@ DEFAULT_BUDGET_S = 50.0  # the search, compiles included; with the final warm-up
 MIN_GAIN = 0.03  # a neighbour must beat the bucket's best by this fraction: medians of REPS cold runs vary ~1-2%
 REPS = 8
 MERGE = 1.25  # bucket ends within this factor of a kept end merge into it (the bound, not the power of two, stays)
-TOKEN_TILES = (8, 16, 32, 64, 128)
+# configs.TOKEN_TILES but 256: no tuned entry or default chose a tile past 128 tokens, so the search never tries one
+SEARCHED_TILES = tuple(t for t in TOKEN_TILES if t <= 128)
 # The Gluon kernel's (register cap, programs per SM) that fit an SM with 4 MMA warps and the loader's warp group.
 WS_RESIDENCY = ((None, 1), (168, 1), (128, 2), (80, 3))
 WS_RINGS = ((1, 4), (2, 2), (2, 3), (1, 6), (4, 2))  # (K chunks per stage, stages)
@@ -140,8 +142,8 @@ def _gemm_neighbours(g: GemmConfig, k_padded: int, block_m: int, gated: bool) ->
 def neighbours(cfg: MoEKernelConfig, tokens: int, shape: LayerShape) -> list[MoEKernelConfig]:
     """Valid configs one value away from ``cfg``, in the order to try them: the token tile, then per GEMM the
     kernel family, tile rows, residency, ring and narrow MMAs, then the partials' dtype and pair tiles."""
-    i = TOKEN_TILES.index(cfg.block_m) if cfg.block_m in TOKEN_TILES else 0
-    out = [cfg.with_token_tile(bm) for bm in TOKEN_TILES[max(0, i - 1) : i + 2]]
+    i = SEARCHED_TILES.index(cfg.block_m) if cfg.block_m in SEARCHED_TILES else 0
+    out = [cfg.with_token_tile(bm) for bm in SEARCHED_TILES[max(0, i - 1) : i + 2]]
     k1, k2 = shape.padded_k
     out += [replace(cfg, gemm1=g) for g in _gemm_neighbours(cfg.gemm1, k1, cfg.block_m, shape.gated)]
     out += [replace(cfg, gemm2=g) for g in _gemm_neighbours(cfg.gemm2, k2, cfg.block_m, False)]

@@ -53,6 +53,8 @@ CHUNK_K = FragmentLayout().chunk_k  # the kernel's K step (128), fixed by the we
 # sm_90's shared memory per block (227 KiB), less room for the warp-specialized kernel's barriers and padding
 WS_SMEM_LIMIT = 227 * 1024 - 1024
 SM_REGISTERS = 65536  # sm_90's registers per SM (and per block)
+# Token tiles (MoEKernelConfig.block_m) the kernels run; 8 only where both GEMMs are Gluon (design 002 decision 20).
+TOKEN_TILES = (8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,8 @@ class MoEKernelConfig:
         """``gated``: GEMM1 streams gate and up rows (two matrices in the Gluon kernel's ring), else one."""
         return (
             (
-                self.block_m in (16, 32, 64, 128, 256)
-                or (self.block_m == 8 and self.gemm1.warp_specialized and self.gemm2.warp_specialized)
+                self.block_m in TOKEN_TILES
+                and (self.block_m > 8 or (self.gemm1.warp_specialized and self.gemm2.warp_specialized))
             )
             and all(self.block_m >> g.narrow_tiles >= g.narrowest_mma for g in (self.gemm1, self.gemm2))
             and self.gemm1.is_valid(hidden_padded)
