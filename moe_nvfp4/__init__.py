@@ -3,6 +3,7 @@
 from .api import (
     MoEWeights,
     fused_moe,
+    fused_moe_batched,
     fused_moe_w4a4,
     grouped_gemm_nvfp4,
     launch_grouped_gemm_nvfp4,
@@ -24,8 +25,8 @@ from .formats import (
     quantize_nvfp4,
 )
 from .layouts import swizzle_scales_128x4, unswizzle_scales_128x4
-from .reference import fused_moe_torch, grouped_gemm_nvfp4_torch, moe_dense_torch
-from .routing import RoutingPlan, plan_routing, topk_sigmoid_grouped, topk_softmax
+from .reference import fused_moe_batched_torch, fused_moe_torch, grouped_gemm_nvfp4_torch, moe_dense_torch
+from .routing import RoutingPlan, plan_batched_routing, plan_routing, topk_sigmoid_grouped, topk_softmax
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,8 @@ __all__ = [
     "SWIGLU_OAI",
     "MoEWeights",
     "fused_moe",
+    "fused_moe_batched",
+    "fused_moe_batched_torch",
     "fused_moe_w4a4",
     "prepare_moe_weights",
     "prepare_moe_weights_w4a4",
@@ -55,6 +58,7 @@ __all__ = [
     "plan_grouped_gemm_nvfp4",
     "grouped_gemm_nvfp4_torch",
     "moe_dense_torch",
+    "plan_batched_routing",
     "plan_routing",
     "quantize_activations",
     "quantize_activations_nvfp4",

@@ -36,6 +36,7 @@ __all__ = [
     "MoEWeights",
     "prepare_moe_weights",
     "fused_moe",
+    "fused_moe_batched",
     "warmup_fused_moe",
     "prepare_moe_weights_w4a4",
     "fused_moe_w4a4",
@@ -271,6 +272,65 @@ def fused_moe(
     return fused_moe_op(x, *weights.tensors, topk_weights, topk_ids, expert_map, weights.intermediate,
                         weights.w13_bias, weights.w2_bias, act.name, act.alpha, act.limit,
                         bool(apply_router_weight_on_input))  # fmt: skip
+
+
+def fused_moe_batched(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    expert_num_tokens: torch.Tensor,
+    *,
+    expected_rows: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts on vLLM's batched activation format (what DeepEP low-latency dispatch hands the experts):
+    x [E, M, H] bf16 or fp16 holds local expert e's tokens in its first ``expert_num_tokens[e]`` rows (int32 or int64
+    [E], on x's device); returns [E, M, H] in x.dtype (``out`` where given) with out[e, r] = FFN_e(x[e, r]) for
+    r < count_e, the weights' activation and biases, unweighted: vLLM's finalize or combine applies the top-k weights
+    and sums.  Rows past an expert's count are not written (the reference backend writes 0 there).
+
+    Counts are read on the device, clamped to [0, M]: no host synchronisation, so the forward captures in a CUDA
+    graph; the kernels read x's rows and the counts where they are (no repack).  ``expected_rows``: about how many
+    rows a busy expert holds this step (e.g. ``LayerShape.rows_per_active_expert`` of the step's tokens), which picks
+    the kernel config (``triton.moe_sm90.batched_config``); None: M, every row in use.  The semantics of
+    ``reference.fused_moe_batched_torch``.
+    """
+    if weights.layout.name != LAYOUT.name:
+        raise ValueError(f"weights are in the {weights.layout.name} layout; fused_moe_batched reads {LAYOUT.name}: "
+                         "pack them with prepare_moe_weights")  # fmt: skip
+    e, hidden = weights.num_experts, weights.hidden
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be a bfloat16 or float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 3 or x.shape[0] != e or x.shape[2] != hidden:
+        raise ValueError(f"x must be [E={e}, max_tokens, H={hidden}] (the batched format), got {tuple(x.shape)}")
+    if not isinstance(expert_num_tokens, torch.Tensor) or expert_num_tokens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_num_tokens must be an int32 or int64 tensor, got "
+                        f"{getattr(expert_num_tokens, 'dtype', type(expert_num_tokens).__name__)}")  # fmt: skip
+    if tuple(expert_num_tokens.shape) != (e,):
+        raise ValueError(f"expert_num_tokens must be [E={e}] (one count per local expert), got "
+                         f"{tuple(expert_num_tokens.shape)}")  # fmt: skip
+    devices = {x.device, expert_num_tokens.device, weights.w13_packed.device}
+    if len(devices) != 1:
+        raise ValueError(f"x, expert_num_tokens and the weights must be on one device, got {sorted(map(str, devices))}")
+    if expected_rows is not None and not (isinstance(expected_rows, (int, float)) and expected_rows > 0):
+        raise ValueError(f"expected_rows must be a positive number or None, got {expected_rows!r}")
+    if out is not None and (
+        not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+    ):
+        raise ValueError(f"out must be a {x.dtype} tensor {tuple(x.shape)} on {x.device} like x, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")  # fmt: skip
+    if out is not None and not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (the kernel writes its rows M * H apart), got strides {out.stride()}")
+    from .ops import fused_moe_batched_op
+
+    if not x.is_contiguous() or (x.is_cuda and not rows_16_aligned(x.view(-1, hidden))):
+        x = x.clone(memory_format=torch.contiguous_format)  # a view: the kernels read rows M * H apart
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    counts = _int32_saturated(expert_num_tokens).contiguous()
+    act = weights.activation
+    rows = float(x.shape[1] if expected_rows is None else expected_rows)
+    fused_moe_batched_op(out, x, *weights.tensors, counts, weights.intermediate, rows, weights.w13_bias,
+                         weights.w2_bias, act.name, act.alpha, act.limit)  # fmt: skip
+    return out
 
 
 def prepare_moe_weights_w4a4(w13: NVFP4Tensor, w2: NVFP4Tensor, *, expert_offset: int = 0) -> MoEWeights:

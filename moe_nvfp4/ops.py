@@ -11,7 +11,7 @@ from .expert_activation import ExpertActivation
 from .weight_layouts import weight_layout
 from .weights import MoEWeights
 
-__all__ = ["fused_moe_op", "fused_moe_w4a4_op"]
+__all__ = ["fused_moe_batched_op", "fused_moe_op", "fused_moe_w4a4_op"]
 
 
 @functools.cache
@@ -66,6 +66,52 @@ def _(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk
       intermediate, w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0,
       apply_router_weight_on_input=False):  # fmt: skip
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("moe_nvfp4::fused_moe_batched", mutates_args=("out",))
+def fused_moe_batched_op(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    expert_num_tokens: torch.Tensor,
+    intermediate: int,
+    expected_rows: float,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> None:
+    """Writes the batched forward's rows into ``out`` [E, M, H] (api.fused_moe_batched checked the inputs); the
+    config is triton.moe_sm90.batched_config's for ``expected_rows``.  The reference backend writes all of ``out``
+    (0 past each count); the kernels the counted rows only."""
+    act = _expert_activation(activation, alpha, limit)
+    if select_backends(x.device).moe_w4a16.reference:
+        from .reference import fused_moe_batched_torch
+
+        weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[2],
+                             intermediate, activation=act)  # fmt: skip
+        w13, w2 = weights.to_nvfp4()
+        out.copy_(fused_moe_batched_torch(x, w13, w2, expert_num_tokens, activation=act, w13_bias=w13_bias,
+                                          w2_bias=w2_bias))  # fmt: skip
+        return
+    from .triton.moe_sm90 import batched_config, fused_moe_batched_sm90
+
+    e, _, hidden = x.shape
+    config = batched_config(e, hidden, intermediate, x.dtype, act.gated, expected_rows, x.device)
+    fused_moe_batched_sm90(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, expert_num_tokens,
+                           intermediate, out, config, activation=act, w13_bias=w13_bias, w2_bias=w2_bias)  # fmt: skip
+
+
+@fused_moe_batched_op.register_fake
+def _(out, x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, expert_num_tokens, intermediate,
+      expected_rows, w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0):  # fmt: skip
+    return None
 
 
 @torch.library.custom_op("moe_nvfp4::fused_moe_w4a4", mutates_args=())

@@ -19,6 +19,7 @@ from .routing import routed_pairs
 __all__ = [
     "moe_dense_torch",
     "fused_moe_torch",
+    "fused_moe_batched_torch",
     "grouped_gemm_nvfp4_torch",
     "fake_quantize_activations",
     "expert_activation_torch",
@@ -140,6 +141,36 @@ def fused_moe_torch(
         apply_router_weight_on_input=apply_router_weight_on_input,
         compute_dtype=compute_dtype,
     )
+
+
+def fused_moe_batched_torch(
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    expert_num_tokens: torch.Tensor,
+    *,
+    activation: ExpertActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """vLLM's batched format: x [E, M, H], expert e's tokens in its first count_e rows (expert_num_tokens [E],
+    clamped to [0, M]) -> [E, M, H] in x.dtype, out[e, r] = W2_e act(W13_e x[e, r] + b13_e) + b2_e for r < count_e,
+    unweighted (vLLM's finalize or combine weights and sums), and 0 past count_e.  Reads the counts on the host."""
+    e, m, _ = x.shape
+    w13f, w2f = dequantize_nvfp4(w13, compute_dtype), dequantize_nvfp4(w2, compute_dtype)
+    out = torch.zeros(x.shape, dtype=compute_dtype, device=x.device)
+    for expert, count in enumerate(expert_num_tokens.clamp(0, m).tolist()):
+        if count == 0:
+            continue
+        h = x[expert, :count].to(compute_dtype) @ w13f[expert].T
+        if w13_bias is not None:
+            h = h + w13_bias[expert].to(compute_dtype)
+        y = expert_activation_torch(h, activation) @ w2f[expert].T
+        if w2_bias is not None:
+            y = y + w2_bias[expert].to(compute_dtype)
+        out[expert, :count] = y
+    return out.to(x.dtype)
 
 
 def grouped_gemm_nvfp4_torch(

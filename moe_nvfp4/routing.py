@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RoutingPlan", "max_tiles", "plan_routing", "routed_pairs", "topk_softmax", "topk_sigmoid_grouped"]
+__all__ = [
+    "RoutingPlan",
+    "batched_max_tiles",
+    "max_tiles",
+    "plan_batched_routing",
+    "plan_routing",
+    "routed_pairs",
+    "topk_softmax",
+    "topk_sigmoid_grouped",
+]
 
 
 def topk_softmax(
@@ -166,4 +175,48 @@ def plan_routing(
         num_tiles=tile_end[-1:].to(i32),
         block_m=block_m,
         top_k=top_k,
+    )
+
+
+def batched_max_tiles(num_experts: int, max_tokens: int, block_m: int) -> int:
+    """Upper bound on the tiles of a batched layout: every expert's ``max_tokens`` rows full."""
+    return num_experts * -(-max_tokens // block_m)
+
+
+def plan_batched_routing(expert_num_tokens: torch.Tensor, max_tokens: int, block_m: int) -> RoutingPlan:
+    """The plan of vLLM's batched activation format: x [E, max_tokens, H] holds expert e's tokens in rows
+    e * max_tokens .. e * max_tokens + count_e of its flat view, each row one (token, expert) pair of its own.
+
+    So a row is its own pair (``sorted_pairs`` = 0 .. E * max_tokens - 1, top_k 1): GEMM1 reads flat row r of x and
+    GEMM2 writes flat row r of the [E * max_tokens, H] output, which is the batched output; rows past an expert's
+    count are in no tile.  ``expert_offsets[e]`` = e * max_tokens (the last one E * max_tokens).  Counts are clamped
+    to [0, max_tokens] (a corrupt count costs rows of its own expert, never memory safety), as the kernel does; no
+    host synchronisation.
+    """
+    if expert_num_tokens.dim() != 1 or expert_num_tokens.numel() < 1:
+        raise ValueError(f"expert_num_tokens must be [E] with E >= 1, got shape {tuple(expert_num_tokens.shape)}")
+    if block_m < 1 or max_tokens < 0:
+        raise ValueError(f"block_m must be positive and max_tokens >= 0, got {block_m} and {max_tokens}")
+    device = expert_num_tokens.device
+    num_experts = expert_num_tokens.numel()
+    counts = expert_num_tokens.long().clamp(0, max_tokens)
+    starts = torch.arange(num_experts + 1, device=device) * max_tokens
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per_expert, 0)
+    tile = torch.arange(batched_max_tiles(num_experts, max_tokens, block_m), device=device)
+    expert = torch.searchsorted(tile_end, tile, right=True).clamp(max=num_experts - 1)
+    in_use = tile < tile_end[-1]
+    row_start = starts[expert] + (tile - (tile_end[expert] - tiles_per_expert[expert])) * block_m
+    row_end = torch.minimum(row_start + block_m, starts[expert] + counts[expert])
+    i32 = torch.int32
+    return RoutingPlan(
+        sorted_pairs=torch.arange(num_experts * max_tokens, device=device, dtype=i32),
+        expert_counts=counts.to(i32),
+        expert_offsets=starts.to(i32),
+        tile_expert=torch.where(in_use, expert, -1).to(i32),
+        tile_row_start=torch.where(in_use, row_start, 0).to(i32),
+        tile_row_end=torch.where(in_use, row_end, 0).to(i32),
+        num_tiles=tile_end[-1:].to(i32),
+        block_m=block_m,
+        top_k=1,
     )

@@ -11,6 +11,8 @@ Launches per forward (each grid sized from the SM count or T, never from routing
      (token, k) pair into a float32 buffer (or one in x's dtype, per config).
   4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
 Routing (routing_kernels) and the combine (combine) are modules of their own: the Blackwell host launches them too.
+vLLM's batched format (``fused_moe_batched_sm90``) runs the same two GEMMs on a plan built from per-expert counts
+(``route_batched``): each row of x [E, max_tokens, H] is a pair of its own, GEMM2 writes the batched output, no combine.
 Each GEMM tile takes whole K in one program, so a row's sums never depend on where its tile runs.
 
 The GEMMs compute out^T = W @ A^T ("swap AB"): the decoded weights are the MMA's large side and the
@@ -24,6 +26,8 @@ together with the global scales (gate and up separately).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +39,16 @@ from ..layouts import rows_16_aligned
 from . import sm90_common
 from .combine import _combine_kernel, combine
 from .moe_sm90_ws import launch_gemm_ws
-from .routing_kernels import ROUTE_ONE_PROGRAM, _count_kernel, _route_kernel, route, route_chunks, routing_variants_from
+from .routing_kernels import (
+    ROUTE_ONE_PROGRAM,
+    _batched_route_kernel,
+    _count_kernel,
+    _route_kernel,
+    route,
+    route_batched,
+    route_chunks,
+    routing_variants_from,
+)
 from .sm90_common import (
     _TL_DTYPES,
     BF16_EPILOGUE_FIX,
@@ -57,6 +70,8 @@ __all__ = [
     "ROUTE_ONE_PROGRAM",
     "combine",
     "compiled_variants",
+    "batched_config",
+    "fused_moe_batched_sm90",
     "fused_moe_sm90",
     "plain_launches",
     "route",
@@ -350,7 +365,7 @@ def _moe_gemm_kernel(
 
 def compiled_variants() -> int:
     """How many kernel variants Triton has compiled in this process (all kernels here, all devices)."""
-    kernels = (_count_kernel, _route_kernel, _moe_gemm_kernel, _combine_kernel)
+    kernels = (_count_kernel, _route_kernel, _batched_route_kernel, _moe_gemm_kernel, _combine_kernel)
     # device_caches: device -> (kernel cache, ...) in Triton 3.x; the interpreter has none.
     return sum(len(caches[0]) for k in kernels for caches in getattr(k, "device_caches", {}).values())
 
@@ -464,3 +479,60 @@ def fused_moe_sm90(
            top_k=top_k, sms=sms)  # fmt: skip
     combine(partial, topk_ids, expert_map, num_experts, out)
     return out
+
+
+def batched_config(
+    num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, gated: bool, expected_rows: float, device
+) -> MoEKernelConfig:
+    """The config of a batched forward whose busy experts hold about ``expected_rows`` rows each: the one
+    select_config gives the same experts at the token count where a top-1 routing over them puts that many rows on
+    each busy expert (LayerShape.tokens_up_to_rows), without pair tiles (each tile's expert comes from the counts,
+    not from topk_ids)."""
+    shape = LayerShape(num_experts, 1, hidden, intermediate, dtype, 0, gated)
+    config = select_config(shape.tokens_up_to_rows(max(expected_rows, 1.0)), shape, device_traits(device))
+    return dataclasses.replace(config, pair_tiles=False)
+
+
+def fused_moe_batched_sm90(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    expert_num_tokens: torch.Tensor,
+    intermediate: int,
+    out: torch.Tensor,
+    config: MoEKernelConfig,
+    *,
+    activation: ExpertActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> None:
+    """Host wrapper of the batched format (inputs checked by api.fused_moe_batched): x [E, M, H] with unit stride
+    along H and rows M apart, expert_num_tokens int32 [E]; writes out[e, r] = FFN_e(x[e, r]) for r < count_e (the
+    count clamped to [0, M]), unweighted, and nothing else.  Three launches: route_batched, then GEMM1 and GEMM2
+    reading its tile map (each row its own pair, top-k 1; no combine: GEMM2's rows are the output).  No host
+    synchronisation; every grid and buffer is sized from E, M, H and I."""
+    e, m, hidden = x.shape
+    if e * m == 0:
+        return
+    x_rows, out_rows = x.view(e * m, hidden), out.view(e * m, hidden)
+    ws_ok = _gluon_rows_ok(x_rows, intermediate) and rows_16_aligned(out_rows)
+    if x.is_cuda and not ws_ok and config.block_m < 16:  # 8-token tiles need both GEMMs Gluon (fused_moe_sm90)
+        config = config.with_token_tile(16)
+    sorted_rows, _, _, *tiles = route_batched(expert_num_tokens, m, config.block_m)
+    # GEMM2 weights nothing and no tile is a pair tile: the ids and weights go unread (16-byte aligned stand-ins)
+    stand_in = torch.empty(4, dtype=torch.int32, device=x.device)
+    routing = GemmRouting((sorted_rows, *tiles), stand_in, stand_in.view(torch.float32), None, False)
+    sms = sm_count(x.device, off_gpu=2)
+    act = torch.empty(e * m, intermediate, dtype=x.dtype, device=x.device)
+    epilogue1 = Epilogue.of(w13_bias, activation.name, activation.alpha, activation.limit, False)
+    epilogue2 = Epilogue.of(w2_bias, None, None, None, False)
+    launch1 = launch_gemm_ws if config.gemm1.warp_specialized and ws_ok else launch_gemm
+    launch1(x_rows, GemmWeights(w13_packed, w13_scale, w13_global), act, routing, config, epilogue1, gated=True,
+            top_k=1, sms=sms)  # fmt: skip
+    launch2 = launch_gemm_ws if config.gemm2.warp_specialized and ws_ok else launch_gemm
+    launch2(act, GemmWeights(w2_packed, w2_scale, w2_global), out_rows, routing, config, epilogue2, gated=False,
+            top_k=1, sms=sms)  # fmt: skip

@@ -1,5 +1,6 @@
 """Routing on the GPU in Triton: topk_ids -> the routing plan (pairs grouped by expert, per-expert counts and
-offsets, the tile map), what routing.plan_routing computes in torch.  The sm_90 host (moe_sm90) and the Blackwell
+offsets, the tile map), what routing.plan_routing computes in torch; and vLLM's batched format's per-expert counts ->
+its plan (``route_batched``, routing.plan_batched_routing's twin).  The sm_90 host (moe_sm90) and the Blackwell
 host (cute/moe_host) both launch it.  Up to ROUTE_ONE_PROGRAM pairs ``_route_kernel`` is one program; past that
 ``_count_kernel`` counts chunks of pairs first and ``_route_kernel`` scatters them, one program per chunk.  Grids are
 sized from T, never from routing data.
@@ -226,3 +227,83 @@ def route(
         BLOCK_M=block_m, BLOCK_P=block_p, E_POW2=e_pow2, num_warps=8, **launch,
     )  # fmt: skip
     return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles
+
+
+# The row count changes with the batch: not specialized on, so a new max_tokens never compiles a new variant.
+@triton.jit(do_not_specialize=["max_tokens", "num_rows", "max_tiles"])
+def _batched_route_kernel(
+    counts_in_ptr,
+    sorted_rows_ptr,
+    counts_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_row_end_ptr,
+    num_tiles_ptr,
+    max_tokens,
+    num_rows,
+    num_experts,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    E_POW2: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The batched format's plan (routing.plan_batched_routing): program c writes rows c * BLOCK_ROWS .. of the
+    identity row list (each row is its own pair); program 0 also writes the clamped counts, the offsets
+    (e * max_tokens) and the tile map, each expert's tiles starting at its first row e * max_tokens."""
+    _after_previous_kernel(PDL)
+    c = tl.program_id(0)
+    rows = c * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    tl.store(sorted_rows_ptr + rows, rows, mask=rows < num_rows)
+    if c == 0:
+        experts = tl.arange(0, E_POW2)
+        expert_ok = experts < num_experts
+        counts = tl.load(counts_in_ptr + experts, mask=expert_ok, other=0).to(tl.int32)
+        counts = tl.minimum(tl.maximum(counts, 0), max_tokens)  # a corrupt count stays inside its expert's rows
+        starts = experts * max_tokens
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        tile_ends = tl.cumsum(tiles, 0)
+        first_tile = tile_ends - tiles
+        tl.store(counts_ptr + experts, counts, mask=expert_ok)
+        tl.store(offsets_ptr + experts, starts, mask=expert_ok)
+        tl.store(offsets_ptr + num_experts, num_experts * max_tokens)
+        tl.store(num_tiles_ptr, tl.sum(tiles, 0))
+        for j in range(0, tl.max(tiles, 0)):
+            owned = expert_ok & (j < tiles)
+            tl.store(tile_expert_ptr + first_tile + j, experts, mask=owned)
+            tl.store(tile_row_ptr + first_tile + j, starts + j * BLOCK_M, mask=owned)
+            tl.store(tile_row_end_ptr + first_tile + j, starts + tl.minimum((j + 1) * BLOCK_M, counts), mask=owned)
+        for t0 in range(tl.sum(tiles, 0), max_tiles, BLOCK_ROWS):
+            t = t0 + tl.arange(0, BLOCK_ROWS)
+            tl.store(tile_expert_ptr + t, tl.full([BLOCK_ROWS], -1, tl.int32), mask=t < max_tiles)
+            tl.store(tile_row_ptr + t, tl.zeros([BLOCK_ROWS], tl.int32), mask=t < max_tiles)
+            tl.store(tile_row_end_ptr + t, tl.zeros([BLOCK_ROWS], tl.int32), mask=t < max_tiles)
+
+
+BATCHED_ROUTE_ROWS = 4096  # identity rows a program of _batched_route_kernel writes
+
+
+def route_batched(expert_num_tokens: torch.Tensor, max_tokens: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """One launch of _batched_route_kernel for the batched layout [E, max_tokens, H] and its per-expert counts
+    (int32 [E], any values: clamped to [0, max_tokens]); returns route()'s tuple (sorted_pairs: the flat rows, counts,
+    offsets, tile_expert, tile_row, tile_row_end, num_tiles) as routing.plan_batched_routing computes it.  The
+    grid and every buffer are sized from E and max_tokens only."""
+    from ..routing import batched_max_tiles
+
+    num_experts = expert_num_tokens.numel()
+    num_rows = num_experts * max_tokens
+    n_tiles = batched_max_tiles(num_experts, max_tokens, block_m)
+    sizes = (num_rows, num_experts, num_experts + 1, n_tiles, n_tiles, n_tiles, 1)
+    starts = [0]
+    for size in sizes:  # each part on a 16-byte boundary, as route()'s buffers (no recompilation per shape)
+        starts.append(starts[-1] + round_up(size, 4))
+    ints = torch.empty(starts[-1], dtype=torch.int32, device=expert_num_tokens.device)
+    parts = tuple(ints[start : start + size] for start, size in zip(starts, sizes))
+    e_pow2 = triton.next_power_of_2(num_experts)
+    _batched_route_kernel[(max(1, triton.cdiv(num_rows, BATCHED_ROUTE_ROWS)),)](
+        expert_num_tokens, *parts, max_tokens, num_rows, num_experts, n_tiles,
+        BLOCK_M=block_m, BLOCK_ROWS=BATCHED_ROUTE_ROWS, E_POW2=e_pow2, num_warps=8,
+        **sm90_common._dependent_launch(expert_num_tokens.device),
+    )  # fmt: skip
+    return parts
