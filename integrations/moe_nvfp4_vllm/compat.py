@@ -9,8 +9,12 @@ what 0.33 changed on our paths is handled here, and nowhere else in the plugin l
 path                                        vLLM 0.26                         vLLM 0.33
 ==========================================  ================================  =====================================
 modular-kernel setup after loading          ``MoERunner.maybe_init_modular_   removed (a method sets ``moe_kernel``
-                                            kernel`` asks the method for a    itself or implements ``apply``)
-                                            prepare/finalize
+                                            kernel`` asks a method without    itself or implements ``apply``)
+                                            ``moe_kernel`` for a prepare/
+                                            finalize
+DP + EP with an all2all backend             the method holds ``moe_kernel``   the same
+                                            (``modular.make_moe_kernel``: our
+                                            experts in vLLM's modular kernel)
 output of ``apply``                         always finalized                  may be an ``UnfinalizedMoEOutput``
                                                                               when the model asked to defer
 ``QuantizationConfig``                      ``is_mxfp4_quant`` (base: False)  ``online_quantization_config`` wraps
@@ -56,9 +60,11 @@ def check_supported() -> None:
 if VLLM_RELEASE == (0, 26):
 
     class MoEMethodCompat:
-        """vLLM 0.26: after loading, ``MoERunner.maybe_init_modular_kernel`` asks the method for a prepare/finalize
-        (the DP + EP all2all backends build one) and would wrap the method in ``FusedMoEModularMethod``.  We have
-        no modular experts for it to call, so None keeps the runner's naive dispatch/combine around ``apply``."""
+        """vLLM 0.26: after loading, ``MoERunner.maybe_init_modular_kernel`` asks a method without ``moe_kernel``
+        for a prepare/finalize and would wrap it in ``FusedMoEModularMethod``, which reads ``layer.w13_weight`` (our
+        packed weights live elsewhere).  Where vLLM runs an all2all the method holds its own kernel
+        (``modular.make_moe_kernel``, as on 0.33) and this is never asked; elsewhere (TP, DP without EP) None keeps
+        the runner's path around ``apply``."""
 
         def maybe_make_prepare_finalize(self, routing_tables=None):
             return None
