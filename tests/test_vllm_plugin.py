@@ -568,6 +568,24 @@ def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
+def test_router_ids_reach_the_api_uncast(plugin, gen):
+    """vLLM's int64 ids and bf16 weights go to the API as they come, which casts once: an id past int32 saturates
+    out of range (its pair contributes nothing) where a plain int32 cast would wrap 2**32 + 1 onto expert 1."""
+    import moe_nvfp4
+
+    ex = _experts(gen)
+    layer = _routed_experts(_config(plugin, "modelopt"))
+    _load(layer, ex.tensors)
+    x, tw, ids = _routing(gen)
+    wrapped = ids.long()
+    wrapped[0, 0] = 2**32 + 1
+    out = layer.quant_method.apply(layer, x, tw.bfloat16(), wrapped, None, None)
+    dropped = ids.clone()
+    dropped[0, 0] = -1  # routed nowhere (routing.routed_pairs)
+    ref = moe_nvfp4.fused_moe_torch(x, ex.w13, ex.w2, tw.bfloat16().float(), dropped)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
 def test_zero_tokens(plugin, gen):
     ex = _experts(gen)
     layer = _routed_experts(_config(plugin, "modelopt"))

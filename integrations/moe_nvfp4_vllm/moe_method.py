@@ -419,17 +419,19 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             return moe_nvfp4.fused_moe_w4a4(
                 x,
                 getattr(layer, WEIGHTS_ATTR),
-                topk_weights.to(torch.float32),
-                topk_ids.to(torch.int32),
+                topk_weights,
+                topk_ids,
                 w13_input_scale=w13_scale,
                 w2_input_scale=w2_scale,
                 expert_map=layer.expert_map,
             )
+        # the router's weights and ids as they come: the API casts them once (ids past int32 saturate out of range
+        # instead of wrapping onto an expert, as a plain .to(int32) here did first)
         return moe_nvfp4.fused_moe(
             x,
             getattr(layer, WEIGHTS_ATTR),
-            topk_weights.to(torch.float32),
-            topk_ids.to(torch.int32),
+            topk_weights,
+            topk_ids,
             expert_map=layer.expert_map,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
         )
