@@ -59,6 +59,8 @@ def add_ratios(row: dict) -> None:
     for name in BASELINES:
         row[f"{name}_pct_of_floor"] = pct_of_floor(row["floor_us"], row.get(f"{name}_us"))
         row[f"speedup_vs_{name}"] = ratio(row.get(f"{name}_us"), ours)
+    # the batched format's experts stage, ours against Marlin's batched kernel on the same layout
+    row["speedup_batched_vs_marlin_batched"] = ratio(row.get("marlin_batched_us"), row.get("ours_batched_us"))
 
 
 def config_source(layer, traits) -> str:
@@ -310,7 +312,8 @@ def check_outputs(
             notes.append(f"{name} {errors.get(name, 'unavailable')}")
             continue
         try:
-            outs[name] = paths[name].fn(0, x, topk_weights, topk_ids, expert_map)().float()
+            out = paths[name].fn(0, x, topk_weights, topk_ids, expert_map)()
+            outs[name] = paths[name].tokens_out(out, x, topk_weights, topk_ids, expert_map).float()
             sync()
         except Exception as exc:  # noqa: BLE001
             notes.append(f"{name} run: {short_error(exc)}")

@@ -6,6 +6,11 @@
            (its first forward per shape JIT-compiles humming's kernels)
   bf16     vLLM fused_experts(x, w13_bf16, w2_bf16, topk_w, topk_ids) on the dequantized weights
   torch    moe_nvfp4.moe_dense_torch in bf16 on the dequantized weights (a per-expert loop: the baseline without vLLM)
+  ours_batched    moe_nvfp4.fused_moe_batched on vLLM's batched format (DeepEP low-latency's [E, T, H] and counts)
+  marlin_batched  vLLM batched_fused_marlin_moe (BatchedMarlinExperts' kernel) on the same batched inputs
+                  (the two batched paths are opt-in: --paths ours_batched,marlin_batched; their time is the experts
+                  stage alone, the layout built before timing as a dispatch would; their output is weighted and summed
+                  back per token before the checks)
 
 vLLM and humming are imported inside the paths that need them, when they are built: importing this module needs
 neither.  A non-gated shape (MoEShape.activation relu2) runs vLLM's paths with MoEActivation.RELU2_NO_MUL (Marlin's
@@ -80,6 +85,10 @@ class Path:
     def fn(self, copy: int, x, topk_weights, topk_ids, expert_map=None) -> Callable[[], Any]:
         """One forward of copy ``copy`` (``expert_map``: int32 [global E], -1 for experts on other ranks)."""
         raise NotImplementedError
+
+    def tokens_out(self, out, x, topk_weights, topk_ids, expert_map=None):
+        """A forward's output as [T, H] (the batched paths weight and sum their [E, T, H] rows back)."""
+        return out
 
 
 class Ours(Path):
@@ -369,6 +378,103 @@ class Torch(Path):
                             compute_dtype=dtype)  # fmt: skip
 
 
+class BatchedLayout:
+    """What a batched dispatch (DeepEP low-latency, vLLM's BatchedPrepareAndFinalize) hands the experts, built from a
+    routing: x_b [E local, T, H] with expert e's tokens in its first counts[e] rows (token order), and where each
+    routed (token, k) pair landed, to weight and sum the experts' rows back."""
+
+    def __init__(self, x, topk_ids, expert_map, num_experts: int):
+        import torch
+
+        t, k = topk_ids.shape
+        local = (topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]).reshape(-1)
+        routed = (local >= 0) & (local < num_experts)
+        key = torch.where(routed, local, num_experts)
+        order = torch.sort(key, stable=True).indices
+        counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+        starts = torch.cumsum(counts, 0) - counts
+        n = int(counts.sum())
+        self.pair, self.expert = order[:n], key[order[:n]]
+        self.row = torch.arange(n, device=x.device) - starts[self.expert]
+        self.counts = counts.to(torch.int32)
+        self.x = torch.zeros(num_experts, max(t, 1), x.shape[1], dtype=x.dtype, device=x.device)
+        self.x[self.expert, self.row] = x[self.pair // k]
+        self.out = torch.empty_like(self.x)
+        self.tokens = t
+
+    def combine(self, out, topk_weights):
+        import torch
+
+        k = topk_weights.shape[1]
+        rows = out[self.expert, self.row].float() * topk_weights.reshape(-1)[self.pair, None].float()
+        summed = torch.zeros(self.tokens, out.shape[2], dtype=torch.float32, device=out.device)
+        return summed.index_add_(0, self.pair // k, rows).to(out.dtype)
+
+
+class _Batched(Path):
+    requires = auto_unless = ("vllm",)  # opt-in: never in --paths auto
+    graphable = True
+
+    def layout(self, x, topk_ids, expert_map) -> BatchedLayout:
+        key = (x.data_ptr(), topk_ids.data_ptr(), None if expert_map is None else expert_map.data_ptr())
+        if getattr(self, "_layout_key", None) != key:
+            self._layout, self._layout_key = BatchedLayout(x, topk_ids, expert_map, self.num_experts), key
+        return self._layout
+
+    def tokens_out(self, out, x, topk_weights, topk_ids, expert_map=None):
+        return self.layout(x, topk_ids, expert_map).combine(out, topk_weights)
+
+
+class OursBatched(_Batched):
+    """moe_nvfp4.fused_moe_batched on the batched layout, the config from the rows a busy expert expects at this T
+    (what integrations/moe_nvfp4_vllm/modular.py's NVFP4GroupedBatchedExperts asks for)."""
+
+    name, label = "ours_batched", "ours batched"
+
+    def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
+        super().__init__(copies)
+        from ..api import fused_moe_batched, prepare_moe_weights
+        from ..configs import LayerShape
+
+        self.num_experts, self._call = shape.num_experts, fused_moe_batched
+        self._shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter,
+                                 global_experts=shape.routed_experts)  # fmt: skip
+        self.add_copies(prepare_moe_weights(w13_q, w2_q, activation=shape.expert_activation))
+
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
+        layout, w, call = self.layout(x, topk_ids, expert_map), self.weights[copy], self._call
+        rows = self._shape.rows_per_active_expert(x.shape[0])
+        return lambda: call(layout.x, w, layout.counts, expected_rows=rows, out=layout.out)
+
+
+class MarlinBatched(_Batched):
+    """vLLM 0.26's batched_fused_marlin_moe, the kernel of BatchedMarlinExperts (the batched format's Marlin
+    experts), on Marlin's NVFP4 weights as the marlin path prepares them, with their global scales."""
+
+    name, label = "marlin_batched", "Marlin batched"
+
+    def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
+        super().__init__(copies)
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import batched_fused_marlin_moe
+
+        marlin = Marlin(shape, w13_q, w2_q, copies)
+        self.weights, self._call, self.num_experts = marlin.weights, batched_fused_marlin_moe, shape.num_experts
+        self._quant_type_id, self._activation = marlin._quant_type_id, marlin._activation
+        self._input_dtype = marlin._input_dtype
+
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
+        layout, call = self.layout(x, topk_ids, expert_map), self._call
+        w13, w13_s, w13_gs, w2, w2_s, w2_gs = self.weights[copy]
+
+        def run():
+            return call(hidden_states=layout.x, expert_num_tokens=layout.counts, w1=w13, w2=w2, bias1=None,
+                        bias2=None, w1_scale=w13_s, w2_scale=w2_s, quant_type_id=self._quant_type_id,
+                        global_num_experts=self.num_experts, activation=self._activation, global_scale1=w13_gs,
+                        global_scale2=w2_gs, output=layout.out, is_k_full=True, input_dtype=self._input_dtype)  # fmt: skip
+
+        return run
+
+
 def _vllm_activation(shape: MoEShape):
     """vLLM's MoEActivation for the shape's experts (silu, or relu2_no_mul: not gated)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -380,7 +486,9 @@ def _vllm_activation(shape: MoEShape):
 
 
 # Every path, in the order of the table's columns; ours first, the others its baselines.
-REGISTRY: dict[str, type[Path]] = {cls.name: cls for cls in (Ours, Marlin, Humming, BF16, Torch)}
+REGISTRY: dict[str, type[Path]] = {
+    cls.name: cls for cls in (Ours, Marlin, Humming, BF16, Torch, OursBatched, MarlinBatched)
+}
 PATHS = tuple(REGISTRY)
 BASELINES = PATHS[1:]
 NVFP4_PATHS = tuple(name for name, cls in REGISTRY.items() if cls.weights == "nvfp4")
