@@ -45,9 +45,12 @@ START_S = 900.0
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--families", default="deepseek_v3,qwen3_moe", help="tiny model families (helpers_checkpoints)")
-    p.add_argument("--all2all", default="allgather_reducescatter",
-                   help="comma list of --all2all-backend values for the DP server (deepep_low_latency and "
-                        "deepep_high_throughput need DeepEP installed)")  # fmt: skip
+    p.add_argument(
+        "--all2all",
+        default="allgather_reducescatter",
+        help="comma list of --all2all-backend values for the DP server (deepep_low_latency and "
+        "deepep_high_throughput need DeepEP installed)",
+    )
     p.add_argument("--requests", type=int, default=64, help="greedy requests per server")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
@@ -72,19 +75,44 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def complete(base_url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=5,
-                return_tokens_as_token_ids=True)  # fmt: skip
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    body = dict(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=5,
+        return_tokens_as_token_ids=True,
+    )
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as r:
         return json.loads(r.read())
 
 
 def serve_and_ask(model: Path, extra: list[str], log: Path, args, env: dict) -> tuple[list[dict], str]:
-    serve_args = [str(model), "--quantization", "nvfp4_grouped", "--served-model-name", MODEL_NAME,
-                  "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", str(args.concurrency),
-                  "--gpu-memory-utilization", "0.3", "--max-logprobs", "5", "--seed", "0",
-                  "--compilation-config", NO_MULTICAST_COMPILATION, *extra]  # fmt: skip
+    serve_args = [
+        str(model),
+        "--quantization",
+        "nvfp4_grouped",
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        str(args.concurrency),
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-logprobs",
+        "5",
+        "--seed",
+        "0",
+        "--compilation-config",
+        NO_MULTICAST_COMPILATION,
+        *extra,
+    ]
     with VllmServer(serve_args, port=free_port(), log_path=log, env=env) as server:
         seconds = server.start(START_S)
         print(f"   {' '.join(extra) or 'TP=1'}: healthy after {seconds:.0f} s", flush=True)
@@ -108,8 +136,11 @@ def main(argv=None) -> int:
         for backend in [b.strip() for b in args.all2all.split(",") if b.strip()]:
             extra = ["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", backend]
             dp, log = serve_and_ask(model, extra, logs / f"{family}-dp2-ep-{backend}.log", args, env)
-            problems = [f"request {i}: {d}" for i, (a, b) in enumerate(zip(tp1, dp))
-                        if (d := greedy_divergence(a, b, tie=args.tie))]  # fmt: skip
+            problems = [
+                f"request {i}: {d}"
+                for i, (a, b) in enumerate(zip(tp1, dp))
+                if (d := greedy_divergence(a, b, tie=args.tie))
+            ]
             if MODULAR_LINE not in log:
                 problems.append(f"the DP server's log lacks {MODULAR_LINE!r}: vLLM's all2all did not drive our experts")
             if problems:

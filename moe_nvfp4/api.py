@@ -64,11 +64,15 @@ def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor, gated: bool = True) -> tuple[N
             raise TypeError(f"{name} must be an NVFP4Tensor, got {type(q).__name__}")
         devices = {t.device for t in (q.packed, q.block_scale, q.global_scale)}
         if any(d.type == "meta" for d in devices):  # packing and the value checks read the values
-            raise ValueError(f"{name} is on the meta device: prepare the weights from loaded tensors (after "
-                             "to_empty / load_state_dict)")  # fmt: skip
+            raise ValueError(
+                f"{name} is on the meta device: prepare the weights from loaded tensors (after "
+                "to_empty / load_state_dict)"
+            )
         if devices != {w13.packed.device}:
-            raise ValueError(f"w13 and w2 (packed, block scales, global scales) must be on one device, {name} has "
-                             f"{sorted(map(str, devices))}, w13.packed {w13.packed.device}")  # fmt: skip
+            raise ValueError(
+                f"w13 and w2 (packed, block scales, global scales) must be on one device, {name} has "
+                f"{sorted(map(str, devices))}, w13.packed {w13.packed.device}"
+            )
     if w13.packed.dim() != 3 or w2.packed.dim() != 3:
         raise ValueError(
             f"w13 and w2 must be stacked [E, N, K/2], got {tuple(w13.packed.shape)}, {tuple(w2.packed.shape)}"
@@ -76,12 +80,16 @@ def _validated(w13: NVFP4Tensor, w2: NVFP4Tensor, gated: bool = True) -> tuple[N
     e, n13, h = w13.packed.shape[0], w13.n, w13.k
     i = n13 // 2 if gated else n13
     if h < NVFP4.block_size or i < NVFP4.block_size:
-        raise ValueError(f"hidden size H={h} and intermediate size I={i} (from w13 [E, {n13}, {h}]) must be positive "
-                         f"multiples of {NVFP4.block_size}")  # fmt: skip
+        raise ValueError(
+            f"hidden size H={h} and intermediate size I={i} (from w13 [E, {n13}, {h}]) must be positive "
+            f"multiples of {NVFP4.block_size}"
+        )
     rows = "2I" if gated else "I (non-gated activation)"
     if (gated and n13 % 2) or w2.packed.shape[0] != e or (w2.n, w2.k) != (h, i):
-        raise ValueError(f"w13 [E={e}, {rows}={n13}, H={h}] and w2 [{w2.packed.shape[0]}, {w2.n}, {w2.k}] do not "
-                         "match (w2 must be [E, H, I])")  # fmt: skip
+        raise ValueError(
+            f"w13 [E={e}, {rows}={n13}, H={h}] and w2 [{w2.packed.shape[0]}, {w2.n}, {w2.k}] do not "
+            "match (w2 must be [E, H, I])"
+        )
     if not 1 <= e <= MAX_EXPERTS:
         raise ValueError(f"{e} experts; supported 1..{MAX_EXPERTS}")
     validate_nvfp4(w13, name="w13")  # names the first bad expert
@@ -142,9 +150,14 @@ def prepare_moe_weights(
     w13, w2 = _validated(w13, w2, activation.gated)
     e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
     tensors = LAYOUT.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=_block_packer(device))
-    return MoEWeights(*tensors, hidden=h, intermediate=w2.k, activation=activation,
-                      w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
-                      w2_bias=_bias(w2_bias, "w2_bias", (e, h), device))  # fmt: skip
+    return MoEWeights(
+        *tensors,
+        hidden=h,
+        intermediate=w2.k,
+        activation=activation,
+        w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
+        w2_bias=_bias(w2_bias, "w2_bias", (e, h), device),
+    )
 
 
 def _block_packer(device: torch.device):
@@ -203,16 +216,19 @@ def _check_inputs(
     if expert_map is None:
         return
     if expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"expert_map must be a 1-D int32 or int64 tensor, got {expert_map.dtype} "
-                         f"{tuple(expert_map.shape)}")  # fmt: skip
+        raise ValueError(
+            f"expert_map must be a 1-D int32 or int64 tensor, got {expert_map.dtype} {tuple(expert_map.shape)}"
+        )
     if expert_map.device != topk_ids.device:
         raise ValueError(
             f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}: they must share a device"
         )
     # Its length is the global expert count the ids index: one entry per global expert, so at least the local ones.
     if expert_map.numel() < num_experts:
-        raise ValueError(f"expert_map has {expert_map.numel()} entries but the weights hold {num_experts} local "
-                         "experts: it needs one entry per global expert (the ids' range)")  # fmt: skip
+        raise ValueError(
+            f"expert_map has {expert_map.numel()} entries but the weights hold {num_experts} local "
+            "experts: it needs one entry per global expert (the ids' range)"
+        )
 
 
 def _kernel_inputs(
@@ -261,17 +277,29 @@ def fused_moe(
     experts); on CPU the torch reference.
     """
     if weights.layout.name != LAYOUT.name:  # one weights type for every backend: the layout says which kernels read it
-        raise ValueError(f"weights are in the {weights.layout.name} layout (prepare_moe_weights_w4a4); fused_moe "
-                         f"reads {LAYOUT.name}: run fused_moe_w4a4, or pack with prepare_moe_weights")  # fmt: skip
-    _check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids,
-                  expert_map)  # fmt: skip
+        raise ValueError(
+            f"weights are in the {weights.layout.name} layout (prepare_moe_weights_w4a4); fused_moe "
+            f"reads {LAYOUT.name}: run fused_moe_w4a4, or pack with prepare_moe_weights"
+        )
+    _check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids, expert_map)
     from .ops import fused_moe_op
 
     x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
     act = weights.activation
-    return fused_moe_op(x, *weights.tensors, topk_weights, topk_ids, expert_map, weights.intermediate,
-                        weights.w13_bias, weights.w2_bias, act.name, act.alpha, act.limit,
-                        bool(apply_router_weight_on_input))  # fmt: skip
+    return fused_moe_op(
+        x,
+        *weights.tensors,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        weights.intermediate,
+        weights.w13_bias,
+        weights.w2_bias,
+        act.name,
+        act.alpha,
+        act.limit,
+        bool(apply_router_weight_on_input),
+    )
 
 
 def fused_moe_batched(
@@ -295,19 +323,24 @@ def fused_moe_batched(
     ``reference.fused_moe_batched_torch``.
     """
     if weights.layout.name != LAYOUT.name:
-        raise ValueError(f"weights are in the {weights.layout.name} layout; fused_moe_batched reads {LAYOUT.name}: "
-                         "pack them with prepare_moe_weights")  # fmt: skip
+        raise ValueError(
+            f"weights are in the {weights.layout.name} layout; fused_moe_batched reads {LAYOUT.name}: "
+            "pack them with prepare_moe_weights"
+        )
     e, hidden = weights.num_experts, weights.hidden
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"x must be a bfloat16 or float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 3 or x.shape[0] != e or x.shape[2] != hidden:
         raise ValueError(f"x must be [E={e}, max_tokens, H={hidden}] (the batched format), got {tuple(x.shape)}")
     if not isinstance(expert_num_tokens, torch.Tensor) or expert_num_tokens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"expert_num_tokens must be an int32 or int64 tensor, got "
-                        f"{getattr(expert_num_tokens, 'dtype', type(expert_num_tokens).__name__)}")  # fmt: skip
+        raise TypeError(
+            f"expert_num_tokens must be an int32 or int64 tensor, got "
+            f"{getattr(expert_num_tokens, 'dtype', type(expert_num_tokens).__name__)}"
+        )
     if tuple(expert_num_tokens.shape) != (e,):
-        raise ValueError(f"expert_num_tokens must be [E={e}] (one count per local expert), got "
-                         f"{tuple(expert_num_tokens.shape)}")  # fmt: skip
+        raise ValueError(
+            f"expert_num_tokens must be [E={e}] (one count per local expert), got {tuple(expert_num_tokens.shape)}"
+        )
     devices = {x.device, expert_num_tokens.device, weights.w13_packed.device}
     if len(devices) != 1:
         raise ValueError(f"x, expert_num_tokens and the weights must be on one device, got {sorted(map(str, devices))}")
@@ -316,8 +349,10 @@ def fused_moe_batched(
     if out is not None and (
         not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
     ):
-        raise ValueError(f"out must be a {x.dtype} tensor {tuple(x.shape)} on {x.device} like x, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")  # fmt: skip
+        raise ValueError(
+            f"out must be a {x.dtype} tensor {tuple(x.shape)} on {x.device} like x, got "
+            f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}"
+        )
     if out is not None and not out.is_contiguous():
         raise ValueError(f"out must be contiguous (the kernel writes its rows M * H apart), got strides {out.stride()}")
     from .ops import fused_moe_batched_op
@@ -328,8 +363,19 @@ def fused_moe_batched(
     counts = _int32_saturated(expert_num_tokens).contiguous()
     act = weights.activation
     rows = float(x.shape[1] if expected_rows is None else expected_rows)
-    fused_moe_batched_op(out, x, *weights.tensors, counts, weights.intermediate, rows, weights.w13_bias,
-                         weights.w2_bias, act.name, act.alpha, act.limit)  # fmt: skip
+    fused_moe_batched_op(
+        out,
+        x,
+        *weights.tensors,
+        counts,
+        weights.intermediate,
+        rows,
+        weights.w13_bias,
+        weights.w2_bias,
+        act.name,
+        act.alpha,
+        act.limit,
+    )
     return out
 
 
@@ -342,8 +388,10 @@ def prepare_moe_weights_w4a4(w13: NVFP4Tensor, w2: NVFP4Tensor, *, expert_offset
     FlashInfer kernel takes the local experts as one contiguous range; the others are routed by the expert map)."""
     backend = select_backends(w13.packed.device).moe_w4a4
     if backend is None:
-        raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {w13.packed.device} has "
-                         "none: use prepare_moe_weights (16-bit activations)")  # fmt: skip
+        raise ValueError(
+            f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {w13.packed.device} has "
+            "none: use prepare_moe_weights (16-bit activations)"
+        )
     return _packed(w13, w2, weight_layout(backend.w4a4_layout, expert_offset))
 
 
@@ -373,24 +421,41 @@ def fused_moe_w4a4(
     _check_global_scale("w2_input_scale", w2_input_scale, x.device)
     backend = select_backends(x.device).moe_w4a4
     if backend is None:
-        raise ValueError(f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {x.device} has none: "
-                         "use fused_moe (16-bit activations)")  # fmt: skip
+        raise ValueError(
+            f"the W4A4 MoE needs block-scaled FP4 tensor cores (sm_100/sm_103); {x.device} has none: "
+            "use fused_moe (16-bit activations)"
+        )
     layout = weights.layout
     if not (backend.reference or layout.name == backend.w4a4_layout):
-        raise ValueError(f"weights are in the {layout.name} layout, but {x.device} runs the W4A4 MoE on {backend.name}, "
-                         f"which reads {backend.w4a4_layout}: prepare them with prepare_moe_weights_w4a4 here")  # fmt: skip
+        raise ValueError(
+            f"weights are in the {layout.name} layout, but {x.device} runs the W4A4 MoE on {backend.name}, "
+            f"which reads {backend.w4a4_layout}: prepare them with prepare_moe_weights_w4a4 here"
+        )
     global_experts = weights.num_experts if expert_map is None else expert_map.numel()
     if layout.expert_offset + weights.num_experts > global_experts:
-        raise ValueError(f"experts {layout.expert_offset}..{layout.expert_offset + weights.num_experts - 1} "
-                         f"are local, but expert_map has only {global_experts} entries")  # fmt: skip
+        raise ValueError(
+            f"experts {layout.expert_offset}..{layout.expert_offset + weights.num_experts - 1} "
+            f"are local, but expert_map has only {global_experts} entries"
+        )
     from .ops import fused_moe_w4a4_op
 
     x, topk_weights, topk_ids, expert_map = _kernel_inputs(x, topk_weights, topk_ids, expert_map)
     # Per-call scales: checked on the device (a bad one becomes NaN, so the output is NaN), not on the host,
     # which would synchronise every forward and break CUDA-graph capture.
     s13, s2 = (input_scale_or_nan(s.reshape(1)) for s in (w13_input_scale, w2_input_scale))
-    return fused_moe_w4a4_op(x, list(weights.tensors), topk_weights, topk_ids, expert_map, weights.hidden,
-                             weights.intermediate, layout.name, layout.expert_offset, s13, s2)  # fmt: skip
+    return fused_moe_w4a4_op(
+        x,
+        list(weights.tensors),
+        topk_weights,
+        topk_ids,
+        expert_map,
+        weights.hidden,
+        weights.intermediate,
+        layout.name,
+        layout.expert_offset,
+        s13,
+        s2,
+    )
 
 
 def warmup_fused_moe(
@@ -412,8 +477,15 @@ def warmup_fused_moe(
     """
     from .warmup import compile_kernels
 
-    return compile_kernels(weights, top_k, dtype, max_tokens, forward=fused_moe, expert_map=expert_map,
-                           apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
+    return compile_kernels(
+        weights,
+        top_k,
+        dtype,
+        max_tokens,
+        forward=fused_moe,
+        expert_map=expert_map,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
 
 
 def grouped_gemm_nvfp4(
@@ -476,11 +548,15 @@ def _check_grouped(
     for g, (ag, bg) in enumerate(zip(a, b)):
         for name, t in (("A", ag), ("B", bg)):
             if t.packed.dim() != 2 or t.packed.dtype != torch.uint8:
-                raise ValueError(f"group {g}: {name} must be one packed uint8 [rows, K/2] matrix, got "
-                                 f"{t.packed.dtype} {tuple(t.packed.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"group {g}: {name} must be one packed uint8 [rows, K/2] matrix, got "
+                    f"{t.packed.dtype} {tuple(t.packed.shape)}"
+                )
             if t.block_scale.dtype != NVFP4.scale_dtype:  # a float32 / bf16 / uint8 view would be read as e4m3 bytes
-                raise TypeError(f"group {g}: {name}.block_scale must be {NVFP4.scale_dtype} (e4m3 block scales), got "
-                                f"{t.block_scale.dtype}")  # fmt: skip
+                raise TypeError(
+                    f"group {g}: {name}.block_scale must be {NVFP4.scale_dtype} (e4m3 block scales), got "
+                    f"{t.block_scale.dtype}"
+                )
             if t.global_scale.numel() != 1:
                 raise ValueError(f"group {g}: {name} needs one global scale, got shape {tuple(t.global_scale.shape)}")
             if {t.packed.device, t.block_scale.device, t.global_scale.device} != {device}:
@@ -491,11 +567,14 @@ def _check_grouped(
             rows, cols = t.n, t.k // NVFP4.block_size
             want = (rows, cols) if t.scale_layout is ScaleLayout.LINEAR else padded_scale_shape(rows, cols)
             if tuple(t.block_scale.shape) != want:
-                raise ValueError(f"group {g}: {name}.block_scale ({t.scale_layout.value}) must be {want} for a "
-                                 f"[{rows}, {t.k}] operand, got {tuple(t.block_scale.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"group {g}: {name}.block_scale ({t.scale_layout.value}) must be {want} for a "
+                    f"[{rows}, {t.k}] operand, got {tuple(t.block_scale.shape)}"
+                )
     if alpha is not None and (alpha.shape != (len(a),) or alpha.dtype != torch.float32 or alpha.device != device):
-        raise ValueError(f"alpha must be float32 [{len(a)}] on {device}, got {alpha.dtype} {tuple(alpha.shape)} "
-                         f"on {alpha.device}")  # fmt: skip
+        raise ValueError(
+            f"alpha must be float32 [{len(a)}] on {device}, got {alpha.dtype} {tuple(alpha.shape)} on {alpha.device}"
+        )
     _check_grouped_scale_values(a, b)
 
 
@@ -516,6 +595,8 @@ def _check_grouped_scale_values(a: Sequence[NVFP4Tensor], b: Sequence[NVFP4Tenso
         i, what = (int(v) for v in flags.nonzero()[0])
         g, name, t = operands[i]
         if what == 0:
-            raise ValueError(f"group {g}: {name}.global_scale must be finite and positive, got "
-                             f"{t.global_scale.float().reshape(-1).tolist()}")  # fmt: skip
+            raise ValueError(
+                f"group {g}: {name}.global_scale must be finite and positive, got "
+                f"{t.global_scale.float().reshape(-1).tolist()}"
+            )
         raise ValueError(f"group {g}: {name}.block_scale holds NaN or negative e4m3 scales")

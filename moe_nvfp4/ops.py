@@ -46,25 +46,63 @@ def fused_moe_op(
     if select_backends(x.device).moe_w4a16.reference:
         from .reference import fused_moe_torch
 
-        weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[1],
-                             intermediate, activation=act)  # fmt: skip
+        weights = MoEWeights(
+            w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[1], intermediate, activation=act
+        )
         w13, w2 = weights.to_nvfp4()
-        return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=act,
-                               w13_bias=w13_bias, w2_bias=w2_bias,
-                               apply_router_weight_on_input=apply_router_weight_on_input)  # fmt: skip
+        return fused_moe_torch(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            expert_map=expert_map,
+            activation=act,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
     from .triton.moe_sm90 import fused_moe_sm90
 
     return fused_moe_sm90(
-        x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids,
-        expert_map, intermediate, activation=act, w13_bias=w13_bias, w2_bias=w2_bias,
+        x,
+        w13_packed,
+        w13_scale,
+        w13_global,
+        w2_packed,
+        w2_scale,
+        w2_global,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        intermediate,
+        activation=act,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
         apply_router_weight_on_input=apply_router_weight_on_input,
-    )  # fmt: skip
+    )
 
 
 @fused_moe_op.register_fake
-def _(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids, expert_map,
-      intermediate, w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0,
-      apply_router_weight_on_input=False):  # fmt: skip
+def _(
+    x,
+    w13_packed,
+    w13_scale,
+    w13_global,
+    w2_packed,
+    w2_scale,
+    w2_global,
+    topk_weights,
+    topk_ids,
+    expert_map,
+    intermediate,
+    w13_bias=None,
+    w2_bias=None,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+    apply_router_weight_on_input=False,
+):
     return torch.empty_like(x)
 
 
@@ -94,23 +132,55 @@ def fused_moe_batched_op(
     if select_backends(x.device).moe_w4a16.reference:
         from .reference import fused_moe_batched_torch
 
-        weights = MoEWeights(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[2],
-                             intermediate, activation=act)  # fmt: skip
+        weights = MoEWeights(
+            w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[2], intermediate, activation=act
+        )
         w13, w2 = weights.to_nvfp4()
-        out.copy_(fused_moe_batched_torch(x, w13, w2, expert_num_tokens, activation=act, w13_bias=w13_bias,
-                                          w2_bias=w2_bias))  # fmt: skip
+        out.copy_(
+            fused_moe_batched_torch(x, w13, w2, expert_num_tokens, activation=act, w13_bias=w13_bias, w2_bias=w2_bias)
+        )
         return
     from .triton.moe_sm90 import batched_config, fused_moe_batched_sm90
 
     e, _, hidden = x.shape
     config = batched_config(e, hidden, intermediate, x.dtype, act.gated, expected_rows, x.device)
-    fused_moe_batched_sm90(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, expert_num_tokens,
-                           intermediate, out, config, activation=act, w13_bias=w13_bias, w2_bias=w2_bias)  # fmt: skip
+    fused_moe_batched_sm90(
+        x,
+        w13_packed,
+        w13_scale,
+        w13_global,
+        w2_packed,
+        w2_scale,
+        w2_global,
+        expert_num_tokens,
+        intermediate,
+        out,
+        config,
+        activation=act,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+    )
 
 
 @fused_moe_batched_op.register_fake
-def _(out, x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, expert_num_tokens, intermediate,
-      expected_rows, w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0):  # fmt: skip
+def _(
+    out,
+    x,
+    w13_packed,
+    w13_scale,
+    w13_global,
+    w2_packed,
+    w2_scale,
+    w2_global,
+    expert_num_tokens,
+    intermediate,
+    expected_rows,
+    w13_bias=None,
+    w2_bias=None,
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+):
     return None
 
 
@@ -136,6 +206,17 @@ def fused_moe_w4a4_op(
 
 
 @fused_moe_w4a4_op.register_fake
-def _(x, weights, topk_weights, topk_ids, expert_map, hidden, intermediate, layout, expert_offset, w13_input_scale,
-      w2_input_scale):  # fmt: skip
+def _(
+    x,
+    weights,
+    topk_weights,
+    topk_ids,
+    expert_map,
+    hidden,
+    intermediate,
+    layout,
+    expert_offset,
+    w13_input_scale,
+    w2_input_scale,
+):
     return torch.empty_like(x)

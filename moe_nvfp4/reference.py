@@ -208,6 +208,13 @@ def fused_moe_w4a4_torch(x, weights, topk_weights, topk_ids, expert_map, input_s
     """``api.fused_moe_w4a4`` on packed ``MoEWeights`` of any layout: unpacked, then ``fused_moe_torch`` with the
     input scales (GEMM1's, GEMM2's), routed as the layout's kernel routes them."""
     w13, w2 = weights.to_nvfp4()
-    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids,
-                           expert_map=weights.layout.expert_map_for(expert_map, weights.num_experts),
-                           w13_input_scale=input_scales[0], w2_input_scale=input_scales[1])  # fmt: skip
+    return fused_moe_torch(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=weights.layout.expert_map_for(expert_map, weights.num_experts),
+        w13_input_scale=input_scales[0],
+        w2_input_scale=input_scales[1],
+    )

@@ -48,8 +48,9 @@ def test_twin_is_the_standard_forward_per_expert(gen: torch.Generator, activatio
     out = m.fused_moe_batched_torch(x, q13, q2, counts, activation=activation, w13_bias=b13, w2_bias=b2)
     for expert, count in enumerate(counts.tolist()):
         ids = torch.full((count, 1), expert, dtype=torch.int32)
-        want = m.fused_moe_torch(x[expert, :count], q13, q2, torch.ones(count, 1), ids, activation=activation,
-                                 w13_bias=b13, w2_bias=b2)  # fmt: skip
+        want = m.fused_moe_torch(
+            x[expert, :count], q13, q2, torch.ones(count, 1), ids, activation=activation, w13_bias=b13, w2_bias=b2
+        )
         assert torch.equal(out[expert, :count], want)
         assert not out[expert, count:].any(), "rows past the count are 0 in the twin"
 
@@ -85,8 +86,11 @@ def test_api_on_cpu_runs_the_twin_and_ignores_padding(gen: torch.Generator) -> N
 def test_plan_matches_its_definition(counts: list[int], max_tokens: int, block_m: int) -> None:
     plan = m.plan_batched_routing(torch.tensor(counts, dtype=torch.int32), max_tokens, block_m)
     clamped = [min(max(c, 0), max_tokens) for c in counts]
-    tiles = [(e, e * max_tokens + r, e * max_tokens + min(r + block_m, c))
-             for e, c in enumerate(clamped) for r in range(0, c, block_m)]  # fmt: skip
+    tiles = [
+        (e, e * max_tokens + r, e * max_tokens + min(r + block_m, c))
+        for e, c in enumerate(clamped)
+        for r in range(0, c, block_m)
+    ]
     n_max = len(counts) * -(-max_tokens // block_m)
     assert plan.top_k == 1 and plan.sorted_pairs.tolist() == list(range(len(counts) * max_tokens))
     assert plan.expert_counts.tolist() == clamped
@@ -109,9 +113,14 @@ def _bad_calls(w, x, counts):
         (lambda: m.fused_moe_batched(x, w, counts, expected_rows=0), ValueError, "expected_rows must be a positive"),
         (lambda: m.fused_moe_batched(x, w, counts, out=torch.empty_like(x).float()), ValueError, "out must be a"),
         (lambda: m.fused_moe_batched(x, w, counts, out=torch.empty_like(x)[:, :1]), ValueError, "out must be a"),
-        (lambda: m.fused_moe_batched(x, w, counts, out=torch.empty_like(x).transpose(0, 1).contiguous().transpose(0, 1)),
-         ValueError, "out must be contiguous"),
-    ]  # fmt: skip
+        (
+            lambda: m.fused_moe_batched(
+                x, w, counts, out=torch.empty_like(x).transpose(0, 1).contiguous().transpose(0, 1)
+            ),
+            ValueError,
+            "out must be contiguous",
+        ),
+    ]
 
 
 def test_bad_input_names_the_argument(gen: torch.Generator) -> None:
@@ -191,8 +200,9 @@ SCRIPT = textwrap.dedent(
 def test_kernels_match_twin_under_interpreter(e, h, i, max_tokens, variant, expected, counts, block_m, seed) -> None:
     args = [e, h, i, max_tokens, seed % 2**31, variant, expected, counts]
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tile, err = proc.stdout.split()[-2:]
     assert int(tile) == block_m, "the config this case was written for"

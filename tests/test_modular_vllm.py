@@ -49,11 +49,18 @@ def _moe_config(e_global: int, e_local: int, k: int, h: int, i: int, parallel=No
     )
 
     return FusedMoEConfig(
-        num_experts=e_global, experts_per_token=k, hidden_dim=h, intermediate_size=i, num_local_experts=e_local,
-        num_logical_experts=e_global, activation=MoEActivation.SILU, device="cpu",
+        num_experts=e_global,
+        experts_per_token=k,
+        hidden_dim=h,
+        intermediate_size=i,
+        num_local_experts=e_local,
+        num_logical_experts=e_global,
+        activation=MoEActivation.SILU,
+        device="cpu",
         routing_method=get_routing_method_type("softmax", k, True, None, False),
-        moe_parallel_config=parallel or FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
-    )  # fmt: skip
+        moe_parallel_config=parallel or FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+    )
 
 
 def _layer(gen: torch.Generator, e_local: int, h: int, i: int):
@@ -71,8 +78,12 @@ def _run(kernel, x, weights, topk_weights, topk_ids, e_global, expert_map=None, 
 
     from moe_nvfp4_vllm.modular import apply_moe_kernel
 
-    layer = SimpleNamespace(activation=MoEActivation.SILU, global_num_experts=e_global, expert_map=expert_map,
-                            apply_router_weight_on_input=on_input)  # fmt: skip
+    layer = SimpleNamespace(
+        activation=MoEActivation.SILU,
+        global_num_experts=e_global,
+        expert_map=expert_map,
+        apply_router_weight_on_input=on_input,
+    )
     return apply_moe_kernel(kernel, layer, x, topk_weights, topk_ids)
 
 
@@ -102,8 +113,9 @@ def test_batched_format_through_vllms_batched_prepare_finalize(vllm_cpu, gen, e_
     expert_map = torch.full((e_global,), -1, dtype=torch.int32)
     expert_map[rank * e_local : (rank + 1) * e_local] = torch.arange(e_local, dtype=torch.int32)
     out = _run(kernel, x.clone(), weights, topk_weights, topk_ids.long(), e_global, expert_map, on_input)
-    ref = m.fused_moe_torch(x, q13, q2, topk_weights, topk_ids, expert_map=expert_map,
-                            apply_router_weight_on_input=on_input)  # fmt: skip
+    ref = m.fused_moe_torch(
+        x, q13, q2, topk_weights, topk_ids, expert_map=expert_map, apply_router_weight_on_input=on_input
+    )
     assert out.shape == x.shape and _rel(out, ref) < BATCHED_TOL
 
 
@@ -124,8 +136,9 @@ def test_standard_format_through_the_no_all2all_prepare_finalize(vllm_cpu, gen, 
     topk_weights, topk_ids = m.topk_softmax(torch.randn(t, e_global, generator=gen), k, renormalize=not on_input)
     expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)  # a round-robin-like placement
     out = _run(kernel, x.clone(), weights, topk_weights, topk_ids.long(), e_global, expert_map, on_input)
-    ref = m.fused_moe_torch(x, q13, q2, topk_weights, topk_ids, expert_map=expert_map,
-                            apply_router_weight_on_input=on_input)  # fmt: skip
+    ref = m.fused_moe_torch(
+        x, q13, q2, topk_weights, topk_ids, expert_map=expert_map, apply_router_weight_on_input=on_input
+    )
     assert _rel(out, ref) < STANDARD_TOL
 
 
@@ -153,8 +166,9 @@ def test_each_format_leaves_the_finalize_what_it_expects(gen) -> None:
     # 8 tokens a rank from 2 dispatchers, top-2 of 4 experts: 32 pairs over 4 busy experts
     assert batched.expected_rows(8, 2, 4) == pytest.approx(8.0, rel=1e-3)
     with pytest.raises(ValueError, match="expert_tokens_meta"):
-        batched.apply(None, None, None, None, None, torch.zeros(1, 2), None, 4, None, None, None, None, None, None,
-                      False)  # fmt: skip
+        batched.apply(
+            None, None, None, None, None, torch.zeros(1, 2), None, 4, None, None, None, None, None, None, False
+        )
     with pytest.raises(ValueError, match="max_num_tokens and num_dispatchers must be set"):
         NVFP4GroupedBatchedExperts(moe, quant, weights)
 
@@ -170,8 +184,13 @@ def test_make_moe_kernel_picks_the_experts_of_the_all2all(monkeypatch, gen) -> N
 
     _, _, weights = _layer(gen, 2, 64, 32)
     assert make_moe_kernel(_moe_config(4, 2, 2, 64, 32), weights) is None
-    parallel = dataclasses.replace(_moe_config(4, 2, 2, 64, 32).moe_parallel_config, dp_size=2, ep_size=2,
-                                   use_ep=True, all2all_backend="deepep_low_latency")  # fmt: skip
+    parallel = dataclasses.replace(
+        _moe_config(4, 2, 2, 64, 32).moe_parallel_config,
+        dp_size=2,
+        ep_size=2,
+        use_ep=True,
+        all2all_backend="deepep_low_latency",
+    )
     moe = _moe_config(4, 2, 2, 64, 32, parallel)
     asked = []
 
@@ -182,14 +201,16 @@ def test_make_moe_kernel_picks_the_experts_of_the_all2all(monkeypatch, gen) -> N
 
         return make
 
-    monkeypatch.setattr(all2all_utils, "maybe_make_prepare_finalize",
-                        fake_prepare_finalize(BatchedPrepareAndFinalize(48, 2, 2, 1)))  # fmt: skip
+    monkeypatch.setattr(
+        all2all_utils, "maybe_make_prepare_finalize", fake_prepare_finalize(BatchedPrepareAndFinalize(48, 2, 2, 1))
+    )
     kernel = make_moe_kernel(moe, weights, routing_tables=None)
     assert isinstance(kernel.fused_experts, NVFP4GroupedBatchedExperts) and kernel.fused_experts.weights is weights
     assert (kernel.fused_experts.max_num_tokens, kernel.fused_experts.num_dispatchers) == (48, 2)
     assert asked[-1]["allow_new_interface"] and asked[-1]["quant_config"].quant_dtype is None
-    monkeypatch.setattr(all2all_utils, "maybe_make_prepare_finalize",
-                        fake_prepare_finalize(MoEPrepareAndFinalizeNoDPEPModular()))  # fmt: skip
+    monkeypatch.setattr(
+        all2all_utils, "maybe_make_prepare_finalize", fake_prepare_finalize(MoEPrepareAndFinalizeNoDPEPModular())
+    )
     assert isinstance(make_moe_kernel(moe, weights).fused_experts, NVFP4GroupedExperts)
     monkeypatch.setattr(all2all_utils, "maybe_make_prepare_finalize", fake_prepare_finalize(None))
     with pytest.raises(RuntimeError, match="no prepare/finalize for all2all backend deepep_low_latency"):

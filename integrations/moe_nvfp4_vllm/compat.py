@@ -29,9 +29,15 @@ from __future__ import annotations
 import vllm
 
 __all__ = [
-    "RELEASES", "SUPPORTED", "VLLM_RELEASE", "MoEMethodCompat",
-    "check_supported", "is_supported", "keep_finalized", "online_quantization",
-]  # fmt: skip
+    "RELEASES",
+    "SUPPORTED",
+    "VLLM_RELEASE",
+    "MoEMethodCompat",
+    "check_supported",
+    "is_supported",
+    "keep_finalized",
+    "online_quantization",
+]
 
 SUPPORTED = "vLLM 0.26.x (verified on H100/H200) or 0.33.x (CPU tests only)"
 RELEASES = ((0, 26), (0, 33))  # (major, minor); pyproject.toml's [vllm] extra admits the same

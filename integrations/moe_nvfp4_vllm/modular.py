@@ -94,8 +94,24 @@ class NVFP4GroupedExperts(_Experts):
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return TopKWeightAndReduceNoOP()
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-              a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta, apply_router_weight_on_input):  # fmt: skip
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         # prepare scaled the input by the router weight already: the sum takes each pair once, unweighted
         weights = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
         output.copy_(moe_nvfp4.fused_moe(hidden_states, self.weights, weights, topk_ids, expert_map=expert_map))
@@ -122,8 +138,24 @@ class NVFP4GroupedBatchedExperts(_Experts):
         shape = LayerShape(w.num_experts, top_k, w.hidden, w.intermediate, global_experts=global_num_experts)
         return shape.rows_per_active_expert(max(1, tokens_per_rank * self.num_dispatchers))
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-              a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta, apply_router_weight_on_input):  # fmt: skip
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
             raise ValueError("the batched format needs the per-expert token counts (expert_tokens_meta)")
         rows = self.expected_rows(topk_ids.shape[0], topk_ids.shape[1], global_num_experts)
@@ -164,8 +196,11 @@ def make_moe_kernel(
     else:
         experts = NVFP4GroupedExperts(moe, quant_config, weights)
     # benchmarks/dp_ep_check.py looks for this line: it shows vLLM's all2all drives our experts
-    logger.info_once("nvfp4_grouped: our experts in vLLM's modular kernel (%s + %s)",
-                     type(prepare_finalize).__name__, type(experts).__name__)  # fmt: skip
+    logger.info_once(
+        "nvfp4_grouped: our experts in vLLM's modular kernel (%s + %s)",
+        type(prepare_finalize).__name__,
+        type(experts).__name__,
+    )
     return mk.FusedMoEKernel(prepare_finalize, experts)
 
 

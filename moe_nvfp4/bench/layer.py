@@ -26,8 +26,18 @@ from .harness import (
 )
 from .paths import BASELINES, NVFP4_PATHS, REGISTRY, Path, build_path, short_error
 
-__all__ = ["add_ratios", "config_source", "copies_for", "expert_bytes", "make_inputs", "make_weights", "rel_err",
-           "repro_command", "run_model", "time_path"]  # fmt: skip
+__all__ = [
+    "add_ratios",
+    "config_source",
+    "copies_for",
+    "expert_bytes",
+    "make_inputs",
+    "make_weights",
+    "rel_err",
+    "repro_command",
+    "run_model",
+    "time_path",
+]
 
 WEIGHT_CHUNK_BYTES = 2 << 30  # bf16 experts drawn and quantized this many bytes at a time (Kimi-K2: 34 GB in all)
 
@@ -103,9 +113,15 @@ def make_weights(shape: MoEShape, seed: int, device: str):
         return w13_q, w2_q, None, None
 
     def dequantized(q: NVFP4Tensor) -> torch.Tensor:  # the same experts at a time: its float32 temporaries too
-        return torch.cat([dequantize_nvfp4(NVFP4Tensor(q.packed[a : a + step], q.block_scale[a : a + step],
-                                                       q.global_scale[a : a + step]), torch.bfloat16)
-                          for a in range(0, e, step)])  # fmt: skip
+        return torch.cat(
+            [
+                dequantize_nvfp4(
+                    NVFP4Tensor(q.packed[a : a + step], q.block_scale[a : a + step], q.global_scale[a : a + step]),
+                    torch.bfloat16,
+                )
+                for a in range(0, e, step)
+            ]
+        )
 
     w13_deq, w2_deq = dequantized(w13_q), dequantized(w2_q)
     empty_cache()
@@ -163,8 +179,7 @@ def time_path(path: Path, fns: list[Callable[[], Any]], args) -> Timing:
         return time_eager(fns, iters=args.replays, note="host clock")
     if not path.graphable:
         return time_eager(fns, iters=args.replays * 2, note="reads its routing on the host")
-    return time_with_fallback(fns, target_graph_ms=args.target_graph_ms, replays=args.replays,
-                              max_calls=args.max_calls)  # fmt: skip
+    return time_with_fallback(fns, target_graph_ms=args.target_graph_ms, replays=args.replays, max_calls=args.max_calls)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,8 +252,9 @@ def autotune_shape(shape: MoEShape, ours: Path | None, tokens: list[int], args, 
     from ..autotune import autotune_fused_moe
 
     _, _, _, emap = make_inputs(shape, 1, args.seed, args.device)
-    report = autotune_fused_moe(ours.weights[0], shape.top_k, torch.bfloat16, max(tokens), expert_map=emap,
-                                budget_s=args.autotune_budget_s)  # fmt: skip
+    report = autotune_fused_moe(
+        ours.weights[0], shape.top_k, torch.bfloat16, max(tokens), expert_map=emap, budget_s=args.autotune_budget_s
+    )
     log(f"   autotune: {report.summary()}")
     return dict(seconds=round(report.seconds, 1), source=report.source, summary=report.summary())
 
@@ -268,14 +284,22 @@ def measure_row(
     local = topk_ids if expert_map is None else expert_map[topk_ids.long()]
     touched = int(torch.unique(local[local >= 0]).numel())
     nbytes, flops = shape.hbm_bytes(row["tokens"], touched), shape.flops(row["tokens"])
-    row.update(touched_experts=touched, hbm_bytes=nbytes, weight_bytes=touched * shape.expert_nvfp4_bytes(),
-               flops=flops)  # fmt: skip
+    row.update(
+        touched_experts=touched, hbm_bytes=nbytes, weight_bytes=touched * shape.expert_nvfp4_bytes(), flops=flops
+    )
     row.update(floors(nbytes, flops, ceilings))
     if x.is_cuda:  # the config ours runs at this T and where it came from, so a row can be traced to it
         from ..configs import LayerShape, device_traits, select_config
 
-        layer = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter, "bfloat16",
-                           shape.routed_experts, shape.expert_activation.gated)  # fmt: skip
+        layer = LayerShape(
+            shape.num_experts,
+            shape.top_k,
+            shape.hidden,
+            shape.inter,
+            "bfloat16",
+            shape.routed_experts,
+            shape.expert_activation.gated,
+        )
         traits = device_traits(x.device)
         row["ours_config"] = select_config(row["tokens"], layer, traits).to_dict()
         row["config_source"] = config_source(layer, traits)
@@ -303,8 +327,16 @@ def check_outputs(
     ref = None
     if not args.no_ref and w13_deq is not None:
         try:
-            ref = moe_dense_torch(x.float(), w13_deq, w2_deq, topk_weights, topk_ids, expert_map=expert_map,
-                                  activation=shape.expert_activation, compute_dtype=torch.float32)  # fmt: skip
+            ref = moe_dense_torch(
+                x.float(),
+                w13_deq,
+                w2_deq,
+                topk_weights,
+                topk_ids,
+                expert_map=expert_map,
+                activation=shape.expert_activation,
+                compute_dtype=torch.float32,
+            )
         except Exception as exc:  # noqa: BLE001
             notes.append(f"ref: {short_error(exc)}")
     for name in args.paths:
@@ -370,8 +402,11 @@ def time_paths(
             row[f"{name}_us"] = None
             continue
         per_expert = expert_bytes(shape, name)
-        n_rot = 1 if args.no_rotate else rotation_copies(touched * per_expert, l2, factor=args.l2_factor,
-                                                       max_copies=len(p.weights))  # fmt: skip
+        n_rot = (
+            1
+            if args.no_rotate
+            else rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=len(p.weights))
+        )
         fns_of[name] = [p.fn(c, *inputs) for c in range(n_rot)]
         needed = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=10**6)
         if not args.no_rotate and n_rot < needed and args.device == "cuda":
@@ -399,9 +434,12 @@ def time_paths(
 
 def log_row(row: dict, args, log: Callable[[str], None]) -> None:
     times = " ".join(f"{name}={format_value(row.get(f'{name}_us'))}" for name in args.paths)
-    errs = " ".join(f"{name}={format_value(row.get(f'rel_err_{name}'), '.1e')}" for name in args.paths
-                    if name in NVFP4_PATHS)  # fmt: skip
+    errs = " ".join(
+        f"{name}={format_value(row.get(f'rel_err_{name}'), '.1e')}" for name in args.paths if name in NVFP4_PATHS
+    )
     status = row["status"]
-    log(f"   T={row['tokens']:5d} touched={row['touched_experts']:3d} {times} floor={row['floor_us']:.1f}us "
+    log(
+        f"   T={row['tokens']:5d} touched={row['touched_experts']:3d} {times} floor={row['floor_us']:.1f}us "
         f"({row['bound']}) ours%floor={format_value(row['pct_of_floor'], '.0f')} err {errs}"
-        + (f"  [{status if len(status) <= 300 else status[:297] + '...'}]" if row["notes"] else ""))  # fmt: skip
+        + (f"  [{status if len(status) <= 300 else status[:297] + '...'}]" if row["notes"] else "")
+    )

@@ -50,8 +50,9 @@ def clone_tensors(obj: Any) -> Any:
         return obj.clone()
     if isinstance(obj, torch.nn.Module):
         twin = copy.copy(obj)
-        twin._parameters = {k: torch.nn.Parameter(v.detach().clone(), requires_grad=False)
-                            for k, v in obj._parameters.items()}  # fmt: skip
+        twin._parameters = {
+            k: torch.nn.Parameter(v.detach().clone(), requires_grad=False) for k, v in obj._parameters.items()
+        }
         twin._buffers = {k: v.clone() for k, v in obj._buffers.items()}
         return twin
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -251,58 +252,37 @@ class Humming(Path):
             FusedMoEParallelConfig,
             get_routing_method_type,
         )
-        from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
-            convert_to_nvfp4_moe_kernel_format,
-            make_nvfp4_moe_kernel,
-            select_nvfp4_moe_backend,
-        )
+        from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel, select_nvfp4_moe_backend
         from vllm.model_executor.layers.quantization.utils.humming_utils import get_humming_moe_quant_config
         from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Dynamic, kNvfp4Static
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
         e, h, i, device = shape.num_experts, shape.hidden, shape.inter, w13_q.packed.device
         moe = FusedMoEConfig(
-            num_experts=e, experts_per_token=shape.top_k, hidden_dim=h, intermediate_size=i, num_local_experts=e,
-            num_logical_experts=e, activation=MoEActivation.SILU, device=device,
+            num_experts=e,
+            experts_per_token=shape.top_k,
+            hidden_dim=h,
+            intermediate_size=i,
+            num_local_experts=e,
+            num_logical_experts=e,
+            activation=MoEActivation.SILU,
+            device=device,
             routing_method=get_routing_method_type("softmax", shape.top_k, shape.renormalize, None, False),
-            moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
+            moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+            in_dtype=torch.bfloat16,
             moe_backend="humming",
-        )  # fmt: skip
+        )
         try:
             backend, experts_cls = select_nvfp4_moe_backend(moe, kNvfp4Static, kNvfp4Dynamic)
         except ValueError as exc:  # "... does not support the deployment configuration since <reason>"
             raise RuntimeError(f"vLLM 0.26's oracle refuses HUMMING: {str(exc).rpartition(' since ')[2]}") from exc
 
-        # What the Humming code reads of a RoutedExperts, and ModelOptNvFp4FusedMoE.create_weights' parameters as
-        # loaded: clones, since the conversion may take views of them.  w13_weight_scale_2 is [E, 2] (gate, up);
-        # the activation scales are there but unused (bf16 activations).
-        layer = torch.nn.Module()
-        layer.layer_name, layer.moe_config, layer.params_dtype = "model.layers.0.mlp.experts", moe, torch.bfloat16
-        layer.hidden_size, layer.intermediate_size_per_partition = h, i
-        layer.global_num_experts = layer.local_num_experts = e
-        checkpoint = {
-            "w13_weight": w13_q.packed,
-            "w13_weight_scale": w13_q.block_scale,
-            "w13_weight_scale_2": w13_q.global_scale.float().reshape(e, -1).expand(e, 2),
-            "w13_input_scale": torch.ones(e, 2, device=device),
-            "w2_weight": w2_q.packed,
-            "w2_weight_scale": w2_q.block_scale,
-            "w2_weight_scale_2": w2_q.global_scale.float(),
-            "w2_input_scale": torch.ones(e, device=device),
-        }
-        for name, t in checkpoint.items():
-            layer.register_parameter(name, torch.nn.Parameter(t.contiguous().clone(), requires_grad=False))
-        convert_to_nvfp4_moe_kernel_format(
-            nvfp4_backend=backend, layer=layer, w13=layer.w13_weight, w13_scale=layer.w13_weight_scale,
-            w13_scale_2=layer.w13_weight_scale_2[:, 0].contiguous(), a13_scale=layer.w13_input_scale,
-            w2=layer.w2_weight, w2_scale=layer.w2_weight_scale, w2_scale_2=layer.w2_weight_scale_2,
-            a2_scale=layer.w2_input_scale, is_act_and_mul=True,
-        )  # fmt: skip
-        self.add_copies(layer)
+        self.add_copies(_humming_layer(moe, backend, w13_q, w2_q, i))
 
         def kernel(copy_layer):
-            k = make_nvfp4_moe_kernel(get_humming_moe_quant_config(copy_layer), moe, experts_cls, backend,
-                                      layer=copy_layer)  # fmt: skip
+            k = make_nvfp4_moe_kernel(
+                get_humming_moe_quant_config(copy_layer), moe, experts_cls, backend, layer=copy_layer
+            )
             k.fused_experts.process_weights_after_loading(copy_layer)
             return k
 
@@ -323,11 +303,60 @@ class Humming(Path):
         def run():
             with override(context):
                 return kernel.apply(
-                    x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, activation=self._silu,
-                    global_num_experts=self._num_experts, expert_map=None, apply_router_weight_on_input=False,
-                )  # fmt: skip
+                    x,
+                    layer.w13_weight,
+                    layer.w2_weight,
+                    topk_weights,
+                    topk_ids,
+                    activation=self._silu,
+                    global_num_experts=self._num_experts,
+                    expert_map=None,
+                    apply_router_weight_on_input=False,
+                )
 
         return run
+
+
+def _humming_layer(moe, backend, w13_q, w2_q, intermediate: int):
+    """A RoutedExperts stand-in holding ModelOptNvFp4FusedMoE's parameters as loaded, converted by vLLM 0.26's
+    NVFP4 oracle into ``backend``'s format (Humming's)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import convert_to_nvfp4_moe_kernel_format
+
+    e, h, i, device = moe.num_experts, moe.hidden_dim, intermediate, w13_q.packed.device
+    # What the Humming code reads of a RoutedExperts, and ModelOptNvFp4FusedMoE.create_weights' parameters as
+    # loaded: clones, since the conversion may take views of them.  w13_weight_scale_2 is [E, 2] (gate, up);
+    # the activation scales are there but unused (bf16 activations).
+    layer = torch.nn.Module()
+    layer.layer_name, layer.moe_config, layer.params_dtype = "model.layers.0.mlp.experts", moe, torch.bfloat16
+    layer.hidden_size, layer.intermediate_size_per_partition = h, i
+    layer.global_num_experts = layer.local_num_experts = e
+    checkpoint = {
+        "w13_weight": w13_q.packed,
+        "w13_weight_scale": w13_q.block_scale,
+        "w13_weight_scale_2": w13_q.global_scale.float().reshape(e, -1).expand(e, 2),
+        "w13_input_scale": torch.ones(e, 2, device=device),
+        "w2_weight": w2_q.packed,
+        "w2_weight_scale": w2_q.block_scale,
+        "w2_weight_scale_2": w2_q.global_scale.float(),
+        "w2_input_scale": torch.ones(e, device=device),
+    }
+    for name, t in checkpoint.items():
+        layer.register_parameter(name, torch.nn.Parameter(t.contiguous().clone(), requires_grad=False))
+    convert_to_nvfp4_moe_kernel_format(
+        nvfp4_backend=backend,
+        layer=layer,
+        w13=layer.w13_weight,
+        w13_scale=layer.w13_weight_scale,
+        w13_scale_2=layer.w13_weight_scale_2[:, 0].contiguous(),
+        a13_scale=layer.w13_input_scale,
+        w2=layer.w2_weight,
+        w2_scale=layer.w2_weight_scale,
+        w2_scale_2=layer.w2_weight_scale_2,
+        a2_scale=layer.w2_input_scale,
+        is_act_and_mul=True,
+    )
+    return layer
 
 
 class BF16(Path):
@@ -349,8 +378,9 @@ class BF16(Path):
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w13, w2 = self.weights[copy]
         call, n, act = self._call, self._num_experts, self._activation
-        return lambda: call(x, w13, w2, topk_weights, topk_ids, activation=act, global_num_experts=n,
-                            expert_map=expert_map)  # fmt: skip
+        return lambda: call(
+            x, w13, w2, topk_weights, topk_ids, activation=act, global_num_experts=n, expert_map=expert_map
+        )
 
 
 class Torch(Path):
@@ -374,8 +404,9 @@ class Torch(Path):
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
         w13, w2 = self.weights[copy]
         call, dtype, act = self._call, self._dtype, self._activation
-        return lambda: call(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=act,
-                            compute_dtype=dtype)  # fmt: skip
+        return lambda: call(
+            x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, activation=act, compute_dtype=dtype
+        )
 
 
 class BatchedLayout:
@@ -437,8 +468,9 @@ class OursBatched(_Batched):
         from ..configs import LayerShape
 
         self.num_experts, self._call = shape.num_experts, fused_moe_batched
-        self._shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.inter,
-                                 global_experts=shape.routed_experts)  # fmt: skip
+        self._shape = LayerShape(
+            shape.num_experts, shape.top_k, shape.hidden, shape.inter, global_experts=shape.routed_experts
+        )
         self.add_copies(prepare_moe_weights(w13_q, w2_q, activation=shape.expert_activation))
 
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
@@ -467,10 +499,24 @@ class MarlinBatched(_Batched):
         w13, w13_s, w13_gs, w2, w2_s, w2_gs = self.weights[copy]
 
         def run():
-            return call(hidden_states=layout.x, expert_num_tokens=layout.counts, w1=w13, w2=w2, bias1=None,
-                        bias2=None, w1_scale=w13_s, w2_scale=w2_s, quant_type_id=self._quant_type_id,
-                        global_num_experts=self.num_experts, activation=self._activation, global_scale1=w13_gs,
-                        global_scale2=w2_gs, output=layout.out, is_k_full=True, input_dtype=self._input_dtype)  # fmt: skip
+            return call(
+                hidden_states=layout.x,
+                expert_num_tokens=layout.counts,
+                w1=w13,
+                w2=w2,
+                bias1=None,
+                bias2=None,
+                w1_scale=w13_s,
+                w2_scale=w2_s,
+                quant_type_id=self._quant_type_id,
+                global_num_experts=self.num_experts,
+                activation=self._activation,
+                global_scale1=w13_gs,
+                global_scale2=w2_gs,
+                output=layout.out,
+                is_k_full=True,
+                input_dtype=self._input_dtype,
+            )
 
         return run
 

@@ -397,12 +397,58 @@ def launch_gemm(
     k, kp = a.shape[1], weights.packed.shape[-1] * 2
     topk_weights = routing.topk_weights if gated else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     _moe_gemm_kernel[(sms * gemm.programs_per_sm,)](
-        a, a.stride(0), weights.packed, weights.scale, weights.global_scale, out, out.stride(0), *routing.tile_map,
-        topk_weights, out.shape[1], k, kp, epilogue,
-        TOP_K=top_k, GATED=gated, BLOCK_N=gemm.block_n, BLOCK_M=config.block_m, BLOCK_K=128, EVEN_K=k == kp,
-        DTYPE=_TL_DTYPES[a.dtype], NUM_STAGES=gemm.num_stages, USE_ASM=a.is_cuda,  # the interpreter has no PTX
-        NARROW=gemm.narrow_tiles, **sm90_common._dependent_launch(a.device), **gemm.launch_options(),
-    )  # fmt: skip
+        a,
+        a.stride(0),
+        weights.packed,
+        weights.scale,
+        weights.global_scale,
+        out,
+        out.stride(0),
+        *routing.tile_map,
+        topk_weights,
+        out.shape[1],
+        k,
+        kp,
+        epilogue,
+        TOP_K=top_k,
+        GATED=gated,
+        BLOCK_N=gemm.block_n,
+        BLOCK_M=config.block_m,
+        BLOCK_K=128,
+        EVEN_K=k == kp,
+        DTYPE=_TL_DTYPES[a.dtype],
+        NUM_STAGES=gemm.num_stages,
+        USE_ASM=a.is_cuda,  # the interpreter has no PTX
+        NARROW=gemm.narrow_tiles,
+        **sm90_common._dependent_launch(a.device),
+        **gemm.launch_options(),
+    )
+
+
+def _map_len(expert_map: torch.Tensor | None) -> int:
+    return 0 if expert_map is None else expert_map.numel()
+
+
+def _gemm_routing(
+    config: MoEKernelConfig,
+    both_gluon: bool,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    num_experts: int,
+) -> GemmRouting:
+    """What both GEMMs read of the routing: the routing kernels' tile map, or with pair tiles none."""
+    # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids (and the expert map), and both GEMMs must
+    # number rows alike
+    pair_tiles = config.pair_tiles and both_gluon
+    if pair_tiles:
+        # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
+        # are), so which variant compiles never depends on topk_ids' alignment
+        tile_map = (torch.empty(4, dtype=torch.int32, device=topk_ids.device),) * 5
+    else:
+        sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
+        tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
+    return GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
 
 
 def fused_moe_sm90(
@@ -440,8 +486,7 @@ def fused_moe_sm90(
     if t == 0:
         return out
     if config is None:
-        shape = LayerShape(num_experts, top_k, hidden, intermediate, x.dtype,
-                           0 if expert_map is None else expert_map.numel(), activation.gated)  # fmt: skip
+        shape = LayerShape(num_experts, top_k, hidden, intermediate, x.dtype, _map_len(expert_map), activation.gated)
         config = select_config(t, shape, device_traits(x.device))
     gather = 1 if apply_router_weight_on_input else top_k  # GEMM1's A row of pair p: p // gather
     if apply_router_weight_on_input:  # one row per pair, as vLLM rounds it: a1 * topk_weights.to(a1.dtype)
@@ -454,29 +499,36 @@ def fused_moe_sm90(
         # them as mma.sync tiles, and rows it had to take in their place gave 0.95 relative error on an H200 (x a
         # column slice of a wider buffer, 2026-11-28; the API copies such rows, so only direct callers get here)
         config = config.with_token_tile(16)
-    g1, g2 = config.gemm1, config.gemm2
-    ws1, ws2 = g1.warp_specialized and ws_ok, g2.warp_specialized and ws_ok
-    # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids (and the expert map), and both GEMMs must
-    # number rows alike
-    pair_tiles = config.pair_tiles and ws1 and ws2
-    if pair_tiles:
-        # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
-        # are), so which variant compiles never depends on topk_ids' alignment
-        tile_map = (torch.empty(4, dtype=torch.int32, device=x.device),) * 5
-    else:
-        sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
-        tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
-    routing = GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
+    ws1, ws2 = config.gemm1.warp_specialized and ws_ok, config.gemm2.warp_specialized and ws_ok
+    routing = _gemm_routing(config, ws1 and ws2, topk_weights, topk_ids, expert_map, num_experts)
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     act = torch.empty(t * top_k, intermediate, dtype=x.dtype, device=x.device)  # the activation
     launch1 = launch_gemm_ws if ws1 else launch_gemm
-    launch1(x, GemmWeights(w13_packed, w13_scale, w13_global), act, routing, config, epilogue1, gated=True,
-           top_k=gather, sms=sms)  # fmt: skip
+    launch1(
+        x,
+        GemmWeights(w13_packed, w13_scale, w13_global),
+        act,
+        routing,
+        config,
+        epilogue1,
+        gated=True,
+        top_k=gather,
+        sms=sms,
+    )
     partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
     partial = torch.empty(t * top_k, hidden, dtype=partial_dtype, device=x.device)
     launch2 = launch_gemm_ws if ws2 else launch_gemm
-    launch2(act, GemmWeights(w2_packed, w2_scale, w2_global), partial, routing, config, epilogue2, gated=False,
-           top_k=top_k, sms=sms)  # fmt: skip
+    launch2(
+        act,
+        GemmWeights(w2_packed, w2_scale, w2_global),
+        partial,
+        routing,
+        config,
+        epilogue2,
+        gated=False,
+        top_k=top_k,
+        sms=sms,
+    )
     combine(partial, topk_ids, expert_map, num_experts, out)
     return out
 
@@ -531,8 +583,26 @@ def fused_moe_batched_sm90(
     epilogue1 = Epilogue.of(w13_bias, activation.name, activation.alpha, activation.limit, False)
     epilogue2 = Epilogue.of(w2_bias, None, None, None, False)
     launch1 = launch_gemm_ws if config.gemm1.warp_specialized and ws_ok else launch_gemm
-    launch1(x_rows, GemmWeights(w13_packed, w13_scale, w13_global), act, routing, config, epilogue1, gated=True,
-            top_k=1, sms=sms)  # fmt: skip
+    launch1(
+        x_rows,
+        GemmWeights(w13_packed, w13_scale, w13_global),
+        act,
+        routing,
+        config,
+        epilogue1,
+        gated=True,
+        top_k=1,
+        sms=sms,
+    )
     launch2 = launch_gemm_ws if config.gemm2.warp_specialized and ws_ok else launch_gemm
-    launch2(act, GemmWeights(w2_packed, w2_scale, w2_global), out_rows, routing, config, epilogue2, gated=False,
-            top_k=1, sms=sms)  # fmt: skip
+    launch2(
+        act,
+        GemmWeights(w2_packed, w2_scale, w2_global),
+        out_rows,
+        routing,
+        config,
+        epilogue2,
+        gated=False,
+        top_k=1,
+        sms=sms,
+    )

@@ -77,8 +77,18 @@ def _count_kernel(
     expert into row c of hist (E_POW2 wide), which _route_kernel turns into each chunk's first rows."""
     _after_previous_kernel(PDL)
     c = tl.program_id(0)
-    counts = _count_pairs(ids_ptr, expert_map_ptr, c * chunk, tl.minimum(c * chunk + chunk, num_pairs), num_pairs,
-                          num_global, num_experts, HAS_MAP, BLOCK_P, E_POW2)  # fmt: skip
+    counts = _count_pairs(
+        ids_ptr,
+        expert_map_ptr,
+        c * chunk,
+        tl.minimum(c * chunk + chunk, num_pairs),
+        num_pairs,
+        num_global,
+        num_experts,
+        HAS_MAP,
+        BLOCK_P,
+        E_POW2,
+    )
     tl.store(hist_ptr + c * E_POW2 + tl.arange(0, E_POW2), counts)
 
 
@@ -119,8 +129,9 @@ def _route_kernel(
     expert_ok = experts < num_experts
     if COUNTED:
         chunks = tl.arange(0, MAX_CHUNKS)
-        hist = tl.load(hist_ptr + chunks[:, None] * E_POW2 + experts[None, :], mask=(chunks < num_chunks)[:, None],
-                       other=0)  # fmt: skip
+        hist = tl.load(
+            hist_ptr + chunks[:, None] * E_POW2 + experts[None, :], mask=(chunks < num_chunks)[:, None], other=0
+        )
         counts = tl.sum(hist, 0)
         before = tl.sum(tl.where((chunks < c)[:, None], hist, 0), 0)  # this expert's pairs in earlier chunks
     else:
@@ -217,15 +228,47 @@ def route(
     block_p = ROUTE_BLOCK if counted else ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else ROUTE_ONE_PROGRAM
     launch = sm90_common._dependent_launch(topk_ids.device)
     if counted:
-        _count_kernel[(num_chunks,)](ids, emap, hist, num_pairs, chunk, num_global, num_experts,
-                                     HAS_MAP=expert_map is not None,
-                                     BLOCK_P=block_p, E_POW2=e_pow2, num_warps=4, **launch)  # fmt: skip
+        _count_kernel[(num_chunks,)](
+            ids,
+            emap,
+            hist,
+            num_pairs,
+            chunk,
+            num_global,
+            num_experts,
+            HAS_MAP=expert_map is not None,
+            BLOCK_P=block_p,
+            E_POW2=e_pow2,
+            num_warps=4,
+            **launch,
+        )
     _route_kernel[(num_chunks,)](
-        ids, emap, hist if counted else ints, sorted_pairs, counts, offsets, cursor, tile_expert, tile_row, tile_row_end,
-        num_tiles, num_pairs, chunk, num_chunks, num_global, num_experts, n_tiles,
-        COUNTED=counted, MAX_CHUNKS=_route_max_chunks(e_pow2), HAS_MAP=expert_map is not None,
-        BLOCK_M=block_m, BLOCK_P=block_p, E_POW2=e_pow2, num_warps=8, **launch,
-    )  # fmt: skip
+        ids,
+        emap,
+        hist if counted else ints,
+        sorted_pairs,
+        counts,
+        offsets,
+        cursor,
+        tile_expert,
+        tile_row,
+        tile_row_end,
+        num_tiles,
+        num_pairs,
+        chunk,
+        num_chunks,
+        num_global,
+        num_experts,
+        n_tiles,
+        COUNTED=counted,
+        MAX_CHUNKS=_route_max_chunks(e_pow2),
+        HAS_MAP=expert_map is not None,
+        BLOCK_M=block_m,
+        BLOCK_P=block_p,
+        E_POW2=e_pow2,
+        num_warps=8,
+        **launch,
+    )
     return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles
 
 
@@ -302,8 +345,16 @@ def route_batched(expert_num_tokens: torch.Tensor, max_tokens: int, block_m: int
     parts = tuple(ints[start : start + size] for start, size in zip(starts, sizes))
     e_pow2 = triton.next_power_of_2(num_experts)
     _batched_route_kernel[(max(1, triton.cdiv(num_rows, BATCHED_ROUTE_ROWS)),)](
-        expert_num_tokens, *parts, max_tokens, num_rows, num_experts, n_tiles,
-        BLOCK_M=block_m, BLOCK_ROWS=BATCHED_ROUTE_ROWS, E_POW2=e_pow2, num_warps=8,
+        expert_num_tokens,
+        *parts,
+        max_tokens,
+        num_rows,
+        num_experts,
+        n_tiles,
+        BLOCK_M=block_m,
+        BLOCK_ROWS=BATCHED_ROUTE_ROWS,
+        E_POW2=e_pow2,
+        num_warps=8,
         **sm90_common._dependent_launch(expert_num_tokens.device),
-    )  # fmt: skip
+    )
     return parts

@@ -33,16 +33,29 @@ def _layer(gen, e, h, i, activation=m.SILU, bias=False):
     b13 = torch.randn(e, rows, generator=gen) if bias else None
     b2 = torch.randn(e, h, generator=gen) if bias else None
     cuda = lambda q: m.NVFP4Tensor(q.packed.cuda(), q.block_scale.cuda(), q.global_scale.cuda())  # noqa: E731
-    w = m.prepare_moe_weights(cuda(q13), cuda(q2), activation=activation,
-                              w13_bias=None if b13 is None else b13.cuda(), w2_bias=None if b2 is None else b2.cuda())  # fmt: skip
+    w = m.prepare_moe_weights(
+        cuda(q13),
+        cuda(q2),
+        activation=activation,
+        w13_bias=None if b13 is None else b13.cuda(),
+        w2_bias=None if b2 is None else b2.cuda(),
+    )
     return q13, q2, b13, b2, w
 
 
 def _worst_expert_error(out, x, q13, q2, counts, activation=m.SILU, b13=None, b2=None) -> float:
     """The largest per-expert relative error of the counted rows against the float64 twin; asserts rows past each
     count were left as they were (NaN)."""
-    ref = m.fused_moe_batched_torch(torch.nan_to_num(x.cpu()), q13, q2, counts.cpu(), activation=activation,
-                                    w13_bias=b13, w2_bias=b2, compute_dtype=torch.float64)  # fmt: skip
+    ref = m.fused_moe_batched_torch(
+        torch.nan_to_num(x.cpu()),
+        q13,
+        q2,
+        counts.cpu(),
+        activation=activation,
+        w13_bias=b13,
+        w2_bias=b2,
+        compute_dtype=torch.float64,
+    )
     worst = 0.0
     for expert, count in enumerate(counts.cpu().clamp(0, x.shape[1]).tolist()):
         assert out[expert, count:].isnan().all(), f"expert {expert}: a row past its count was written"
@@ -129,11 +142,18 @@ def _moe_config(e_global, e_local, k, h, i):
     )
 
     return FusedMoEConfig(
-        num_experts=e_global, experts_per_token=k, hidden_dim=h, intermediate_size=i, num_local_experts=e_local,
-        num_logical_experts=e_global, activation=MoEActivation.SILU, device="cuda",
+        num_experts=e_global,
+        experts_per_token=k,
+        hidden_dim=h,
+        intermediate_size=i,
+        num_local_experts=e_local,
+        num_logical_experts=e_global,
+        activation=MoEActivation.SILU,
+        device="cuda",
         routing_method=get_routing_method_type("softmax", k, True, None, False),
-        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
-    )  # fmt: skip
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+    )
 
 
 def _rel(out, ref) -> float:
@@ -158,14 +178,19 @@ def test_vllm_batched_prepare_finalize_eager_and_experts_in_a_graph(gen, rank) -
     e_local = e_global // 2 if rank else e_global
     q13, q2, _, _, w = _layer(gen, e_local, h, i)
     quant = FusedMoEQuantConfig.make()
-    experts = NVFP4GroupedBatchedExperts(_moe_config(e_global, e_local, k, h, i), quant, w, max_num_tokens=t,
-                                         num_dispatchers=1)  # fmt: skip
+    experts = NVFP4GroupedBatchedExperts(
+        _moe_config(e_global, e_local, k, h, i), quant, w, max_num_tokens=t, num_dispatchers=1
+    )
     prepare_finalize = BatchedPrepareAndFinalize(t, e_local, 1, rank)
     kernel = mk.FusedMoEKernel(prepare_finalize, experts)
     expert_map = torch.full((e_global,), -1, dtype=torch.int32)
     expert_map[rank * e_local : (rank + 1) * e_local] = torch.arange(e_local, dtype=torch.int32)
-    layer = SimpleNamespace(activation=MoEActivation.SILU, global_num_experts=e_global,
-                            expert_map=expert_map.cuda(), apply_router_weight_on_input=False)  # fmt: skip
+    layer = SimpleNamespace(
+        activation=MoEActivation.SILU,
+        global_num_experts=e_global,
+        expert_map=expert_map.cuda(),
+        apply_router_weight_on_input=False,
+    )
 
     def routing():
         x = torch.randn(t, h, generator=gen).bfloat16()
@@ -178,9 +203,21 @@ def test_vllm_batched_prepare_finalize_eager_and_experts_in_a_graph(gen, rank) -
 
     a1q, _, meta, _, _ = prepare_finalize.prepare(x, tw, ti, e_global, None, False, quant)
     out = torch.empty_like(a1q)
-    step = dict(w1=w.w13_packed, w2=w.w2_packed, topk_weights=tw, topk_ids=ti, activation=MoEActivation.SILU,
-                global_num_experts=e_global, expert_map=None, a1q_scale=None, a2_scale=None, workspace13=None,
-                workspace2=None, expert_tokens_meta=meta, apply_router_weight_on_input=False)  # fmt: skip
+    step = dict(
+        w1=w.w13_packed,
+        w2=w.w2_packed,
+        topk_weights=tw,
+        topk_ids=ti,
+        activation=MoEActivation.SILU,
+        global_num_experts=e_global,
+        expert_map=None,
+        a1q_scale=None,
+        a2_scale=None,
+        workspace13=None,
+        workspace2=None,
+        expert_tokens_meta=meta,
+        apply_router_weight_on_input=False,
+    )
     experts.apply(out, a1q, **step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -213,8 +250,12 @@ def test_vllm_standard_format_eager_and_in_a_graph(gen) -> None:
     kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
     expert_map = torch.full((e_global,), -1, dtype=torch.int32)
     expert_map[e_local:] = torch.arange(e_local, dtype=torch.int32)
-    layer = SimpleNamespace(activation=MoEActivation.SILU, global_num_experts=e_global,
-                            expert_map=expert_map.cuda(), apply_router_weight_on_input=False)  # fmt: skip
+    layer = SimpleNamespace(
+        activation=MoEActivation.SILU,
+        global_num_experts=e_global,
+        expert_map=expert_map.cuda(),
+        apply_router_weight_on_input=False,
+    )
     x = torch.randn(t, h, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(t, e_global, generator=gen), k, renormalize=True)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=expert_map)
