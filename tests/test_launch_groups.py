@@ -7,7 +7,8 @@ replaced by recorders, and ``fused_moe_sm90`` runs on small CPU tensors (the Glu
 Each argument is recorded by what the kernel can tell of it: a tensor by which named input it is (a view of it, or a
 buffer the host allocated, numbered by first use), its storage offset, shape, stride and dtype; a TMA descriptor by
 its base tensor, shape, strides, block shape and layout; a tuple item by item; a scalar by value and type.  The golden
-file was written by this module's ``--write`` on the code before the launch groups (main at 891f650):
+file was written by this module's ``--write`` on the code before the launch groups (main at 891f650), then again
+when the epilogue tuple gained GATE_UP (2026-11-28; every launch the same but that field):
 
     python tests/test_launch_groups.py --write
 """

@@ -112,15 +112,15 @@ KERNELS = {
 
 
 # sm90_common.Epilogue's fields: the host's defaults (gated SiLU without biases, GEMM2 weighting each pair's row)
-DEFAULT_EPILOGUE = {True: (False, "silu", 1.702, 7.0, False), False: (False, None, None, None, True)}
+DEFAULT_EPILOGUE = {True: (False, "silu", 1.702, 7.0, False, True), False: (False, None, None, None, True, False)}
 
 
 def _epilogue(kernel, fields: tuple) -> tuple[tuple, dict]:
     """The kernel's ``epilogue`` tuple argument (sm90_common.Epilogue: has bias, activation, alpha, limit, router
-    weight) as its signature entry and its constexprs by path, as the JIT specializes a launch's Epilogue.of."""
+    weight, gate and up rows) as its signature entry and its constexprs by path, as the JIT specializes a launch's Epilogue.of."""
     i = kernel.arg_names.index("epilogue")
     bias, *rest = fields
-    return ("*fp32" if bias else "constexpr",) + ("constexpr",) * 4, {
+    return ("*fp32" if bias else "constexpr",) + ("constexpr",) * len(rest), {
         (i, j): v for j, v in enumerate((None, *rest)) if j or not bias
     }
 
@@ -809,11 +809,11 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
         return len(re.findall(r"_param_\d+\b", ptx[entry : ptx.index(")", entry)]))
 
     silu = build(True, DEFAULT_EPILOGUE[True])
-    relu2 = build(True, (False, "relu2", None, None, False))
-    swiglu_bias = build(True, (True, "swiglu_oai", 1.702, 7.0, False))
+    relu2 = build(True, (False, "relu2", None, None, False, False))
+    swiglu_bias = build(True, (True, "swiglu_oai", 1.702, 7.0, False, True))
     gemm2 = build(False, DEFAULT_EPILOGUE[False])
-    gemm2_bias_unweighted = build(False, (True, None, None, None, False))
-    gemm2_unweighted = build(False, (False, None, None, None, False))
+    gemm2_bias_unweighted = build(False, (True, None, None, None, False, False))
+    gemm2_unweighted = build(False, (False, None, None, None, False, False))
     wgmma = re.compile(r"wgmma\.mma_async")
     assert len(wgmma.findall(relu2)) * 2 == len(wgmma.findall(silu)) > 0
     if family == "gluon":

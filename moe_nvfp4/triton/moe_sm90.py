@@ -181,7 +181,7 @@ def _tile_sums_and_store(
 ):
     """One tile's K steps and its epilogue (sm90_common.Epilogue), with the token side WIDTH rows wide (the tile's
     first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
-    GATE_UP: tl.constexpr = GATED and epilogue[1] != "relu2"  # GEMM1 with up rows
+    GATE_UP: tl.constexpr = epilogue[5]  # GEMM1 with up rows (sm90_common.Epilogue)
     a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k = args
     n_tile, expert, row0, row_end, chunks = tile
     w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
@@ -295,7 +295,7 @@ def _moe_gemm_kernel(
     slot = tl.arange(0, 2 * BLOCK_N)
     pair = tl.arange(0, BLOCK_N // 2)
     args = (a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k)
-    GATE_UP: tl.constexpr = GATED and epilogue[1] != "relu2"
+    GATE_UP: tl.constexpr = epilogue[5]
     for mn in range(pid, num_m_tiles * num_n_tiles, tl.num_programs(0)):
         m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
 
@@ -491,8 +491,8 @@ def fused_moe_sm90(
     gather = 1 if apply_router_weight_on_input else top_k  # GEMM1's A row of pair p: p // gather
     if apply_router_weight_on_input:  # one row per pair, as vLLM rounds it: a1 * topk_weights.to(a1.dtype)
         x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(t * top_k, hidden)
-    epilogue1 = Epilogue.of(w13_bias, activation.name, activation.alpha, activation.limit, False)
-    epilogue2 = Epilogue.of(w2_bias, None, None, None, not apply_router_weight_on_input)
+    epilogue1 = Epilogue.of(w13_bias, activation, False)
+    epilogue2 = Epilogue.of(w2_bias, None, not apply_router_weight_on_input)
     ws_ok = _gluon_rows_ok(x, intermediate)
     if x.is_cuda and not ws_ok and config.block_m < 16:
         # 8-token tiles are valid only where both GEMMs are Gluon (MoEKernelConfig.is_valid): the Triton GEMM takes
@@ -580,8 +580,8 @@ def fused_moe_batched_sm90(
     routing = GemmRouting((sorted_rows, *tiles), stand_in, stand_in.view(torch.float32), None, False)
     sms = sm_count(x.device, off_gpu=2)
     act = torch.empty(e * m, intermediate, dtype=x.dtype, device=x.device)
-    epilogue1 = Epilogue.of(w13_bias, activation.name, activation.alpha, activation.limit, False)
-    epilogue2 = Epilogue.of(w2_bias, None, None, None, False)
+    epilogue1 = Epilogue.of(w13_bias, activation, False)
+    epilogue2 = Epilogue.of(w2_bias, None, False)
     launch1 = launch_gemm_ws if config.gemm1.warp_specialized and ws_ok else launch_gemm
     launch1(
         x_rows,

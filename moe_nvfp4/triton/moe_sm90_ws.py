@@ -698,7 +698,7 @@ def _moe_gemm_ws_kernel(
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     # weight matrices per expert: gate and up, or one (GEMM2; GEMM1 with a non-gated activation)
-    HALVES: gl.constexpr = 2 if GATED and epilogue[1] != "relu2" else 1
+    HALVES: gl.constexpr = 2 if epilogue[5] else 1  # gate and up matrices (sm90_common.Epilogue.GATE_UP)
     a_smem = gl.allocate_shared_memory(
         DTYPE,
         [STAGES * CHUNKS, BLOCK_M, 128],

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..expert_activation import ExpertActivation
 from ..layouts import FragmentLayout
 
 __all__ = [
@@ -61,28 +62,25 @@ class Epilogue(NamedTuple):
     it by position (EPILOGUE[i]; a tuple argument's field names do not reach the compiled kernel).
 
     bias: float32 [E, N] added to each row after the global scales (GEMM1: [E, 2I] gate then up, or [E, I]; GEMM2:
-    [E, H]), or None.  ACTIVATION: GEMM1's expert_activation name ("silu", "swiglu_oai", "relu2": GEMM1 has no up
-    rows), None for GEMM2; ALPHA, LIMIT: swiglu_oai's.  ROUTER_WEIGHT: GEMM2 multiplies each pair's row by its
-    routing weight (False where the weight scaled GEMM1's input)."""
+    [E, H]), or None.  ACTIVATION: GEMM1's expert_activation name ("silu", "swiglu_oai", "relu2"), None for GEMM2;
+    ALPHA, LIMIT: swiglu_oai's.  ROUTER_WEIGHT: GEMM2 multiplies each pair's row by its routing weight (False where
+    the weight scaled GEMM1's input).  GATE_UP: the weights hold gate rows then up rows (GEMM1 of a gated
+    activation, ExpertActivation.gated), else one matrix of N rows."""
 
     bias: torch.Tensor | None
     ACTIVATION: tl.constexpr
     ALPHA: tl.constexpr
     LIMIT: tl.constexpr
     ROUTER_WEIGHT: tl.constexpr
+    GATE_UP: tl.constexpr
 
     @classmethod
-    def of(
-        cls,
-        bias: torch.Tensor | None,
-        activation: str | None,
-        alpha: float | None,
-        limit: float | None,
-        router_weight: bool,
-    ) -> "Epilogue":
-        """The launch argument, each field but the bias a tl.constexpr: in a tuple argument a plain bool or float
-        would be a run-time value (and a str no value at all)."""
-        return cls(bias, *map(tl.constexpr, (activation, alpha, limit, router_weight)))
+    def of(cls, bias: torch.Tensor | None, activation: ExpertActivation | None, router_weight: bool) -> "Epilogue":
+        """The launch argument of GEMM1 (its ``activation``) or GEMM2 (None), each field but the bias a
+        tl.constexpr: in a tuple argument a plain bool or float would be a run-time value (and a str no value)."""
+        fields = (None, None, None) if activation is None else (activation.name, activation.alpha, activation.limit)
+        gate_up = activation is not None and activation.gated
+        return cls(bias, *map(tl.constexpr, (*fields, router_weight, gate_up)))
 
 
 @triton.jit
