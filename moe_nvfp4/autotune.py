@@ -168,13 +168,7 @@ class BucketResult:
 
     def entry(self, shape: LayerShape) -> dict:
         return dict(
-            experts=shape.experts,
-            global_experts=shape.global_experts,
-            top_k=shape.top_k,
-            hidden=shape.hidden,
-            intermediate=shape.intermediate,
-            dtype=shape.dtype,
-            gated=shape.gated,
+            **asdict(shape),
             max_tokens=self.tokens,
             config=self.config.to_dict(),
             time_us=None if self.us is None else round(self.us, 2),
@@ -262,13 +256,7 @@ def cache_key(shape: LayerShape, device: DeviceTraits) -> dict:
         device=device.name,
         capability=list(device.capability),
         sm_count=device.sm_count,
-        experts=shape.experts,
-        global_experts=shape.global_experts,
-        top_k=shape.top_k,
-        hidden=shape.hidden,
-        intermediate=shape.intermediate,
-        dtype=shape.dtype,
-        gated=shape.gated,
+        **asdict(shape),  # every LayerShape field
     )
 
 
