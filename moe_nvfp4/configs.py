@@ -466,17 +466,21 @@ def _routed_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEK
     (k1, k2), gated = shape.padded_k, shape.gated
     block_m = _first(TILE_BY_ROWS, rows, 128)
     narrow = {8: 0, 16: 1, 32: 1, 64: _first(NARROW_64_BY_ROWS, rows, 0), 128: 0}[block_m]
+    i, h = shape.intermediate, shape.hidden
     if block_m == 8:
-        gemm1 = fit_gemm(_decode_preset(shape, tokens, shape.intermediate, device), k1, 8, gated, loader_warps=2)
-        gemm2_preset = _decode_preset(shape, tokens, shape.hidden, device)
-        gemm2 = fit_gemm(gemm2_preset, k2, 8, False, loader_warps=2, block_n=DECODE_GEMM2_BLOCK_N)
+        gemm1 = fit_gemm(_decode_preset(shape, tokens, i, device), k1, 8, gated, loader_warps=2)
+        gemm2_preset = dict(_decode_preset(shape, tokens, h, device), block_n=DECODE_GEMM2_BLOCK_N)
+        gemm2 = fit_gemm(_fill_the_sms(gemm2_preset, shape, tokens, h, 8, device), k2, 8, False, loader_warps=2)
     elif block_m == 16:
-        gemm1 = fit_gemm(WS_DECODE_WIDE, k1, block_m, gated, narrow_tiles=narrow, loader_warps=4)
-        gemm2 = fit_gemm(WS_DECODE_WIDE, k2, block_m, False, narrow_tiles=narrow, loader_warps=4)
+        wide1, wide2 = (_fill_the_sms(WS_DECODE_WIDE, shape, tokens, n, 16, device) for n in (i, h))
+        gemm1 = fit_gemm(wide1, k1, block_m, gated, narrow_tiles=narrow, loader_warps=4)
+        gemm2 = fit_gemm(wide2, k2, block_m, False, narrow_tiles=narrow, loader_warps=4)
     elif block_m <= 64:
         gemm1 = fit_gemm(WS_TWO_GROUPS, k1, block_m, gated, narrow_tiles=narrow)
         if block_m == 32:
-            gemm2 = fit_gemm(WS_ONE_GROUP, k2, block_m, False, narrow_tiles=narrow)
+            gemm2 = fit_gemm(
+                _fill_the_sms(WS_ONE_GROUP, shape, tokens, h, 32, device), k2, 32, False, narrow_tiles=narrow
+            )
         elif rows <= SHORT_K_ROWS or shape.intermediate >= SHORT_K2:
             gemm2 = fit_gemm(WS_TWO_GROUPS, k2, block_m, False, narrow_tiles=narrow)
         else:
@@ -487,6 +491,14 @@ def _routed_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEK
         gemm2_preset = dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL
         gemm2 = fit_gemm(gemm2_preset, k2, block_m, False)
     return MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=shape.top_k > 2 or rows > PARTIALS_IN_X_ROWS)
+
+
+def _fill_the_sms(preset: dict, shape: LayerShape, tokens: int, n: int, block_m: int, device: DeviceTraits) -> dict:
+    """64-row weight tiles for a GEMM of one MMA warp group whose expected 128-row tiles (N = ``n``) cannot fill the
+    SMs: twice the tiles, so twice the SMs stream the weights, as on expert-parallel ranks of one or two experts.
+    GEMMs of two MMA warp groups keep 128 rows (their one-group 64-row form was slower; design 004 decision 11)."""
+    few = shape.decode_tiles(tokens, n, block_m, 128) < device.sm_count
+    return dict(preset, block_n=64) if few and preset["block_n"] == 128 and preset["num_warps"] == 4 else preset
 
 
 def _decode_preset(shape: LayerShape, tokens: int, n: int, device: DeviceTraits) -> dict:
@@ -500,8 +512,11 @@ def default_bounds(shape: LayerShape, device: DeviceTraits) -> list[int]:
     """The token counts after which ``default_config`` may change for ``shape`` on ``device``: each count with
     pair tiles (their tiles follow the pairs), the last T under each bound on rows it compares
     (DEFAULT_ROW_BOUNDS), and the last T under each SM-count bound on 8-token tiles (_decode_preset)."""
+    # 8-token tiles' deep ring (64-row tiles), and _fill_the_sms' 128-row tiles at each token tile it decides
     under_sms = [
-        lambda t, n=n: shape.decode_tiles(t, n, 8, 64) < device.sm_count for n in (shape.intermediate, shape.hidden)
+        lambda t, n=n, m=m, rows=rows: shape.decode_tiles(t, n, m, rows) < device.sm_count
+        for n in (shape.intermediate, shape.hidden)
+        for m, rows in ((8, 64), (8, 128), (16, 128), (32, 128))
     ]
     return sorted(
         set(range(1, PAIR_TILE_TOKENS + 1))

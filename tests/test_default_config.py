@@ -221,6 +221,29 @@ def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
     assert not deep(g1) and deep(g2)
 
 
+def test_one_group_gemms_whose_128_row_tiles_cannot_fill_the_sms_take_64_rows() -> None:
+    """configs._fill_the_sms: a 4-warp GEMM whose expected 128-row tiles are fewer than the SMs takes 64-row tiles;
+    one whose tiles fill them, and the 8-warp presets, keep 128 (design 004 decision 11)."""
+    mixtral_ep8, dbrx_ep8, mixtral = (layer(zoo_shape(k)) for k in ("mixtral-8x22b-ep8", "dbrx-ep8", "mixtral-8x7b"))
+
+    def cfg(s: LayerShape, t: int, sm: int = 132) -> MoEKernelConfig:
+        device = DeviceTraits("x", (9, 0), sm)
+        return default_config(
+            t, s.experts, s.top_k, s.hidden, s.intermediate, global_experts=s.global_experts, device=device
+        )
+
+    # one local expert of 8 at T=32: 16-token tiles, 128 tiles of I and 48 of H at 128 rows
+    assert mixtral_ep8.decode_tiles(32, mixtral_ep8.intermediate, 16, 128) < 132
+    c = cfg(mixtral_ep8, 32)
+    assert c.block_m == 16 and (c.gemm1.block_n, c.gemm2.block_n) == (64, 64)
+    assert (cfg(mixtral_ep8, 32, sm=100).gemm1.block_n, cfg(mixtral_ep8, 32, sm=100).gemm2.block_n) == (128, 64)
+    c = cfg(dbrx_ep8, 8)  # 8-token tiles: GEMM2 (DECODE_GEMM2_BLOCK_N) at 64 rows; GEMM1's decode preset is 64
+    assert c.block_m == 8 and (c.gemm1.block_n, c.gemm2.block_n) == (64, 64)
+    c = cfg(dbrx_ep8, 128)  # 64-token tiles: two MMA warp groups, 128 rows whatever the tile count
+    assert c.block_m == 64 and c.gemm2.num_warps == 8 and c.gemm2.block_n == 128
+    assert cfg(mixtral, 16).gemm2.block_n == configs.DECODE_GEMM2_BLOCK_N  # 8 experts x 32 tiles of H: filled
+
+
 def test_rings_shrink_to_whole_chunks_and_shared_memory() -> None:
     """A GEMM whose K chunks do not divide by the preset's chunks per stage keeps the ring's depth in single chunks."""
     cfg = default_config(16, 8, 2, 16 * 8 * 3, 1408)  # K = 384 (3 chunks) and 1408 (11 chunks)
