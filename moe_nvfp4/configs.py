@@ -146,8 +146,8 @@ class GemmConfig:
 
     def ws_shared_bytes(self, gated: bool, block_m: int) -> int:
         """Shared memory of the warp-specialized kernel: its ring (per stage and chunk, the token rows (16-bit)
-        and each matrix's (GATED: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit), and
-        the float32 sums MMA group 1 hands to group 0 (a gate and an up tile when GATED)."""
+        and each matrix's (``gated``: gate and up) 4 KiB of values and 512 bytes of scales per 64-row unit), and
+        the float32 sums MMA group 1 hands to group 0 (a gate and an up tile when ``gated``)."""
         fragments = FragmentLayout()
         halves = 2 if gated else 1
         unit_bytes = fragments.block_bytes + fragments.scale_block_bytes

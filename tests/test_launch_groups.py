@@ -274,7 +274,7 @@ def test_cases_cover_every_kernel_family(monkeypatch: pytest.MonkeyPatch) -> Non
         for c in calls:
             kw = c["kwargs"]
             if c["kernel"] in ("_moe_gemm_kernel", "_moe_gemm_ws_kernel"):
-                seen.add((c["kernel"], kw["GATED"]))
+                seen.add((c["kernel"], kw["IS_GEMM1"]))
             if c["kernel"] == "_moe_gemm_ws_kernel" and kw["PAIR_TILES"] == "bool True":
                 seen.add(("pair tiles", kw["HAS_MAP"]))
             seen.add(c["kernel"])

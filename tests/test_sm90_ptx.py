@@ -42,7 +42,7 @@ GEMM_SIGNATURE = dict(
 # in the kernel's argument order
 GEMM1_CONSTEXPRS = dict(
     TOP_K=2,
-    GATED=True,
+    IS_GEMM1=True,
     BLOCK_N=64,
     BLOCK_M=16,
     BLOCK_K=128,
@@ -93,7 +93,7 @@ KERNELS = {
         4,
     ),
     "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
-    "gemm2": (K._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"), dict(GEMM1_CONSTEXPRS, GATED=False), 4),
+    "gemm2": (K._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"), dict(GEMM1_CONSTEXPRS, IS_GEMM1=False), 4),
     "combine": (
         K._combine_kernel,
         dict(
@@ -165,7 +165,7 @@ def _compile(
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     paths = {}
     if "epilogue" in signature:
-        fields = DEFAULT_EPILOGUE[constexprs["GATED"]] if epilogue is None else epilogue
+        fields = DEFAULT_EPILOGUE[constexprs["IS_GEMM1"]] if epilogue is None else epilogue
         epilogue_sig, paths = _epilogue(kernel, fields)
         signature = dict(signature, epilogue=epilogue_sig)
     attrs = _divisibility(signature) if aligned else None
@@ -296,7 +296,7 @@ def _compile_ws(
     assert gemm.is_valid(1024) and block_m >> narrow >= 8
     constexprs = dict(
         TOP_K=2,
-        GATED=gated,
+        IS_GEMM1=gated,
         BLOCK_N=block_n,
         BLOCK_M=block_m,
         STAGES=stages,

@@ -52,8 +52,10 @@ def digests(root: Path) -> dict[str, list[str]]:
 
     assert Path(moe_nvfp4.__file__).resolve().is_relative_to(root.resolve()), moe_nvfp4.__file__
     gemm = T.KERNELS["gemm1"]
-    T.KERNELS["gemm2"] = (gemm[0], dict(T.GEMM_SIGNATURE, out_ptr="*fp32"), dict(gemm[2], GATED=False), 4)
-    T.KERNELS["gemm2 x dtype"] = (gemm[0], T.GEMM_SIGNATURE, dict(gemm[2], GATED=False), 4)
+    first = "IS_GEMM1" if "IS_GEMM1" in gemm[2] else "GATED"  # the constexpr's name in trees before 2026-11-28
+    gemm2 = dict(gemm[2], **{first: False})
+    T.KERNELS["gemm2"] = (gemm[0], dict(T.GEMM_SIGNATURE, out_ptr="*fp32"), gemm2, 4)
+    T.KERNELS["gemm2 x dtype"] = (gemm[0], T.GEMM_SIGNATURE, gemm2, 4)
 
     def digest(asm: dict) -> list[str]:
         return [hashlib.sha256(text.encode()).hexdigest()[:16] for text in (T._sass(asm["cubin"]), _code(asm["ptx"]))]

@@ -170,7 +170,7 @@ def _tile_sums_and_store(
     weights,
     epilogue,
     TOP_K: tl.constexpr,
-    GATED: tl.constexpr,
+    IS_GEMM1: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -188,7 +188,7 @@ def _tile_sums_and_store(
     rows = row0 + tl.arange(0, WIDTH)
     row_ok = rows < row_end
     pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
-    if GATED:
+    if IS_GEMM1:
         a_rows = pair_id // TOP_K
     else:
         a_rows = tl.where(row_ok, rows, row0)
@@ -218,7 +218,7 @@ def _tile_sums_and_store(
             up += tl.load(bias_row + n_out, mask=n_ok, other=0.0)[:, None]
         out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
         tl.store(out_ptrs, _activation(gate, up, epilogue, USE_ASM).to(DTYPE), mask=store_mask)
-    elif GATED:  # GEMM1 without up rows
+    elif IS_GEMM1:  # GEMM1 without up rows
         h = acc * (tl.load(gs_ptr + expert) * fix)
         if bias_ptr is not None:
             h += tl.load(bias_row, mask=n_ok, other=0.0)[:, None]
@@ -258,7 +258,7 @@ def _moe_gemm_kernel(
     kp,
     epilogue,
     TOP_K: tl.constexpr,
-    GATED: tl.constexpr,
+    IS_GEMM1: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -274,7 +274,7 @@ def _moe_gemm_kernel(
 
     The tile map comes from _route_kernel's buffers.
 
-    GATED (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up), or n_out
+    IS_GEMM1 (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up), or n_out
     with a non-gated activation; the epilogue writes act(gs_g * gate + b_g, gs_u * up + b_u) to out[row, n] in
     sorted-row order (``epilogue``: sm90_common.Epilogue, the activation SiLU(gate) * up by default).
     Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes topk_weight * (gs * acc + b) (no weight
@@ -320,7 +320,7 @@ def _moe_gemm_kernel(
                 weights,
                 epilogue,
                 TOP_K,
-                GATED,
+                IS_GEMM1,
                 BLOCK_N,
                 BLOCK_M // 4,
                 BLOCK_K,
@@ -336,7 +336,7 @@ def _moe_gemm_kernel(
                 weights,
                 epilogue,
                 TOP_K,
-                GATED,
+                IS_GEMM1,
                 BLOCK_N,
                 BLOCK_M // 2,
                 BLOCK_K,
@@ -352,7 +352,7 @@ def _moe_gemm_kernel(
                 weights,
                 epilogue,
                 TOP_K,
-                GATED,
+                IS_GEMM1,
                 BLOCK_N,
                 BLOCK_M,
                 BLOCK_K,
@@ -385,17 +385,17 @@ def launch_gemm(
     config: MoEKernelConfig,
     epilogue: Epilogue,
     *,
-    gated: bool,
+    is_gemm1: bool,
     top_k: int,
     sms: int,
 ) -> None:
-    """One launch of _moe_gemm_kernel: GEMM1 when ``gated`` (config.gemm1's tiles), out[row] = act(a[pair // top_k]
+    """One launch of _moe_gemm_kernel: GEMM1 when ``is_gemm1`` (config.gemm1's tiles), out[row] = act(a[pair // top_k]
     @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = routing weight *
     (a[row] @ W^T).  a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing
     kernel's tile map is read (``routing.pair_tiles`` is the Gluon GEMMs' alone)."""
-    gemm = config.gemm1 if gated else config.gemm2
+    gemm = config.gemm1 if is_gemm1 else config.gemm2
     k, kp = a.shape[1], weights.packed.shape[-1] * 2
-    topk_weights = routing.topk_weights if gated else routing.topk_weights.reshape(-1)  # GEMM1 reads none
+    topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     _moe_gemm_kernel[(sms * gemm.programs_per_sm,)](
         a,
         a.stride(0),
@@ -411,7 +411,7 @@ def launch_gemm(
         kp,
         epilogue,
         TOP_K=top_k,
-        GATED=gated,
+        IS_GEMM1=is_gemm1,
         BLOCK_N=gemm.block_n,
         BLOCK_M=config.block_m,
         BLOCK_K=128,
@@ -511,7 +511,7 @@ def fused_moe_sm90(
         routing,
         config,
         epilogue1,
-        gated=True,
+        is_gemm1=True,
         top_k=gather,
         sms=sms,
     )
@@ -525,7 +525,7 @@ def fused_moe_sm90(
         routing,
         config,
         epilogue2,
-        gated=False,
+        is_gemm1=False,
         top_k=top_k,
         sms=sms,
     )
@@ -590,7 +590,7 @@ def fused_moe_batched_sm90(
         routing,
         config,
         epilogue1,
-        gated=True,
+        is_gemm1=True,
         top_k=1,
         sms=sms,
     )
@@ -602,7 +602,7 @@ def fused_moe_batched_sm90(
         routing,
         config,
         epilogue2,
-        gated=False,
+        is_gemm1=False,
         top_k=1,
         sms=sms,
     )

@@ -176,7 +176,7 @@ def _tile_steps(kp, CHUNKS: gl.constexpr, K_GROUPS: gl.constexpr):
 def _loader(
     args,
     TOP_K: gl.constexpr,
-    GATED: gl.constexpr,
+    IS_GEMM1: gl.constexpr,
     HALVES: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -197,7 +197,7 @@ def _loader(
     matrices = HALVES * n_units
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     early = steps * 0  # stages of the first tile whose weights were issued before the previous kernel ended
-    if not GATED:
+    if not IS_GEMM1:
         # GEMM2 reads only its token rows from GEMM1: its first tile's weights stream in while GEMM1 still runs
         # (the tile map is the routing kernel's, which ended before GEMM1 let this kernel launch; topk_ids, read
         # with PAIR_TILES, come from a kernel before GEMM1 too)
@@ -228,7 +228,7 @@ def _loader(
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES, HAS_MAP)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_L))
         row_ok = rows < row_end
-        if GATED:
+        if IS_GEMM1:
             a_rows = _pair_ids(tile_map, rows, row_ok, PAIR_TILES) // TOP_K
         else:
             a_rows = gl.where(row_ok, rows, row0)
@@ -295,7 +295,7 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
 def _consumer(
     shared,
     epilogue,
-    GATED: gl.constexpr,
+    IS_GEMM1: gl.constexpr,
     HALVES: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -340,7 +340,7 @@ def _consumer(
     steps, slots = _tile_steps(kp, CHUNKS, K_GROUPS)
     # the epilogue's loads as a tile starts, but GEMM1's in narrow-2 builds: held through their three K loops, its
     # global scales made the 8-warp one spill
-    EARLY: gl.constexpr = NARROW < 2 or not GATED
+    EARLY: gl.constexpr = NARROW < 2 or not IS_GEMM1
     tiles_done = 0
     for mn in range(pid, num_m_tiles * num_n_tiles, gl.num_programs(0)):
         n_tile, expert, row0, row_end = _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES, HAS_MAP)
@@ -353,7 +353,7 @@ def _consumer(
                     shared,
                     tile,
                     epilogue,
-                    GATED,
+                    IS_GEMM1,
                     HALVES,
                     BLOCK_N,
                     BLOCK_M >> NARROW,
@@ -371,7 +371,7 @@ def _consumer(
                 shared,
                 tile,
                 epilogue,
-                GATED,
+                IS_GEMM1,
                 HALVES,
                 BLOCK_N,
                 BLOCK_M // 4,
@@ -389,7 +389,7 @@ def _consumer(
                 shared,
                 tile,
                 epilogue,
-                GATED,
+                IS_GEMM1,
                 HALVES,
                 BLOCK_N,
                 BLOCK_M // 2,
@@ -407,7 +407,7 @@ def _consumer(
                 shared,
                 tile,
                 epilogue,
-                GATED,
+                IS_GEMM1,
                 HALVES,
                 BLOCK_N,
                 BLOCK_M,
@@ -428,7 +428,7 @@ def _tile_sums(
     shared,
     tile,
     epilogue,
-    GATED: gl.constexpr,
+    IS_GEMM1: gl.constexpr,
     HALVES: gl.constexpr,
     BLOCK_N: gl.constexpr,
     WIDTH: gl.constexpr,
@@ -476,7 +476,9 @@ def _tile_sums(
     acc = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     acc_up = gl.zeros([BLOCK_N, WIDTH], gl.float32, MMA_L)
     if GROUP == 0 and EARLY:
-        operands = _epilogue_operands(expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L, PAIR_TILES)
+        operands = _epilogue_operands(
+            expert, row0, row_end, gs_ptr, tile_map, IS_GEMM1, HALVES, WIDTH, MMA_L, PAIR_TILES
+        )
     # Group g takes steps g, g + K_GROUPS, ... of every tile (the loader pads each tile's steps to a multiple of
     # K_GROUPS), so group 0 adding the others' sums in group order adds them in step order wherever the tile
     # falls in the program's run: where a row's tile lands (the routing's atomics order an expert's rows
@@ -534,7 +536,7 @@ def _tile_sums(
             mbarrier.arrive(sums_free.index(g))
         if not EARLY:
             operands = _epilogue_operands(
-                expert, row0, row_end, gs_ptr, tile_map, GATED, HALVES, WIDTH, MMA_L, PAIR_TILES
+                expert, row0, row_end, gs_ptr, tile_map, IS_GEMM1, HALVES, WIDTH, MMA_L, PAIR_TILES
             )
         _epilogue(
             acc,
@@ -549,7 +551,7 @@ def _tile_sums(
             topk_weights_ptr,
             n_out,
             epilogue,
-            GATED,
+            IS_GEMM1,
             HALVES,
             BLOCK_N,
             WIDTH,
@@ -565,7 +567,7 @@ def _epilogue_operands(
     row_end,
     gs_ptr,
     tile_map,
-    GATED: gl.constexpr,
+    IS_GEMM1: gl.constexpr,
     HALVES: gl.constexpr,
     WIDTH: gl.constexpr,
     MMA_L: gl.constexpr,
@@ -577,7 +579,7 @@ def _epilogue_operands(
     starts (_tile_sums' EARLY)."""
     if HALVES == 2:
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
-    elif GATED:  # the scale twice: the operands keep one shape
+    elif IS_GEMM1:  # the scale twice: the operands keep one shape
         scale = gl.load(gs_ptr + expert)
         return scale, scale
     else:
@@ -599,7 +601,7 @@ def _epilogue(
     topk_weights_ptr,
     n_out,
     epilogue,
-    GATED: gl.constexpr,
+    IS_GEMM1: gl.constexpr,
     HALVES: gl.constexpr,
     BLOCK_N: gl.constexpr,
     WIDTH: gl.constexpr,
@@ -628,7 +630,7 @@ def _epilogue(
             up += gl.load(bias_row + n_out, mask=n_ok, other=0.0)[:, None]
         y = _activation(gate, up, epilogue, True)
         gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
-    elif GATED:  # GEMM1 without up rows
+    elif IS_GEMM1:  # GEMM1 without up rows
         scale, _ = operands
         h = acc * (scale * FIX)
         if bias_ptr is not None:
@@ -680,7 +682,7 @@ def _moe_gemm_ws_kernel(
     kp,
     epilogue,
     TOP_K: gl.constexpr,
-    GATED: gl.constexpr,
+    IS_GEMM1: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
@@ -767,7 +769,7 @@ def _moe_gemm_ws_kernel(
                     (
                         shared,
                         epilogue,
-                        GATED,
+                        IS_GEMM1,
                         HALVES,
                         BLOCK_N,
                         BLOCK_M,
@@ -788,7 +790,7 @@ def _moe_gemm_ws_kernel(
                     (
                         loader,
                         TOP_K,
-                        GATED,
+                        IS_GEMM1,
                         HALVES,
                         BLOCK_N,
                         BLOCK_M,
@@ -813,7 +815,7 @@ def _moe_gemm_ws_kernel(
                     (
                         shared,
                         epilogue,
-                        GATED,
+                        IS_GEMM1,
                         HALVES,
                         BLOCK_N,
                         BLOCK_M,
@@ -834,7 +836,7 @@ def _moe_gemm_ws_kernel(
                     (
                         shared,
                         epilogue,
-                        GATED,
+                        IS_GEMM1,
                         HALVES,
                         BLOCK_N,
                         BLOCK_M,
@@ -855,7 +857,7 @@ def _moe_gemm_ws_kernel(
                     (
                         loader,
                         TOP_K,
-                        GATED,
+                        IS_GEMM1,
                         HALVES,
                         BLOCK_N,
                         BLOCK_M,
@@ -918,22 +920,22 @@ def launch_gemm_ws(
     config: MoEKernelConfig,
     epilogue: Epilogue,
     *,
-    gated: bool,
+    is_gemm1: bool,
     top_k: int,
     sms: int,
 ) -> None:
-    """One warp-specialized GEMM launch, moe_sm90.launch_gemm's contract: GEMM1 when ``gated`` (config.gemm1's
+    """One warp-specialized GEMM launch, moe_sm90.launch_gemm's contract: GEMM1 when ``is_gemm1`` (config.gemm1's
     tiles), out[row] = act(a[pair // top_k] @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's),
     out[pair] = routing weight * (a[row] @ W^T).  a [rows, K] and out [rows, N] in 16-byte aligned rows; ``sms``
     programs per GemmConfig.programs_per_sm.  With ``routing.pair_tiles`` the tile map goes unread and no routing
     kernel needs to run.  A pair routed nowhere (routing.routed_pairs) is skipped: its output row is not written."""
-    gemm = config.gemm1 if gated else config.gemm2
+    gemm = config.gemm1 if is_gemm1 else config.gemm2
     kp = weights.packed.shape[-1] * 2
     w_desc, s_desc = _descriptors(weights.packed, weights.scale, kp, gemm.block_n // 64, gemm.chunks_per_stage)
     num_experts = weights.packed.shape[0]
     ids, expert_map = routing.topk_ids, routing.expert_map
     has_map = routing.pair_tiles and expert_map is not None  # routed tiles hold local experts already
-    topk_weights = routing.topk_weights if gated else routing.topk_weights.reshape(-1)  # GEMM1 reads none
+    topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     pdl = sm90_common._dependent_launch(a.device)["PDL"]
     _moe_gemm_ws_kernel[(sms * gemm.programs_per_sm,)](
         a,
@@ -955,7 +957,7 @@ def launch_gemm_ws(
         kp,
         epilogue,
         TOP_K=top_k,
-        GATED=gated,
+        IS_GEMM1=is_gemm1,
         BLOCK_N=gemm.block_n,
         BLOCK_M=config.block_m,
         STAGES=gemm.num_stages,
