@@ -18,7 +18,7 @@ those through configs one value away (with --climb: from the config the file ser
 or else the neighbouring entry select_config picks, or the default heuristic for a shape the file lacks, alone; the
 on/off switches are tried first).  --sweep times, from that start, every tile shape x programs per SM x register
 cap of GEMM1, then of GEMM2 (the other GEMM held at the best so far), before the climb; --sweep-ws each GEMM as the
-warp-specialized kernel (moe_sm90_ws) in every tile shape x ring (K chunks per stage x stages) x register cap x
+warp-specialized kernel (sm90.gemm_gluon) in every tile shape x ring (K chunks per stage x stages) x register cap x
 token tile; --sweep-groups each GEMM warp-specialized with two MMA warp groups sharing every tile
 (GemmConfig.k_groups) x ring; --sweep-loader each GEMM in every narrow_tiles (x loader_warps where
 warp-specialized).  Each candidate is checked against the torch reference first, then timed as bench_moe.py times
@@ -48,22 +48,12 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
-from moe_nvfp4.configs import (  # noqa: E402
-    CONFIG_VERSION,
-    KERNEL_NAME,
-    PAIR_TILE_TOKENS,
-    GemmConfig,
-    LayerShape,
-    MoEKernelConfig,
-    config_path,
-    default_config,
-    device_traits,
-    entry_shape,
-    load_config_file,
-    serving_entry,
-)
 from moe_nvfp4.layouts import FragmentLayout  # noqa: E402
-from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90  # noqa: E402
+from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
+from moe_nvfp4.sm90.configs import CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90.default_config import PAIR_TILE_TOKENS, default_config
+from moe_nvfp4.sm90.host import fused_moe_sm90  # noqa: E402
+from moe_nvfp4.sm90.tuned_configs import config_path, entry_shape, load_config_file, serving_entry
 from moe_nvfp4.zoo import zoo_shapes  # noqa: E402
 
 # The zoo's shapes without expert parallelism (the tuner routes over the layer's own experts) and with gated experts
@@ -382,7 +372,7 @@ def _compile_worker(job: tuple) -> None:
 
 
 def entry_key(entry: dict) -> tuple:
-    """What a tuned entry is for: shape (configs.LayerShape.entry_key) and token bound."""
+    """What a tuned entry is for: shape (shapes.LayerShape.entry_key) and token bound."""
     return *entry_shape(entry).entry_key, entry["max_tokens"]
 
 

@@ -12,21 +12,20 @@ checked before any kernel launches.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from .activations import _check_global_scale, quantize_activations
+from . import backends
 from .checkpoint import validate_nvfp4
 from .dispatch import select_backends
 from .expert_activation import RELU2, SILU, SWIGLU_OAI, ExpertActivation
 from .formats import NVFP4, NVFP4Tensor, ScaleLayout, input_scale_or_nan
 from .layouts import padded_scale_shape, rows_16_aligned
 from .weight_layouts import MoELayout, weight_layout
-from .weights import LAYOUT, MoEWeights
+from .weights import MoEWeights
 
 if TYPE_CHECKING:
     from .cute.host import GroupedW4A4Sm100Plan
@@ -149,35 +148,19 @@ def prepare_moe_weights(
         raise TypeError(f"activation must be an ExpertActivation (expert_activation.SILU, ...), got {activation!r}")
     w13, w2 = _validated(w13, w2, activation.gated)
     e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
-    tensors = LAYOUT.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=_block_packer(device))
+    backend = select_backends(device).moe_w4a16  # the weights are packed once, for the kernels of their device
+    layout = weight_layout(backend.w4a16_layout)
+    pack_block = backend.entry("pack_block")(device, layout.fragments) if "pack_block" in backend.entries else None
+    tensors = layout.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=pack_block)
     return MoEWeights(
         *tensors,
         hidden=h,
         intermediate=w2.k,
+        layout=layout,
         activation=activation,
         w13_bias=_bias(w13_bias, "w13_bias", (e, w13.n), device),
         w2_bias=_bias(w2_bias, "w2_bias", (e, h), device),
     )
-
-
-def _block_packer(device: torch.device):
-    """The Triton packing kernel on a GPU (triton/fragment_pack.py), for LAYOUT's fragments; None on the CPU, where
-    LAYOUT.pack runs its torch twin, and on a GPU where the kernel fails its known-answer check (slower loading
-    with more memory, the same weights)."""
-    if device.type != "cuda":
-        return None
-    from .triton import fragment_pack  # triton is an optional dependency
-
-    if not fragment_pack.agrees_with_twin(device, LAYOUT.fragments):
-        version = fragment_pack.triton.__version__
-        warnings.warn(
-            f"moe_nvfp4: the packing kernel gives other bytes than its torch twin on {device} (Triton "
-            f"{version}); packing with the twin instead. Please report this.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return functools.partial(fragment_pack.pack_fragment_block, layout=LAYOUT.fragments)
 
 
 def _packed(w13: NVFP4Tensor, w2: NVFP4Tensor, layout: MoELayout) -> MoEWeights:
@@ -231,6 +214,15 @@ def _check_inputs(
         )
 
 
+def _check_w4a16_layout(weights: MoEWeights, op: str, remedy: str) -> None:
+    """One weights type for every backend: the layout says which kernels read it, and only a layout some
+    ``moe_w4a16`` backend reads (``Backend.w4a16_layout``) reaches one (a check of registry data, not of the device:
+    no lookup in the forward that torch.compile traces)."""
+    wanted = sorted({b.w4a16_layout for b in backends.REGISTRY if b.w4a16_layout})
+    if weights.layout.name not in wanted:
+        raise ValueError(f"weights are in the {weights.layout.name} layout; {op} reads {' or '.join(wanted)}: {remedy}")
+
+
 def _kernel_inputs(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> tuple[torch.Tensor, ...]:
@@ -274,13 +266,9 @@ def fused_moe(
     local experts contribute.  A pair whose id is outside [0, E_global) (E_global = E without a map) or whose
     map entry is outside [0, E) contributes nothing (``routing.routed_pairs``).  No host synchronisation:
     capturable in a CUDA graph.  On CUDA this runs the Triton kernels (one launch per GEMM over all
-    experts); on CPU the torch reference.
+    experts); on CPU the torch reference.  The kernels are the device's ``moe_w4a16`` backend's (backends.py).
     """
-    if weights.layout.name != LAYOUT.name:  # one weights type for every backend: the layout says which kernels read it
-        raise ValueError(
-            f"weights are in the {weights.layout.name} layout (prepare_moe_weights_w4a4); fused_moe "
-            f"reads {LAYOUT.name}: run fused_moe_w4a4, or pack with prepare_moe_weights"
-        )
+    _check_w4a16_layout(weights, "fused_moe", "run fused_moe_w4a4, or pack with prepare_moe_weights")
     _check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids, expert_map)
     from .ops import fused_moe_op
 
@@ -319,14 +307,10 @@ def fused_moe_batched(
     Counts are read on the device, clamped to [0, M]: no host synchronisation, so the forward captures in a CUDA
     graph; the kernels read x's rows and the counts where they are (no repack).  ``expected_rows``: about how many
     rows a busy expert holds this step (e.g. ``LayerShape.rows_per_active_expert`` of the step's tokens), which picks
-    the kernel config (``triton.moe_sm90.batched_config``); None: M, every row in use.  The semantics of
+    the kernel config (``sm90.host.batched_config`` on sm_90); None: M, every row in use.  The semantics of
     ``reference.fused_moe_batched_torch``.
     """
-    if weights.layout.name != LAYOUT.name:
-        raise ValueError(
-            f"weights are in the {weights.layout.name} layout; fused_moe_batched reads {LAYOUT.name}: "
-            "pack them with prepare_moe_weights"
-        )
+    _check_w4a16_layout(weights, "fused_moe_batched", "pack them with prepare_moe_weights")
     e, hidden = weights.num_experts, weights.hidden
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"x must be a bfloat16 or float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")

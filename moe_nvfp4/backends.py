@@ -11,12 +11,23 @@ Operations:
 
 Entries (``Backend.entries``: name -> "module:function", imported at the first call, so the registry imports no
 kernel), one signature each:
+  moe_w4a16           (x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids,
+                      expert_map, intermediate, *, activation, w13_bias, w2_bias, apply_router_weight_on_input)
+                      -> [T, H]: the weights as ``MoEWeights.tensors`` in ``w4a16_layout``, the inputs as
+                      ``api.fused_moe`` checked and cast them
+  moe_w4a16_batched   (out, x, the six weight tensors, expert_num_tokens, intermediate, expected_rows, *,
+                      activation, w13_bias, w2_bias) -> None, writing ``api.fused_moe_batched``'s rows into out
+  warmup_token_counts (weights: MoEWeights, top_k, dtype, max_tokens, expert_map) -> the token counts whose
+                      forwards compile every kernel variant (optional: without it nothing compiles)
+  pack_block          (device, the layout's fragments) -> a block packer for ``w4a16_layout``'s ``pack``, or None
+                      for its torch twin (optional)
   quantize            (x, global_scale 0-dim) -> NVFP4Tensor with 128x4-swizzled scales
   moe_w4a4            (x, weights: MoEWeights, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
   grouped_gemm        (a, b, *, alpha, out_dtype) -> list of outputs
   plan_grouped_gemm   (a, b, *, alpha, out_dtype) -> a plan for ``api.launch_grouped_gemm_nvfp4``
-The 16-bit-activation MoE has one kernel family: its op runs the reference where ``Backend.reference``, else
-``triton.moe_sm90``.
+A new architecture's backend is one folder of its own (``sm90/`` holds the sm_90 one: layout choice, configs,
+autotune space, warm-up and kernels) and one ``Backend`` here, added to REGISTRY and DEFAULT_ORDER
+(docs/extending.md).
 
 Architectures are CUDA capabilities written ``sm_<major><minor>`` (``sm_90``, ``sm_100``), or ``cpu``.
 """
@@ -36,7 +47,8 @@ OPERATIONS = ("moe_w4a16", "moe_w4a4", "grouped_gemm", "quantize")
 class Backend:
     """One backend.  ``archs`` None: every CUDA GPU from sm_80 on.  ``ran_on``: the architectures where its GPU
     tests passed on hardware; elsewhere in ``archs`` it is compiled and checked only.  ``w4a4_layout``: the
-    ``weight_layouts`` name its W4A4 MoE reads (and ``api.prepare_moe_weights_w4a4`` packs for it).
+    ``weight_layouts`` name its W4A4 MoE reads (and ``api.prepare_moe_weights_w4a4`` packs for it); ``w4a16_layout``:
+    the one its 16-bit-activation MoE reads (and ``api.prepare_moe_weights`` packs for it).
     ``reference``: the pure-torch ops, which read weights in any layout (they unpack them).  ``interpreted_on_cpu``:
     CPU tensors run its kernels under TRITON_INTERPRET=1 (tests), so forcing it on a CPU is allowed."""
 
@@ -47,6 +59,7 @@ class Backend:
     note: str
     entries: Mapping[str, str] = field(default_factory=dict, hash=False)
     w4a4_layout: str | None = None
+    w4a16_layout: str | None = None
     reference: bool = False
     interpreted_on_cpu: bool = False
 
@@ -77,12 +90,15 @@ TORCH = Backend(
     frozenset({"cpu"}),
     "the reference ops (moe_nvfp4.reference); the default for CPU tensors",
     {
+        "moe_w4a16": "moe_nvfp4.reference:fused_moe_packed_torch",
+        "moe_w4a16_batched": "moe_nvfp4.reference:fused_moe_batched_packed_torch",
         "quantize": "moe_nvfp4.reference:quantize_activations_torch",
         "moe_w4a4": "moe_nvfp4.reference:fused_moe_w4a4_torch",
         "grouped_gemm": "moe_nvfp4.reference:grouped_gemm_nvfp4_torch",
         "plan_grouped_gemm": _TRITON_PLAN,
     },
     w4a4_layout="sm100_interleaved",
+    w4a16_layout="sm90_fragments",  # what the Triton kernels read too, so CPU weights run them interpreted (tests)
     reference=True,
 )
 TRITON = Backend(
@@ -90,12 +106,17 @@ TRITON = Backend(
     frozenset({"moe_w4a16", "grouped_gemm", "quantize"}),
     None,
     frozenset({"sm_90"}),
-    "Triton kernels: weights decoded in registers; tuned on sm_90 (H100, H200)",
+    "Triton and Gluon kernels (moe_nvfp4/sm90/ for the MoE): weights decoded in registers; tuned on sm_90 (H100, H200)",
     {
+        "moe_w4a16": "moe_nvfp4.sm90.host:fused_moe_sm90",
+        "moe_w4a16_batched": "moe_nvfp4.sm90.host:run_batched",
+        "warmup_token_counts": "moe_nvfp4.sm90.warmup:warmup_token_counts",
+        "pack_block": "moe_nvfp4.sm90.fragment_pack:block_packer",
         "quantize": "moe_nvfp4.triton.quant_act:quantize_activations_sm90",
         "grouped_gemm": "moe_nvfp4.triton.grouped_w4a4:grouped_gemm_nvfp4_triton",
         "plan_grouped_gemm": _TRITON_PLAN,
     },
+    w4a16_layout="sm90_fragments",
     interpreted_on_cpu=True,
 )
 CUTE = Backend(

@@ -41,30 +41,9 @@ def fused_moe_op(
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Tensors as in weights.MoEWeights, the activation as expert_activation.ExpertActivation's fields; inputs
-    already checked by api.fused_moe.  The config is the host wrapper's choice (configs.select_config)."""
-    act = _expert_activation(activation, alpha, limit)
-    if select_backends(x.device).moe_w4a16.reference:
-        from .reference import fused_moe_torch
-
-        weights = MoEWeights(
-            w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[1], intermediate, activation=act
-        )
-        w13, w2 = weights.to_nvfp4()
-        return fused_moe_torch(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            expert_map=expert_map,
-            activation=act,
-            w13_bias=w13_bias,
-            w2_bias=w2_bias,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-        )
-    from .triton.moe_sm90 import fused_moe_sm90
-
-    return fused_moe_sm90(
+    already checked by api.fused_moe.  Runs the device's ``moe_w4a16`` backend (``Backend.entry``)."""
+    run = select_backends(x.device).moe_w4a16.entry("moe_w4a16")
+    return run(
         x,
         w13_packed,
         w13_scale,
@@ -76,7 +55,7 @@ def fused_moe_op(
         topk_ids,
         expert_map,
         intermediate,
-        activation=act,
+        activation=_expert_activation(activation, alpha, limit),
         w13_bias=w13_bias,
         w2_bias=w2_bias,
         apply_router_weight_on_input=apply_router_weight_on_input,
@@ -125,26 +104,13 @@ def fused_moe_batched_op(
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> None:
-    """Writes the batched forward's rows into ``out`` [E, M, H] (api.fused_moe_batched checked the inputs); the
-    config is triton.moe_sm90.batched_config's for ``expected_rows``.  The reference backend writes all of ``out``
-    (0 past each count); the kernels the counted rows only."""
-    act = _expert_activation(activation, alpha, limit)
-    if select_backends(x.device).moe_w4a16.reference:
-        from .reference import fused_moe_batched_torch
-
-        weights = MoEWeights(
-            w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, x.shape[2], intermediate, activation=act
-        )
-        w13, w2 = weights.to_nvfp4()
-        out.copy_(
-            fused_moe_batched_torch(x, w13, w2, expert_num_tokens, activation=act, w13_bias=w13_bias, w2_bias=w2_bias)
-        )
-        return
-    from .triton.moe_sm90 import batched_config, fused_moe_batched_sm90
-
-    e, _, hidden = x.shape
-    config = batched_config(e, hidden, intermediate, x.dtype, act.gated, expected_rows, x.device)
-    fused_moe_batched_sm90(
+    """Writes the batched forward's rows into ``out`` [E, M, H] (api.fused_moe_batched checked the inputs) on the
+    device's ``moe_w4a16`` backend (its ``moe_w4a16_batched`` entry; the sm_90 one picks the config for
+    ``expected_rows``).  The reference backend writes all of ``out`` (0 past each count); the kernels the counted
+    rows only."""
+    run = select_backends(x.device).moe_w4a16.entry("moe_w4a16_batched")
+    run(
+        out,
         x,
         w13_packed,
         w13_scale,
@@ -154,9 +120,8 @@ def fused_moe_batched_op(
         w2_global,
         expert_num_tokens,
         intermediate,
-        out,
-        config,
-        activation=act,
+        expected_rows,
+        activation=_expert_activation(activation, alpha, limit),
         w13_bias=w13_bias,
         w2_bias=w2_bias,
     )

@@ -53,8 +53,8 @@ class TuneShape:
     global_experts: int = 0  # 0: as many as ``experts`` (no expert parallelism)
 
     def layer_shape(self):
-        """The ``configs.LayerShape`` the plugin keys the cache by for this rank."""
-        from .configs import LayerShape
+        """The ``shapes.LayerShape`` the plugin keys the cache by for this rank."""
+        from .shapes import LayerShape
 
         return LayerShape(
             self.experts,
@@ -205,8 +205,8 @@ def gpu_measure(shape: TuneShape, stack):
     """(device traits, measure) for ``shape`` on the current GPU; ``stack`` (an ExitStack) frees its buffers."""
     import torch
 
-    from .autotune import gpu_timer
-    from .configs import device_traits
+    from .shapes import device_traits
+    from .sm90.autotune import gpu_timer
 
     device = torch.device("cuda", torch.cuda.current_device())
     weights, expert_map = random_layer(shape, device)
@@ -220,7 +220,7 @@ def tune_one(shape: TuneShape, args: argparse.Namespace):
 
     from tqdm import tqdm
 
-    from .autotune import tune_layer
+    from .sm90.autotune import tune_layer
 
     with contextlib.ExitStack() as stack:
         traits, measure = gpu_measure(shape, stack)
@@ -299,7 +299,7 @@ def _shapes(args: argparse.Namespace) -> list[TuneShape]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .autotune import cache_dir
+    from .sm90.autotune import cache_dir
 
     try:
         shapes = _shapes(args)
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_tune_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from .autotune import DEFAULT_BUDGET_S
+    from .sm90.autotune import DEFAULT_BUDGET_S
 
     p = sub.add_parser(
         "tune",

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .configs import configs_up_to, device_traits
 from .dispatch import select_backends
 
 if TYPE_CHECKING:
@@ -50,16 +49,13 @@ def warmup_threads() -> int:
 def warmup_token_counts(
     weights: MoEWeights, top_k: int, dtype: torch.dtype, max_tokens: int, expert_map: torch.Tensor | None = None
 ) -> list[int]:
-    """The token counts whose forwards compile every variant up to ``max_tokens``: the fewest tokens of each config
-    ``select_config`` serves (``configs_up_to``) and of each routing variant; empty where nothing compiles (the
-    CPU's torch reference) or ``max_tokens`` < 1."""
-    device = weights.w13_packed.device
-    if select_backends(device).moe_w4a16.reference or max_tokens < 1:
+    """The token counts whose forwards compile every variant up to ``max_tokens``: the device's ``moe_w4a16``
+    backend's ``warmup_token_counts`` entry (the sm_90 one: the fewest tokens of each config it serves and of each
+    routing variant); empty where the backend compiles nothing (the CPU's torch reference) or ``max_tokens`` < 1."""
+    backend = select_backends(weights.w13_packed.device).moe_w4a16
+    if "warmup_token_counts" not in backend.entries or max_tokens < 1:
         return []
-    from .triton.moe_sm90 import routing_variants_from
-
-    first = configs_up_to(max_tokens, weights.layer_shape(top_k, dtype, expert_map), device_traits(device))
-    return sorted(set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)})
+    return backend.entry("warmup_token_counts")(weights, top_k, dtype, max_tokens, expert_map)
 
 
 def run_bounded(counts: Sequence[int], run: Callable[[int], object], *, threads: int, budget: int) -> None:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import LayerShape
 from .expert_activation import SILU, ExpertActivation
 from .formats import NVFP4, NVFP4Tensor
 from .layouts import padded_scale_shape, round_up
+from .shapes import LayerShape
 from .weight_layouts import (
     HIDDEN_ALIGN,
     INTERMEDIATE_ALIGN,
@@ -22,9 +22,7 @@ from .weight_layouts import (
     padded_intermediate,
 )
 
-__all__ = ["MoEWeights", "LAYOUT"]
-
-LAYOUT = Sm90Layout()
+__all__ = ["MoEWeights"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class MoEWeights:
     w2_global: torch.Tensor
     hidden: int
     intermediate: int
-    layout: MoELayout = LAYOUT
+    layout: MoELayout = Sm90Layout()  # a backend packs for its own (Backend.w4a16_layout, w4a4_layout)
     activation: ExpertActivation = SILU
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
@@ -113,7 +111,7 @@ class MoEWeights:
 
     @property
     def variant(self) -> dict:
-        """The expert-MLP variant as the host wrapper's keywords (triton.moe_sm90.fused_moe_sm90): activation, biases."""
+        """The expert-MLP variant as the host wrapper's keywords (the moe_w4a16 entry, backends.py): activation, biases."""
         return dict(activation=self.activation, w13_bias=self.w13_bias, w2_bias=self.w2_bias)
 
     def layer_shape(self, top_k: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> LayerShape:

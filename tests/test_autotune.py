@@ -1,4 +1,4 @@
-"""Autotuning (moe_nvfp4.autotune) on the CPU: buckets, candidates, the search and its budget, the disk cache (keys,
+"""Autotuning (moe_nvfp4.sm90.autotune) on the CPU: buckets, candidates, the search and its budget, the disk cache (keys,
 reuse, damage), what a start reads without tuning (the default since issue 53) and the switch that tunes at load,
 with a stand-in for the GPU timing.  The GPU tests are tests/gpu/test_autotune_gpu.py and test_tune_cli_gpu.py.
 
@@ -16,10 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import moe_nvfp4.autotune as autotune
-import moe_nvfp4.configs as configs
-from moe_nvfp4.autotune import cache_key, neighbours, search, token_buckets, tune_layer
-from moe_nvfp4.configs import DeviceTraits, LayerShape, MoEKernelConfig, select_config
+import moe_nvfp4.sm90.autotune as autotune
+import moe_nvfp4.sm90.configs as sm90_configs
+import moe_nvfp4.sm90.default_config as default_rule
+import moe_nvfp4.sm90.tuned_configs as tuned_configs
+from moe_nvfp4.shapes import DeviceTraits, LayerShape
+from moe_nvfp4.sm90.autotune import cache_key, neighbours, search, token_buckets, tune_layer
+from moe_nvfp4.sm90.configs import MoEKernelConfig
+from moe_nvfp4.sm90.tuned_configs import select_config
 from moe_nvfp4.zoo import zoo_shape
 
 H100 = DeviceTraits("NVIDIA H100 80GB HBM3", (9, 0), 132, 80)
@@ -30,17 +34,17 @@ KIMI_EP8 = LayerShape(48, 8, 7168, 2048, global_experts=384)
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Nothing measured in this process; no tuned files (an empty config directory)."""
-    monkeypatch.setattr(configs, "_MEASURED", {})
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path / "no-configs")
-    configs._tuned_entries.cache_clear()
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path / "no-configs")
+    tuned_configs._tuned_entries.cache_clear()
     yield
-    configs._tuned_entries.cache_clear()
+    tuned_configs._tuned_entries.cache_clear()
 
 
 def test_buckets_end_at_the_default_bounds_powers_of_four_and_max_tokens() -> None:
     b = token_buckets(8192, QWEN3, H100)
     assert b == sorted(set(b)) and b[0] == 1 and b[-1] == 8192
-    bounds = [t for t in configs.default_bounds(QWEN3, H100) if t < 8192]
+    bounds = [t for t in default_rule.default_bounds(QWEN3, H100) if t < 8192]
     assert set(bounds) <= set(b)  # the config changes only at a bucket's end
     for p in (4**i for i in range(7)):  # each power of four is a bucket or within MERGE of one
         assert any(k / autotune.MERGE <= p <= k * autotune.MERGE for k in b)
@@ -49,7 +53,7 @@ def test_buckets_end_at_the_default_bounds_powers_of_four_and_max_tokens() -> No
 
 def test_buckets_follow_the_entries_where_a_shape_has_them(monkeypatch) -> None:
     cfg = select_config(16, QWEN3, H100)
-    configs.register_entries(
+    tuned_configs.register_entries(
         H100,
         [
             dict(
@@ -203,7 +207,7 @@ def test_a_second_start_reads_the_cache_and_times_nothing(tmp_path, monkeypatch)
     assert "changed" in first.summary() and "T<=64" in first.summary()
     assert tune_layer(KIMI_EP8, H100, 1024, _fake({}, calls), directory=tmp_path).source == "process"
 
-    monkeypatch.setattr(configs, "_MEASURED", {})  # a new process
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})  # a new process
     assert select_config(64, KIMI_EP8, H100) != winner
     again: list = []
     second = tune_layer(KIMI_EP8, H100, 1024, _fake({}, again), budget_s=60, directory=tmp_path)
@@ -216,7 +220,7 @@ def test_a_second_start_reads_the_cache_and_times_nothing(tmp_path, monkeypatch)
 
 def test_a_larger_budget_of_tokens_tunes_only_the_buckets_past_the_cache(tmp_path, monkeypatch) -> None:
     tune_layer(QWEN3, H100, 256, _fake({}, []), budget_s=60, directory=tmp_path)
-    monkeypatch.setattr(configs, "_MEASURED", {})
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
     calls: list = []
     report = tune_layer(QWEN3, H100, 4096, _fake({}, calls), budget_s=60, directory=tmp_path)
     assert report.source == "timed" and {t for _, t in calls} == {
@@ -242,7 +246,7 @@ def test_a_damaged_or_foreign_cache_file_is_timed_again(tmp_path, damage: str) -
 
 def test_a_cache_entry_with_an_invalid_config_is_timed_again(tmp_path) -> None:
     key = cache_key(QWEN3, H100)
-    bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=configs.GemmConfig())
+    bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=sm90_configs.GemmConfig())
     entry = dict(
         experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64, config=bad.to_dict()
     )
@@ -278,8 +282,8 @@ def test_cpu_weights_have_nothing_to_tune() -> None:
 def test_a_start_without_a_cache_serves_the_default_and_registers_nothing(tmp_path) -> None:
     report = autotune.cached_configs(QWEN3, H100, 8192, directory=tmp_path)
     assert report.source == "default" and report.cache_path == autotune.cache_path(cache_key(QWEN3, H100), tmp_path)
-    assert configs.measured_entries(QWEN3, H100) == [] and "moe-nvfp4 tune" in report.summary()
-    assert select_config(64, QWEN3, H100) == configs.default_config(64, 128, 8, 2048, 768, device=H100)
+    assert tuned_configs.measured_entries(QWEN3, H100) == [] and "moe-nvfp4 tune" in report.summary()
+    assert select_config(64, QWEN3, H100) == default_rule.default_config(64, 128, 8, 2048, 768, device=H100)
 
 
 def test_a_start_without_tuning_serves_exactly_what_the_tuner_cached(tmp_path, monkeypatch) -> None:
@@ -287,12 +291,12 @@ def test_a_start_without_tuning_serves_exactly_what_the_tuner_cached(tmp_path, m
     autotuner's own second start did; past its 1024 tokens the default still serves, bucket by bucket."""
     winner = neighbours(select_config(64, KIMI_EP8, H100), 64, KIMI_EP8)[2]
     tuned = tune_layer(KIMI_EP8, H100, 1024, _fake({winner: 10.0}, []), budget_s=60, directory=tmp_path)
-    monkeypatch.setattr(configs, "_MEASURED", {})  # a new process
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})  # a new process
     default = {t: select_config(t, KIMI_EP8, H100) for t in (2000, 4096, 8192)}
     report = autotune.cached_configs(KIMI_EP8, H100, 8192, directory=tmp_path)
     assert report.source == "cache" and report.covered == 1024 and "up to 1024 tokens" in report.summary()
     written = json.loads(tuned.cache_path.read_text())["entries"]
-    registered = configs.measured_entries(KIMI_EP8, H100)
+    registered = tuned_configs.measured_entries(KIMI_EP8, H100)
     assert registered[: len(written)] == written and select_config(64, KIMI_EP8, H100) == winner
     assert [e["max_tokens"] for e in registered[len(written) :]] == [
         t for t in token_buckets(8192, KIMI_EP8, H100) if t > 1024
@@ -303,18 +307,18 @@ def test_a_start_without_tuning_serves_exactly_what_the_tuner_cached(tmp_path, m
 
 def test_a_damaged_cache_leaves_the_default_serving_at_a_start(tmp_path) -> None:
     key = cache_key(QWEN3, H100)
-    bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=configs.GemmConfig())
+    bad = dataclasses.replace(select_config(64, QWEN3, H100), block_m=8, gemm2=sm90_configs.GemmConfig())
     entry = dict(
         experts=128, top_k=8, hidden=2048, intermediate=768, dtype="bfloat16", max_tokens=64, config=bad.to_dict()
     )
     autotune.write_cache(autotune.cache_path(key, tmp_path), key, 64, [entry], 1.0)
     assert autotune.cached_configs(QWEN3, H100, 64, directory=tmp_path).source == "default"
-    assert configs.measured_entries(QWEN3, H100) == []
+    assert tuned_configs.measured_entries(QWEN3, H100) == []
 
 
 def test_force_times_again_what_the_cache_holds(tmp_path, monkeypatch) -> None:
     tune_layer(QWEN3, H100, 64, _fake({}, []), budget_s=60, directory=tmp_path)
-    monkeypatch.setattr(configs, "_MEASURED", {})
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
     calls: list = []
     report = tune_layer(QWEN3, H100, 64, _fake({}, calls), budget_s=60, directory=tmp_path, force=True)
     assert report.source == "timed" and {t for _, t in calls} == set(token_buckets(64, QWEN3, H100))

@@ -107,17 +107,26 @@ def test_backend_names_are_compared_nowhere_else() -> None:
 
 
 def test_each_backend_names_what_it_runs() -> None:
-    """Every operation a backend implements has an entry (a W4A4 MoE also the weight layout it reads), and every
-    entry imports: the op layer and the API run ``Backend.entry`` instead of comparing backends."""
+    """Every operation a backend implements has its entries (a MoE also the weight layout it reads; the
+    16-bit-activation MoE may add its warm-up and packer), and every entry imports: the op layer and the API run
+    ``Backend.entry`` instead of comparing backends or naming a kernel module."""
     from moe_nvfp4.weight_layouts import weight_layout
 
-    wanted = {"quantize": {"quantize"}, "moe_w4a4": {"moe_w4a4"}, "grouped_gemm": {"grouped_gemm", "plan_grouped_gemm"}}
+    wanted = {
+        "quantize": {"quantize"},
+        "moe_w4a16": {"moe_w4a16", "moe_w4a16_batched"},
+        "moe_w4a4": {"moe_w4a4"},
+        "grouped_gemm": {"grouped_gemm", "plan_grouped_gemm"},
+    }
     for backend in REGISTRY:
-        assert set().union(*(wanted.get(op, set()) for op in backend.operations)) == set(backend.entries), backend.name
+        required = set().union(*(wanted.get(op, set()) for op in backend.operations))
+        extra = {"warmup_token_counts", "pack_block"} if "moe_w4a16" in backend.operations else set()
+        assert required <= set(backend.entries) <= required | extra, backend.name
         assert all(callable(backend.entry(name)) for name in backend.entries)
         assert ("moe_w4a4" in backend.operations) == (backend.w4a4_layout is not None)
-        if backend.w4a4_layout:
-            assert weight_layout(backend.w4a4_layout).name == backend.w4a4_layout
+        assert ("moe_w4a16" in backend.operations) == (backend.w4a16_layout is not None)
+        for layout in (backend.w4a4_layout, backend.w4a16_layout):
+            assert layout is None or weight_layout(layout).name == layout
     with pytest.raises(ValueError, match="the flashinfer backend has no 'quantize'"):
         FLASHINFER.entry("quantize")
 

@@ -149,7 +149,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch, moe_nvfp4 as m
     from moe_nvfp4.expert_activation import RELU2, SWIGLU_OAI
-    from moe_nvfp4.triton.moe_sm90 import batched_config, fused_moe_batched_sm90
+    from moe_nvfp4.sm90.host import batched_config, fused_moe_batched_sm90
     from moe_nvfp4.triton.routing_kernels import route_batched
     e, h, i, max_tokens, seed, variant, expected = map(int, sys.argv[1:8])
     counts = torch.tensor([int(c) for c in sys.argv[8].split(",")], dtype=torch.int32)

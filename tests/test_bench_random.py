@@ -15,22 +15,22 @@ from argparse import Namespace
 import pytest
 
 import moe_nvfp4.bench.moe as bench
-from moe_nvfp4 import configs
+from moe_nvfp4 import shapes
 from moe_nvfp4.bench.harness import Ceilings, MoEShape
 from moe_nvfp4.bench.layer import config_source, copies_for
 from moe_nvfp4.bench.paths import NVFP4_PATHS, PATHS, REGISTRY, Path, build_path, short_error
 from moe_nvfp4.bench.report import (
     COLUMNS,
     PREFILL_TARGETS,
-    configs_meta,
     prefill_summary,
     prefill_table,
     summary_lines,
 )
 from moe_nvfp4.cli import build_parser, main
+from moe_nvfp4.sm90 import tuned_configs
 from moe_nvfp4.zoo import MODELS, RANDOM_BOUNDS, RANDOM_SEED, ZooShape, random_model, random_models, zoo_shape
 
-H200 = configs.DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
+H200 = shapes.DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
 H200_GIB = 140  # what an H200 offers a process, about
 L2 = 50 * 2**20
 
@@ -153,19 +153,19 @@ def test_min_tokens_keeps_the_prefill_sizes():
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture
 def no_measured_entries(monkeypatch):
-    monkeypatch.setattr(configs, "_MEASURED", {})
-    configs._tuned_entries.cache_clear()
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
+    tuned_configs._tuned_entries.cache_clear()
     yield
-    configs._tuned_entries.cache_clear()
+    tuned_configs._tuned_entries.cache_clear()
 
 
 def test_a_rows_config_source_follows_the_files_and_the_autotuner(monkeypatch, tmp_path, no_measured_entries):
     """A shape with a shipped H200 entry is `tuned`; with MOE_NVFP4_CONFIG_DIR empty it is `default`; entries the
     autotuner registered make it `autotuned`."""
-    qwen3 = configs.LayerShape(128, 8, 2048, 768)
+    qwen3 = shapes.LayerShape(128, 8, 2048, 768)
     assert config_source(qwen3, H200) == "tuned"
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    configs._tuned_entries.cache_clear()
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)
+    tuned_configs._tuned_entries.cache_clear()
     assert config_source(qwen3, H200) == "default"
     entry = dict(
         experts=128,
@@ -174,9 +174,9 @@ def test_a_rows_config_source_follows_the_files_and_the_autotuner(monkeypatch, t
         intermediate=768,
         dtype="bfloat16",
         max_tokens=4096,
-        config=configs.select_config(4096, qwen3, H200).to_dict(),
+        config=tuned_configs.select_config(4096, qwen3, H200).to_dict(),
     )
-    configs.register_entries(H200, [entry])
+    tuned_configs.register_entries(H200, [entry])
     assert config_source(qwen3, H200) == "autotuned"
 
 

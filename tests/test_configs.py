@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_nvfp4.configs import CONFIG_DIR, CONFIG_VERSION, GemmConfig, MoEKernelConfig, load_config_file
+from moe_nvfp4.sm90.configs import CONFIG_VERSION, GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90.tuned_configs import CONFIG_DIR, load_config_file
 
 SHIPPED = sorted(CONFIG_DIR.glob("*/*.json"))
 

@@ -13,23 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_nvfp4.configs as configs
-from moe_nvfp4.configs import (
-    CONFIG_VERSION,
-    HOPPER_132,
-    KERNEL_NAME,
-    DeviceTraits,
-    GemmConfig,
-    LayerShape,
-    MoEKernelConfig,
-    configs_up_to,
-    default_bounds,
-    default_config,
-    register_entries,
-    select_config,
-    tuned_file_for,
-)
+import moe_nvfp4.sm90.configs as sm90_configs
+import moe_nvfp4.sm90.default_config as default_rule
+import moe_nvfp4.sm90.tuned_configs as tuned_configs
 from moe_nvfp4.expert_activation import RELU2, SILU
+from moe_nvfp4.shapes import DeviceTraits, LayerShape
+from moe_nvfp4.sm90.configs import CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90.default_config import HOPPER_132, default_bounds, default_config
+from moe_nvfp4.sm90.tuned_configs import configs_up_to, register_entries, select_config, tuned_file_for
 from moe_nvfp4.zoo import MODELS, zoo_shape, zoo_shapes
 
 ZOO = zoo_shapes()
@@ -43,10 +34,10 @@ def layer(s) -> LayerShape:
 @pytest.fixture
 def fresh_process(monkeypatch: pytest.MonkeyPatch):
     """No entries measured in this process, and no tuned files (an empty config directory)."""
-    monkeypatch.setattr(configs, "_MEASURED", {})
-    configs._tuned_entries.cache_clear()
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
+    tuned_configs._tuned_entries.cache_clear()
     yield
-    configs._tuned_entries.cache_clear()
+    tuned_configs._tuned_entries.cache_clear()
 
 
 # ---- the zoo ----
@@ -148,7 +139,7 @@ def test_default_is_valid_on_odd_shapes(e: int, k: int, h: int, i: int) -> None:
 )
 def test_configs_up_to_finds_every_default_config(fresh_process, s: LayerShape, monkeypatch, tmp_path) -> None:
     """Every config the default gives for 1..8192 tokens, found from its bounds alone (what a warm-up compiles)."""
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)
     seen: dict[MoEKernelConfig, int] = {}
     for t in range(1, 8193):
         seen.setdefault(select_config(t, s, H200), t)
@@ -176,11 +167,11 @@ def test_default_follows_the_kernel_families_the_tuned_entries_chose() -> None:
     for s, t in ((mixtral, 16), (qwen3, 64)):
         decode = cfg(s, t)
         assert decode.block_m == 8 and decode.gemm1.warp_specialized and decode.gemm2.warp_specialized
-        assert (decode.gemm1.block_n, decode.gemm2.block_n) == (64, configs.DECODE_GEMM2_BLOCK_N)  # N = I, N = H
+        assert (decode.gemm1.block_n, decode.gemm2.block_n) == (64, default_rule.DECODE_GEMM2_BLOCK_N)  # N = I, N = H
     for s in (mixtral, qwen3):
         prefill = cfg(s, 4096)
         assert prefill.block_m == 128 and not prefill.gemm1.warp_specialized and prefill.partials_in_x_dtype
-        assert prefill.gemm2.warp_specialized == (s.intermediate >= configs.LONG_K2)
+        assert prefill.gemm2.warp_specialized == (s.intermediate >= default_rule.LONG_K2)
     assert cfg(qwen3, 16).partials_in_x_dtype and not cfg(mixtral, 16).partials_in_x_dtype
 
 
@@ -222,7 +213,7 @@ def test_decode_tiles_that_cannot_fill_the_sms_take_the_deep_ring() -> None:
 
 
 def test_one_group_gemms_whose_128_row_tiles_cannot_fill_the_sms_take_64_rows() -> None:
-    """configs._fill_the_sms: a 4-warp GEMM whose expected 128-row tiles are fewer than the SMs takes 64-row tiles;
+    """default_config._fill_the_sms: a 4-warp GEMM whose expected 128-row tiles are fewer than the SMs takes 64-row tiles;
     one whose tiles fill them, and the 8-warp presets, keep 128 (design 004 decision 11)."""
     mixtral_ep8, dbrx_ep8, mixtral = (layer(zoo_shape(k)) for k in ("mixtral-8x22b-ep8", "dbrx-ep8", "mixtral-8x7b"))
 
@@ -241,22 +232,22 @@ def test_one_group_gemms_whose_128_row_tiles_cannot_fill_the_sms_take_64_rows() 
     assert c.block_m == 8 and (c.gemm1.block_n, c.gemm2.block_n) == (64, 64)
     c = cfg(dbrx_ep8, 128)  # 64-token tiles: two MMA warp groups, 128 rows whatever the tile count
     assert c.block_m == 64 and c.gemm2.num_warps == 8 and c.gemm2.block_n == 128
-    assert cfg(mixtral, 16).gemm2.block_n == configs.DECODE_GEMM2_BLOCK_N  # 8 experts x 32 tiles of H: filled
+    assert cfg(mixtral, 16).gemm2.block_n == default_rule.DECODE_GEMM2_BLOCK_N  # 8 experts x 32 tiles of H: filled
 
 
 def test_rings_shrink_to_whole_chunks_and_shared_memory() -> None:
     """A GEMM whose K chunks do not divide by the preset's chunks per stage keeps the ring's depth in single chunks."""
     cfg = default_config(16, 8, 2, 16 * 8 * 3, 1408)  # K = 384 (3 chunks) and 1408 (11 chunks)
     # GEMM1's 8 x 22 tiles fill 132 SMs (the plain preset), GEMM2's 8 x 6 do not (the deep one)
-    for g, preset in ((cfg.gemm1, configs.WS_DECODE), (cfg.gemm2, configs.WS_DECODE_DEEP)):
+    for g, preset in ((cfg.gemm1, default_rule.WS_DECODE), (cfg.gemm2, default_rule.WS_DECODE_DEEP)):
         assert g.chunks_per_stage == 1 and g.num_stages == preset["num_stages"] * preset["chunks_per_stage"]
-        assert g.ws_shared_bytes(g is cfg.gemm1, cfg.block_m) <= configs.WS_SMEM_LIMIT
+        assert g.ws_shared_bytes(g is cfg.gemm1, cfg.block_m) <= sm90_configs.WS_SMEM_LIMIT
 
 
 # ---- choosing ----
 def _write_file(directory: Path, device: str, meta_extra: dict, entries: list[dict]) -> Path:
     meta = dict(kernel=KERNEL_NAME, version=CONFIG_VERSION, device=device, **meta_extra)
-    path = configs.config_path(device, directory)
+    path = tuned_configs.config_path(device, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(meta=meta, entries=entries)))
     return path
@@ -272,7 +263,7 @@ LARGE = MoEKernelConfig(128, GemmConfig(128, num_warps=8), GemmConfig(128, num_w
 
 
 def test_files_serve_their_device_then_parts_of_the_same_capability_and_sm_count(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)
     h100 = _write_file(tmp_path, "NVIDIA H100 80GB HBM3", dict(capability=[9, 0], sm_count=132, memory_gib=80), [])
     h200 = _write_file(tmp_path, "NVIDIA H200", dict(capability=[9, 0], sm_count=132, memory_gib=140), [])
     _write_file(tmp_path, "Old GPU", {}, [])  # no traits in its meta: serves only its own name
@@ -285,8 +276,8 @@ def test_files_serve_their_device_then_parts_of_the_same_capability_and_sm_count
 
 
 def test_shipped_files_record_the_traits_they_serve() -> None:
-    for path in sorted((configs.CONFIG_DIR / KERNEL_NAME).glob("*.json")):
-        meta, entries = configs.load_config_file(str(path))
+    for path in sorted((tuned_configs.CONFIG_DIR / KERNEL_NAME).glob("*.json")):
+        meta, entries = tuned_configs.load_config_file(str(path))
         assert meta["capability"] == [9, 0] and meta["sm_count"] == 132 and meta["memory_gib"] in (80, 140)
         assert {(e["experts"], e["top_k"]) for e in entries} == {(8, 2), (128, 8)}
 
@@ -294,7 +285,7 @@ def test_shipped_files_record_the_traits_they_serve() -> None:
 def test_measured_entries_come_before_the_file_and_the_file_before_the_default(
     fresh_process, tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)
     _write_file(
         tmp_path,
         "NVIDIA H200",
@@ -313,9 +304,9 @@ def test_measured_entries_come_before_the_file_and_the_file_before_the_default(
             1, other.experts, other.top_k, 256, 256, global_experts=other.global_experts
         )
     register_entries(H200, [_entry(LARGE, 8)])
-    assert select_config(1, s, H200) == LARGE and configs.entries_for(s, H200)[0]["max_tokens"] == 8
+    assert select_config(1, s, H200) == LARGE and tuned_configs.entries_for(s, H200)[0]["max_tokens"] == 8
     register_entries(H200, [_entry(SMALL, 8)])  # the same bucket again replaces it
-    assert select_config(1, s, H200) == SMALL and len(configs.measured_entries(s, H200)) == 1
+    assert select_config(1, s, H200) == SMALL and len(tuned_configs.measured_entries(s, H200)) == 1
     assert configs_up_to(4096, s, H200) == {SMALL: 1}  # measured entries only; the file is not consulted
     bad = _entry(dataclasses.replace(SMALL, block_m=8), 16)  # 8-token tiles need both GEMMs warp-specialized
     with pytest.raises(ValueError, match="invalid config"):
@@ -327,7 +318,7 @@ def test_a_file_entry_without_top_k_is_refused(tmp_path) -> None:
     del entry["top_k"]
     path = _write_file(tmp_path, "Fake", {}, [entry])
     with pytest.raises(ValueError, match="top_k"):
-        configs.load_config_file(str(path))
+        tuned_configs.load_config_file(str(path))
 
 
 def test_layer_shape_normalizes_dtype_and_global_experts() -> None:

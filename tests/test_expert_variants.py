@@ -291,8 +291,10 @@ def test_custom_op_carries_the_variant(gen: torch.Generator) -> None:
 
 def test_layer_shape_knows_the_gemm1_width() -> None:
     """A non-gated layer is its own tuned-entry and autotune key, and its default config is valid for it."""
-    from moe_nvfp4.autotune import cache_key
-    from moe_nvfp4.configs import HOPPER_132, LayerShape, select_config
+    from moe_nvfp4.shapes import LayerShape
+    from moe_nvfp4.sm90.autotune import cache_key
+    from moe_nvfp4.sm90.default_config import HOPPER_132
+    from moe_nvfp4.sm90.tuned_configs import select_config
 
     gated = LayerShape(128, 6, 2688, 1856)
     plain = LayerShape(128, 6, 2688, 1856, gated=False)
@@ -302,9 +304,9 @@ def test_layer_shape_knows_the_gemm1_width() -> None:
 
 
 def test_host_wrapper_picks_the_config_for_the_layer(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fused_moe_sm90 without a config asks configs.select_config for this call's shape, GEMM1's width included
+    """fused_moe_sm90 without a config asks tuned_configs.select_config for this call's shape, GEMM1's width included
     (a relu2 layer is not gated) and the expert map's length as the routing's expert count; the op passes none."""
-    from moe_nvfp4.triton import moe_sm90
+    from moe_nvfp4.sm90 import host as moe_sm90
 
     class Chosen(Exception):
         pass

@@ -1,4 +1,4 @@
-"""Packing into the sm_90 fragment layout: the Triton kernel (triton/fragment_pack.py) under the interpreter gives
+"""Packing into the sm_90 fragment layout: the Triton kernel (sm90/fragment_pack.py) under the interpreter gives
 the torch twin's bytes (``FragmentLayout.pack``) exactly, alone and inside ``Sm90Layout.pack``; and
 ``reuse_input_memory`` packs into the checkpoint tensors' own memory where the layout adds no padding, with the
 same bytes as a fresh packing.
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import json, sys, torch
     from moe_nvfp4.formats import NVFP4, NVFP4Tensor
     from moe_nvfp4.layouts import FragmentLayout
-    from moe_nvfp4.triton.fragment_pack import pack_fragment_block
+    from moe_nvfp4.sm90.fragment_pack import pack_fragment_block
     from moe_nvfp4 import weight_layouts
     from moe_nvfp4.weight_layouts import Sm90Layout
     e, i, h, seed = map(int, sys.argv[1:])
@@ -146,7 +146,7 @@ def test_kernel_compiles_for_hopper() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moe_nvfp4.triton.fragment_pack import _pack_fragments_kernel
+    from moe_nvfp4.sm90.fragment_pack import _pack_fragments_kernel
 
     signature = dict(
         src_ptr="*u8",
@@ -173,28 +173,31 @@ def test_kernel_compiles_for_hopper() -> None:
 
 
 def test_prepare_moe_weights_packs_with_the_kernel_on_a_gpu(monkeypatch) -> None:
-    """The API's choice, read without a GPU: the kernel (for the layout's own fragments) on CUDA where it passes
-    its known-answer check, else the twin with a warning that names the device; the twin on the CPU."""
+    """The sm_90 backend's packer (its ``pack_block`` entry), read without a GPU: the kernel (for the layout's own
+    fragments) on CUDA where it passes its known-answer check, else the twin with a warning that names the device;
+    the twin on the CPU."""
     pytest.importorskip("triton")
-    from moe_nvfp4 import api
-    from moe_nvfp4.triton import fragment_pack
-    from moe_nvfp4.weights import LAYOUT
+    from moe_nvfp4.backends import TRITON
+    from moe_nvfp4.sm90 import fragment_pack
+    from moe_nvfp4.weight_layouts import weight_layout
 
+    fragments = weight_layout(TRITON.w4a16_layout).fragments
+    block_packer = TRITON.entry("pack_block")
     checked = []
     monkeypatch.setattr(fragment_pack, "agrees_with_twin", lambda device, layout: checked.append(layout) or True)
-    packer = api._block_packer(torch.device("cuda", 0))
-    assert packer.func is fragment_pack.pack_fragment_block and packer.keywords == {"layout": LAYOUT.fragments}
-    assert checked == [LAYOUT.fragments]
-    assert api._block_packer(torch.device("cpu")) is None
+    packer = block_packer(torch.device("cuda", 0), fragments)
+    assert packer.func is fragment_pack.pack_fragment_block and packer.keywords == {"layout": fragments}
+    assert checked == [fragments]
+    assert block_packer(torch.device("cpu"), fragments) is None
     monkeypatch.setattr(fragment_pack, "agrees_with_twin", lambda device, layout: False)
     with pytest.warns(RuntimeWarning, match=r"other bytes than its torch twin on cuda:0 \(Triton 3"):
-        assert api._block_packer(torch.device("cuda", 0)) is None
+        assert block_packer(torch.device("cuda", 0), fragments) is None
 
 
 KNOWN_ANSWER_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from moe_nvfp4.triton import fragment_pack
+    from moe_nvfp4.sm90 import fragment_pack
     cpu = torch.device("cpu")
     print(fragment_pack.agrees_with_twin(cpu))
     kernel = fragment_pack.pack_fragment_block

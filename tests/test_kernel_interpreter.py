@@ -25,8 +25,9 @@ REL_TOL = 2e-3
 SCRIPT = textwrap.dedent(
     """
     import sys, torch, moe_nvfp4 as m
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-    from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
+    from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.sm90.host import fused_moe_sm90
+    from moe_nvfp4.triton.routing_kernels import route
     e, k, h, i, t, seed, use_map, low, pair, pps, block_m, narrow, skew = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
@@ -147,7 +148,7 @@ def _run_case(args: list[int]) -> None:
 ROUTE_SCRIPT = textwrap.dedent(
     """
     import sys, torch, moe_nvfp4 as m
-    from moe_nvfp4.triton.moe_sm90 import ROUTE_ONE_PROGRAM, route, route_chunks
+    from moe_nvfp4.triton.routing_kernels import ROUTE_ONE_PROGRAM, route, route_chunks
     e, k, t, block_m, seed, use_map, skew = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     n_global = e + 3 if use_map else e
@@ -212,8 +213,9 @@ def test_warmup_runs_one_forward_per_kernel_variant() -> None:
 POISON_SCRIPT = textwrap.dedent(
     """
     import sys, torch, moe_nvfp4 as m
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-    from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, route
+    from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.sm90.host import fused_moe_sm90
+    from moe_nvfp4.triton.routing_kernels import route
     e, k, h, i, t, seed, use_map, block_m, low, via_api, pair = map(int, sys.argv[1:])
     g = torch.Generator().manual_seed(seed)
     q13 = m.quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) / h**0.5, segments=2)
@@ -297,8 +299,8 @@ def test_poisoned_routing_contributes_nothing(e, k, h, i, t, use_map, block_m, l
 VARIANT_SCRIPT = textwrap.dedent(
     """
     import sys, torch, moe_nvfp4 as m
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-    from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90
+    from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.sm90.host import fused_moe_sm90
     name = sys.argv[1]
     e, k, h, i, t, seed, use_map, block_m, narrow, bias, on_input, via_api = map(int, sys.argv[2:])
     act = m.ExpertActivation(name)

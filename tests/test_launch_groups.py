@@ -25,19 +25,20 @@ import triton.language as tl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import moe_nvfp4 as m
-from moe_nvfp4 import configs as C
-from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90 import default_config as C
+from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90 import gemm_gluon as W
+from moe_nvfp4.sm90 import gemm_triton as G
+from moe_nvfp4.sm90 import host as K
 from moe_nvfp4.triton import combine as combine_module
-from moe_nvfp4.triton import moe_sm90 as K
-from moe_nvfp4.triton import moe_sm90_ws as W
+from moe_nvfp4.triton import common as triton_common
 from moe_nvfp4.triton import routing_kernels as R
-from moe_nvfp4.triton import sm90_common
 
 GOLDEN = Path(__file__).with_name("launch_groups_golden.json")
 E = 8  # experts (local ones; an expert map has 10 global ones)
 # the recorded launch objects: (module, attribute)
 KERNELS = [
-    (K, "_moe_gemm_kernel"),
+    (G, "_moe_gemm_kernel"),
     (W, "_moe_gemm_ws_kernel"),
     (R, "_route_kernel"),
     (R, "_count_kernel"),
@@ -188,7 +189,7 @@ def record(case: dict, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         monkeypatch.setattr(module, attr, _Recorder(attr, calls))
     monkeypatch.setattr(K, "_gluon_rows_ok", lambda x, intermediate: case["rows"])
     pdl = dict(PDL=True, launch_pdl=True) if case["pdl"] else dict(PDL=False)
-    monkeypatch.setattr(sm90_common, "_dependent_launch", lambda device: pdl)
+    monkeypatch.setattr(triton_common, "_dependent_launch", lambda device: pdl)
     g = torch.Generator().manual_seed(0)
     variant, gated = case["variant"], case["variant"] != "relu2"
     activation = {"relu2": m.RELU2, "swiglu_oai": m.SWIGLU_OAI}.get(variant, m.SILU)

@@ -16,7 +16,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_nvfp4.triton import moe_sm90 as K
+from moe_nvfp4.sm90 import gemm_triton as G
+from moe_nvfp4.sm90 import host as K
+from moe_nvfp4.triton import combine as C
+from moe_nvfp4.triton import routing_kernels as R
 
 GLOBAL_ACCESS = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", re.M)
 
@@ -76,10 +79,10 @@ ROUTE_SIGNATURE = dict(
 ROUTE_CONSTEXPRS = dict(COUNTED=False, MAX_CHUNKS=128, HAS_MAP=False, BLOCK_M=16, BLOCK_P=128, E_POW2=128)
 
 KERNELS = {
-    "route": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=False), 8),
-    "route counted": (K._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=True, BLOCK_P=256), 8),
+    "route": (R._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=False), 8),
+    "route counted": (R._route_kernel, ROUTE_SIGNATURE, dict(ROUTE_CONSTEXPRS, COUNTED=True, BLOCK_P=256), 8),
     "count": (
-        K._count_kernel,
+        R._count_kernel,
         dict(
             ids_ptr="*i32",
             expert_map_ptr="*i32",
@@ -92,10 +95,10 @@ KERNELS = {
         dict(HAS_MAP=False, BLOCK_P=256, E_POW2=128),
         4,
     ),
-    "gemm1": (K._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
-    "gemm2": (K._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"), dict(GEMM1_CONSTEXPRS, IS_GEMM1=False), 4),
+    "gemm1": (G._moe_gemm_kernel, GEMM_SIGNATURE, GEMM1_CONSTEXPRS, 4),
+    "gemm2": (G._moe_gemm_kernel, dict(GEMM_SIGNATURE, out_ptr="*fp32"), dict(GEMM1_CONSTEXPRS, IS_GEMM1=False), 4),
     "combine": (
-        K._combine_kernel,
+        C._combine_kernel,
         dict(
             partial_ptr="*fp32",
             ids_ptr="*i32",
@@ -111,12 +114,12 @@ KERNELS = {
 }
 
 
-# sm90_common.Epilogue's fields: the host's defaults (gated SiLU without biases, GEMM2 weighting each pair's row)
+# common.Epilogue's fields: the host's defaults (gated SiLU without biases, GEMM2 weighting each pair's row)
 DEFAULT_EPILOGUE = {True: (False, "silu", 1.702, 7.0, False, True), False: (False, None, None, None, True, False)}
 
 
 def _epilogue(kernel, fields: tuple) -> tuple[tuple, dict]:
-    """The kernel's ``epilogue`` tuple argument (sm90_common.Epilogue: has bias, activation, alpha, limit, router
+    """The kernel's ``epilogue`` tuple argument (common.Epilogue: has bias, activation, alpha, limit, router
     weight, gate and up rows) as its signature entry and its constexprs by path, as the JIT specializes a launch's Epilogue.of."""
     i = kernel.arg_names.index("epilogue")
     bias, *rest = fields
@@ -195,7 +198,7 @@ def test_every_kernel_waits_for_the_previous_one_before_touching_memory(name: st
 def test_launch_options_follow_the_device() -> None:
     import torch
 
-    from moe_nvfp4.triton.sm90_common import _dependent_launch
+    from moe_nvfp4.triton.common import _dependent_launch
 
     assert _dependent_launch(torch.device("cpu")) == dict(PDL=False)
 
@@ -203,12 +206,12 @@ def test_launch_options_follow_the_device() -> None:
 def test_register_cap_bounds_the_gemm_registers() -> None:
     """GemmConfig.max_registers is Triton's maxnreg: the PTX carries .maxnreg and ptxas keeps under it, which is
     what lets more programs share an SM (65536 registers / (threads x registers per thread))."""
-    from moe_nvfp4.configs import GemmConfig
-
     import subprocess
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
+
+    from moe_nvfp4.sm90.configs import GemmConfig
 
     def registers(ptx: str) -> int:  # ptxas -v on the PTX Triton produced
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -244,16 +247,16 @@ def _compile_ws(
     has_map: bool = False,
     epilogue: tuple | None = None,
 ):
-    """The warp-specialized Gluon GEMM (moe_sm90_ws) compiled for sm_90 with the launcher's descriptors (K of
+    """The warp-specialized Gluon GEMM (sm90.gemm_gluon) compiled for sm_90 with the launcher's descriptors (K of
     1024) and the launcher's constexprs for that GemmConfig; returns the compiled kernel's asm (ptx, cubin, ...).
     ``epilogue``: _epilogue's fields (the default variant where None)."""
-    from moe_nvfp4.configs import GemmConfig
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from moe_nvfp4.triton import moe_sm90_ws as W
+    from moe_nvfp4.sm90.configs import GemmConfig
+    from moe_nvfp4.sm90 import gemm_gluon as W
 
     w = torch.zeros(8, 64, 4096, dtype=torch.uint8)  # any FragmentLayout-shaped bytes: only the views matter
     views = W._descriptors(w, w[:, :8], 1024, block_n // 64, chunks)
@@ -415,7 +418,7 @@ def test_warp_specialized_partitions_wait_for_the_previous_kernel(
     kernel's tile map (with pair tiles topk_ids, written before GEMM1) and issues its first tile's weight boxes
     (one per matrix and stage: the values and the scales), never the token rows GEMM1 writes.  The epilogue's
     stores come after the waits."""
-    from moe_nvfp4.triton import moe_sm90_ws as W
+    from moe_nvfp4.sm90 import gemm_gluon as W
 
     ptx = _compile_ws(gated, 64, 4, maxnreg, 1, k_groups, stages, pair_tiles=bool(pairs), has_map=pairs == "map")["ptx"]
     # With pair tiles the tile count is an argument, so ptxas knows a GEMM2 loader with no first tile has no tile
@@ -568,7 +571,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     aligned int32 stand-in, and no routing kernel runs, with an expert map as without.  Rows the Gluon kernel cannot
     run or the field off route."""
     import moe_nvfp4 as m
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
 
     class Routed(Exception):
         pass
@@ -598,7 +601,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     forward(cfg)
     forward(cfg, emap)
     assert len(launches) == 4
-    for n, (tile_map, ids, _, expert_map, pairs) in enumerate(launches):  # each launch's sm90_common.GemmRouting
+    for n, (tile_map, ids, _, expert_map, pairs) in enumerate(launches):  # each launch's common.GemmRouting
         assert pairs is True and torch.equal(ids, ti.reshape(-1)) and expert_map is (None if n < 2 else emap)
         assert len({id(p) for p in tile_map}) == 1 and tile_map[0].dtype == torch.int32
         assert tile_map[0].data_ptr() % 16 == 0 and tile_map[0].data_ptr() != ids.data_ptr()
@@ -646,8 +649,8 @@ def test_k_groups_share_a_tile(
     registers the loader leaves (setmaxnreg), and each worker group handing its sums to group 0 through
     shared memory under a full/free pair of one-arrival barriers: its stores, a barrier over its own warps,
     then the arrival."""
-    from moe_nvfp4.configs import GemmConfig
-    from moe_nvfp4.triton import moe_sm90_ws as W
+    from moe_nvfp4.sm90.configs import GemmConfig
+    from moe_nvfp4.sm90 import gemm_gluon as W
 
     ptx = _compile_ws(gated, block_n, 4, maxnreg, chunks, k_groups, stages)["ptx"]
     gemm = GemmConfig(
@@ -705,20 +708,21 @@ def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
-    from moe_nvfp4.triton import moe_sm90
+    from moe_nvfp4.sm90 import host as moe_sm90
 
     archive = tmp_path / "rev"
     shutil.copytree(Path(moe_sm90.__file__).resolve().parent.parent, archive / "moe_nvfp4")
-    older = archive / "moe_nvfp4" / "configs.py"  # a version from before pair tiles
+    older = archive / "moe_nvfp4" / "sm90" / "configs.py"  # a version from before pair tiles
     older.write_text(older.read_text().replace("    pair_tiles: bool = False\n", ""))
     host = ab_moe.load_package(archive, tmp_path / "scratch", "moe_nvfp4_rev")
-    assert host.__name__ == "moe_nvfp4_rev.triton.moe_sm90" and host.fused_moe_sm90 is not moe_sm90.fused_moe_sm90
+    assert host.__name__ == "moe_nvfp4_rev.sm90.host" and host.fused_moe_sm90 is not moe_sm90.fused_moe_sm90
     assert Path(host.__file__).is_relative_to(tmp_path / "scratch")
-    from moe_nvfp4_rev.triton import moe_sm90_ws as copied_ws  # what the copy's host launches
+    from moe_nvfp4_rev.sm90 import gemm_gluon as copied_ws  # what the copy's host launches
 
-    assert copied_ws.launch_gemm_ws.__module__ == "moe_nvfp4_rev.triton.moe_sm90_ws"
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
-    from moe_nvfp4_rev import configs as copied_configs
+    assert copied_ws.launch_gemm_ws.__module__ == "moe_nvfp4_rev.sm90.gemm_gluon"
+    from moe_nvfp4_rev.sm90 import configs as copied_configs
+
+    from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
 
     ws = GemmConfig(64, warp_specialized=True)
     cfg = MoEKernelConfig(8, ws, ws, pair_tiles=True)
@@ -737,20 +741,21 @@ def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
-    from moe_nvfp4 import configs
+    from moe_nvfp4 import shapes
+    from moe_nvfp4.sm90 import configs, tuned_configs
 
-    shipped_file = configs.config_path("NVIDIA H200")
+    shipped_file = tuned_configs.config_path("NVIDIA H200")
     data = json.loads(shipped_file.read_text())
     for entry in data["entries"]:
         entry["config"]["gemm1"]["programs_per_sm"] = 7  # a value no shipped entry uses
-    copy = configs.config_path("NVIDIA H200", tmp_path)
+    copy = tuned_configs.config_path("NVIDIA H200", tmp_path)
     copy.parent.mkdir(parents=True)
     copy.write_text(json.dumps(data))
 
-    h200 = configs.DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
+    h200 = shapes.DeviceTraits("NVIDIA H200", (9, 0), 132, 140)
 
     def select() -> configs.MoEKernelConfig:
-        return configs.select_config(1, configs.LayerShape(8, 2, 4096, 14336, torch.bfloat16), h200)
+        return tuned_configs.select_config(1, shapes.LayerShape(8, 2, 4096, 14336, torch.bfloat16), h200)
 
     shipped = select()
     assert shipped.gemm1.programs_per_sm != 7
@@ -766,7 +771,7 @@ def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
 
-    from moe_nvfp4.configs import GemmConfig, MoEKernelConfig
+    from moe_nvfp4.sm90.configs import GemmConfig, MoEKernelConfig
 
     cfg = MoEKernelConfig(
         8,
@@ -794,7 +799,7 @@ def _loaded_params(ptx: str) -> set[str]:
 
 @pytest.mark.parametrize("family", ["triton", "gluon"])
 def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
-    """sm90_common.Epilogue's constexprs decide at compile time: a non-gated GEMM1 (relu2) streams one matrix (the
+    """common.Epilogue's constexprs decide at compile time: a non-gated GEMM1 (relu2) streams one matrix (the
     Gluon kernel: one TMA box of values and one of scales per stage, half the expect-tx bytes, one wgmma per chunk),
     a bias adds one pointer parameter and loads it, and GEMM2 without the router weight never loads topk_weights;
     every variant leaves the rest of the kernel as it is (same parameters, same PDL protocol)."""

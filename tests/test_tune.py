@@ -13,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from tune_moe import (  # noqa: E402
     DEFAULT_MODELS,
     GROUP_RINGS,
+    MODELS,
     SWEEP_SHAPES,
     WS_K_GROUPS,
     WS_RESIDENCY,
     WS_RINGS,
-    MODELS,
     _spaced,
     candidates,
     climb_start,
@@ -32,7 +32,9 @@ from tune_moe import (  # noqa: E402
     ws_sweep,
 )
 
-from moe_nvfp4.configs import WS_SMEM_LIMIT, GemmConfig, LayerShape, MoEKernelConfig, default_config  # noqa: E402
+from moe_nvfp4.shapes import LayerShape  # noqa: E402
+from moe_nvfp4.sm90.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90.default_config import default_config
 
 
 def triton_start(tokens: int, e: int, k: int, h: int, i: int) -> MoEKernelConfig:
@@ -411,8 +413,8 @@ def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
 def test_packed_layer_and_seeded_inputs(monkeypatch) -> None:
     """The tuner's layer and inputs, shared with tools/ (ab_moe, profile_moe, power_moe): fused_moe_sm90's
     weight tensors in its argument order, and inputs that repeat for a token count and differ between counts."""
-    import tune_moe
     import torch
+    import tune_moe
 
     monkeypatch.setitem(tune_moe.MODELS, "tiny", (4, 2, 128, 64))
     w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global = tune_moe.packed_layer("tiny", "cpu")

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-import moe_nvfp4.autotune as autotune
-import moe_nvfp4.configs as configs
+import moe_nvfp4.sm90.autotune as autotune
+import moe_nvfp4.sm90.tuned_configs as tuned_configs
 import moe_nvfp4.tune_cli as tune_cli
-from moe_nvfp4.autotune import cache_key, cache_path, neighbours
 from moe_nvfp4.cli import main
-from moe_nvfp4.configs import DeviceTraits, LayerShape, select_config
 from moe_nvfp4.expert_activation import RELU2, SILU, SWIGLU_OAI
+from moe_nvfp4.shapes import DeviceTraits, LayerShape
+from moe_nvfp4.sm90.autotune import cache_key, cache_path, neighbours
+from moe_nvfp4.sm90.tuned_configs import select_config
 from moe_nvfp4.tune_cli import TuneShape, per_rank, shapes_from_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,12 +33,12 @@ H200 = DeviceTraits("NVIDIA H200", (9, 0), 132, 141)
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Nothing measured in this process; no tuned files; the autotune cache under tmp_path."""
-    monkeypatch.setattr(configs, "_MEASURED", {})
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path / "no-configs")
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path / "no-configs")
     monkeypatch.setenv("MOE_NVFP4_CACHE_DIR", str(tmp_path / "cache"))
-    configs._tuned_entries.cache_clear()
+    tuned_configs._tuned_entries.cache_clear()
     yield
-    configs._tuned_entries.cache_clear()
+    tuned_configs._tuned_entries.cache_clear()
 
 
 # (family, experts, top-k, activation, biases): what vLLM builds each family's routed experts with
@@ -193,13 +194,13 @@ def test_a_tune_writes_the_cache_a_vllm_start_then_serves(tmp_path, capsys, monk
     assert data["key"] == cache_key(rank, H200) and data["max_tokens"] == 1024
     assert {(e["experts"], e["global_experts"]) for e in data["entries"]} == {(EXPERTS // 2, EXPERTS)}
 
-    monkeypatch.setattr(configs, "_MEASURED", {})  # vllm serve: a new process, autotuning off (the default)
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})  # vllm serve: a new process, autotuning off (the default)
     monkeypatch.delenv(autotune.SWITCH_ENV, raising=False)
     start = autotune.cached_configs(rank, H200, 1024)
     assert start.source == "cache" and select_config(64, rank, H200) == winner
-    assert configs.measured_entries(rank, H200) == data["entries"]
+    assert tuned_configs.measured_entries(rank, H200) == data["entries"]
 
-    monkeypatch.setattr(configs, "_MEASURED", {})
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
     timed.clear()
     assert main(argv) == 0
     assert timed == [] and "configs from cache" in capsys.readouterr().out

@@ -82,9 +82,8 @@ def plugin():
 
 
 def test_register_is_idempotent(plugin):
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
-
     from moe_nvfp4_vllm.plugin import register
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
     register()
     register()
@@ -402,9 +401,10 @@ def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, conve
     chosen) a checkpoint with input scales is laid out for that backend and apply quantizes the activations with
     each GEMM's largest input scale; the forward (the W4A4 op's CPU path, the reference on the weights unpacked
     from that layout) equals fused_moe_torch with those scales."""
+    import moe_nvfp4_vllm.moe_method as method
+
     import moe_nvfp4
     import moe_nvfp4.api as api
-    import moe_nvfp4_vllm.moe_method as method
     from moe_nvfp4.dispatch import _select
 
     monkeypatch.setattr(method, "select_backends", lambda device: _select("sm_100", backend))
@@ -429,6 +429,7 @@ def test_w4a4_checkpoint_stays_w4a16_on_hopper(plugin, gen, monkeypatch):
     """Without FP4 tensor cores (sm_90: no W4A4 MoE backend) the same checkpoint keeps the 16-bit-activation
     layout."""
     import moe_nvfp4_vllm.moe_method as method
+
     from moe_nvfp4.dispatch import _select
 
     monkeypatch.setattr(method, "select_backends", lambda device: _select("sm_90", None))
@@ -486,10 +487,10 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
     """process_weights_after_loading compiles the kernels for the scheduler's whole token budget, once per
     process and shape (same-shaped layers share the compiled kernels); an expert map is a new variant, and so is
     the router weight on the input (Llama-4), which the warm-up is told."""
-    import moe_nvfp4
+    from moe_nvfp4_vllm import moe_method
     from vllm.config import DeviceConfig, VllmConfig
 
-    from moe_nvfp4_vllm import moe_method
+    import moe_nvfp4
 
     calls = []
 
@@ -515,12 +516,11 @@ def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(
     """Since issue 53 the load step takes the configs `moe-nvfp4 tune` cached (autotune.load_configs: no timing
     unless MOE_NVFP4_AUTOTUNE=1, tested in test_autotune.py) instead of autotuning: once per process and shape,
     before the warm-up compiles what it chose, with the scheduler's token budget and the layer's expert map."""
-    import moe_nvfp4
+    from moe_nvfp4_vllm import moe_method
     from vllm.config import DeviceConfig, VllmConfig
 
-    from moe_nvfp4.autotune import AutotuneReport
-    from moe_nvfp4.configs import CPU_TRAITS
-    from moe_nvfp4_vllm import moe_method
+    from moe_nvfp4.shapes import CPU_TRAITS
+    from moe_nvfp4.sm90.autotune import AutotuneReport
 
     steps = []
 
@@ -1003,12 +1003,11 @@ def test_installed_vllm_is_a_supported_release():
 
 def test_pyproject_admits_exactly_the_supported_releases():
     """pip install 'moe-nvfp4[vllm]' must resolve to a release compat supports, and to every one of them."""
-    import tomllib
     from pathlib import Path
 
-    from packaging.requirements import Requirement
-
+    import tomllib
     from moe_nvfp4_vllm import compat
+    from packaging.requirements import Requirement
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     (req,) = [Requirement(r) for r in project["optional-dependencies"]["vllm"]]
@@ -1021,10 +1020,9 @@ def test_unsupported_release_is_refused_by_name(plugin, monkeypatch, caplog):
     every vLLM process, asked for nvfp4_grouped or not) logs that and registers nothing instead of raising."""
     import logging
 
-    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
-
     from moe_nvfp4_vllm import compat
     from moe_nvfp4_vllm.plugin import register
+    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
 
     monkeypatch.setattr(compat, "VLLM_RELEASE", (0, 31))
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.26\.x .* or 0\.33\.x .*; this is vLLM"):
@@ -1216,8 +1214,9 @@ def test_moe_runner_forward_calls_our_apply(plugin, gen, single_process_group, c
     (router -> RoutedExperts.forward_modular -> our apply, not apply_monolithic) inside a forward context; the
     output equals fused_moe_torch on the checkpoint's NVFP4 values (BF16: the same values quantized on load).
     0.26 also runs its legacy modular-kernel setup, which must leave our method in place."""
-    import moe_nvfp4
     from vllm.forward_context import set_forward_context
+
+    import moe_nvfp4
 
     ex = _experts(gen, convention or "modelopt")
     layer, vllm_config = _moe_layer(_config(plugin, convention))

@@ -17,10 +17,11 @@ import torch
 
 import moe_nvfp4
 import moe_nvfp4.api as api
+from moe_nvfp4.backends import TRITON
 import moe_nvfp4.warmup as warmup
 from moe_nvfp4.warmup import THREADS_ENV, compile_kernels, run_bounded, warmup_threads
 
-KERNELS = SimpleNamespace(moe_w4a16=SimpleNamespace(reference=False))  # a backend that compiles, on CPU tensors
+KERNELS = SimpleNamespace(moe_w4a16=TRITON)  # a backend that compiles, on CPU tensors
 
 
 def _weights(experts: int = 8, hidden: int = 128, inter: int = 64) -> moe_nvfp4.MoEWeights:

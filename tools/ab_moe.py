@@ -35,14 +35,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # too
 
 
 def load_package(directory: Path, scratch: Path, name: str):
-    """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 module
-    (its relative imports resolve inside the copy)."""
+    """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 host module
+    (its relative imports resolve inside the copy): ``sm90.host``, or ``triton.moe_sm90`` in a tree from before the
+    sm_90 backend had a folder of its own."""
     import importlib
     import shutil
 
     shutil.copytree(directory / "moe_nvfp4", scratch / name)
     sys.path.insert(0, str(scratch))
-    return importlib.import_module(f"{name}.triton.moe_sm90")
+    folder = "sm90.host" if (scratch / name / "sm90" / "host.py").exists() else "triton.moe_sm90"
+    return importlib.import_module(f"{name}.{folder}")
 
 
 def package_config(host, cfg):
@@ -51,7 +53,10 @@ def package_config(host, cfg):
     takes its default (config version 2's tile group, K split and stream-K fields: what the current kernels run)."""
     import importlib
 
-    configs = importlib.import_module(host.__name__.split(".")[0] + ".configs")
+    package = host.__name__.split(".")[0]
+    configs = importlib.import_module(
+        package + (".sm90.configs" if host.__name__.endswith(".sm90.host") else ".configs")
+    )
     theirs = {f.name for f in dataclasses.fields(configs.MoEKernelConfig)}
     theirs_gemm = {f.name for f in dataclasses.fields(configs.GemmConfig)}
     d = {k: v for k, v in cfg.to_dict().items() if k in theirs}
@@ -61,18 +66,18 @@ def package_config(host, cfg):
 
 
 def tuned_config(directory: Path, select):
-    """``select()`` (configs.select_config for a case) reading the tuned files under ``directory`` instead of the
+    """``select()`` (tuned_configs.select_config for a case) reading the tuned files under ``directory`` instead of the
     package's configs directory."""
-    from moe_nvfp4 import configs
+    from moe_nvfp4.sm90 import tuned_configs
 
-    shipped = configs.CONFIG_DIR
-    configs.CONFIG_DIR = directory
-    configs._tuned_entries.cache_clear()
+    shipped = tuned_configs.CONFIG_DIR
+    tuned_configs.CONFIG_DIR = directory
+    tuned_configs._tuned_entries.cache_clear()
     try:
         return select()
     finally:
-        configs.CONFIG_DIR = shipped
-        configs._tuned_entries.cache_clear()
+        tuned_configs.CONFIG_DIR = shipped
+        tuned_configs._tuned_entries.cache_clear()
 
 
 def gemm_variant(cfg, variant: str):
@@ -90,16 +95,17 @@ def gemm_variant(cfg, variant: str):
 
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int, draw: int = 0) -> list[dict]:
     import torch
-
     from harness import time_graph
+    from tune_moe import make_layer, rotated_weights, seeded_inputs
+
     from moe_nvfp4 import prepare_moe_weights
     from moe_nvfp4.bench.harness import MoEShape
     from moe_nvfp4.bench.moe import make_inputs
-    from moe_nvfp4.configs import LayerShape, device_traits, select_config
     from moe_nvfp4.layouts import FragmentLayout
-    from moe_nvfp4.triton import moe_sm90
+    from moe_nvfp4.shapes import LayerShape, device_traits
+    from moe_nvfp4.sm90.tuned_configs import select_config
+    from moe_nvfp4.sm90 import host as moe_sm90
     from moe_nvfp4.zoo import zoo_shape
-    from tune_moe import make_layer, rotated_weights, seeded_inputs
 
     zs = zoo_shape(model)
     if not zs.activation.gated:

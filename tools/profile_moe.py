@@ -31,8 +31,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # too
 from tune_moe import MODELS, packed_layer  # noqa: E402
 
 from moe_nvfp4 import topk_softmax  # noqa: E402
-from moe_nvfp4.configs import LayerShape, MoEKernelConfig, device_traits, select_config  # noqa: E402
-from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90, plain_launches  # noqa: E402
+from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
+from moe_nvfp4.sm90.configs import MoEKernelConfig
+from moe_nvfp4.sm90.host import fused_moe_sm90  # noqa: E402
+from moe_nvfp4.sm90.tuned_configs import select_config
+from moe_nvfp4.triton.common import plain_launches
 
 
 def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[str, float]]:

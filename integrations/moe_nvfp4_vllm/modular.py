@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOP,
 )
-from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 import moe_nvfp4
-from moe_nvfp4.configs import LayerShape
+from moe_nvfp4.shapes import LayerShape
 
 __all__ = ["NVFP4GroupedBatchedExperts", "NVFP4GroupedExperts", "apply_moe_kernel", "make_moe_kernel"]
 

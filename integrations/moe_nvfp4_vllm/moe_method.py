@@ -11,7 +11,7 @@ Life of a layer (``RoutedExperts``, the same in vLLM 0.26 and 0.33; ``compat`` h
    non-positive scales as multipliers, outlier W4A4 input scales; ``loading.validate_loaded_experts``), gate and up
    keep their own global scales, BF16 experts are quantized expert by expert, ``moe_nvfp4.prepare_moe_weights``
    packs for the kernel and the checkpoint parameters are freed.
-   Then, once per process and layer shape, ``moe_nvfp4.autotune.load_configs`` registers the configs
+   Then, once per process and layer shape, ``moe_nvfp4.sm90.autotune.load_configs`` registers the configs
    ``moe-nvfp4 tune`` cached for this GPU and shape, if any (else the default serves; ``MOE_NVFP4_AUTOTUNE=1``
    times configs here first), and ``moe_nvfp4.warmup.compile_kernels`` compiles every kernel variant up to the
    scheduler's token budget, in threads, so no request ever waits on a Triton compile.
@@ -33,17 +33,17 @@ import time
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
-from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported, MoEActivation
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported, MoEActivation
 from vllm.model_executor.utils import set_weight_attrs
 
 import moe_nvfp4
-from moe_nvfp4.autotune import load_configs
 from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
-from moe_nvfp4.warmup import compile_kernels, warmup_threads
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
+from moe_nvfp4.sm90.autotune import load_configs
+from moe_nvfp4.warmup import compile_kernels, warmup_threads
 
 from .compat import MoEMethodCompat, keep_finalized
 from .loading import (

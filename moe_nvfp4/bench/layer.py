@@ -75,8 +75,8 @@ def add_ratios(row: dict) -> None:
 
 def config_source(layer, traits) -> str:
     """Where ours' config for ``layer`` on ``traits`` comes from: ``autotuned`` (entries measured in this process),
-    ``tuned`` (a tuned file's entries) or ``default`` (configs.default_config)."""
-    from ..configs import entries_for, measured_entries
+    ``tuned`` (a tuned file's entries) or ``default`` (sm90.default_config)."""
+    from ..sm90.tuned_configs import entries_for, measured_entries
 
     return "autotuned" if measured_entries(layer, traits) else "tuned" if entries_for(layer, traits) else "default"
 
@@ -249,7 +249,7 @@ def autotune_shape(shape: MoEShape, ours: Path | None, tokens: list[int], args, 
         return None
     import torch
 
-    from ..autotune import autotune_fused_moe
+    from ..sm90.autotune import autotune_fused_moe
 
     _, _, _, emap = make_inputs(shape, 1, args.seed, args.device)
     report = autotune_fused_moe(
@@ -289,7 +289,8 @@ def measure_row(
     )
     row.update(floors(nbytes, flops, ceilings))
     if x.is_cuda:  # the config ours runs at this T and where it came from, so a row can be traced to it
-        from ..configs import LayerShape, device_traits, select_config
+        from ..shapes import LayerShape, device_traits
+        from ..sm90.tuned_configs import select_config
 
         layer = LayerShape(
             shape.num_experts,

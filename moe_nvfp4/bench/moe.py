@@ -151,7 +151,7 @@ def _add_measurement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--autotune",
         action="store_true",
-        help="autotune each shape's configs first (moe_nvfp4.autotune, its on-disk cache included)",
+        help="autotune each shape's configs first (moe_nvfp4.sm90.autotune, its on-disk cache included)",
     )
     p.add_argument("--autotune-budget-s", type=float, default=50.0, help="the autotuner's search budget per shape")
     p.add_argument("--quick", action="store_true", help="fewer token counts, replays and ceiling iterations")
@@ -366,7 +366,8 @@ def measure_meta(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[
     """The run's meta before any row: device, versions, ceilings, policies, arguments, random layers."""
     import torch
 
-    from .. import configs
+    from ..shapes import device_traits
+    from ..sm90 import tuned_configs
 
     start = time.time()
     meta = device_meta(args)
@@ -400,8 +401,8 @@ def measure_meta(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[
     meta["args"] = {k: v for k, v in vars(args).items() if k != "models" and not callable(v)} | {
         "models": list(args.models)
     }
-    meta["config_dir"] = str(configs.CONFIG_DIR)
-    tuned_file = configs.tuned_file_for(configs.device_traits(torch.device("cuda"))) if args.device == "cuda" else None
+    meta["config_dir"] = str(tuned_configs.CONFIG_DIR)
+    tuned_file = tuned_configs.tuned_file_for(device_traits(torch.device("cuda"))) if args.device == "cuda" else None
     meta["tuned_file"] = str(tuned_file) if tuned_file else None  # serves this GPU; whether it served a row: below
     meta["autotune"] = args.autotune
     meta["random"] = random_meta(args.models)

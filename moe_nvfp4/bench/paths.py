@@ -465,7 +465,7 @@ class OursBatched(_Batched):
     def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
         from ..api import fused_moe_batched, prepare_moe_weights
-        from ..configs import LayerShape
+        from ..shapes import LayerShape
 
         self.num_experts, self._call = shape.num_experts, fused_moe_batched
         self._shape = LayerShape(

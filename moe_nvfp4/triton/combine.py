@@ -1,5 +1,5 @@
 """The fixed-order combine in Triton: each token's (token, k) partial rows summed in k order (deterministic, no
-atomics on data).  The sm_90 host (moe_sm90) and the Blackwell host (cute/moe_host) both launch it.
+atomics on data).  The sm_90 host (sm90.host) and the Blackwell host (cute/moe_host) both launch it.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sm90_common
-from .sm90_common import _TL_DTYPES, _after_previous_kernel, _routed
+from . import common
+from .common import _TL_DTYPES, _after_previous_kernel, _routed
 
 
 @triton.jit
@@ -64,5 +64,5 @@ def combine(
         BLOCK_H=block_h,
         DTYPE=_TL_DTYPES[out.dtype],
         num_warps=4,
-        **sm90_common._dependent_launch(out.device),
+        **common._dependent_launch(out.device),
     )

@@ -49,7 +49,7 @@ ACC_FIX: tl.constexpr = tl.constexpr(2.0**14)
 # low nibbles of b0..b3, hi = high nibbles, bf16, times their byte's scale: elementwise, so correct however
 # Triton groups the bytes.  prmt 0x3120 puts b0, b1 in the two halves' low bytes and b2, b3 in their high
 # bytes, so one shift and mask moves a nibble of both halves at once into bf16 bits 6..8 (magnitude) and 15
-# (sign): code * 2^-126 (a subnormal for code 1, which mul.rn.bf16x2 takes exactly, as in moe_sm90).
+# (sign): code * 2^-126 (a subnormal for code 1, which mul.rn.bf16x2 takes exactly, as in sm90.gemm_triton).
 DECODE_ASM: tl.constexpr = tl.constexpr("""{
 .reg .b32 x, c, t, s01, s23;
 prmt.b32 x, $4, 0, 0x3120;

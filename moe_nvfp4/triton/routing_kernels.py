@@ -1,6 +1,6 @@
 """Routing on the GPU in Triton: topk_ids -> the routing plan (pairs grouped by expert, per-expert counts and
 offsets, the tile map), what routing.plan_routing computes in torch; and vLLM's batched format's per-expert counts ->
-its plan (``route_batched``, routing.plan_batched_routing's twin).  The sm_90 host (moe_sm90) and the Blackwell
+its plan (``route_batched``, routing.plan_batched_routing's twin).  The sm_90 host (sm90.host) and the Blackwell
 host (cute/moe_host) both launch it.  Up to ROUTE_ONE_PROGRAM pairs ``_route_kernel`` is one program; past that
 ``_count_kernel`` counts chunks of pairs first and ``_route_kernel`` scatters them, one program per chunk.  Grids are
 sized from T, never from routing data.
@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ..layouts import round_up
-from . import sm90_common
-from .sm90_common import _after_previous_kernel, _routed
+from . import common
+from .common import _after_previous_kernel, _routed
 
 
 @triton.jit
@@ -226,7 +226,7 @@ def route(
     emap = ids if expert_map is None else expert_map
     num_global = num_experts if expert_map is None else expert_map.numel()
     block_p = ROUTE_BLOCK if counted else ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else ROUTE_ONE_PROGRAM
-    launch = sm90_common._dependent_launch(topk_ids.device)
+    launch = common._dependent_launch(topk_ids.device)
     if counted:
         _count_kernel[(num_chunks,)](
             ids,
@@ -355,6 +355,6 @@ def route_batched(expert_num_tokens: torch.Tensor, max_tokens: int, block_m: int
         BLOCK_ROWS=BATCHED_ROUTE_ROWS,
         E_POW2=e_pow2,
         num_warps=8,
-        **sm90_common._dependent_launch(expert_num_tokens.device),
+        **common._dependent_launch(expert_num_tokens.device),
     )
     return parts

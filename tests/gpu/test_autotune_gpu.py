@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-import moe_nvfp4.configs as configs
-from moe_nvfp4.autotune import autotune_fused_moe
-from moe_nvfp4.configs import LayerShape, configs_up_to, device_traits, select_config
-from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90
+import moe_nvfp4.sm90.tuned_configs as tuned_configs
+from moe_nvfp4.shapes import LayerShape, device_traits
+from moe_nvfp4.sm90.autotune import autotune_fused_moe
+from moe_nvfp4.sm90.host import fused_moe_sm90
+from moe_nvfp4.sm90.tuned_configs import configs_up_to, select_config
 from moe_nvfp4.zoo import zoo_shape
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +34,7 @@ def gen() -> torch.Generator:
 @pytest.fixture
 def fresh_process(monkeypatch: pytest.MonkeyPatch):
     """Nothing measured in this process yet."""
-    monkeypatch.setattr(configs, "_MEASURED", {})
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})
 
 
 def _layer(experts: int, hidden: int, inter: int, gen: torch.Generator):
@@ -62,8 +63,8 @@ def test_every_default_config_of_a_zoo_shape_matches_the_reference(
     """Each config the default model picks for the shape up to 4096 tokens (configs_up_to, as the warm-up compiles
     them), run at the fewest tokens that pick it and at 4x that, on a layer of the shape's H, I and top-k with
     fewer experts (the launch parameters are what is under test, and they do not depend on E), outputs poisoned."""
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)  # no tuned files: the default
-    configs._tuned_entries.cache_clear()
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)  # no tuned files: the default
+    tuned_configs._tuned_entries.cache_clear()
     z = zoo_shape(key)
     shape = LayerShape(z.experts, z.top_k, z.hidden, z.intermediate, "bfloat16", z.global_experts)
     experts = min(z.experts, 4 * z.top_k)
@@ -76,7 +77,7 @@ def test_every_default_config_of_a_zoo_shape_matches_the_reference(
             fused_moe_sm90(x, *w.tensors, tw, ti, None, z.intermediate, cfg, out=out)
             ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
             assert not out.isnan().any() and _rel(out, ref) < REL_TOL, (tokens, cfg)
-    configs._tuned_entries.cache_clear()
+    tuned_configs._tuned_entries.cache_clear()
 
 
 def test_autotune_chooses_valid_configs_that_match_the_reference_and_a_second_start_reads_the_cache(
@@ -102,7 +103,7 @@ def test_autotune_chooses_valid_configs_that_match_the_reference_and_a_second_st
         ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
         assert _rel(m.fused_moe(x, w, tw, ti), ref) < REL_TOL, tokens
 
-    monkeypatch.setattr(configs, "_MEASURED", {})  # a new process
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})  # a new process
     again = autotune_fused_moe(w, top_k, torch.bfloat16, 256, budget_s=20.0, directory=tmp_path)
     assert again.source == "cache" and again.seconds < 1.0
     assert [select_config(b.tokens, shape, traits) for b in report.buckets] == [b.config for b in report.buckets]

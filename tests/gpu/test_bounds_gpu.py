@@ -24,16 +24,10 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.configs import (
-    TRITON_PREFILL,
-    WS_DECODE,
-    WS_TWO_GROUPS,
-    LayerShape,
-    MoEKernelConfig,
-    default_config,
-    fit_gemm,
-)
-from moe_nvfp4.triton.moe_sm90 import fused_moe_sm90
+from moe_nvfp4.shapes import LayerShape
+from moe_nvfp4.sm90.configs import MoEKernelConfig
+from moe_nvfp4.sm90.default_config import TRITON_PREFILL, WS_DECODE, WS_TWO_GROUPS, default_config, fit_gemm
+from moe_nvfp4.sm90.host import fused_moe_sm90
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Packing at load on the GPU (triton/fragment_pack.py through prepare_moe_weights): the kernel passes its
+"""Packing at load on the GPU (sm90/fragment_pack.py through prepare_moe_weights): the kernel passes its
 known-answer check and gives the torch twin's bytes at model shapes, and with ``reuse_input_memory`` (what vLLM's
 method passes) it peaks at a run of experts' blocks above the checkpoint tensors (tens of MiB), where packing
 into fresh memory costs the whole packed layer."""
@@ -25,7 +25,7 @@ pytestmark = [
 
 
 def test_the_kernel_passes_its_known_answer_check() -> None:
-    from moe_nvfp4.triton.fragment_pack import agrees_with_twin
+    from moe_nvfp4.sm90.fragment_pack import agrees_with_twin
 
     assert agrees_with_twin(torch.device("cuda", torch.cuda.current_device()))
 

@@ -19,18 +19,12 @@ import triton
 import triton.language as tl
 
 import moe_nvfp4 as m
-from moe_nvfp4.configs import (
-    CONFIG_DIR,
-    KERNEL_NAME,
-    GemmConfig,
-    MoEKernelConfig,
-    device_traits,
-    load_config_file,
-    select_config,
-    tuned_file_for,
-)
-from moe_nvfp4.triton.moe_sm90 import compiled_variants, fused_moe_sm90, route
-from moe_nvfp4.triton.sm90_common import _silu_times, _swiglu_oai
+from moe_nvfp4.shapes import device_traits
+from moe_nvfp4.sm90.common import _silu_times, _swiglu_oai
+from moe_nvfp4.sm90.configs import KERNEL_NAME, GemmConfig, MoEKernelConfig
+from moe_nvfp4.sm90.host import compiled_variants, fused_moe_sm90
+from moe_nvfp4.sm90.tuned_configs import CONFIG_DIR, load_config_file, select_config, tuned_file_for
+from moe_nvfp4.triton.routing_kernels import route
 
 pytestmark = pytest.mark.gpu
 
@@ -363,7 +357,7 @@ WS_CASES = [  # (case, block_m, (block_n, warps, stages, register cap, programs 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case,block_m,shape,which", WS_CASES, ids=lambda v: getattr(v, "why", None))
 def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, gen) -> None:
-    """The warp-specialized Gluon GEMMs (moe_sm90_ws): a TMA loader warp group, MMA warps decoding from shared memory.
+    """The warp-specialized Gluon GEMMs (sm90.gemm_gluon): a TMA loader warp group, MMA warps decoding from shared memory.
     Against the float64 reference with outputs and scratch poisoned, the full FP4 code range, ragged and
     empty experts, stages reused many times over (K up to 2048 = 16 steps through a ring of 3-6), and the
     same output as the Triton kernel with the same tiles to within rounding; stages of 1, 2 and 4 K chunks;
@@ -670,7 +664,7 @@ def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Gen
     """Every tuned entry this GPU would select, at its own model shape and at the largest token count it serves
     (most tiles, ragged last tiles per expert), with outputs and scratch poisoned, against the float64 reference
     on the same NVFP4 weights (the full FP4 code range).  Entries of files that do not serve this GPU
-    (configs.tuned_file_for) are skipped: a re-tune is checked on the GPU it was tuned for."""
+    (tuned_configs.tuned_file_for) are skipped: a re-tune is checked on the GPU it was tuned for."""
     serving = tuned_file_for(device_traits(torch.device("cuda")))
     if serving is None or serving.resolve() != path.resolve():
         pytest.skip(f"entry of {path.name}, which does not serve {torch.cuda.get_device_name()}")
@@ -779,7 +773,7 @@ def _variant_reference(v: Variant, q13, q2, b13, b2, x, tw, ti) -> torch.Tensor:
 def test_variants_match_reference(v: Variant, dtype: torch.dtype, tokens: int, gen: torch.Generator) -> None:
     """Each variant through fused_moe (the host wrapper picks the config) on every path the dispatcher takes,
     against the float64 reference (REL_TOL); the config the host picked is the path this test names."""
-    from moe_nvfp4.configs import select_config
+    from moe_nvfp4.sm90.tuned_configs import select_config
 
     q13, q2, b13, b2, w, x, tw, ti = _variant_problem(v, tokens, dtype, gen)
     cfg = select_config(tokens, w.layer_shape(v.top_k, dtype), device_traits(x.device))

@@ -20,9 +20,11 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-import moe_nvfp4.configs as configs
-from moe_nvfp4.autotune import cache_key, cache_path, cached_configs, token_buckets
-from moe_nvfp4.configs import LayerShape, MoEKernelConfig, device_traits, select_config
+import moe_nvfp4.sm90.tuned_configs as tuned_configs
+from moe_nvfp4.shapes import LayerShape, device_traits
+from moe_nvfp4.sm90.autotune import cache_key, cache_path, cached_configs, token_buckets
+from moe_nvfp4.sm90.configs import MoEKernelConfig
+from moe_nvfp4.sm90.tuned_configs import select_config
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +67,7 @@ def test_tune_command_fills_the_cache_a_start_serves(tmp_path, monkeypatch) -> N
     assert all(shape.accepts(c) for c in chosen)
     assert any(e["time_us"] is not None for e in data["entries"])  # it timed within its budget
 
-    monkeypatch.setattr(configs, "_MEASURED", {})  # the start of a server: nothing chosen in this process yet
+    monkeypatch.setattr(tuned_configs, "_MEASURED", {})  # the start of a server: nothing chosen in this process yet
     monkeypatch.setenv("MOE_NVFP4_CACHE_DIR", str(tmp_path))
     report = cached_configs(shape, traits, MAX_TOKENS)
     assert report.source == "cache" and report.cache_path == path and report.seconds < 1.0

@@ -242,14 +242,15 @@ def test_bf16_checkpoint_quantized_on_load(tmp_path, checkpoints, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_warp_specialized_gemms_in_vllm(tmp_path, checkpoints, family):
-    """The Gluon warp-specialized GEMMs (moe_sm90_ws) inside vLLM, under torch.compile and CUDA graphs: a
+    """The Gluon warp-specialized GEMMs (sm90.gemm_gluon) inside vLLM, under torch.compile and CUDA graphs: a
     tuned-config directory that selects them for the tiny model's shape at every token count (the shipped
     configs hold no entry for it, so the other tests run the Triton kernel), and a fresh Triton cache that
     must then hold their compiled kernel; greedy tokens match the dequantized-BF16 reference as there.  GEMM2
     runs as two K groups per tile (the tile's K step goes to each group in turn from tile to tile)."""
     from helpers_checkpoints import EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, TOP_K
 
-    from moe_nvfp4.configs import CONFIG_VERSION, KERNEL_NAME, MoEKernelConfig, config_path
+    from moe_nvfp4.sm90.configs import CONFIG_VERSION, KERNEL_NAME, MoEKernelConfig
+    from moe_nvfp4.sm90.tuned_configs import config_path
 
     ws = {"block_n": 64, "num_stages": 2, "programs_per_sm": 2, "max_registers": 128, "warp_specialized": True}
     config = {"block_m": 16, "gemm1": ws, "gemm2": {**ws, "programs_per_sm": 1, "max_registers": 168, "k_groups": 2}}

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.triton import moe_sm90_ws
-from moe_nvfp4.triton.moe_sm90 import compiled_variants
+from moe_nvfp4.sm90.host import compiled_variants
+from moe_nvfp4.sm90 import gemm_gluon as moe_sm90_ws
 from moe_nvfp4.warmup import compile_kernels
 
 pytestmark = pytest.mark.gpu

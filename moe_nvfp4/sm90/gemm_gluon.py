@@ -1,7 +1,7 @@
 """Warp-specialized sm_90 MoE GEMM (Gluon): a loader warp group feeds a ring of shared-memory stages, the MMA
 warps decode FP4 from shared memory into their wgmma A registers.
 
-Same contract and sums as moe_sm90._moe_gemm_kernel (its decode PTX, tile order and activations are shared).  There
+Same contract and sums as gemm_triton._moe_gemm_kernel (its decode PTX, tile order and activations are shared).  There
 every thread computes its own cp.async addresses and waits for its own copies (170 of the decode loop's 426 SASS
 instructions per K step at block_n 64); here one loader thread issues, per stage and
 matrix, one TMA box of values and one of scales (4 KiB and 512 bytes per 64-row unit and K chunk), and its
@@ -29,22 +29,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..configs import GemmConfig, MoEKernelConfig
 from ..layouts import FragmentLayout
-from . import sm90_common
-from .sm90_common import (
+from ..triton import common as triton_common
+from ..triton.common import _routed
+from .common import (
     BF16_EPILOGUE_FIX,
     BLOCK_BYTES,
     FP16_EPILOGUE_FIX,
     SCALE_BLOCK_BYTES,
-    _decode_words,
     Epilogue,
     GemmRouting,
     GemmWeights,
     _activation,
+    _decode_words,
     _grouped_tile,
-    _routed,
 )
+from .configs import GemmConfig, MoEKernelConfig
 
 # TMA boxes are 4-d [chunks, units, rows, 128 bytes] (global views below); the MMA warps read one chunk of
 # them as the 2-d [units x rows, 128] tile they were laid out as
@@ -59,7 +59,7 @@ LOADER_REGISTERS = 56
 
 @gluon.jit
 def _after_previous_kernel(PDL: gl.constexpr):
-    """moe_sm90._after_previous_kernel in Gluon, run by every partition before it reads what the previous
+    """triton.common._after_previous_kernel in Gluon, run by every partition before it reads what the previous
     kernel writes: wait for its writes, then let the next kernel launch (programmatic dependent launch).  Each
     thread waits before it lets the next kernel launch, so a kernel that is running knows the kernel two back
     has ended: GEMM2's loader reads the routing kernel's tile map (with pair tiles, topk_ids, written before
@@ -113,9 +113,9 @@ def _token_tiles(tile_map, PAIR_TILES: gl.constexpr):
 
 @gluon.jit
 def _tile(mn, num_m_tiles, num_n_tiles, tile_map, PAIR_TILES: gl.constexpr, HAS_MAP: gl.constexpr):
-    """Tile mn (moe_sm90's grouped order): its n tile, expert, first sorted row and end of rows, three loads side
+    """Tile mn (gemm_triton's grouped order): its n tile, expert, first sorted row and end of rows, three loads side
     by side.  With PAIR_TILES token tile m is pair m, one row (row m), its expert read from topk_ids (through the
-    expert map with HAS_MAP); a pair routed nowhere (moe_sm90._routed: an id or map entry out of range, another
+    expert map with HAS_MAP); a pair routed nowhere (triton.common._routed: an id or map entry out of range, another
     rank's expert) has no row and expert 0, and loader and MMA warps skip it (_has_rows).  Loader and MMA warps
     walk the same tiles."""
     (
@@ -285,7 +285,7 @@ def _decode_tile(w_smem, s_smem, BLOCK_N: gl.constexpr, DTYPE: gl.constexpr, NW:
     s8 = s_smem.reshape([PAIRS, 1, 16]).load(S_L).broadcast_to([PAIRS, 4, 16]).reshape([PAIRS, 4, 4, 1, 4])
     s8 = gl.convert_layout(s8.broadcast_to([PAIRS, 4, 4, 2, 4]).reshape([PAIRS, 4, 32]), P_L, assert_trivial=True)
     lo, hi = _decode_words(p, s8, DTYPE)
-    # the same relabelling as moe_sm90._decode_fragments: these registers already are the A operand
+    # the same relabelling as gemm_triton._decode_fragments: these registers already are the A operand
     w = gl.join(gl.reshape(lo, FRAG), gl.reshape(hi, FRAG))
     w = gl.reshape(gl.permute(w, (0, 6, 1, 3, 4, 2, 5)), [BLOCK_N, 128])
     return gl.convert_layout(w, DOT_L, assert_trivial=True)
@@ -313,7 +313,7 @@ def _consumer(
     """One MMA warp group (GROUP of K_GROUPS), which takes every K_GROUPS-th K step of each tile; group 0 adds
     group 1's sums (from shared memory, in the same order wherever the tile runs: the same bits) and runs the
     epilogue.  ``shared``: the run-time arguments every group takes (a tuple, so the kernel names them once for
-    all groups); ``epilogue``: the kernel's sm90_common.Epilogue.  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1)
+    all groups); ``epilogue``: the kernel's common.Epilogue.  A tile whose rows fit in BLOCK_M / 2 (NARROW >= 1)
     or BLOCK_M / 4 (NARROW 2) runs its MMAs that narrow: the tile holds the largest expert, and the smaller ones pay
     for their own width only (every group of the tile picks the same width from the same rows)."""
     (
@@ -608,8 +608,8 @@ def _epilogue(
     DTYPE: gl.constexpr,
     MMA_L: gl.constexpr,
 ):
-    """A tile's whole-K sums out (``operands`` from _epilogue_operands), moe_sm90._tile_sums_and_store's epilogue
-    (sm90_common.Epilogue): GEMM1 act(gate + bias, up + bias) in DTYPE (SiLU(gate) * up by default); GEMM2
+    """A tile's whole-K sums out (``operands`` from _epilogue_operands), gemm_triton._tile_sums_and_store's epilogue
+    (common.Epilogue): GEMM1 act(gate + bias, up + bias) in DTYPE (SiLU(gate) * up by default); GEMM2
     (acc + bias) times the pairs' top-k weights."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
@@ -700,7 +700,7 @@ def _moe_gemm_ws_kernel(
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     # weight matrices per expert: gate and up, or one (GEMM2; GEMM1 with a non-gated activation)
-    HALVES: gl.constexpr = 2 if epilogue[5] else 1  # gate and up matrices (sm90_common.Epilogue.GATE_UP)
+    HALVES: gl.constexpr = 2 if epilogue[5] else 1  # gate and up matrices (common.Epilogue.GATE_UP)
     a_smem = gl.allocate_shared_memory(
         DTYPE,
         [STAGES * CHUNKS, BLOCK_M, 128],
@@ -924,7 +924,7 @@ def launch_gemm_ws(
     top_k: int,
     sms: int,
 ) -> None:
-    """One warp-specialized GEMM launch, moe_sm90.launch_gemm's contract: GEMM1 when ``is_gemm1`` (config.gemm1's
+    """One warp-specialized GEMM launch, gemm_triton.launch_gemm's contract: GEMM1 when ``is_gemm1`` (config.gemm1's
     tiles), out[row] = act(a[pair // top_k] @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's),
     out[pair] = routing weight * (a[row] @ W^T).  a [rows, K] and out [rows, N] in 16-byte aligned rows; ``sms``
     programs per GemmConfig.programs_per_sm.  With ``routing.pair_tiles`` the tile map goes unread and no routing
@@ -936,7 +936,7 @@ def launch_gemm_ws(
     ids, expert_map = routing.topk_ids, routing.expert_map
     has_map = routing.pair_tiles and expert_map is not None  # routed tiles hold local experts already
     topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
-    pdl = sm90_common._dependent_launch(a.device)["PDL"]
+    pdl = triton_common._dependent_launch(a.device)["PDL"]
     _moe_gemm_ws_kernel[(sms * gemm.programs_per_sm,)](
         a,
         a.stride(0),

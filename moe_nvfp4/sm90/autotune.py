@@ -8,7 +8,7 @@ Tuning is explicit (design 004, decision 10): ``moe-nvfp4 tune`` (``tune_cli``) 
 the cache; at load the vLLM plugin only reads it (``load_configs``: ``cached_configs``), unless MOE_NVFP4_AUTOTUNE=1
 asks it to tune there.  Without a cache entry the default config serves.
 
-For one layer shape (``configs.LayerShape``) on one device (``configs.DeviceTraits``):
+For one layer shape (``shapes.LayerShape``) on one device (``shapes.DeviceTraits``):
 1. Buckets (``token_buckets``): the token counts after which the serving config may change (the shape's entry
    ends, else ``default_config``'s bounds), 1 and every fourth power of two up to ``max_tokens``, and
    ``max_tokens``.  A bucket's entry serves the counts above the previous bucket up to its own, and is timed at
@@ -20,7 +20,7 @@ For one layer shape (``configs.LayerShape``) on one device (``configs.DeviceTrai
    shape had.
 3. A candidate's output is checked against the bucket's starting config first (configs differ only in rounding
    order), then timed by CUDA-graph replay after an L2 flush, median of REPS.
-4. The winners are registered (``configs.register_entries``: ``select_config`` serves them in this process) and
+4. The winners are registered (``tuned_configs.register_entries``: ``select_config`` serves them in this process) and
    written to ``cache_dir()``, keyed by device, shape, dtype and the package, kernel-source, Triton and torch
    versions (``cache_key``), so the next start reads them and times nothing.
 """
@@ -41,29 +41,13 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
-from .configs import (
-    CHUNK_K,
-    CONFIG_VERSION,
-    KERNEL_NAME,
-    TOKEN_TILES,
-    TRITON_PREFILL,
-    WS_ONE_GROUP,
-    WS_TWO_GROUPS,
-    DeviceTraits,
-    GemmConfig,
-    LayerShape,
-    MoEKernelConfig,
-    default_bounds,
-    device_traits,
-    entries_for,
-    fit_gemm,
-    measured_entries,
-    register_entries,
-    select_config,
-)
+from ..shapes import DeviceTraits, LayerShape, device_traits
+from .configs import CHUNK_K, CONFIG_VERSION, KERNEL_NAME, TOKEN_TILES, GemmConfig, MoEKernelConfig
+from .default_config import TRITON_PREFILL, WS_ONE_GROUP, WS_TWO_GROUPS, default_bounds, fit_gemm
+from .tuned_configs import entries_for, measured_entries, register_entries, select_config
 
 if TYPE_CHECKING:
-    from .api import MoEWeights
+    from ..weights import MoEWeights
 
 __all__ = [
     "AutotuneReport",
@@ -227,9 +211,9 @@ def autotune_enabled() -> bool:
 @lru_cache(maxsize=None)
 def _kernel_digest() -> str:
     """A digest of the sources a config's speed depends on (the kernels and the config rules)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent  # this backend's folder; the shared Triton kernels; the routing twin
     h = hashlib.sha256()
-    for path in sorted([*here.glob("triton/*.py"), here / "configs.py", here / "routing.py"]):
+    for path in sorted([*here.glob("*.py"), *here.parent.glob("triton/*.py"), here.parent / "routing.py"]):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -244,7 +228,7 @@ def cache_key(shape: LayerShape, device: DeviceTraits) -> dict:
     """Everything a cached choice depends on; a cache file is used only where its key is equal."""
     import triton
 
-    from . import __version__
+    from .. import __version__
 
     return dict(
         kernel=KERNEL_NAME,
@@ -436,8 +420,8 @@ def gpu_timer(
     """``measure(cfg, tokens)`` for ``weights`` on their GPU (step 3 of the module docstring): microseconds, None
     where the candidate fails or disagrees with the first config timed at that count.  Random x and softmax
     routing over the routing's experts, drawn once per token count; its buffers are freed on exit."""
-    from .routing import topk_softmax
-    from .triton.moe_sm90 import fused_moe_sm90
+    from ..routing import topk_softmax
+    from .host import fused_moe_sm90
 
     device = weights.w13_packed.device
     shape = weights.layer_shape(top_k, dtype, expert_map)

@@ -8,6 +8,7 @@ weight_layouts.Sm90Layout.pack calls it per gate/up block and run of experts (de
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -16,7 +17,7 @@ import triton.language as tl
 from ..formats import NVFP4
 from ..layouts import FRAGMENT_WORD_BITS, FragmentLayout, encode_scale_e5m3
 
-__all__ = ["agrees_with_twin", "pack_fragment_block"]
+__all__ = ["agrees_with_twin", "block_packer", "pack_fragment_block"]
 
 
 @functools.cache
@@ -146,3 +147,20 @@ def agrees_with_twin(device: torch.device, layout: FragmentLayout = FragmentLayo
     got = tuple(torch.empty(t.shape, dtype=torch.uint8, device=device) for t in want)
     pack_fragment_block(packed.to(device), scale.to(device), *got, layout=layout)
     return all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+def block_packer(device: torch.device, layout: FragmentLayout):
+    """The ``pack_block`` entry: this packing kernel for ``layout`` on a GPU; None (``Sm90Layout.pack`` then runs its
+    torch twin) on the CPU and on a GPU where the kernel fails its known-answer check (slower loading with more
+    memory, the same weights)."""
+    if device.type != "cuda":
+        return None
+    if not agrees_with_twin(device, layout):
+        warnings.warn(
+            f"moe_nvfp4: the packing kernel gives other bytes than its torch twin on {device} (Triton "
+            f"{triton.__version__}); packing with the twin instead. Please report this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return functools.partial(pack_fragment_block, layout=layout)

@@ -1,19 +1,6 @@
-"""Fused NVFP4 MoE for Hopper (sm_90) in Triton: routing, two persistent grouped GEMMs, a fixed-order combine.
-
-Launches per forward (each grid sized from the SM count or T, never from routing data):
-  1. ``_route_kernel``   per-expert counts/offsets, pairs grouped by expert, the tile map: one program up
-     to ROUTE_ONE_PROGRAM pairs; past that one per chunk of pairs, after ``_count_kernel`` counted them.
-     None with pair tiles (MoEKernelConfig.pair_tiles): the Gluon GEMMs (moe_sm90_ws) then take every
-     (token, k) pair as a one-row tile, its expert read from topk_ids.
-  2. ``_moe_gemm_kernel`` GEMM1: gathers token rows of x, decodes w13 in registers, SiLU(gate) * up (or the
-     weights' other activation, bias added: sm90_common.Epilogue).
-  3. ``_moe_gemm_kernel`` GEMM2: decodes w2, multiplies by the top-k weight (bias added first), writes one row per
-     (token, k) pair into a float32 buffer (or one in x's dtype, per config).
-  4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
-Routing (routing_kernels) and the combine (combine) are modules of their own: the Blackwell host launches them too.
-vLLM's batched format (``fused_moe_batched_sm90``) runs the same two GEMMs on a plan built from per-expert counts
-(``route_batched``): each row of x [E, max_tokens, H] is a pair of its own, GEMM2 writes the batched output, no combine.
-Each GEMM tile takes whole K in one program, so a row's sums never depend on where its tile runs.
+"""The sm_90 MoE's grouped GEMM in Triton (``_moe_gemm_kernel``) and its launch (``launch_gemm``), one kernel for
+GEMM1 and GEMM2 over all experts; the host (``host.fused_moe_sm90``) chooses it or the Gluon one (gemm_gluon) per
+GEMM.
 
 The GEMMs compute out^T = W @ A^T ("swap AB"): the decoded weights are the MMA's large side and the
 token tile (16..128 rows) its small side, so decode-sized batches do not pad the tensor core with
@@ -21,36 +8,19 @@ zeros.  Weights arrive in layouts.FragmentLayout, where each thread's bytes are 
 registers: two 16-byte loads per 128-wide K chunk, decoded in registers with no shuffle.  A code decodes
 to bf16 bits of value * 2^-126 (fp16: value * 2^-14) and the block scale byte to a biased bf16 (fp16)
 scale; their product is the exact dequantized weight times a power of two, undone in the fp32 epilogue
-together with the global scales (gate and up separately).
+together with the global scales (gate and up separately).  Each GEMM tile takes whole K in one program, so a
+row's sums never depend on where its tile runs.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from ..configs import LayerShape, MoEKernelConfig, device_traits, select_config
-from ..dispatch import sm_count
-from ..expert_activation import SILU, ExpertActivation
-from ..layouts import rows_16_aligned
-from . import sm90_common
-from .combine import _combine_kernel, combine
-from .moe_sm90_ws import launch_gemm_ws
-from .routing_kernels import (
-    ROUTE_ONE_PROGRAM,
-    _batched_route_kernel,
-    _count_kernel,
-    _route_kernel,
-    route,
-    route_batched,
-    route_chunks,
-    routing_variants_from,
-)
-from .sm90_common import (
-    _TL_DTYPES,
+from ..triton import common as triton_common
+from ..triton.common import _TL_DTYPES, _after_previous_kernel
+from .common import (
     BF16_EPILOGUE_FIX,
     BLOCK_BYTES,
     FP16_EPILOGUE_FIX,
@@ -59,25 +29,12 @@ from .sm90_common import (
     GemmRouting,
     GemmWeights,
     _activation,
-    _after_previous_kernel,
     _decode_words,
     _grouped_tile,
-    plain_launches,
 )
+from .configs import MoEKernelConfig
 
-# what other modules import from here (routing and the combine moved to modules of their own)
-__all__ = [
-    "ROUTE_ONE_PROGRAM",
-    "combine",
-    "compiled_variants",
-    "batched_config",
-    "fused_moe_batched_sm90",
-    "fused_moe_sm90",
-    "plain_launches",
-    "route",
-    "route_chunks",
-    "routing_variants_from",
-]
+__all__ = ["launch_gemm"]
 
 
 @triton.jit
@@ -179,9 +136,9 @@ def _tile_sums_and_store(
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
-    """One tile's K steps and its epilogue (sm90_common.Epilogue), with the token side WIDTH rows wide (the tile's
+    """One tile's K steps and its epilogue (common.Epilogue), with the token side WIDTH rows wide (the tile's
     first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
-    GATE_UP: tl.constexpr = epilogue[5]  # GEMM1 with up rows (sm90_common.Epilogue)
+    GATE_UP: tl.constexpr = epilogue[5]  # GEMM1 with up rows (common.Epilogue)
     a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k = args
     n_tile, expert, row0, row_end, chunks = tile
     w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
@@ -276,7 +233,7 @@ def _moe_gemm_kernel(
 
     IS_GEMM1 (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up), or n_out
     with a non-gated activation; the epilogue writes act(gs_g * gate + b_g, gs_u * up + b_u) to out[row, n] in
-    sorted-row order (``epilogue``: sm90_common.Epilogue, the activation SiLU(gate) * up by default).
+    sorted-row order (``epilogue``: common.Epilogue, the activation SiLU(gate) * up by default).
     Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes topk_weight * (gs * acc + b) (no weight
     where Epilogue.ROUTER_WEIGHT is False) to out[pair, n] (float32, or the buffer's dtype).
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
@@ -363,20 +320,6 @@ def _moe_gemm_kernel(
             )
 
 
-def compiled_variants() -> int:
-    """How many kernel variants Triton has compiled in this process (all kernels here, all devices)."""
-    kernels = (_count_kernel, _route_kernel, _batched_route_kernel, _moe_gemm_kernel, _combine_kernel)
-    # device_caches: device -> (kernel cache, ...) in Triton 3.x; the interpreter has none.
-    return sum(len(caches[0]) for k in kernels for caches in getattr(k, "device_caches", {}).values())
-
-
-def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
-    """Whether the warp-specialized Gluon GEMMs can run: sm_90 code whose cp.async row copies are 16 bytes,
-    compiled only where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors)
-    and other rows run the Triton kernel with the same tiles, which computes the same sums."""
-    return x.is_cuda and rows_16_aligned(x) and intermediate % 16 == 0
-
-
 def launch_gemm(
     a: torch.Tensor,
     weights: GemmWeights,
@@ -420,189 +363,6 @@ def launch_gemm(
         NUM_STAGES=gemm.num_stages,
         USE_ASM=a.is_cuda,  # the interpreter has no PTX
         NARROW=gemm.narrow_tiles,
-        **sm90_common._dependent_launch(a.device),
+        **triton_common._dependent_launch(a.device),
         **gemm.launch_options(),
-    )
-
-
-def _map_len(expert_map: torch.Tensor | None) -> int:
-    return 0 if expert_map is None else expert_map.numel()
-
-
-def _gemm_routing(
-    config: MoEKernelConfig,
-    both_gluon: bool,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    num_experts: int,
-) -> GemmRouting:
-    """What both GEMMs read of the routing: the routing kernels' tile map, or with pair tiles none."""
-    # pair tiles: the Gluon GEMMs take each pair's expert from topk_ids (and the expert map), and both GEMMs must
-    # number rows alike
-    pair_tiles = config.pair_tiles and both_gluon
-    if pair_tiles:
-        # no routing launch; the tile-map arguments go unread: a 16-byte aligned stand-in (as route()'s buffers
-        # are), so which variant compiles never depends on topk_ids' alignment
-        tile_map = (torch.empty(4, dtype=torch.int32, device=topk_ids.device),) * 5
-    else:
-        sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
-        tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
-    return GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
-
-
-def fused_moe_sm90(
-    x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    intermediate: int,
-    config: MoEKernelConfig | None = None,
-    out: torch.Tensor | None = None,
-    *,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    apply_router_weight_on_input: bool = False,
-) -> torch.Tensor:
-    """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels, three with
-    pair tiles (MoEKernelConfig.pair_tiles, both GEMMs warp-specialized): no routing.  Pairs routed nowhere
-    (routing.routed_pairs: ids or expert-map entries out of range) contribute nothing on every path.
-
-    ``config``: configs.select_config's for this call's shape where None (tests and the tuner pass their own).
-    The variant (weights.MoEWeights' activation and biases, the router weight on the input) reaches the GEMMs as
-    sm90_common.Epilogue; with ``apply_router_weight_on_input`` GEMM1 reads each pair's row x[t] * w[t, j]
-    (rounded to x's dtype, one elementwise pass) instead of x[t], and GEMM2 weights nothing."""
-    t, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    num_experts = w13_packed.shape[0]
-    out = torch.empty_like(x) if out is None else out
-    if t == 0:
-        return out
-    if config is None:
-        shape = LayerShape(num_experts, top_k, hidden, intermediate, x.dtype, _map_len(expert_map), activation.gated)
-        config = select_config(t, shape, device_traits(x.device))
-    gather = 1 if apply_router_weight_on_input else top_k  # GEMM1's A row of pair p: p // gather
-    if apply_router_weight_on_input:  # one row per pair, as vLLM rounds it: a1 * topk_weights.to(a1.dtype)
-        x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(t * top_k, hidden)
-    epilogue1 = Epilogue.of(w13_bias, activation, False)
-    epilogue2 = Epilogue.of(w2_bias, None, not apply_router_weight_on_input)
-    ws_ok = _gluon_rows_ok(x, intermediate)
-    if x.is_cuda and not ws_ok and config.block_m < 16:
-        # 8-token tiles are valid only where both GEMMs are Gluon (MoEKernelConfig.is_valid): the Triton GEMM takes
-        # them as mma.sync tiles, and rows it had to take in their place gave 0.95 relative error on an H200 (x a
-        # column slice of a wider buffer, 2026-11-28; the API copies such rows, so only direct callers get here)
-        config = config.with_token_tile(16)
-    ws1, ws2 = config.gemm1.warp_specialized and ws_ok, config.gemm2.warp_specialized and ws_ok
-    routing = _gemm_routing(config, ws1 and ws2, topk_weights, topk_ids, expert_map, num_experts)
-    sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
-    act = torch.empty(t * top_k, intermediate, dtype=x.dtype, device=x.device)  # the activation
-    launch1 = launch_gemm_ws if ws1 else launch_gemm
-    launch1(
-        x,
-        GemmWeights(w13_packed, w13_scale, w13_global),
-        act,
-        routing,
-        config,
-        epilogue1,
-        is_gemm1=True,
-        top_k=gather,
-        sms=sms,
-    )
-    partial_dtype = x.dtype if config.partials_in_x_dtype else torch.float32  # the store casts the fp32 rows
-    partial = torch.empty(t * top_k, hidden, dtype=partial_dtype, device=x.device)
-    launch2 = launch_gemm_ws if ws2 else launch_gemm
-    launch2(
-        act,
-        GemmWeights(w2_packed, w2_scale, w2_global),
-        partial,
-        routing,
-        config,
-        epilogue2,
-        is_gemm1=False,
-        top_k=top_k,
-        sms=sms,
-    )
-    combine(partial, topk_ids, expert_map, num_experts, out)
-    return out
-
-
-def batched_config(
-    num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, gated: bool, expected_rows: float, device
-) -> MoEKernelConfig:
-    """The config of a batched forward whose busy experts hold about ``expected_rows`` rows each: the one
-    select_config gives the same experts at the token count where a top-1 routing over them puts that many rows on
-    each busy expert (LayerShape.tokens_up_to_rows), without pair tiles (each tile's expert comes from the counts,
-    not from topk_ids)."""
-    shape = LayerShape(num_experts, 1, hidden, intermediate, dtype, 0, gated)
-    config = select_config(shape.tokens_up_to_rows(max(expected_rows, 1.0)), shape, device_traits(device))
-    return dataclasses.replace(config, pair_tiles=False)
-
-
-def fused_moe_batched_sm90(
-    x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
-    expert_num_tokens: torch.Tensor,
-    intermediate: int,
-    out: torch.Tensor,
-    config: MoEKernelConfig,
-    *,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-) -> None:
-    """Host wrapper of the batched format (inputs checked by api.fused_moe_batched): x [E, M, H] with unit stride
-    along H and rows M apart, expert_num_tokens int32 [E]; writes out[e, r] = FFN_e(x[e, r]) for r < count_e (the
-    count clamped to [0, M]), unweighted, and nothing else.  Three launches: route_batched, then GEMM1 and GEMM2
-    reading its tile map (each row its own pair, top-k 1; no combine: GEMM2's rows are the output).  No host
-    synchronisation; every grid and buffer is sized from E, M, H and I."""
-    e, m, hidden = x.shape
-    if e * m == 0:
-        return
-    x_rows, out_rows = x.view(e * m, hidden), out.view(e * m, hidden)
-    ws_ok = _gluon_rows_ok(x_rows, intermediate) and rows_16_aligned(out_rows)
-    if x.is_cuda and not ws_ok and config.block_m < 16:  # 8-token tiles need both GEMMs Gluon (fused_moe_sm90)
-        config = config.with_token_tile(16)
-    sorted_rows, _, _, *tiles = route_batched(expert_num_tokens, m, config.block_m)
-    # GEMM2 weights nothing and no tile is a pair tile: the ids and weights go unread (16-byte aligned stand-ins)
-    stand_in = torch.empty(4, dtype=torch.int32, device=x.device)
-    routing = GemmRouting((sorted_rows, *tiles), stand_in, stand_in.view(torch.float32), None, False)
-    sms = sm_count(x.device, off_gpu=2)
-    act = torch.empty(e * m, intermediate, dtype=x.dtype, device=x.device)
-    epilogue1 = Epilogue.of(w13_bias, activation, False)
-    epilogue2 = Epilogue.of(w2_bias, None, False)
-    launch1 = launch_gemm_ws if config.gemm1.warp_specialized and ws_ok else launch_gemm
-    launch1(
-        x_rows,
-        GemmWeights(w13_packed, w13_scale, w13_global),
-        act,
-        routing,
-        config,
-        epilogue1,
-        is_gemm1=True,
-        top_k=1,
-        sms=sms,
-    )
-    launch2 = launch_gemm_ws if config.gemm2.warp_specialized and ws_ok else launch_gemm
-    launch2(
-        act,
-        GemmWeights(w2_packed, w2_scale, w2_global),
-        out_rows,
-        routing,
-        config,
-        epilogue2,
-        is_gemm1=False,
-        top_k=1,
-        sms=sms,
     )

@@ -1,21 +1,17 @@
-"""What the sm_90 MoE GEMMs share, the Triton one (moe_sm90) and the Gluon one (moe_sm90_ws): the FP4 decode PTX and
-its constants, the tile order, the routing predicate, the epilogue variants and the activations, the named groups a
-GEMM launch takes (GemmWeights, GemmRouting, Epilogue); and what every Triton kernel of the forward (routing_kernels,
-the GEMM, combine) shares: programmatic dependent launch and the dtype map.  A module of its own so the kernel
-modules import it, not each other.
+"""What the sm_90 MoE GEMMs share, the Triton one (gemm_triton) and the Gluon one (gemm_gluon): the FP4 decode PTX
+and its constants, the tile order, the epilogue variants and the activations, the named groups a GEMM launch takes
+(GemmWeights, GemmRouting, Epilogue).  A module of its own so the kernel modules import it, not each other; what
+every Triton kernel of the forward shares (the routing predicate, programmatic dependent launch, the dtype map) is
+``triton.common``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..expert_activation import ExpertActivation
 from ..layouts import FragmentLayout
@@ -83,18 +79,6 @@ class Epilogue(NamedTuple):
         return cls(bias, *map(tl.constexpr, (*fields, router_weight, gate_up)))
 
 
-@triton.jit
-def _routed(e, ok, expert_map_ptr, num_global, num_experts, HAS_MAP: tl.constexpr):
-    """Global expert ids e (where ok) -> (local expert, routed), routing.routed_pairs' meaning: an id outside
-    [0, num_global) or a map entry outside [0, num_experts) routes the pair nowhere, and nothing is read through
-    it.  Without a map num_global is num_experts, and the ids are the local experts."""
-    ok = ok & (e >= 0) & (e < num_global)
-    if HAS_MAP:
-        e = tl.load(expert_map_ptr + e, mask=ok, other=-1)
-        ok = ok & (e >= 0) & (e < num_experts)
-    return e, ok
-
-
 # Bytes of one 64-row unit and 128-wide K chunk in layouts.FragmentLayout: values, then (separately) scales
 BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().block_bytes)
 SCALE_BLOCK_BYTES: tl.constexpr = tl.constexpr(FragmentLayout().scale_block_bytes)
@@ -154,7 +138,7 @@ FP16_EPILOGUE_FIX: tl.constexpr = tl.constexpr(2.0**14)
 def _decode_words(p, s8, DTYPE: tl.constexpr):
     """The decode PTX on packed bytes: p eight FP4 bytes (two words) per call, s8 their four scale bytes
     (word 0 rows R, R + 8, word 1 the same) twice; returns the lo / hi rows' values.  Shared by the Triton and
-    the Gluon (moe_sm90_ws) kernels."""
+    the Gluon (gemm_gluon) kernels."""
     constraints: tl.constexpr = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r"
     if DTYPE == tl.bfloat16:
         lo, hi = tl.inline_asm_elementwise(
@@ -217,7 +201,7 @@ def _activation(gate, up, EPILOGUE, USE_ASM: tl.constexpr):
 @triton.jit
 def _grouped_tile(mn, num_m_tiles, num_n_tiles):
     """Tile mn's (token tile, weight tile) in grouped order: GROUP token tiles share each weight tile while it is
-    hot in L2.  Shared by the Triton and the Gluon (moe_sm90_ws) kernels.  Which program runs a tile never changes
+    hot in L2.  Shared by the Triton and the Gluon (gemm_gluon) kernels.  Which program runs a tile never changes
     its sums (whole K per tile), so the order is a matter of speed only.  GROUP is 8, what every tuned config ran
     with while it was a GemmConfig field (until config version 3): the order their timings saw."""
     GROUP: tl.constexpr = 8
@@ -226,40 +210,3 @@ def _grouped_tile(mn, num_m_tiles, num_n_tiles):
     tiles_in_group = tl.minimum(num_m_tiles - first_m, GROUP)
     in_group = mn % (GROUP * num_n_tiles)
     return first_m + in_group % tiles_in_group, in_group // tiles_in_group
-
-
-@triton.jit
-def _after_previous_kernel(PDL: tl.constexpr):
-    """Programmatic dependent launch: wait until the previous kernel in the stream has finished and its
-    writes are visible (every kernel here calls this before its first memory access), then let the next
-    kernel launch now, so its CTAs become resident and start the moment this one ends instead of after a
-    launch gap.  Decode forwards are three or four short dependent kernels; the gaps are a visible share of
-    them."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@functools.lru_cache(maxsize=None)
-def _dependent_launch(device: torch.device) -> dict:
-    """Launch options of every sm_90 Triton kernel: programmatic dependent launch on sm_90+ (see
-    _after_previous_kernel); the interpreter (CPU tensors) and older GPUs launch plainly.  Cached per
-    device: three launches of every forward ask (callers only read the dict)."""
-    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
-
-
-@contextlib.contextmanager
-def plain_launches() -> Iterator[None]:
-    """Inside, every sm_90 Triton kernel launches without programmatic dependent launch, so a profiler's time for a
-    kernel is its own (with PDL it also holds the wait for the kernel before it)."""
-    global _dependent_launch
-    dependent_launch = _dependent_launch
-    _dependent_launch = lambda device: dict(PDL=False)
-    try:
-        yield
-    finally:
-        _dependent_launch = dependent_launch

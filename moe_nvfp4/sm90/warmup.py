@@ -1,0 +1,28 @@
+"""What the sm_90 MoE compiles for a layer (the ``warmup_token_counts`` entry): the token counts whose forwards
+compile every kernel variant ``fused_moe`` can launch up to ``max_tokens`` tokens (``warmup.compile_kernels`` runs
+them, in threads)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..shapes import device_traits
+from ..triton.routing_kernels import routing_variants_from
+from .tuned_configs import configs_up_to
+
+if TYPE_CHECKING:
+    from ..weights import MoEWeights
+
+__all__ = ["warmup_token_counts"]
+
+
+def warmup_token_counts(
+    weights: MoEWeights, top_k: int, dtype: torch.dtype, max_tokens: int, expert_map: torch.Tensor | None = None
+) -> list[int]:
+    """The fewest tokens of each config ``select_config`` serves up to ``max_tokens`` (``configs_up_to``) and of
+    each routing variant."""
+    device = weights.w13_packed.device
+    first = configs_up_to(max_tokens, weights.layer_shape(top_k, dtype, expert_map), device_traits(device))
+    return sorted(set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)})
