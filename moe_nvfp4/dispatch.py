@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import DEFAULT_ORDER, TORCH, Backend, by_name
+from . import backends
+from .backends import TORCH, Backend, by_name
 
 __all__ = ["Selection", "arch_of", "select_backends", "sm_count"]
 
@@ -61,10 +62,11 @@ def select_backends(device: torch.device) -> Selection:
 
 @functools.cache
 def _select(arch: str, forced_name: str | None) -> Selection:
+    order_of = backends.DEFAULT_ORDER  # read at the call: the registry is the one place a backend is added
     if arch == "cpu":
-        default = {op: TORCH for op in DEFAULT_ORDER}
+        default = {op: TORCH for op in order_of}
     else:
-        default = {op: next((b for b in order if b.supports(arch)), None) for op, order in DEFAULT_ORDER.items()}
+        default = {op: next((b for b in order if b.supports(arch)), None) for op, order in order_of.items()}
         if default["moe_w4a16"] is None:
             raise RuntimeError(f"no NVFP4 MoE backend for {arch}; supported: CPU (reference), CUDA sm_80+")
     if forced_name is not None:
