@@ -186,8 +186,8 @@ def _decode_preset(shape: LayerShape, tokens: int, n: int, device: DeviceTraits)
 def default_bounds(shape: LayerShape, device: DeviceTraits) -> list[int]:
     """The token counts after which ``default_config`` may change for ``shape`` on ``device``: each count with
     pair tiles (their tiles follow the pairs), the last T under each bound on rows it compares
-    (DEFAULT_ROW_BOUNDS), and the last T under each SM-count bound on 8-token tiles (_decode_preset)."""
-    # 8-token tiles' deep ring (64-row tiles), and _fill_the_sms' 128-row tiles at each token tile it decides
+    (DEFAULT_ROW_BOUNDS), and the last T under each SM-count bound: 8-token tiles' 64-row tiles (_decode_preset)
+    and the 128-row tiles of the 8-, 16- and 32-token tiles _fill_the_sms decides."""
     under_sms = [
         lambda t, n=n, m=m, rows=rows: shape.decode_tiles(t, n, m, rows) < device.sm_count
         for n in (shape.intermediate, shape.hidden)
