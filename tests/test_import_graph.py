@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"moe_nvfp4": ROOT / "moe_nvfp4", "moe_nvfp4_vllm": ROOT / "integrations" / "moe_nvfp4_vllm"}
 KERNEL_PACKAGES = ("moe_nvfp4.triton", "moe_nvfp4.cute")
 # an architecture's backend folder holds its kernels and host, the config data below them and the tuner above them
-KERNEL_MODULES = tuple(f"moe_nvfp4.sm90.{m}" for m in ("host", "gemm_triton", "gemm_gluon", "common", "fragment_pack"))
+KERNEL_MODULES = tuple(
+    f"moe_nvfp4.sm90.{m}"
+    for m in ("host", "gemm_triton", "gemm_gluon", "gemm_gluon_loader", "gemm_gluon_mma", "common", "fragment_pack")
+)
 # what sits above the kernels; the package itself re-exports the API, so importing it imports the API too
 ABOVE_KERNELS = (
     "moe_nvfp4.api",

@@ -10,7 +10,9 @@ tuner's CLI and the tools.
   fragment_pack.py   the packing kernel of the layout it reads (weight_layouts.Sm90Layout, ``sm90_fragments``)
   host.py            the forward: config, routing, the two GEMMs, the combine
   gemm_triton.py     the Triton GEMM kernel and its launch
-  gemm_gluon.py      the warp-specialized Gluon GEMM kernel and its launch
+  gemm_gluon.py      the warp-specialized Gluon GEMM kernel (allocates the ring, starts the partitions), its launch
+  gemm_gluon_loader.py  its tile walk and loader partition (TMA weight boxes, cp.async token rows)
+  gemm_gluon_mma.py  its MMA partitions: decode from shared memory, wgmma, the epilogue
   common.py          what both GEMM kernels share (decode PTX, epilogue, launch groups)
 The routing and combine kernels are shared with the Blackwell host (``triton/``).
 """
