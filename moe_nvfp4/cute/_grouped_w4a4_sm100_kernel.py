@@ -14,11 +14,21 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from ._w4a4_sm100_tensors import (
+    find_group,
+    _SF,
+    _rows,
+    _scales_to_tmem,
+    epilogue_view,
+    load_accumulators,
+    operand_layout,
+    scale_layout,
+    store_masked,
+)
 from .tiles import _OUT_DTYPES, SF_VEC, TILE_K, TILE_M
 
 _OUT = {"Float16": cutlass.Float16, "BFloat16": cutlass.BFloat16, "Float32": cutlass.Float32}
 _AB = cutlass.Float4E2M1FN
-_SF = cutlass.Float8E4M3FN
 _ACC = cutlass.Float32
 _EPILOGUE_WARPS = (0, 1, 2, 3)  # TMEM lanes 32w..32w+31 are readable by warp w % 4 only: warps 0-3 own rows 0-127
 _MMA_WARP = 4
@@ -169,34 +179,6 @@ class GroupedW4A4Sm100:
             num_groups,
         ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[1, 1, 1], stream=stream)
 
-    @cute.jit
-    def tiles_of(self, sizes: cute.Tensor, g: cutlass.Int32) -> cutlass.Int32:
-        """Output tiles of group g (row-major over (M tiles, N tiles))."""
-        return cute.ceil_div(sizes[g, 0], TILE_M) * cute.ceil_div(sizes[g, 1], self.tile_n)
-
-    @cute.jit
-    def find_group(
-        self,
-        sizes: cute.Tensor,
-        num_groups: cutlass.Int32,
-        tile: cutlass.Int32,
-        group: cutlass.Int32,
-        first: cutlass.Int32,
-    ) -> tuple:
-        """Move the cursor (group, first tile of group) forward until it holds ``tile``; group == num_groups
-        once ``tile`` is past the last group.  Tiles only grow along a CTA's walk, so each role scans every
-        group at most once per launch."""
-        count = cutlass.Int32(0)
-        if group < num_groups:
-            count = self.tiles_of(sizes, group)
-        while group < num_groups and tile >= first + count:
-            first = first + count
-            group = group + 1
-            count = cutlass.Int32(0)
-            if group < num_groups:
-                count = self.tiles_of(sizes, group)
-        return group, first
-
     @cute.kernel
     def kernel(
         self,
@@ -290,7 +272,7 @@ class GroupedW4A4Sm100:
             for atom, ptr in zip(atoms, desc_smem_ptrs):
                 descriptor_manager.init_tensormap_from_atom(atom, ptr, _TMA_WARP)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-            group, first = self.find_group(sizes, num_groups, cta, cutlass.Int32(0), cutlass.Int32(0))
+            group, first = find_group(self.tile_n, sizes, num_groups, cta, cutlass.Int32(0), cutlass.Int32(0))
             loaded_group = cutlass.Int32(-1)
             tile = cta
             while group < num_groups:
@@ -329,7 +311,7 @@ class GroupedW4A4Sm100:
                             )
                         state.advance()
                 tile = tile + num_ctas
-                group, first = self.find_group(sizes, num_groups, tile, group, first)
+                group, first = find_group(self.tile_n, sizes, num_groups, tile, group, first)
             ab_pipeline.producer_tail(state)
 
         if warp == _MMA_WARP:
@@ -361,7 +343,7 @@ class GroupedW4A4Sm100:
 
             ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
-            group, first = self.find_group(sizes, num_groups, cta, cutlass.Int32(0), cutlass.Int32(0))
+            group, first = find_group(self.tile_n, sizes, num_groups, cta, cutlass.Int32(0), cutlass.Int32(0))
             tile = cta
             while group < num_groups:
                 k_tiles = cute.ceil_div(sizes[group, 2], TILE_K)
@@ -390,7 +372,7 @@ class GroupedW4A4Sm100:
                     acc_pipeline.producer_commit(acc_state)
                     acc_state.advance()
                 tile = tile + num_ctas
-                group, first = self.find_group(sizes, num_groups, tile, group, first)
+                group, first = find_group(self.tile_n, sizes, num_groups, tile, group, first)
             acc_pipeline.producer_tail(acc_state)
 
         if warp < _MMA_WARP:
@@ -411,7 +393,7 @@ class GroupedW4A4Sm100:
             tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
 
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
-            group, first = self.find_group(sizes, num_groups, cta, cutlass.Int32(0), cutlass.Int32(0))
+            group, first = find_group(self.tile_n, sizes, num_groups, cta, cutlass.Int32(0), cutlass.Int32(0))
             tile = cta
             while group < num_groups:
                 m, n, k = sizes[group, 0], sizes[group, 1], sizes[group, 2]
@@ -441,7 +423,7 @@ class GroupedW4A4Sm100:
                         acc_pipeline.consumer_release(acc_state)
                     acc_state.advance()
                 tile = tile + num_ctas
-                group, first = self.find_group(sizes, num_groups, tile, group, first)
+                group, first = find_group(self.tile_n, sizes, num_groups, tile, group, first)
 
             self.epilogue_barrier.arrive_and_wait()
             if warp == _EPILOGUE_WARPS[0]:
@@ -506,57 +488,3 @@ class GroupedW4A4Sm100:
         sfa = cute.make_tensor(gmem(_SF, 2, 16), scale_layout(a.shape))
         sfb = cute.make_tensor(gmem(_SF, 3, 16), scale_layout(b.shape))
         manager.update_tensormap((a, b, sfa, sfb), atoms, gmem_ptrs, _TMA_WARP, smem_ptrs)
-
-
-def _rows(pointer: cute.Pointer, count: cutlass.Int32, columns: int) -> cute.Tensor:
-    """A row-major [count, columns] device array."""
-    return cute.make_tensor(pointer, cute.make_layout((count, columns), stride=(columns, 1)))
-
-
-def epilogue_view(
-    thr_t2r: cute.TiledCopy, epi_tile: cute.Tile, tensor: cute.Tensor, tile_shape: tuple, coord: tuple
-) -> cute.Tensor:
-    """This thread's part of output tile ``coord`` of ``tensor``, cut in epilogue subtiles:
-    (copy, rest, rest, subtile M, subtile N), matching the TMEM partition of the accumulator."""
-    return thr_t2r.partition_D(cute.flat_divide(cute.local_tile(tensor, tile_shape, coord), epi_tile))
-
-
-@cute.jit
-def load_accumulators(tiled_t2r: cute.TiledCopy, tmem: cute.Tensor, values: cute.Tensor, k_tiles: cutlass.Int32):
-    """One epilogue subtile TMEM -> registers (``tcgen05.ld``, warp-collective: never under a per-thread
-    condition); K = 0 leaves nothing in TMEM and the product is zero."""
-    if k_tiles > 0:
-        cute.copy(tiled_t2r, tmem, values)
-    else:
-        values.fill(0.0)
-
-
-@cute.jit
-def store_masked(values: cute.Tensor, dst: cute.Tensor, coords: cute.Tensor, bound: tuple):
-    """dst[i] = values[i] where coords[i] lies inside ``bound`` (the ragged edges of an output)."""
-    for i in cutlass.range_constexpr(cute.size(values)):
-        if cute.elem_less(coords[i], bound):
-            dst[i] = values[i]
-
-
-def operand_layout(rows: cutlass.Int32 | int, k: cutlass.Int32 | int) -> cute.Layout:
-    """A packed FP4 operand as (rows, K, 1) in FP4 elements, K-major: element (r, k) is nibble r * K + k,
-    i.e. byte (r * K + k) // 2, even k in the low nibble.  K % 32 == 0 keeps rows 16-byte aligned for TMA."""
-    k_aligned = cute.assume(k, 32) if isinstance(k, cutlass.Int32) else k
-    return cute.make_layout((rows, k_aligned, 1), stride=(k_aligned, 1, rows * k_aligned))
-
-
-def scale_layout(operand_shape: tuple) -> cute.Layout:
-    """The e4m3 scales of an operand of shape (rows, K, 1): CuTe's block-scaled atom ((32, 4), (16, 4)) tiled
-    K-first over the operand, which is the 128x4 blocked layout of ``layouts.swizzled_offset`` (tested)."""
-    return blockscaled_utils.tile_atom_to_shape_SF(operand_shape, SF_VEC)
-
-
-def _scales_to_tmem(smem: cute.Tensor, tmem: cute.Tensor) -> tuple:
-    """The ``tcgen05.cp`` (4x32dp128bit) copy of one stage's scales from smem into their TMEM columns."""
-    atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), _SF)
-    tmem_compact = cute.filter_zeros(tmem)
-    tiled = tcgen05.make_s2t_copy(atom, tmem_compact)
-    thr = tiled.get_slice(0)
-    src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(cute.filter_zeros(smem)))
-    return tiled, src, thr.partition_D(tmem_compact)

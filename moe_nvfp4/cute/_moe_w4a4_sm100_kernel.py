@@ -10,7 +10,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 
-from ._grouped_w4a4_sm100_kernel import _ACC, GroupedW4A4Sm100, epilogue_view, load_accumulators, store_masked
+from ._grouped_w4a4_sm100_kernel import _ACC, GroupedW4A4Sm100
+from ._w4a4_sm100_tensors import epilogue_view, load_accumulators, store_masked
 from .tiles import GATE_UP_BLOCK, TILE_M
 
 _LOG2E = math.log2(math.e)

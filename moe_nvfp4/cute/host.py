@@ -136,7 +136,7 @@ def tile_walk(
     sizes: list[tuple[int, int, int]], tile_n: int, cta: int, num_ctas: int
 ) -> Iterator[tuple[int, int, int]]:
     """The tiles CTA ``cta`` computes, in order, as (group, tile row, tile column): the host twin of the
-    kernel's walk (``GroupedW4A4Sm100.find_group``): tiles of all groups concatenated, row-major within a
+    kernel's walk (``_w4a4_sm100_tensors.find_group``): tiles of all groups concatenated, row-major within a
     group, tile t to CTA t mod num_ctas."""
     group, first, tile = 0, 0, cta
     while group < len(sizes):
