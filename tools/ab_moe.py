@@ -10,7 +10,8 @@ percent within the hour, so only same-run comparisons decide a kernel change).
 
 A case is ``zoo key:tokens`` (gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs
 and expert map, this rank holding the first E / EP experts).  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
-package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change), ``configs=DIR`` (the config a
+package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
+runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
@@ -129,6 +130,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     def configured(variant: str):
         if variant in tuned_in:
             return tuned_in[variant]
+        if variant.startswith("pkg=") and "|" in variant:  # another package running a GEMM variant
+            variant = variant.split("|", 1)[1]
         if variant == "shipped" or variant in modules:
             return cfg
         if variant.startswith(("gemm1:", "gemm2:", "gemms:")):
@@ -145,7 +148,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     invalid = [
         v
         for v in variants
-        if v.startswith(("gemm1:", "gemm2:", "gemms:")) and not configured(v).is_valid(padded(h), padded(i))
+        if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:")))
+        and not configured(v).is_valid(padded(h), padded(i))
     ]
     for v in invalid:
         print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)
@@ -228,7 +232,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         modules = {
-            v: load_package(Path(v[4:]), Path(tmp), f"moe_nvfp4_{i}")
+            v: load_package(Path(v[4:].split("|")[0]), Path(tmp), f"moe_nvfp4_{i}")
             for i, v in enumerate(variants)
             if v.startswith("pkg=")
         }
