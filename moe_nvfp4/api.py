@@ -276,11 +276,13 @@ def fused_moe(
     act = weights.activation
     return fused_moe_op(
         x,
-        *weights.tensors,
+        list(weights.tensors),
         topk_weights,
         topk_ids,
         expert_map,
+        weights.hidden,
         weights.intermediate,
+        weights.layout.name,
         weights.w13_bias,
         weights.w2_bias,
         act.name,
@@ -350,9 +352,11 @@ def fused_moe_batched(
     fused_moe_batched_op(
         out,
         x,
-        *weights.tensors,
+        list(weights.tensors),
         counts,
+        weights.hidden,
         weights.intermediate,
+        weights.layout.name,
         rows,
         weights.w13_bias,
         weights.w2_bias,
