@@ -568,9 +568,10 @@ def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
-def test_router_ids_reach_the_api_uncast(plugin, gen):
+@pytest.mark.parametrize("big_id", [2**32 + 1, 2**40], ids=["wraps onto expert 1", "wraps onto expert 0"])
+def test_router_ids_reach_the_api_uncast(plugin, gen, big_id):
     """vLLM's int64 ids and bf16 weights go to the API as they come, which casts once: an id past int32 saturates
-    out of range (its pair contributes nothing) where a plain int32 cast would wrap 2**32 + 1 onto expert 1."""
+    out of range (its pair contributes nothing) where a plain int32 cast would wrap it onto an expert."""
     import moe_nvfp4
 
     ex = _experts(gen)
@@ -578,7 +579,7 @@ def test_router_ids_reach_the_api_uncast(plugin, gen):
     _load(layer, ex.tensors)
     x, tw, ids = _routing(gen)
     wrapped = ids.long()
-    wrapped[0, 0] = 2**32 + 1
+    wrapped[0, 0] = big_id
     out = layer.quant_method.apply(layer, x, tw.bfloat16(), wrapped, None, None)
     dropped = ids.clone()
     dropped[0, 0] = -1  # routed nowhere (routing.routed_pairs)
