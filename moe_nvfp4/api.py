@@ -37,6 +37,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_batched",
     "warmup_fused_moe",
+    "load_moe_configs",
     "prepare_moe_weights_w4a4",
     "fused_moe_w4a4",
     "quantize_activations",
@@ -474,6 +475,25 @@ def warmup_fused_moe(
         expert_map=expert_map,
         apply_router_weight_on_input=apply_router_weight_on_input,
     )
+
+
+def load_moe_configs(
+    weights: MoEWeights,
+    top_k: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+):
+    """What a serving engine runs at load, once per layer shape, before ``warmup_fused_moe``: the kernel configs of
+    the weights' ``moe_w4a16`` backend for this shape (its ``load_configs`` entry; on sm_90 the configs `moe-nvfp4
+    tune` cached for this GPU and shape, else the default, and with MOE_NVFP4_AUTOTUNE=1 timed here first).
+    Returns the backend's report (``summary()`` says what serves, ``source`` where it came from: "cpu" where
+    nothing is chosen), or None where the backend chooses nothing at load (the CPU's torch reference)."""
+    backend = select_backends(weights.w13_packed.device).moe_w4a16
+    if "load_configs" not in backend.entries:
+        return None
+    return backend.entry("load_configs")(weights, top_k, dtype, max_tokens, expert_map=expert_map)
 
 
 def grouped_gemm_nvfp4(

@@ -513,11 +513,14 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
 
 
 def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(plugin, gen, monkeypatch):
-    """Since issue 53 the load step takes the configs `moe-nvfp4 tune` cached (autotune.load_configs: no timing
-    unless MOE_NVFP4_AUTOTUNE=1, tested in test_autotune.py) instead of autotuning: once per process and shape,
-    before the warm-up compiles what it chose, with the scheduler's token budget and the layer's expert map."""
+    """Since issue 53 the load step takes the configs `moe-nvfp4 tune` cached (moe_nvfp4.load_moe_configs, the
+    backend's autotune.load_configs: no timing unless MOE_NVFP4_AUTOTUNE=1, tested in test_autotune.py) instead of
+    autotuning: once per process and shape, before the warm-up compiles what it chose, with the scheduler's token
+    budget and the layer's expert map."""
     from moe_nvfp4_vllm import moe_method
     from vllm.config import DeviceConfig, VllmConfig
+
+    import moe_nvfp4
 
     from moe_nvfp4.shapes import CPU_TRAITS
     from moe_nvfp4.sm90.autotune import AutotuneReport
@@ -530,9 +533,9 @@ def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(
 
     monkeypatch.delenv("MOE_NVFP4_AUTOTUNE", raising=False)
     monkeypatch.setattr(moe_method, "_WARMED", set())
-    monkeypatch.setattr(moe_method, "load_configs", configs)
+    monkeypatch.setattr(moe_nvfp4, "load_moe_configs", configs)
     monkeypatch.setattr(moe_method, "compile_kernels", lambda w, *a, **k: steps.append(("warm", w.num_experts)) or [])
-    assert not hasattr(moe_method, "autotune_fused_moe")  # the plugin reaches the autotuner only through load_configs
+    assert not hasattr(moe_method, "autotune_fused_moe")  # the plugin reaches the autotuner only through the API
     budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
     ex = _experts(gen)
     for _ in range(2):
