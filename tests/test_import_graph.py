@@ -19,6 +19,9 @@ KERNEL_MODULES = tuple(f"moe_nvfp4.sm90.{m}" for m in ("host", "gemm_triton", "g
 # what sits above the kernels; the package itself re-exports the API, so importing it imports the API too
 ABOVE_KERNELS = (
     "moe_nvfp4.api",
+    "moe_nvfp4.prepare_weights",
+    "moe_nvfp4.moe_inputs",
+    "moe_nvfp4.grouped_gemm",
     "moe_nvfp4.ops",
     "moe_nvfp4.sm90.autotune",
     "moe_nvfp4.sm90.warmup",

@@ -405,10 +405,11 @@ def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, conve
 
     import moe_nvfp4
     import moe_nvfp4.api as api
+    import moe_nvfp4.prepare_weights as prepare_weights
     from moe_nvfp4.dispatch import _select
 
-    monkeypatch.setattr(method, "select_backends", lambda device: _select("sm_100", backend))
-    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", backend))
+    for module in (method, api, prepare_weights):  # the plugin, the forward, the packing
+        monkeypatch.setattr(module, "select_backends", lambda device: _select("sm_100", backend))
     ex = _experts(gen, convention, w4a4=True)
     layer = _routed_experts(_config(plugin, convention, True))
     _load(layer, ex.tensors)
