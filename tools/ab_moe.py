@@ -114,7 +114,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     from moe_nvfp4.bench.harness import MoEShape
     from moe_nvfp4.bench.moe import make_inputs
     from moe_nvfp4.layouts import FragmentLayout
-    from moe_nvfp4.shapes import LayerShape, device_traits
+    from moe_nvfp4.shapes import device_traits
     from moe_nvfp4.sm90.tuned_configs import select_config
     from moe_nvfp4.sm90 import host as moe_sm90
     from moe_nvfp4.zoo import zoo_shape
@@ -122,8 +122,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     zs = zoo_shape(model)
     if not zs.activation.gated:
         raise SystemExit(f"{model}: ab_moe times gated SiLU layers (make_layer's); {zs.activation.name} is not")
-    e, k, h, i, n_global = zs.experts, zs.top_k, zs.hidden, zs.intermediate, zs.global_experts
-    shape, device = LayerShape(e, k, h, i, global_experts=n_global), device_traits(torch.device("cuda"))
+    e, h, i = zs.experts, zs.hidden, zs.intermediate
+    shape, device = zs.layer, device_traits(torch.device("cuda"))
     cfg = select_config(tokens, shape, device)
     tuned_in = {
         v: tuned_config(Path(v[len("configs=") :]), lambda: select_config(tokens, shape, device))

@@ -67,12 +67,9 @@ class OursBatched(_Batched):
     def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
         from ..api import fused_moe_batched, prepare_moe_weights
-        from ..shapes import LayerShape
 
-        self.num_experts, self._call = shape.num_experts, fused_moe_batched
-        self._shape = LayerShape(
-            shape.num_experts, shape.top_k, shape.hidden, shape.inter, global_experts=shape.routed_experts
-        )
+        self.num_experts, self._call = shape.experts, fused_moe_batched
+        self._shape = shape.layer
         self.add_copies(prepare_moe_weights(w13_q, w2_q, activation=shape.expert_activation))
 
     def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
@@ -92,7 +89,7 @@ class MarlinBatched(_Batched):
         from vllm.model_executor.layers.fused_moe.experts.marlin_moe import batched_fused_marlin_moe
 
         marlin = Marlin(shape, w13_q, w2_q, copies)
-        self.weights, self._call, self.num_experts = marlin.weights, batched_fused_marlin_moe, shape.num_experts
+        self.weights, self._call, self.num_experts = marlin.weights, batched_fused_marlin_moe, shape.experts
         self._quant_type_id, self._activation = marlin._quant_type_id, marlin._activation
         self._input_dtype = marlin._input_dtype
 

@@ -42,7 +42,7 @@ class Marlin(Path):
         )
         from vllm.scalar_type import scalar_types
 
-        layer = _MarlinLayer(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16)
+        layer = _MarlinLayer(shape.experts, shape.hidden, shape.intermediate, torch.bfloat16)
         # ModelOpt: w13_weight_scale_2 is [E, 2]; vLLM keeps only [:, 0] (warns when gate != up).  Ours is
         # quantized with one scale per expert for w13, so [E] here is exactly what vLLM would keep.
         w13_gs = w13_q.global_scale.float()
@@ -63,7 +63,7 @@ class Marlin(Path):
         self._quant_type_id = scalar_types.float4_e2m1f.id
         self._activation = vllm_activation(shape)
         self._input_dtype = get_marlin_input_dtype()  # None unless VLLM_MARLIN_INPUT_DTYPE is set
-        self._num_experts = shape.routed_experts
+        self._num_experts = shape.global_experts
 
         # MarlinExperts.moe_sum (no expert map): ops.moe_sum(input, output) sums in place; fused_marlin_moe
         # returns what moe_sum returns, so hand back the output tensor.  With an expert map, vLLM's own sum.
@@ -139,7 +139,7 @@ class Humming(Path):
 
     def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
         super().__init__(copies)
-        if shape.routed_experts != shape.num_experts:
+        if shape.global_experts != shape.experts:
             raise RuntimeError("the Humming path here has no expert map (expert-parallel shapes run without it)")
         if shape.activation != "silu":
             raise RuntimeError(f"the Humming path here runs SiLU-and-mul experts only, not {shape.activation}")
@@ -160,7 +160,7 @@ class Humming(Path):
         from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Dynamic, kNvfp4Static
         from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-        e, h, i, device = shape.num_experts, shape.hidden, shape.inter, w13_q.packed.device
+        e, h, i, device = shape.experts, shape.hidden, shape.intermediate, w13_q.packed.device
         moe = FusedMoEConfig(
             num_experts=e,
             experts_per_token=shape.top_k,
@@ -274,7 +274,7 @@ class BF16(Path):
         if w13_bf16 is None:
             raise RuntimeError("no BF16 weights: the dequantized layer did not fit in GPU memory")
         self._call = fused_experts
-        self._num_experts = shape.routed_experts
+        self._num_experts = shape.global_experts
         self._activation = vllm_activation(shape)
         self.add_copies((w13_bf16, w2_bf16))
 
