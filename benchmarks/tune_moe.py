@@ -47,7 +47,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_nvfp4 import fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
+from moe_nvfp4 import MoEWeights, fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
 from moe_nvfp4.layouts import FragmentLayout  # noqa: E402
 from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
 from moe_nvfp4.sm90.configs import CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig
@@ -65,18 +65,25 @@ MODELS = {
 DEFAULT_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 
 
-def rotated_weights(weights: tuple, topk_ids: torch.Tensor, held: list[tuple] | None = None) -> list[tuple]:
-    """``weights`` (a forward's tensors, experts first) and as many clones as rotating through them takes
-    for at least 4 x L2 of other weights to stream between two uses of one copy (harness.rotation_copies),
-    counting the experts ``topk_ids`` touch: timing then pays cold weights, as in serving, where every other
-    layer evicts a layer's weights.  ``held``: copies made for an earlier token count, reused."""
+def rotated_weights(
+    weights: MoEWeights, topk_ids: torch.Tensor, held: list[MoEWeights] | None = None
+) -> list[MoEWeights]:
+    """``weights`` and as many clones (every tensor copied) as rotating through them takes for at least 4 x L2 of
+    other weights to stream between two uses of one copy (harness.rotation_copies), counting the experts
+    ``topk_ids`` touch: timing then pays cold weights, as in serving, where every other layer evicts a layer's
+    weights.  ``held``: copies made for an earlier token count, reused."""
     from harness import rotation_copies
 
-    touched = len(torch.unique(topk_ids)) * sum(t[0].numel() * t.element_size() for t in weights)
+    touched = len(torch.unique(topk_ids)) * sum(t[0].numel() * t.element_size() for t in weights.tensors)
     wanted = rotation_copies(touched, torch.cuda.get_device_properties(0).L2_cache_size)
     copies = [weights] + list(held or [])[1:wanted]
-    copies += [tuple(t.clone() for t in weights) for _ in range(wanted - len(copies))]
+    copies += [_cloned(weights) for _ in range(wanted - len(copies))]
     return copies
+
+
+def _cloned(weights: MoEWeights) -> MoEWeights:
+    tensors = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
+    return dataclasses.replace(weights, **{k: v.clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
 def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0):
@@ -88,11 +95,10 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
     return q13, q2
 
 
-def packed_layer(model: str, device: str = "cuda") -> tuple[torch.Tensor, ...]:
-    """``model``'s layer (make_layer's random weights) packed for the kernels, as fused_moe_sm90 takes them:
-    (w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global)."""
+def packed_layer(model: str, device: str = "cuda") -> MoEWeights:
+    """``model``'s layer (make_layer's random weights) packed for the kernels, as fused_moe_sm90 takes them."""
     e, _, h, i = MODELS[model]
-    return prepare_moe_weights(*make_layer(e, h, i, device)).tensors
+    return prepare_moe_weights(*make_layer(e, h, i, device))
 
 
 def seeded_inputs(model: str, tokens: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
@@ -359,13 +365,14 @@ def _compile_worker(job: tuple) -> None:
     key = (weight_specs, tokens, experts, top_k, hidden, dtype_name)
     if key not in _COMPILE_INPUTS:
         _COMPILE_INPUTS.clear()
-        w = tuple(torch.zeros(shape, dtype=getattr(torch, dt), device="cuda") for shape, dt in weight_specs)
+        zeros = (torch.zeros(shape, dtype=getattr(torch, dt), device="cuda") for shape, dt in weight_specs)
+        w = MoEWeights(*zeros, hidden=hidden, intermediate=inter)
         x = torch.zeros(tokens, hidden, device="cuda", dtype=getattr(torch, dtype_name))
         tw, ti = topk_softmax(torch.randn(tokens, experts, device="cuda"), top_k, renormalize=True)
         _COMPILE_INPUTS[key] = (x, w, tw, ti)
     x, w, tw, ti = _COMPILE_INPUTS[key]
     try:
-        fused_moe_sm90(x, *w, tw, ti, None, inter, MoEKernelConfig.from_dict(cfg_dict))
+        fused_moe_sm90(x, w, tw, ti, None, MoEKernelConfig.from_dict(cfg_dict))
         torch.cuda.synchronize()
     except Exception:  # the timing process reports it
         pass
@@ -477,8 +484,8 @@ def main() -> int:
     for model in args.models.split(","):
         e, k, h, i = MODELS[model]
         q13, q2 = make_layer(e, h, i, dev)
-        w = prepare_moe_weights(q13, q2).tensors
-        copies: list[tuple] = []
+        w = prepare_moe_weights(q13, q2)
+        copies: list[MoEWeights] = []
         for t in [int(s) for s in args.tokens.split(",")]:
             x = torch.randn(t, h, device=dev, dtype=dtype)
             tw, ti = topk_softmax(torch.randn(t, e, device=dev), k, renormalize=True)
@@ -488,14 +495,12 @@ def main() -> int:
 
             def measure(cfg: MoEKernelConfig) -> float | None:
                 try:
-                    out = fused_moe_sm90(x, *w, tw, ti, None, i, cfg)
+                    out = fused_moe_sm90(x, w, tw, ti, None, cfg)
                     errors[cfg] = err = ((out[:64].float() - ref).norm() / ref.norm()).item()
                     if not err < 2e-2:
                         print(f"  {model} T={t} {cfg}: rel err {err:.3g} -- rejected", flush=True)
                         return None
-                    us = time_graph(
-                        [lambda ws=ws: fused_moe_sm90(x, *ws, tw, ti, None, i, cfg) for ws in copies]
-                    ).median_us
+                    us = time_graph([lambda ws=ws: fused_moe_sm90(x, ws, tw, ti, None, cfg) for ws in copies]).median_us
                     if log is not None:
                         log.write(
                             json.dumps(
@@ -515,7 +520,7 @@ def main() -> int:
                     print(f"  {model} T={t} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     return None
 
-            specs = tuple((tuple(a.shape), str(a.dtype).removeprefix("torch.")) for a in w)
+            specs = tuple((tuple(a.shape), str(a.dtype).removeprefix("torch.")) for a in w.tensors)
 
             def prepare(batch: list[MoEKernelConfig]) -> None:
                 if pool is not None and len(batch) > 1:

@@ -11,14 +11,16 @@ Operations:
 
 Entries (``Backend.entries``: name -> "module:function", imported at the first call, so the registry imports no
 kernel), one signature each:
-  moe_w4a16           (x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids,
-                      expert_map, intermediate, *, activation, w13_bias, w2_bias, apply_router_weight_on_input)
-                      -> [T, H]: the weights as ``MoEWeights.tensors`` in ``w4a16_layout``, the inputs as
-                      ``api.fused_moe`` checked and cast them
-  moe_w4a16_batched   (out, x, the six weight tensors, expert_num_tokens, intermediate, expected_rows, *,
-                      activation, w13_bias, w2_bias) -> None, writing ``api.fused_moe_batched``'s rows into out
+  moe_w4a16           (x, weights: MoEWeights, topk_weights, topk_ids, expert_map, *, apply_router_weight_on_input)
+                      -> [T, H]: the weights in ``w4a16_layout`` (their activation and biases with them), the
+                      inputs as ``api.fused_moe`` checked and cast them
+  moe_w4a16_batched   (out, x, weights: MoEWeights, expert_num_tokens, expected_rows) -> None, writing
+                      ``api.fused_moe_batched``'s rows into out
   warmup_token_counts (weights: MoEWeights, top_k, dtype, max_tokens, expert_map) -> the token counts whose
                       forwards compile every kernel variant (optional: without it nothing compiles)
+  load_configs        (weights: MoEWeights, top_k, dtype, max_tokens, *, expert_map) -> a report (``summary()``,
+                      ``source``) of the kernel configs chosen at load for this layer shape (optional: without it
+                      nothing is chosen; ``api.load_moe_configs``)
   pack_block          (device, the layout's fragments) -> a block packer for ``w4a16_layout``'s ``pack``, or None
                       for its torch twin (optional)
   quantize            (x, global_scale 0-dim) -> NVFP4Tensor with 128x4-swizzled scales
@@ -111,6 +113,7 @@ TRITON = Backend(
         "moe_w4a16": "moe_nvfp4.sm90.host:fused_moe_sm90",
         "moe_w4a16_batched": "moe_nvfp4.sm90.host:run_batched",
         "warmup_token_counts": "moe_nvfp4.sm90.warmup:warmup_token_counts",
+        "load_configs": "moe_nvfp4.sm90.autotune:load_configs",
         "pack_block": "moe_nvfp4.sm90.fragment_pack:block_packer",
         "quantize": "moe_nvfp4.triton.quant_act:quantize_activations_sm90",
         "grouped_gemm": "moe_nvfp4.triton.grouped_w4a4:grouped_gemm_nvfp4_triton",

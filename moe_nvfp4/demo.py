@@ -22,7 +22,7 @@ __all__ = ["CPU_SHAPE", "run_reference_demo", "run_kernel_demo"]
 
 # Mixtral-8x7B's routing (8 experts, top-2) with hidden and intermediate sizes scaled down by 4: a float64
 # reference over a full-size layer takes minutes on a CPU.
-CPU_SHAPE = MoEShape("Mixtral-8x7B scaled down by 4", num_experts=8, top_k=2, hidden=1024, inter=3584)
+CPU_SHAPE = MoEShape("Mixtral-8x7B scaled down by 4", experts=8, top_k=2, hidden=1024, intermediate=3584)
 _NAME_WIDTH = 36
 
 
@@ -35,7 +35,7 @@ def _row(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
 def run_reference_demo(shape: MoEShape = CPU_SHAPE, *, tokens: int = 64, seed: int = 0) -> str:
     """The CPU demo: NVFP4 W4A16 through the torch reference against the BF16 layer in float64."""
     gen = torch.Generator().manual_seed(seed)
-    e, h, i, t = shape.num_experts, shape.hidden, shape.inter, tokens
+    e, h, i, t = shape.experts, shape.hidden, shape.intermediate, tokens
     w13 = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(torch.bfloat16)
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
@@ -123,7 +123,7 @@ def run_kernel_demo(key: str, shape: MoEShape, *, tokens: int = 64, seed: int = 
     width = max(len(label) for label, _, _ in table)
     lines = [
         f"moe-nvfp4 demo on {props.name} (sm_{props.major}{props.minor}): the fused kernel on {shape.name}'s MoE layer,"
-        f" E={shape.num_experts} top-{shape.top_k} H={shape.hidden} I={shape.inter}, T={tokens} "
+        f" E={shape.experts} top-{shape.top_k} H={shape.hidden} I={shape.intermediate}, T={tokens} "
         f"(random weights, seed {seed})",
         f"kernel vs torch reference (same NVFP4 weights, float32): ||out-ref||/||ref|| = "
         + (f"{err:.1e} ({'ok' if ok else 'MISMATCH'}: bound {args.tol:.0e})" if err is not None else "not computed"),

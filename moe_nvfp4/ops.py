@@ -20,19 +20,40 @@ def _expert_activation(name: str, alpha: float, limit: float) -> ExpertActivatio
     return ExpertActivation(name, alpha, limit)
 
 
+def _weights(
+    tensors: list[torch.Tensor],
+    hidden: int,
+    intermediate: int,
+    layout: str,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float,
+) -> MoEWeights:
+    """The op's weight arguments as the one ``MoEWeights`` the backends' entries take (checked again here: the op is
+    callable without the API)."""
+    return MoEWeights(
+        *tensors,
+        hidden=hidden,
+        intermediate=intermediate,
+        layout=weight_layout(layout),
+        activation=_expert_activation(activation, alpha, limit),
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+    )
+
+
 @torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
 def fused_moe_op(
     x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
+    weights: list[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
+    hidden: int,
     intermediate: int,
+    layout: str,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation: str = "silu",
@@ -40,41 +61,24 @@ def fused_moe_op(
     limit: float = 7.0,
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """Tensors as in weights.MoEWeights, the activation as expert_activation.ExpertActivation's fields; inputs
-    already checked by api.fused_moe.  Runs the device's ``moe_w4a16`` backend (``Backend.entry``)."""
+    """weights: ``MoEWeights.tensors`` in the layout called ``layout``, the activation as
+    expert_activation.ExpertActivation's fields; inputs already checked by api.fused_moe.  Runs the device's
+    ``moe_w4a16`` backend (``Backend.entry``)."""
+    packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
     run = select_backends(x.device).moe_w4a16.entry("moe_w4a16")
-    return run(
-        x,
-        w13_packed,
-        w13_scale,
-        w13_global,
-        w2_packed,
-        w2_scale,
-        w2_global,
-        topk_weights,
-        topk_ids,
-        expert_map,
-        intermediate,
-        activation=_expert_activation(activation, alpha, limit),
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-    )
+    return run(x, packed, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
 
 
 @fused_moe_op.register_fake
 def _(
     x,
-    w13_packed,
-    w13_scale,
-    w13_global,
-    w2_packed,
-    w2_scale,
-    w2_global,
+    weights,
     topk_weights,
     topk_ids,
     expert_map,
+    hidden,
     intermediate,
+    layout,
     w13_bias=None,
     w2_bias=None,
     activation="silu",
@@ -89,14 +93,11 @@ def _(
 def fused_moe_batched_op(
     out: torch.Tensor,
     x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
+    weights: list[torch.Tensor],
     expert_num_tokens: torch.Tensor,
+    hidden: int,
     intermediate: int,
+    layout: str,
     expected_rows: float,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -106,39 +107,22 @@ def fused_moe_batched_op(
 ) -> None:
     """Writes the batched forward's rows into ``out`` [E, M, H] (api.fused_moe_batched checked the inputs) on the
     device's ``moe_w4a16`` backend (its ``moe_w4a16_batched`` entry; the sm_90 one picks the config for
-    ``expected_rows``).  The reference backend writes all of ``out`` (0 past each count); the kernels the counted
-    rows only."""
+    ``expected_rows``); weights as in ``fused_moe_op``.  The reference backend writes all of ``out`` (0 past each
+    count); the kernels the counted rows only."""
+    packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
     run = select_backends(x.device).moe_w4a16.entry("moe_w4a16_batched")
-    run(
-        out,
-        x,
-        w13_packed,
-        w13_scale,
-        w13_global,
-        w2_packed,
-        w2_scale,
-        w2_global,
-        expert_num_tokens,
-        intermediate,
-        expected_rows,
-        activation=_expert_activation(activation, alpha, limit),
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-    )
+    run(out, x, packed, expert_num_tokens, expected_rows)
 
 
 @fused_moe_batched_op.register_fake
 def _(
     out,
     x,
-    w13_packed,
-    w13_scale,
-    w13_global,
-    w2_packed,
-    w2_scale,
-    w2_global,
+    weights,
     expert_num_tokens,
+    hidden,
     intermediate,
+    layout,
     expected_rows,
     w13_bias=None,
     w2_bias=None,

@@ -225,17 +225,16 @@ def fused_moe_w4a4_torch(x, weights, topk_weights, topk_ids, expert_map, input_s
 
 def fused_moe_packed_torch(
     x: torch.Tensor,
-    *tensors_and_routing,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
+    weights: MoEWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    *,
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """The torch backend's ``moe_w4a16`` entry (backends.py): ``fused_moe_torch`` on the op's packed tensors
-    (w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, topk_weights, topk_ids, expert_map,
-    intermediate), unpacked from their layout first."""
-    *tensors, topk_weights, topk_ids, expert_map, intermediate = tensors_and_routing
-    w13, w2 = MoEWeights(*tensors, x.shape[1], intermediate, activation=activation).to_nvfp4()
+    """The torch backend's ``moe_w4a16`` entry (backends.py): ``fused_moe_torch`` on the packed weights, unpacked
+    from their layout first."""
+    w13, w2 = weights.to_nvfp4()
     return fused_moe_torch(
         x,
         w13,
@@ -243,28 +242,26 @@ def fused_moe_packed_torch(
         topk_weights,
         topk_ids,
         expert_map=expert_map,
-        activation=activation,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
+        activation=weights.activation,
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
         apply_router_weight_on_input=apply_router_weight_on_input,
     )
 
 
 def fused_moe_batched_packed_torch(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    *tensors_and_counts,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
+    out: torch.Tensor, x: torch.Tensor, weights: MoEWeights, expert_num_tokens: torch.Tensor, expected_rows: float
 ) -> None:
-    """The torch backend's ``moe_w4a16_batched`` entry: ``fused_moe_batched_torch`` on the op's packed tensors (the
-    six weight tensors, expert_num_tokens, intermediate, expected_rows), written into all of ``out`` (0 past each
-    count)."""
-    *tensors, expert_num_tokens, intermediate, _ = tensors_and_counts
-    w13, w2 = MoEWeights(*tensors, x.shape[2], intermediate, activation=activation).to_nvfp4()
-    out.copy_(
-        fused_moe_batched_torch(
-            x, w13, w2, expert_num_tokens, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias
-        )
+    """The torch backend's ``moe_w4a16_batched`` entry: ``fused_moe_batched_torch`` on the packed weights, written
+    into all of ``out`` (0 past each count); ``expected_rows`` picks no config here."""
+    w13, w2 = weights.to_nvfp4()
+    batched = fused_moe_batched_torch(
+        x,
+        w13,
+        w2,
+        expert_num_tokens,
+        activation=weights.activation,
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
     )
+    out.copy_(batched)

@@ -40,7 +40,8 @@ _BIASES = ("gpt_oss",)  # model types whose experts have biases on both GEMMs
 
 @dataclass(frozen=True)
 class TuneShape:
-    """One layer shape to tune, as one GPU runs it: ``experts`` local of ``global_experts``, I per rank."""
+    """One layer shape to tune, as one GPU runs it (``experts`` local of ``global_experts``, I per rank), its fields
+    spelled as ``shapes.LayerShape`` (``layer``) spells them, with the name and biases a tune run reports."""
 
     name: str
     experts: int
@@ -52,18 +53,14 @@ class TuneShape:
     biases: bool = False
     global_experts: int = 0  # 0: as many as ``experts`` (no expert parallelism)
 
-    def layer_shape(self):
+    @property
+    def layer(self):
         """The ``shapes.LayerShape`` the plugin keys the cache by for this rank."""
         from .shapes import LayerShape
 
+        gated = self.activation.gated
         return LayerShape(
-            self.experts,
-            self.top_k,
-            self.hidden,
-            self.intermediate,
-            self.dtype,
-            self.global_experts,
-            self.activation.gated,
+            self.experts, self.top_k, self.hidden, self.intermediate, self.dtype, self.global_experts, gated
         )
 
 
@@ -136,10 +133,10 @@ def shape_from_flag(text: str, *, dtype: str = "auto", activation: str = "silu")
     s = parse_shape(text)
     return TuneShape(
         f"--shape {text.replace(' ', '')}",
-        s.num_experts,
+        s.experts,
         s.top_k,
         s.hidden,
-        s.inter,
+        s.intermediate,
         "bfloat16" if dtype == "auto" else dtype,
         ExpertActivation(activation),
     )
@@ -240,7 +237,7 @@ def tune_one(shape: TuneShape, args: argparse.Namespace):
             bar.set_postfix_str(f"T={tokens}: " + ("failed" if us is None else f"{us:.1f} us"), refresh=False)
             return us
 
-        return tune_layer(shape.layer_shape(), traits, args.max_tokens, timed, budget_s=args.budget_s, force=args.force)
+        return tune_layer(shape.layer, traits, args.max_tokens, timed, budget_s=args.budget_s, force=args.force)
 
 
 def summary(report) -> str:

@@ -106,13 +106,8 @@ class MoEWeights:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global): the kernels' weight arguments."""
+        """(w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global): the custom ops' ``weights`` list."""
         return self.w13_packed, self.w13_scale, self.w13_global, self.w2_packed, self.w2_scale, self.w2_global
-
-    @property
-    def variant(self) -> dict:
-        """The expert-MLP variant as the host wrapper's keywords (the moe_w4a16 entry, backends.py): activation, biases."""
-        return dict(activation=self.activation, w13_bias=self.w13_bias, w2_bias=self.w2_bias)
 
     def layer_shape(self, top_k: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> LayerShape:
         """What configs are chosen for when these weights run with ``top_k``, ``dtype`` activations and

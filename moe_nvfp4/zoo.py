@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from .expert_activation import RELU2, SILU, ExpertActivation
+from .shapes import LayerShape
 
 __all__ = [
     "ZooModel",
@@ -50,7 +51,9 @@ class ZooModel:
 
 @dataclass(frozen=True)
 class ZooShape:
-    """One GPU's share of a model's MoE layer under TP=tp or EP=ep (see the module docstring)."""
+    """One GPU's share of a model's MoE layer under TP=tp or EP=ep (see the module docstring): a zoo entry is its
+    model, the parallel split and the ``layer`` (``shapes.LayerShape``) they give; the fields below read as
+    LayerShape's do."""
 
     model: ZooModel
     tp: int = 1
@@ -87,6 +90,14 @@ class ZooShape:
     @property
     def activation(self) -> ExpertActivation:
         return self.model.activation
+
+    @property
+    def layer(self) -> LayerShape:
+        """What this rank's ``fused_moe`` sees, as configs are chosen for it (bf16 activations)."""
+        gated = self.activation.gated
+        return LayerShape(
+            self.experts, self.top_k, self.hidden, self.intermediate, "bfloat16", self.global_experts, gated
+        )
 
 
 MODELS: tuple[ZooModel, ...] = (

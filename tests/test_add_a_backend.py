@@ -23,10 +23,10 @@ TOL = 1e-6
 CALLS: list[tuple[int, ...]] = []  # the stub's forwards (x's shape each)
 
 
-def stub_fused_moe(x: torch.Tensor, *tensors_and_routing, **variant) -> torch.Tensor:
+def stub_fused_moe(x: torch.Tensor, *weights_and_routing, **keywords) -> torch.Tensor:
     """The stub's ``moe_w4a16`` entry: the torch reference, counted and doubled."""
     CALLS.append(tuple(x.shape))
-    return 2 * fused_moe_packed_torch(x, *tensors_and_routing, **variant)
+    return 2 * fused_moe_packed_torch(x, *weights_and_routing, **keywords)
 
 
 STUB = Backend(

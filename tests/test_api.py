@@ -97,7 +97,7 @@ def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
     weights = m.prepare_moe_weights(*_layer(gen))
     x = torch.randn(5, 48, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
-    args = (x, *weights.tensors, tw, ti, None, 32)
+    args = (x, list(weights.tensors), tw, ti, None, 48, 32, weights.layout.name)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
 
@@ -109,6 +109,7 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     torch.compile, through the custom op's fake) is fused_moe_torch with the input scales, and a GPU without
     FP4 tensor cores is told to use fused_moe; bad input scales fail before any launch."""
     import moe_nvfp4.api as api
+    import moe_nvfp4.prepare_weights as prepare_weights
 
     w13, w2 = _layer(gen, h=64, i=48)
     weights = m.prepare_moe_weights_w4a4(w13, w2)
@@ -132,7 +133,8 @@ def test_w4a4_moe_on_cpu_is_the_reference_and_refused_without_fp4_tensor_cores(
     monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", "cute"))
     with pytest.raises(ValueError, match="weights are in the sm90_fragments layout, but cpu runs the W4A4 MoE on cute"):
         m.fused_moe_w4a4(x, m.prepare_moe_weights(w13, w2), tw, ti, w13_input_scale=s13, w2_input_scale=s2)
-    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_90", None))
+    for module in (api, prepare_weights):
+        monkeypatch.setattr(module, "select_backends", lambda device: _select("sm_90", None))
     with pytest.raises(ValueError, match="use fused_moe"):
         m.fused_moe_w4a4(x, weights, tw, ti, w13_input_scale=s13, w2_input_scale=s2)
     with pytest.raises(ValueError, match="use prepare_moe_weights"):

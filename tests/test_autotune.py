@@ -357,3 +357,20 @@ def test_load_on_cpu_weights_chooses_nothing_but_still_refuses_a_bad_switch(monk
     monkeypatch.setenv(autotune.SWITCH_ENV, "2")
     with pytest.raises(ValueError, match="MOE_NVFP4_AUTOTUNE"):
         autotune.load_configs(w, 2, torch.bfloat16, 64)
+
+
+def test_the_api_loads_configs_through_the_backend_entry(monkeypatch) -> None:
+    """moe_nvfp4.load_moe_configs (what the vLLM plugin calls at load) runs the device's moe_w4a16 backend's
+    load_configs entry: the sm_90 one where the triton backend serves (here forced on the CPU, so its report says
+    "cpu"), and nothing where the backend has no such entry (the CPU's torch reference)."""
+    import moe_nvfp4
+
+    q13 = moe_nvfp4.quantize_nvfp4(torch.randn(4, 128, 64), segments=2)
+    w = moe_nvfp4.prepare_moe_weights(q13, moe_nvfp4.quantize_nvfp4(torch.randn(4, 64, 64)))
+    monkeypatch.delenv(autotune.SWITCH_ENV, raising=False)
+    monkeypatch.delenv("MOE_NVFP4_BACKEND", raising=False)
+    assert moe_nvfp4.load_moe_configs(w, 2, torch.bfloat16, 64) is None
+    monkeypatch.setenv("MOE_NVFP4_BACKEND", "triton")  # the selection is cached per architecture and override
+    report = moe_nvfp4.load_moe_configs(w, 2, torch.bfloat16, 64)
+    assert isinstance(report, autotune.AutotuneReport) and report.source == "cpu"
+    assert report.shape == w.layer_shape(2, torch.bfloat16)

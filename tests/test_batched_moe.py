@@ -171,8 +171,7 @@ SCRIPT = textwrap.dedent(
                           plan.tile_row_start, plan.tile_row_end, plan.num_tiles)):
         assert torch.equal(a, b), (a, b)
     out = torch.full_like(x, float("nan"))
-    fused_moe_batched_sm90(x, *w.tensors, counts, i, out, config, activation=act, w13_bias=w.w13_bias,
-                           w2_bias=w.w2_bias)
+    fused_moe_batched_sm90(x, w, counts, out, config)
     ref = m.fused_moe_batched_torch(torch.nan_to_num(x), q13, q2, counts, activation=act, w13_bias=b13,
                                     w2_bias=b2, compute_dtype=torch.float64)
     worst = 0.0

@@ -23,7 +23,7 @@ def _args(*argv: str):
 
 
 def _dims(shape) -> tuple[int, int, int, int, int]:
-    return shape.num_experts, shape.top_k, shape.hidden, shape.inter, shape.routed_experts
+    return shape.experts, shape.top_k, shape.hidden, shape.intermediate, shape.global_experts
 
 
 def test_defaults_are_qwen3_the_full_token_sweep_and_the_available_paths(monkeypatch):

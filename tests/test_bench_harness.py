@@ -29,8 +29,8 @@ from moe_nvfp4.bench.harness import (  # noqa: E402
     rotation_copies,
 )
 
-MIXTRAL = MoEShape("Mixtral-8x7B", num_experts=8, top_k=2, hidden=4096, inter=14336)
-QWEN3 = MoEShape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, inter=768)
+MIXTRAL = MoEShape("Mixtral-8x7B", experts=8, top_k=2, hidden=4096, intermediate=14336)
+QWEN3 = MoEShape("Qwen3-30B-A3B", experts=128, top_k=8, hidden=2048, intermediate=768)
 H200_L2 = 50 * 2**20  # bytes, as torch reports for H100/H200
 
 
@@ -70,7 +70,7 @@ def test_nvfp4_matrix_bytes_counts_packed_scales_and_global():
 def test_expert_bytes_mixtral_and_qwen3():
     # w13 [2I, H] and w2 [H, I]: 3*I*H values at 4.5 bits (4 + 8/16) plus two global scales
     for shape in (MIXTRAL, QWEN3):
-        values = 3 * shape.inter * shape.hidden
+        values = 3 * shape.intermediate * shape.hidden
         assert shape.expert_nvfp4_bytes() == values // 2 + values // 16 + 8
         assert shape.expert_bf16_bytes() == 2 * values
     assert MIXTRAL.expert_nvfp4_bytes() == 99_090_440  # ~99 MB per Mixtral expert
@@ -87,11 +87,11 @@ def test_a_non_gated_layer_counts_one_w13_matrix_and_runs_relu2():
     from moe_nvfp4.zoo import zoo_shape
 
     nano = MoEShape.from_zoo(zoo_shape("nemotron-3-nano"))
-    assert (nano.activation, nano.w13_rows, nano.num_experts, nano.top_k) == ("relu2", 1856, 128, 6)
+    assert (nano.activation, nano.w13_rows, nano.experts, nano.top_k) == ("relu2", 1856, 128, 6)
     values = 2 * 1856 * 2688
     assert nano.expert_nvfp4_bytes() == values // 2 + values // 16 + 8 and nano.expert_bf16_bytes() == 2 * values
     assert nano.flops(3) == 2 * 3 * 6 * values
-    tiny = MoEShape("tiny relu2", num_experts=5, top_k=3, hidden=64, inter=48, activation="relu2")
+    tiny = MoEShape("tiny relu2", experts=5, top_k=3, hidden=64, intermediate=48, activation="relu2")
     weights = make_weights(tiny, 0, "cpu")
     assert weights[0].packed.shape == (5, 48, 32)  # [E, I, H/2]
     x, tw, ti, emap = make_inputs(tiny, 7, 0, "cpu")
@@ -248,7 +248,7 @@ def test_bench_moe_args():
     with pytest.raises(SystemExit):
         bench.parse_args(["--paths", "cutlass"])
     assert bench.parse_args(["--paths", "ours,Humming"]).paths == ["ours", "humming"]
-    dims = lambda s: (s.num_experts, s.top_k, s.hidden, s.inter, s.renormalize, s.routed_experts)  # noqa: E731
+    dims = lambda s: (s.experts, s.top_k, s.hidden, s.intermediate, s.renormalize, s.global_experts)  # noqa: E731
     assert dims(args.models["mixtral-8x7b"]) == dims(MIXTRAL) == (8, 2, 4096, 14336, True, 8)
     assert dims(args.models["qwen3-30b-a3b"]) == dims(QWEN3) == (128, 8, 2048, 768, True, 128)
 
@@ -262,12 +262,12 @@ def test_bench_moe_takes_the_zoo():
     assert list(bench.parse_args(["--models", "zoo"]).models) == [s.key for s in zoo_shapes()]
     assert list(bench.parse_args(["--models", "zoo-models"]).models) == [m.key for m in MODELS]
     ep8 = bench.parse_args(["--models", "kimi-k2-ep8,glm-4.5-tp4"]).models
-    assert (ep8["kimi-k2-ep8"].num_experts, ep8["kimi-k2-ep8"].routed_experts, ep8["kimi-k2-ep8"].inter) == (
+    assert (ep8["kimi-k2-ep8"].experts, ep8["kimi-k2-ep8"].global_experts, ep8["kimi-k2-ep8"].intermediate) == (
         48,
         384,
         2048,
     )
-    assert (ep8["glm-4.5-tp4"].num_experts, ep8["glm-4.5-tp4"].routed_experts, ep8["glm-4.5-tp4"].inter) == (
+    assert (ep8["glm-4.5-tp4"].experts, ep8["glm-4.5-tp4"].global_experts, ep8["glm-4.5-tp4"].intermediate) == (
         160,
         160,
         384,
@@ -396,3 +396,23 @@ def test_bench_moe_cpu_smoke(tmp_path):
     assert data["meta"]["rounds"] == 2
     assert (tmp_path / "moe.md").read_text().startswith("# NVFP4 MoE forward")
     assert "| model |" in out.stdout
+
+
+def test_every_shape_type_is_one_layer_shape() -> None:
+    """One shape type (issue 56): a zoo entry, the bench's case and a tune run's shape each hold the
+    shapes.LayerShape of the layer they name, with the same field names, so the three never disagree on a rank's
+    experts, routing or intermediate slice."""
+    from moe_nvfp4.shapes import LayerShape
+    from moe_nvfp4.tune_cli import TuneShape, per_rank
+    from moe_nvfp4.zoo import zoo_shape, zoo_shapes
+
+    for z in zoo_shapes():
+        case = MoEShape.from_zoo(z)
+        assert isinstance(z.layer, LayerShape) and case.layer == z.layer, z.key
+        assert (case.experts, case.global_experts, case.intermediate) == (z.experts, z.global_experts, z.intermediate)
+    kimi = zoo_shape("kimi-k2")
+    tune = TuneShape("kimi", kimi.experts, kimi.top_k, kimi.hidden, kimi.intermediate)
+    assert per_rank(tune, ep=8).layer == zoo_shape("kimi-k2-ep8").layer
+    assert per_rank(tune, tp=4).layer == zoo_shape("kimi-k2-tp4").layer
+    nano = MoEShape.from_zoo(zoo_shape("nemotron-3-nano")).layer
+    assert not nano.gated and nano.global_experts == nano.experts == 128

@@ -206,7 +206,7 @@ def vllm_humming(monkeypatch):
 def test_prepare_hands_vllm_the_modelopt_checkpoint(bench, vllm_humming):
     fake, fused = vllm_humming
     shape = bench.TINY
-    e, h, i = shape.num_experts, shape.hidden, shape.inter
+    e, h, i = shape.experts, shape.hidden, shape.intermediate
     weights = bench.make_weights(shape, seed=0, device="cpu")
     w13_q, w2_q = weights[:2]
     p = bench.build_path("humming", shape, weights, copies=3)
@@ -268,7 +268,7 @@ def test_prepare_hands_vllm_the_modelopt_checkpoint(bench, vllm_humming):
 def test_forward_runs_vllms_modular_kernel(bench, vllm_humming):
     fake, _ = vllm_humming
     shape = bench.TINY
-    e, h, i, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
+    e, h, i, k = shape.experts, shape.hidden, shape.intermediate, shape.top_k
     p = bench.build_path("humming", shape, bench.make_weights(shape, seed=0, device="cpu"), copies=2)
     assert len(fake.applied) == 1 and fake.applied[0]["x"].shape == (1, h)  # the warm-up (on a GPU: the JIT)
     x, topk_weights, topk_ids, expert_map = bench.make_inputs(shape, T, seed=0, device="cpu")
@@ -298,7 +298,7 @@ def test_refusals_say_why(bench, vllm_humming, monkeypatch):
     monkeypatch.setitem(sys.modules, "humming", None)  # installed but broken: import fails
     with pytest.raises(RuntimeError, match="humming-kernels does not import"):
         bench.build_path("humming", shape, weights, copies=1)
-    ep = dataclasses.replace(shape, global_experts=2 * shape.num_experts)  # one rank of EP=2
+    ep = dataclasses.replace(shape, global_experts=2 * shape.experts)  # one rank of EP=2
     with pytest.raises(RuntimeError, match="no expert map"):
         bench.build_path("humming", ep, weights, copies=1)
     assert fake.calls == [] and fake.applied == []

@@ -90,11 +90,11 @@ def test_no_random_layer_is_larger_than_the_zoos_largest_so_every_path_fits_an_h
         == 384 * 3 * 7168 * 2048
         == max(m.experts * 3 * m.hidden * m.intermediate for m in MODELS if m.activation.gated)
     )
-    weights = kimi.num_experts * (kimi.expert_bf16_bytes() + 4 * kimi.expert_nvfp4_bytes())
+    weights = kimi.experts * (kimi.expert_bf16_bytes() + 4 * kimi.expert_nvfp4_bytes())
     assert weights < 0.6 * H200_GIB * 2**30, weights / 2**30
     for m in random_models(64):
         shape = MoEShape.from_zoo(ZooShape(m))
-        assert shape.num_experts * shape.expert_bf16_bytes() <= kimi.num_experts * kimi.expert_bf16_bytes()
+        assert shape.experts * shape.expert_bf16_bytes() <= kimi.experts * kimi.expert_bf16_bytes()
 
 
 def test_prefill_sizes_rotate_one_weight_copy():
@@ -104,7 +104,7 @@ def test_prefill_sizes_rotate_one_weight_copy():
         shape = MoEShape.from_zoo(zoo_shape(key))
         for path in ("ours", "bf16"):
             assert copies_for(shape, [1024, 4096, 16384], path, args, L2) == 1
-    tiny = MoEShape("small", num_experts=8, top_k=1, hidden=1024, inter=1024)
+    tiny = MoEShape("small", experts=8, top_k=1, hidden=1024, intermediate=1024)
     assert copies_for(tiny, [1, 16384], "ours", args, L2) > 1  # decode still rotates
     assert copies_for(tiny, [1], "ours", Namespace(**{**vars(args), "device": "cpu"}), L2) == 1  # no L2 to keep cold
 
@@ -116,7 +116,7 @@ def test_random_models_on_the_command_line():
     seven = _args("--models", "random:3:7,random-s0-02")
     assert list(seven.models) == ["random-s7-00", "random-s7-01", "random-s7-02", "random-s0-02"]
     r = seven.models["random-s0-02"]
-    assert (r.num_experts, r.top_k, r.hidden, r.inter, r.activation) == (58, 6, 7552, 4608, "silu")
+    assert (r.experts, r.top_k, r.hidden, r.intermediate, r.activation) == (58, 6, 7552, 4608, "silu")
     assert bench.repro_command(seven, "random-s0-02", 4096) == "moe-nvfp4 bench --models random-s0-02 --tokens 4096"
     meta = bench.random_meta(seven.models)
     assert meta["seeds"] == [0, 7] and meta["default_seed"] == RANDOM_SEED

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-import moe_nvfp4.api as api
+import moe_nvfp4.prepare_weights as prepare_weights
 from moe_nvfp4.cute.grouped_w4a4_sm100 import TILE_M
 from moe_nvfp4.cute.host import tile_walk
 from moe_nvfp4.cute.moe_host import _gemm_plan, fused_moe_w4a4_sm100, padded_rows
@@ -73,7 +73,7 @@ def test_down_epilogue_scales_rows_by_their_weight(ptx: dict[str, str], variant:
 
 def prepare_moe_weights_sm100(w13: NVFP4Tensor, w2: NVFP4Tensor) -> m.MoEWeights:
     """Our sm_100a layout whatever the device (the API packs in it only where dispatch picks the cute backend)."""
-    return api._packed(w13, w2, Sm100Layout())
+    return prepare_weights._packed(w13, w2, Sm100Layout())
 
 
 def _weights(e: int, hidden: int, inter: int, gen: torch.Generator) -> tuple[NVFP4Tensor, NVFP4Tensor]:

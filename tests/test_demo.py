@@ -131,7 +131,7 @@ def test_an_sm90_gpu_runs_the_kernel_on_the_default_model(monkeypatch, runs):
     assert main(["demo"]) == 0
     ((kind, key, shape, kw),) = runs
     assert (kind, key, kw) == ("gpu", "qwen3-30b-a3b", {"tokens": 64, "seed": 0})
-    assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter) == (128, 8, 2048, 768)
+    assert (shape.experts, shape.top_k, shape.hidden, shape.intermediate) == (128, 8, 2048, 768)
 
 
 def test_an_sm90_gpu_takes_a_zoo_model_or_a_shape(monkeypatch, runs):
@@ -140,8 +140,8 @@ def test_an_sm90_gpu_takes_a_zoo_model_or_a_shape(monkeypatch, runs):
     assert main(["demo", "--shape", "64, 6, 1024, 512"]) == 0
     (_, key1, ep8, kw1), (_, key2, mine, _) = runs
     assert key1 == "kimi-k2-ep8" and kw1 == {"tokens": 3, "seed": 7}
-    assert (ep8.num_experts, ep8.routed_experts, ep8.top_k, ep8.hidden, ep8.inter) == (48, 384, 8, 7168, 2048)
-    assert key2 == "64,6,1024,512" and (mine.num_experts, mine.top_k, mine.hidden, mine.inter) == (64, 6, 1024, 512)
+    assert (ep8.experts, ep8.global_experts, ep8.top_k, ep8.hidden, ep8.intermediate) == (48, 384, 8, 7168, 2048)
+    assert key2 == "64,6,1024,512" and (mine.experts, mine.top_k, mine.hidden, mine.intermediate) == (64, 6, 1024, 512)
 
 
 def test_a_failing_kernel_check_exits_1(monkeypatch, capsys):

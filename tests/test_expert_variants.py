@@ -275,7 +275,8 @@ def test_custom_op_carries_the_variant(gen: torch.Generator) -> None:
     weights = m.prepare_moe_weights(w13, w2, activation=act, w13_bias=b13, w2_bias=b2)
     x = torch.randn(5, 48, generator=gen).bfloat16()
     tw, ti = _routing(gen, 5, 5, 1)
-    args = (x, *weights.tensors, tw, ti, None, 32, b13, b2, act.name, act.alpha, act.limit, True)
+    args = (x, list(weights.tensors), tw, ti, None, 48, 32, weights.layout.name, weights.w13_bias, weights.w2_bias)
+    args += (act.name, act.alpha, act.limit, True)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
 
@@ -324,7 +325,7 @@ def test_host_wrapper_picks_the_config_for_the_layer(gen: torch.Generator, monke
     tw, ti = _routing(gen, 3, 7, 2)
     emap = torch.tensor([0, -1, 1, 2, -1, 3, 4], dtype=torch.int32)
     with pytest.raises(Chosen):
-        moe_sm90.fused_moe_sm90(x, *weights.tensors, tw, ti.int(), emap, 32, **weights.variant)
+        moe_sm90.fused_moe_sm90(x, weights, tw, ti.int(), emap)
     tokens, shape = asked[0]
     assert tokens == 3 and shape == weights.layer_shape(2, torch.bfloat16, emap)
     assert (shape.gated, shape.experts, shape.global_experts) == (False, 5, 7)

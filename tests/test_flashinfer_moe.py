@@ -17,6 +17,7 @@ import torch
 
 import moe_nvfp4 as m
 import moe_nvfp4.api as api
+import moe_nvfp4.prepare_weights as prepare_weights
 from moe_nvfp4.dispatch import _select
 from moe_nvfp4.flashinfer_moe import fused_moe_w4a4_flashinfer
 from moe_nvfp4.weight_layouts import FlashInferLayout, gated_rows_order, shuffle_rows_order
@@ -24,7 +25,7 @@ from moe_nvfp4.weight_layouts import FlashInferLayout, gated_rows_order, shuffle
 
 def prepare_moe_weights_flashinfer(w13: m.NVFP4Tensor, w2: m.NVFP4Tensor, *, expert_offset: int = 0) -> m.MoEWeights:
     """The FlashInfer layout whatever the device (the API packs in it only where dispatch picks FlashInfer)."""
-    return api._packed(w13, w2, FlashInferLayout(expert_offset=expert_offset))
+    return prepare_weights._packed(w13, w2, FlashInferLayout(expert_offset=expert_offset))
 
 
 # TRT-LLM-gen's srcToDstBlk32RowMap, as printed in its source: old row r of a 32-row block goes to row MAP[r].
@@ -173,7 +174,8 @@ def test_api_forward_on_the_flashinfer_layout(gen, monkeypatch) -> None:
     """Where dispatch picks FlashInfer (sm_100; faked) the API packs for it; on CPU tensors the op runs the
     reference on the unpacked weights: equal to fused_moe_torch on the originals (same code, exact), with and
     without expert parallelism (this rank holds global experts 2..4 of 7)."""
-    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", None))
+    for module in (api, prepare_weights):  # the forward and the packing
+        monkeypatch.setattr(module, "select_backends", lambda device: _select("sm_100", None))
     e, h, i, t = 3, 96, 48, 11
     w13, w2 = _experts(gen, e, h, i)
     weights = m.prepare_moe_weights_w4a4(w13, w2)

@@ -208,7 +208,7 @@ def test_capability_switch_picks_the_cute_plan(monkeypatch: pytest.MonkeyPatch) 
     """Where dispatch picks cute for the grouped GEMM (sm_100/sm_103) the API plans for the CuTe DSL kernel, with the same operands
     and alpha the Triton plan gets, and launches that plan through its own launcher."""
     sys.path.insert(0, str(TESTS))
-    import moe_nvfp4.api as api
+    import moe_nvfp4.grouped_gemm as grouped_gemm
     import moe_nvfp4.cute.host as cute_host
     from helpers_w4a4 import exact_groups
 
@@ -216,7 +216,7 @@ def test_capability_switch_picks_the_cute_plan(monkeypatch: pytest.MonkeyPatch) 
     triton_plan = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.bfloat16)
     from moe_nvfp4.dispatch import _select
 
-    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", None))
+    monkeypatch.setattr(grouped_gemm, "select_backends", lambda device: _select("sm_100", None))
     plan = m.plan_grouped_gemm_nvfp4(a, b, alpha=alpha, out_dtype=torch.bfloat16)
     assert isinstance(plan, cute_host.GroupedW4A4Sm100Plan)
     assert plan.variant.out_dtype == torch.bfloat16

@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"moe_nvfp4": ROOT / "moe_nvfp4", "moe_nvfp4_vllm": ROOT / "integrations" / "moe_nvfp4_vllm"}
 KERNEL_PACKAGES = ("moe_nvfp4.triton", "moe_nvfp4.cute")
+BACKEND_FOLDERS = ("moe_nvfp4.sm90",)  # an architecture's backend: reached through the registry, never by name
 # an architecture's backend folder holds its kernels and host, the config data below them and the tuner above them
 KERNEL_MODULES = tuple(
     f"moe_nvfp4.sm90.{m}"
@@ -21,6 +22,9 @@ KERNEL_MODULES = tuple(
 # what sits above the kernels; the package itself re-exports the API, so importing it imports the API too
 ABOVE_KERNELS = (
     "moe_nvfp4.api",
+    "moe_nvfp4.prepare_weights",
+    "moe_nvfp4.moe_inputs",
+    "moe_nvfp4.grouped_gemm",
     "moe_nvfp4.ops",
     "moe_nvfp4.sm90.autotune",
     "moe_nvfp4.sm90.warmup",
@@ -175,3 +179,19 @@ def test_the_modules_under_the_kernels_never_import_them() -> None:
         if in_kernels(target)
     ]
     assert not upward, "modules under the kernels import them:\n" + "\n".join(upward)
+
+
+def test_integrations_reach_the_kernels_only_through_the_api() -> None:
+    """integrations -> api -> kernels: the vLLM plugin imports no kernel module and nothing of a backend's folder
+    (the API and the registry's entries choose those); it imported the sm_90 autotune by name until issue 56."""
+    known = modules(PACKAGES)
+    graph = import_graph(known)
+    plugin = [m for m in graph if m.split(".")[0] == "moe_nvfp4_vllm"]
+    assert len(plugin) >= 5, plugin
+    offenders = [
+        f"{known[m].relative_to(ROOT)}:{line} imports {target}"
+        for m in plugin
+        for target, line in graph[m].items()
+        if in_kernels(target) or target in BACKEND_FOLDERS or target.startswith(tuple(f"{b}." for b in BACKEND_FOLDERS))
+    ]
+    assert not offenders, "the plugin imports kernel or backend modules:\n" + "\n".join(offenders)

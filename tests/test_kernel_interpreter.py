@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent(
                           partials_in_x_dtype=bool(low), pair_tiles=bool(pair))
     assert cfg.is_valid(-(-h // 128) * 128, -(-i // 128) * 128), cfg
     out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(x, *w.tensors, tw, ti, emap, i, cfg, out=out)
+    fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, compute_dtype=torch.float64)
     assert not out.isnan().any(), "unwritten output"
     rel = ((out.double() - ref).norm() / ref.norm()).item() if t else 0.0
@@ -240,7 +240,7 @@ POISON_SCRIPT = textwrap.dedent(
         out = m.fused_moe(x, w, tw, ti, expert_map=emap)
     else:
         out = torch.full_like(x, float("nan"))
-        fused_moe_sm90(x, *w.tensors, tw, ti, emap, i, cfg, out=out)
+        fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out)
     ref = m.fused_moe_torch(x.contiguous(), q13, q2, tw, ti, expert_map=emap, compute_dtype=torch.float64)
     assert not out.isnan().any(), "unwritten output"
     assert torch.equal(out[0], torch.zeros_like(out[0])), "a token with no routed pair got output"
@@ -327,8 +327,7 @@ VARIANT_SCRIPT = textwrap.dedent(
         cfg = MoEKernelConfig(block_m, GemmConfig(64, warp_specialized=ws, narrow_tiles=narrow),
                               GemmConfig(64, num_stages=3, warp_specialized=ws, narrow_tiles=narrow))
         out = torch.full_like(x, float("nan"))
-        fused_moe_sm90(x, *w.tensors, tw, ti, emap, i, cfg, out=out, **w.variant,
-                       apply_router_weight_on_input=bool(on_input))
+        fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out, apply_router_weight_on_input=bool(on_input))
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, activation=act, w13_bias=b13, w2_bias=b2,
                             apply_router_weight_on_input=bool(on_input), compute_dtype=torch.float64)
     assert not out.isnan().any(), "unwritten output"

@@ -222,18 +222,7 @@ def record(case: dict, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         w2_bias=w.w2_bias,
         out=out,
     )
-    K.fused_moe_sm90(
-        x,
-        *w.tensors,
-        tw,
-        ti,
-        expert_map,
-        i,
-        config,
-        out,
-        **w.variant,
-        apply_router_weight_on_input=variant == "router_on_input",
-    )
+    K.fused_moe_sm90(x, w, tw, ti, expert_map, config, out, apply_router_weight_on_input=variant == "router_on_input")
     names = _Names(named)
     return [
         dict(

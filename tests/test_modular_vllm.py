@@ -142,6 +142,31 @@ def test_standard_format_through_the_no_all2all_prepare_finalize(vllm_cpu, gen, 
     assert _rel(out, ref) < STANDARD_TOL
 
 
+def test_standard_format_hands_the_ids_to_the_api_uncast(vllm_cpu, gen) -> None:
+    """The experts pass vLLM's int64 ids on as they come, so the API's one cast applies: an id past int32 (2**40 + 1)
+    saturates out of range and its pair contributes nothing, where a plain int32 cast would wrap it onto global
+    expert 1, which this rank holds."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    from moe_nvfp4_vllm.modular import NVFP4GroupedExperts
+
+    e_global, e_local, h, i, t, k = 8, 4, 64, 32, 5, 2
+    q13, q2, weights = _layer(gen, e_local, h, i)
+    experts = NVFP4GroupedExperts(_moe_config(e_global, e_local, k, h, i), FusedMoEQuantConfig.make(), weights)
+    kernel = vllm_cpu.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    topk_weights, topk_ids = m.topk_softmax(torch.randn(t, e_global, generator=gen), k, renormalize=True)
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+    ids = topk_ids.long()
+    ids[0, 0] = 2**40 + 1
+    out = _run(kernel, x.clone(), weights, topk_weights, ids, e_global, expert_map)
+    dropped = topk_ids.clone()
+    dropped[0, 0] = -1  # routed nowhere (routing.routed_pairs)
+    ref = m.fused_moe_torch(x, q13, q2, topk_weights, dropped, expert_map=expert_map)
+    assert _rel(out, ref) < STANDARD_TOL
+
+
 def test_each_format_leaves_the_finalize_what_it_expects(gen) -> None:
     """DeepEP low-latency's combine asserts a delegate (it weights and sums); the standard finalizes get the sum."""
     from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig

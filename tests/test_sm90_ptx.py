@@ -595,7 +595,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     cfg = MoEKernelConfig(8, ws, ws, pair_tiles=True)
 
     def forward(config: MoEKernelConfig, expert_map: torch.Tensor | None = None) -> None:
-        K.fused_moe_sm90(x, *w.tensors, tw, ti, expert_map, i, config)
+        K.fused_moe_sm90(x, w, tw, ti, expert_map, config)
 
     emap = torch.arange(e, dtype=torch.int32)
     forward(cfg)
@@ -729,6 +729,33 @@ def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
     theirs = ab_moe.package_config(host, cfg)
     assert type(theirs) is copied_configs.MoEKernelConfig and not hasattr(theirs, "pair_tiles")
     assert theirs.to_dict() == {f: v for f, v in cfg.to_dict().items() if f != "pair_tiles"}
+
+
+def test_ab_moe_calls_each_version_of_the_host_in_its_convention() -> None:
+    """tools/ab_moe.py's forwards: the current host takes the weights as one MoEWeights; a tree from before
+    2026-11-29 (``pkg=`` of an older revision) takes the six weight tensors and the intermediate size."""
+    import types
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import ab_moe
+
+    import moe_nvfp4 as m
+
+    w = m.prepare_moe_weights(
+        m.quantize_nvfp4(torch.randn(2, 64, 32), segments=2), m.quantize_nvfp4(torch.randn(2, 32, 32))
+    )
+    calls = []
+
+    def loose(x, w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global, tw, ti, emap, inter, config):
+        calls.append(((w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global), inter, config))
+
+    def grouped(x, weights, tw, ti, emap, config):
+        calls.append((weights, config))
+
+    ab_moe.host_forward(types.SimpleNamespace(fused_moe_sm90=loose), "x", w, "tw", "ti", None, "cfg")()
+    ab_moe.host_forward(types.SimpleNamespace(fused_moe_sm90=grouped), "x", w, "tw", "ti", None, "cfg")()
+    assert calls[0][0] == w.tensors and calls[0][1:] == (32, "cfg")
+    assert calls[1][0] is w and calls[1][1] == "cfg"
 
 
 def test_ab_moe_reads_configs_from_another_directory(tmp_path) -> None:

@@ -232,22 +232,26 @@ def test_rotated_weights_cover_four_l2_sizes_of_touched_experts(monkeypatch: pyt
     bytes stream between two uses of one copy, the first copy the weights themselves, clones made once."""
     import torch
 
-    l2 = [50 << 20]
+    import moe_nvfp4 as m
+
+    experts = 16
+    weights = m.prepare_moe_weights(
+        m.quantize_nvfp4(torch.randn(experts, 128, 128), segments=2), m.quantize_nvfp4(torch.randn(experts, 128, 64))
+    )
+    per_expert = sum(t[0].numel() * t.element_size() for t in weights.tensors)  # bytes of an expert's slice
+    l2 = [50 * per_expert]
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": l2[0]}))
-    experts, per_expert = 16, 1 << 20  # bytes of an expert's slice, over two tensors
-    weights = (
-        torch.randint(0, 255, (experts, per_expert // 2), dtype=torch.uint8),
-        torch.randn(experts, per_expert // 8),
-    )  # float32: 4 bytes an element
     one_expert = torch.zeros(1, 2, dtype=torch.long)
     copies = rotated_weights(weights, one_expert)
     assert len(copies) == 16 and copies[0] is weights  # harness.rotation_copies caps at 16
-    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for c in copies[1:] for a, b in zip(c, weights))
-    touched = torch.arange(14).view(7, 2)  # 14 MiB touched: ceil(200 / 14) = 15 copies
-    assert rotated_weights(weights, touched, copies)[1:] == copies[1:15]
+    for c in copies[1:]:
+        for a, b in zip(c.tensors, weights.tensors):
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    touched = torch.arange(14).view(7, 2)  # 14 experts touched: ceil(200 / 14) = 15 copies
+    assert [id(c) for c in rotated_weights(weights, touched, copies)[1:]] == [id(c) for c in copies[1:15]]
     assert len(rotated_weights(weights, torch.arange(experts).view(8, 2))) == 13  # ceil(200 / 16)
-    l2[0] = 256 << 10
-    assert rotated_weights(weights, one_expert) == [weights]  # one expert's MiB is past 4 x L2: no clone
+    l2[0] = per_expert // 4
+    assert rotated_weights(weights, one_expert) == [weights]  # one expert's bytes are 4 x L2: no clone
 
 
 @pytest.mark.parametrize(
@@ -411,15 +415,14 @@ def test_loader_sweep_offers_every_narrow_and_loader_width() -> None:
 
 
 def test_packed_layer_and_seeded_inputs(monkeypatch) -> None:
-    """The tuner's layer and inputs, shared with tools/ (ab_moe, profile_moe, power_moe): fused_moe_sm90's
-    weight tensors in its argument order, and inputs that repeat for a token count and differ between counts."""
+    """The tuner's layer and inputs, shared with tools/ (ab_moe, profile_moe, power_moe): the weights fused_moe_sm90
+    takes, and inputs that repeat for a token count and differ between counts."""
     import torch
     import tune_moe
 
     monkeypatch.setitem(tune_moe.MODELS, "tiny", (4, 2, 128, 64))
-    w13_packed, w13_scale, w13_global, w2_packed, w2_scale, w2_global = tune_moe.packed_layer("tiny", "cpu")
-    assert w13_packed.shape[0] == w2_packed.shape[0] == 4 and w13_global.shape == (4, 2) and w2_global.shape == (4,)
-    assert w13_packed.dtype == w2_scale.dtype == w13_scale.dtype == torch.uint8
+    w = tune_moe.packed_layer("tiny", "cpu")
+    assert (w.num_experts, w.hidden, w.intermediate, w.activation.gated) == (4, 128, 64, True)
     x, tw, ti = tune_moe.seeded_inputs("tiny", 5, "cpu")
     assert x.shape == (5, 128) and x.dtype == torch.bfloat16 and tw.shape == ti.shape == (5, 2)
     assert torch.allclose(tw.sum(-1), torch.ones(5)) and int(ti.max()) < 4

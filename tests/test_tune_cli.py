@@ -63,9 +63,7 @@ def test_shapes_from_a_saved_config(tmp_path, family, experts, top_k, activation
         EXPERT_INTERMEDIATE,
     )
     assert (shape.activation, shape.biases, shape.dtype) == (activation, biases, "bfloat16")
-    assert shape.layer_shape() == LayerShape(
-        experts, top_k, HIDDEN, EXPERT_INTERMEDIATE, "bfloat16", gated=activation.gated
-    )
+    assert shape.layer == LayerShape(experts, top_k, HIDDEN, EXPERT_INTERMEDIATE, "bfloat16", gated=activation.gated)
 
 
 def test_a_multimodal_config_is_read_through_its_text_config(tmp_path) -> None:
@@ -100,9 +98,9 @@ def test_dbrx_reads_its_ffn_config(tmp_path) -> None:
 
 def test_per_rank_shapes_are_what_the_plugin_keys_its_cache_by() -> None:
     qwen = TuneShape("qwen3", 128, 8, 2048, 768)
-    assert per_rank(qwen, tp=4).layer_shape() == LayerShape(128, 8, 2048, 192)
+    assert per_rank(qwen, tp=4).layer == LayerShape(128, 8, 2048, 192)
     ep = per_rank(qwen, ep=8)
-    assert ep.layer_shape() == LayerShape(16, 8, 2048, 768, global_experts=128) and ep.name == "qwen3 EP8"
+    assert ep.layer == LayerShape(16, 8, 2048, 768, global_experts=128) and ep.name == "qwen3 EP8"
     assert per_rank(qwen) == qwen
 
 

@@ -405,10 +405,11 @@ def test_w4a4_checkpoint_runs_w4a4_where_fp4_tensor_cores_are(plugin, gen, conve
 
     import moe_nvfp4
     import moe_nvfp4.api as api
+    import moe_nvfp4.prepare_weights as prepare_weights
     from moe_nvfp4.dispatch import _select
 
-    monkeypatch.setattr(method, "select_backends", lambda device: _select("sm_100", backend))
-    monkeypatch.setattr(api, "select_backends", lambda device: _select("sm_100", backend))
+    for module in (method, api, prepare_weights):  # the plugin, the forward, the packing
+        monkeypatch.setattr(module, "select_backends", lambda device: _select("sm_100", backend))
     ex = _experts(gen, convention, w4a4=True)
     layer = _routed_experts(_config(plugin, convention, True))
     _load(layer, ex.tensors)
@@ -513,11 +514,14 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
 
 
 def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(plugin, gen, monkeypatch):
-    """Since issue 53 the load step takes the configs `moe-nvfp4 tune` cached (autotune.load_configs: no timing
-    unless MOE_NVFP4_AUTOTUNE=1, tested in test_autotune.py) instead of autotuning: once per process and shape,
-    before the warm-up compiles what it chose, with the scheduler's token budget and the layer's expert map."""
+    """Since issue 53 the load step takes the configs `moe-nvfp4 tune` cached (moe_nvfp4.load_moe_configs, the
+    backend's autotune.load_configs: no timing unless MOE_NVFP4_AUTOTUNE=1, tested in test_autotune.py) instead of
+    autotuning: once per process and shape, before the warm-up compiles what it chose, with the scheduler's token
+    budget and the layer's expert map."""
     from moe_nvfp4_vllm import moe_method
     from vllm.config import DeviceConfig, VllmConfig
+
+    import moe_nvfp4
 
     from moe_nvfp4.shapes import CPU_TRAITS
     from moe_nvfp4.sm90.autotune import AutotuneReport
@@ -530,9 +534,9 @@ def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(
 
     monkeypatch.delenv("MOE_NVFP4_AUTOTUNE", raising=False)
     monkeypatch.setattr(moe_method, "_WARMED", set())
-    monkeypatch.setattr(moe_method, "load_configs", configs)
+    monkeypatch.setattr(moe_nvfp4, "load_moe_configs", configs)
     monkeypatch.setattr(moe_method, "compile_kernels", lambda w, *a, **k: steps.append(("warm", w.num_experts)) or [])
-    assert not hasattr(moe_method, "autotune_fused_moe")  # the plugin reaches the autotuner only through load_configs
+    assert not hasattr(moe_method, "autotune_fused_moe")  # the plugin reaches the autotuner only through the API
     budget = VllmConfig(device_config=DeviceConfig(device="cpu")).scheduler_config.max_num_batched_tokens
     ex = _experts(gen)
     for _ in range(2):
@@ -568,9 +572,10 @@ def test_bf16_checkpoint_is_quantized_on_load(plugin, gen):
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
-def test_router_ids_reach_the_api_uncast(plugin, gen):
+@pytest.mark.parametrize("big_id", [2**32 + 1, 2**40], ids=["wraps onto expert 1", "wraps onto expert 0"])
+def test_router_ids_reach_the_api_uncast(plugin, gen, big_id):
     """vLLM's int64 ids and bf16 weights go to the API as they come, which casts once: an id past int32 saturates
-    out of range (its pair contributes nothing) where a plain int32 cast would wrap 2**32 + 1 onto expert 1."""
+    out of range (its pair contributes nothing) where a plain int32 cast would wrap it onto an expert."""
     import moe_nvfp4
 
     ex = _experts(gen)
@@ -578,7 +583,7 @@ def test_router_ids_reach_the_api_uncast(plugin, gen):
     _load(layer, ex.tensors)
     x, tw, ids = _routing(gen)
     wrapped = ids.long()
-    wrapped[0, 0] = 2**32 + 1
+    wrapped[0, 0] = big_id
     out = layer.quant_method.apply(layer, x, tw.bfloat16(), wrapped, None, None)
     dropped = ids.clone()
     dropped[0, 0] = -1  # routed nowhere (routing.routed_pairs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-import moe_nvfp4.api as api
+import moe_nvfp4.prepare_weights as prepare_weights
 from moe_nvfp4.weight_layouts import FlashInferLayout, Sm90Layout, Sm100Layout, weight_layout
 
 LAYOUTS = [Sm90Layout(), Sm100Layout(), FlashInferLayout()]
@@ -30,7 +30,7 @@ def _checkpoint(gen: torch.Generator, e: int, h: int, i: int) -> tuple[m.NVFP4Te
 @pytest.mark.parametrize(("e", "h", "i"), [(1, 32, 16), (3, 96, 48), (2, 256, 208)])  # H, I off every padding
 def test_every_layout_round_trips(gen: torch.Generator, layout, e: int, h: int, i: int) -> None:
     w13, w2 = _checkpoint(gen, e, h, i)
-    weights = api._packed(w13, w2, layout)
+    weights = prepare_weights._packed(w13, w2, layout)
     assert isinstance(weights, m.MoEWeights) and weights.layout is layout
     assert (weights.num_experts, weights.hidden, weights.intermediate) == (e, h, i)
     back13, back2 = weights.to_nvfp4()

@@ -66,6 +66,18 @@ def package_config(host, cfg):
     return configs.MoEKernelConfig.from_dict(d)
 
 
+def host_forward(host, x, weights, topk_weights, topk_ids, expert_map, config):
+    """A forward of ``host.fused_moe_sm90`` (a load_package module, or the installed one) in its version's calling
+    convention: the weights as one ``MoEWeights``, or, in a tree from before 2026-11-29, as the six tensors and the
+    intermediate size."""
+    import inspect
+
+    if "w13_packed" in inspect.signature(host.fused_moe_sm90).parameters:
+        tensors, inter = weights.tensors, weights.intermediate
+        return lambda: host.fused_moe_sm90(x, *tensors, topk_weights, topk_ids, expert_map, inter, config)
+    return lambda: host.fused_moe_sm90(x, weights, topk_weights, topk_ids, expert_map, config)
+
+
 def tuned_config(directory: Path, select):
     """``select()`` (tuned_configs.select_config for a case) reading the tuned files under ``directory`` instead of the
     package's configs directory."""
@@ -103,7 +115,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     from moe_nvfp4.bench.harness import MoEShape
     from moe_nvfp4.bench.moe import make_inputs
     from moe_nvfp4.layouts import FragmentLayout
-    from moe_nvfp4.shapes import LayerShape, device_traits
+    from moe_nvfp4.shapes import device_traits
     from moe_nvfp4.sm90.tuned_configs import select_config
     from moe_nvfp4.sm90 import host as moe_sm90
     from moe_nvfp4.zoo import zoo_shape
@@ -111,8 +123,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     zs = zoo_shape(model)
     if not zs.activation.gated:
         raise SystemExit(f"{model}: ab_moe times gated SiLU layers (make_layer's); {zs.activation.name} is not")
-    e, k, h, i, n_global = zs.experts, zs.top_k, zs.hidden, zs.intermediate, zs.global_experts
-    shape, device = LayerShape(e, k, h, i, global_experts=n_global), device_traits(torch.device("cuda"))
+    e, h, i = zs.experts, zs.hidden, zs.intermediate
+    shape, device = zs.layer, device_traits(torch.device("cuda"))
     cfg = select_config(tokens, shape, device)
     tuned_in = {
         v: tuned_config(Path(v[len("configs=") :]), lambda: select_config(tokens, shape, device))
@@ -123,7 +135,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         x, tw, ti, expert_map = make_inputs(MoEShape.from_zoo(zs), tokens, draw, "cuda")
     else:
         (x, tw, ti), expert_map = seeded_inputs(model, tokens), None
-    weights = prepare_moe_weights(*make_layer(e, h, i, "cuda")).tensors
+    weights = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
     local_ids = ti if expert_map is None else expert_map[ti.long()]  # -1: another rank's expert
     copies = rotated_weights(weights, local_ids)
 
@@ -142,7 +154,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         c = configured(variant)
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
         c = package_config(host, c) if variant.startswith("pkg=") else c
-        return [lambda ws=ws: host.fused_moe_sm90(x, *ws, tw, ti, expert_map, i, c) for ws in copies]
+        return [host_forward(host, x, ws, tw, ti, expert_map, c) for ws in copies]
 
     padded = FragmentLayout().padded_k
     invalid = [

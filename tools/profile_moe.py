@@ -60,11 +60,11 @@ def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[s
 def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Callable[[], object]:
     """One fused MoE forward of ``model``'s layer (random weights) at ``tokens``, the selected or given config."""
     e, k, h, i = MODELS[model]
-    args = packed_layer(model)
+    weights = packed_layer(model)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
     cfg = config or select_config(tokens, LayerShape(e, k, h, i, x.dtype), device_traits(x.device))
-    return lambda: fused_moe_sm90(x, *args, tw, ti, None, i, cfg)
+    return lambda: fused_moe_sm90(x, weights, tw, ti, None, cfg)
 
 
 def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int = 20) -> dict[str, float]:

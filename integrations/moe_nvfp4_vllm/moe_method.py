@@ -11,7 +11,7 @@ Life of a layer (``RoutedExperts``, the same in vLLM 0.26 and 0.33; ``compat`` h
    non-positive scales as multipliers, outlier W4A4 input scales; ``loading.validate_loaded_experts``), gate and up
    keep their own global scales, BF16 experts are quantized expert by expert, ``moe_nvfp4.prepare_moe_weights``
    packs for the kernel and the checkpoint parameters are freed.
-   Then, once per process and layer shape, ``moe_nvfp4.sm90.autotune.load_configs`` registers the configs
+   Then, once per process and layer shape, ``moe_nvfp4.load_moe_configs`` registers the configs
    ``moe-nvfp4 tune`` cached for this GPU and shape, if any (else the default serves; ``MOE_NVFP4_AUTOTUNE=1``
    times configs here first), and ``moe_nvfp4.warmup.compile_kernels`` compiles every kernel variant up to the
    scheduler's token budget, in threads, so no request ever waits on a Triton compile.
@@ -42,7 +42,6 @@ from moe_nvfp4.checkpoint import TENSOR_NAMES, CheckpointError, Convention
 from moe_nvfp4.dispatch import select_backends
 from moe_nvfp4.expert_activation import RELU2, SILU, ExpertActivation
 from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
-from moe_nvfp4.sm90.autotune import load_configs
 from moe_nvfp4.warmup import compile_kernels, warmup_threads
 
 from .compat import MoEMethodCompat, keep_finalized
@@ -327,8 +326,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         )
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
-        report = load_configs(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
-        if report.source != "cpu":  # CPU weights run the torch reference: nothing to choose
+        report = moe_nvfp4.load_moe_configs(weights, top_k, dtype, self.max_tokens, expert_map=expert_map)
+        if report is not None and report.source != "cpu":  # the CPU's torch reference: nothing to choose
             logger.info("nvfp4_grouped: autotune %s", report.summary())
         start, threads = time.perf_counter(), warmup_threads()
         counts = compile_kernels(

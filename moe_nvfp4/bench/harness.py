@@ -7,7 +7,7 @@ bench`` and the scripts in the repository's ``benchmarks/``):
 * ``time_graph``: N calls captured into one CUDA graph, replayed, median per call; rotating call sets
   (one closure per copy of the weights) so a copy is never reused while it can still sit in L2.
   ``time_eager`` is the fallback (CUDA events around single eager calls).
-* ``MoEShape``: a MoE layer's bytes (NVFP4 weights of the touched experts) and FLOPs, declared once.
+* ``MoEShape``: a MoE layer's bytes (NVFP4 weights of the touched experts) and FLOPs, declared once (``shape``).
 * ``floors``: HBM floor, compute floor, their max.
 * ``write_json`` / ``markdown_table`` / ``write_markdown``: the reports.
 
@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..expert_activation import ExpertActivation
+from .shape import MoEShape, nvfp4_matrix_bytes
 
 __all__ = [
     "Ceilings",
@@ -53,89 +53,6 @@ __all__ = [
     "write_json",
     "write_markdown",
 ]
-
-NVFP4_BLOCK = 16  # elements per e4m3 block scale
-
-
-# --------------------------------------------------------------------------------------------------
-# Bytes and FLOPs, declared once
-# --------------------------------------------------------------------------------------------------
-def nvfp4_matrix_bytes(n: int, k: int, *, global_scales: int = 1) -> int:
-    """Bytes of one NVFP4 matrix [N, K]: packed e2m1 (K/2 per row) + e4m3 block scales (K/16 per row)
-    + ``global_scales`` fp32 global scales."""
-    if k % NVFP4_BLOCK:
-        raise ValueError(f"K={k} is not a multiple of {NVFP4_BLOCK}")
-    return n * k // 2 + n * k // NVFP4_BLOCK + 4 * global_scales
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """One MoE layer: E experts, top-k routing, hidden size H, intermediate size I (w13 is [2I, H] with a gated
-    ``activation``, [I, H] without; w2 is [H, I]); ``activation`` an expert_activation name.  Activations are bf16."""
-
-    name: str
-    num_experts: int
-    top_k: int
-    hidden: int
-    inter: int
-    renormalize: bool = True
-    act_bytes: int = 2  # bf16 activations
-    global_experts: int = 0  # the routing's experts under expert parallelism (num_experts of them local); 0: all
-    activation: str = "silu"
-
-    @property
-    def expert_activation(self) -> ExpertActivation:
-        return ExpertActivation(self.activation)
-
-    @property
-    def w13_rows(self) -> int:
-        """GEMM1's rows per expert: gate and up (2I), or I for a non-gated activation."""
-        return 2 * self.inter if self.expert_activation.gated else self.inter
-
-    @property
-    def routed_experts(self) -> int:
-        return self.global_experts or self.num_experts
-
-    def flops(self, tokens: int) -> int:
-        """2 * T * k * (2I*H + H*I) (I*H for GEMM1 when not gated) over the pairs whose expert is local (all without
-        expert parallelism; the expected share with it): both GEMMs; the activation is ignored."""
-        pairs = tokens * self.top_k * self.num_experts // self.routed_experts
-        return 2 * pairs * (self.w13_rows * self.hidden + self.hidden * self.inter)
-
-    def expert_nvfp4_bytes(self) -> int:
-        """Weight bytes of one expert in NVFP4: w13 [2I, H] ([I, H] not gated; one global scale) + w2 [H, I] (one)."""
-        return nvfp4_matrix_bytes(self.w13_rows, self.hidden) + nvfp4_matrix_bytes(self.hidden, self.inter)
-
-    def expert_bf16_bytes(self) -> int:
-        return 2 * (self.w13_rows + self.inter) * self.hidden
-
-    def activation_bytes(self, tokens: int) -> int:
-        """The unavoidable activation traffic: read x [T, H] once, write out [T, H] once."""
-        return 2 * tokens * self.hidden * self.act_bytes
-
-    def hbm_bytes(self, tokens: int, touched_experts: int, *, include_activations: bool = True) -> int:
-        """Minimum HBM traffic of the NVFP4 forward: every touched expert's packed weights, block scales and
-        global scales read once (plus x in and out, unless told otherwise)."""
-        if not 0 <= touched_experts <= self.num_experts:
-            raise ValueError(f"touched_experts={touched_experts} outside [0, {self.num_experts}]")
-        weights = touched_experts * self.expert_nvfp4_bytes()
-        return weights + (self.activation_bytes(tokens) if include_activations else 0)
-
-    def max_touched(self, tokens: int) -> int:
-        return min(self.num_experts, tokens * self.top_k)
-
-    @classmethod
-    def from_zoo(cls, shape) -> "MoEShape":
-        """A ``moe_nvfp4.zoo.ZooShape``."""
-        return cls(
-            shape.name,
-            num_experts=shape.experts,
-            top_k=shape.top_k,
-            hidden=shape.hidden,
-            inter=shape.intermediate,
-            global_experts=shape.global_experts,
-            activation=shape.activation.name,
-        )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def make_weights(shape: MoEShape, seed: int, device: str):
     from ..formats import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    e, h, i = shape.num_experts, shape.hidden, shape.inter
+    e, h, i = shape.experts, shape.hidden, shape.intermediate
     step = max(1, WEIGHT_CHUNK_BYTES // shape.expert_bf16_bytes())
 
     def draw(n: int, k: int) -> NVFP4Tensor:
@@ -130,19 +130,19 @@ def make_weights(shape: MoEShape, seed: int, device: str):
 
 def make_inputs(shape: MoEShape, tokens: int, seed: int, device: str):
     """x, softmax top-k routing over the routing's experts, and under expert parallelism the expert map of the
-    rank that holds the first num_experts of them (None without)."""
+    rank that holds the first ``experts`` of them (None without)."""
     import torch
 
     from ..routing import topk_softmax
 
     gen = torch.Generator(device=device).manual_seed(seed * 1000003 + tokens)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, shape.routed_experts, device=device, dtype=torch.float32, generator=gen)
+    logits = torch.randn(tokens, shape.global_experts, device=device, dtype=torch.float32, generator=gen)
     topk_weights, topk_ids = topk_softmax(logits, shape.top_k, renormalize=shape.renormalize)
     expert_map = None
-    if shape.routed_experts != shape.num_experts:
-        expert_map = torch.full((shape.routed_experts,), -1, dtype=torch.int32, device=device)
-        expert_map[: shape.num_experts] = torch.arange(shape.num_experts, dtype=torch.int32, device=device)
+    if shape.global_experts != shape.experts:
+        expert_map = torch.full((shape.global_experts,), -1, dtype=torch.int32, device=device)
+        expert_map[: shape.experts] = torch.arange(shape.experts, dtype=torch.int32, device=device)
     return x, topk_weights.contiguous(), topk_ids.contiguous(), expert_map
 
 
@@ -162,7 +162,7 @@ def copies_for(shape: MoEShape, tokens: list[int], path: str, args, l2: int) -> 
     touched = shape.max_touched(min(tokens))
     want = rotation_copies(touched * per_expert, l2, factor=args.l2_factor, max_copies=args.max_copies)
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 8 << 30
-    by_memory = max(1, int(0.15 * free // max(per_expert * shape.num_experts, 1)))
+    by_memory = max(1, int(0.15 * free // max(per_expert * shape.experts, 1)))
     return max(1, min(want, by_memory))
 
 
@@ -197,8 +197,8 @@ def run_model(
 ) -> list[dict]:
     """The rows of one shape, a row per token count (see moe's docstring); ``log`` gets the progress lines."""
     t0 = time.time()
-    ep = f" of {shape.routed_experts} (expert parallel)" if shape.routed_experts != shape.num_experts else ""
-    log(f"\n== {shape.name}: E={shape.num_experts}{ep} top-{shape.top_k} H={shape.hidden} I={shape.inter}")
+    ep = f" of {shape.global_experts} (expert parallel)" if shape.global_experts != shape.experts else ""
+    log(f"\n== {shape.name}: E={shape.experts}{ep} top-{shape.top_k} H={shape.hidden} I={shape.intermediate}")
     weights = make_weights(shape, args.seed, args.device)
     log(f"   weights quantized in {time.time() - t0:.1f} s")
     paths, errors = build_paths(shape, weights, tokens, args, l2, log)
@@ -263,11 +263,11 @@ def row_header(key: str, shape: MoEShape, tokens: int, args) -> dict[str, Any]:
     return {
         "model": shape.name,
         "tokens": tokens,
-        "num_experts": shape.num_experts,
-        "global_experts": shape.routed_experts,
+        "num_experts": shape.experts,
+        "global_experts": shape.global_experts,
         "top_k": shape.top_k,
         "hidden": shape.hidden,
-        "inter": shape.inter,
+        "inter": shape.intermediate,
         "activation": shape.activation,
         "repro": repro_command(args, key, tokens),
     }
@@ -289,19 +289,10 @@ def measure_row(
     )
     row.update(floors(nbytes, flops, ceilings))
     if x.is_cuda:  # the config ours runs at this T and where it came from, so a row can be traced to it
-        from ..shapes import LayerShape, device_traits
+        from ..shapes import device_traits
         from ..sm90.tuned_configs import select_config
 
-        layer = LayerShape(
-            shape.num_experts,
-            shape.top_k,
-            shape.hidden,
-            shape.inter,
-            "bfloat16",
-            shape.routed_experts,
-            shape.expert_activation.gated,
-        )
-        traits = device_traits(x.device)
+        layer, traits = shape.layer, device_traits(x.device)
         row["ours_config"] = select_config(row["tokens"], layer, traits).to_dict()
         row["config_source"] = config_source(layer, traits)
     notes = check_outputs(row, shape, inputs, weights, paths, errors, args)

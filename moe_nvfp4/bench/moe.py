@@ -55,7 +55,7 @@ from .report import (  # noqa: F401  (COLUMNS, columns, model_summaries: re-expo
 # (N layers drawn at random, moe_nvfp4.zoo.random_models), the two shapes the bench always had by their short names,
 # and a smoke shape for checking the bench itself (the CPU's default).
 ALIASES = {"mixtral": "mixtral-8x7b", "qwen3": "qwen3-30b-a3b"}
-TINY = MoEShape("tiny", num_experts=4, top_k=2, hidden=128, inter=64, renormalize=True)
+TINY = MoEShape("tiny", experts=4, top_k=2, hidden=128, intermediate=64, renormalize=True)
 DEFAULT_MODEL = "qwen3-30b-a3b"
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 QUICK_TOKENS = (1, 64, 1024)
@@ -222,7 +222,7 @@ def parse_shape(text: str) -> MoEShape:
     for name, v in (("hidden H", h), ("intermediate I", i)):
         if v < DIM_MULTIPLE or v % DIM_MULTIPLE:
             raise ValueError(f"--shape {text!r}: {name}={v} must be a positive multiple of {DIM_MULTIPLE}")
-    return MoEShape(f"E={e} top-{k} H={h} I={i}", num_experts=e, top_k=k, hidden=h, inter=i)
+    return MoEShape(f"E={e} top-{k} H={h} I={i}", experts=e, top_k=k, hidden=h, intermediate=i)
 
 
 def _random_spec(name: str) -> tuple[int, int]:
@@ -294,7 +294,7 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     models = resolve_models(args.models) if args.models else {}
     if args.shape:
         shape = parse_shape(args.shape)
-        models[f"{shape.num_experts},{shape.top_k},{shape.hidden},{shape.inter}"] = shape
+        models[f"{shape.experts},{shape.top_k},{shape.hidden},{shape.intermediate}"] = shape
     args.models = models or resolve_models(CPU_MODEL if cpu else args.default_models)
     spec = args.paths.strip().lower()
     args.paths = (
@@ -337,7 +337,8 @@ def random_meta(models: dict[str, MoEShape]) -> dict | None:
     if not drawn:
         return None
     layers = [
-        dict(key=key, experts=s.num_experts, top_k=s.top_k, hidden=s.hidden, inter=s.inter) for key, s in drawn.items()
+        dict(key=key, experts=s.experts, top_k=s.top_k, hidden=s.hidden, inter=s.intermediate)
+        for key, s in drawn.items()
     ]
     seeds = sorted({int(key.split("-")[1][1:]) for key in drawn})
     return {"seeds": seeds, "default_seed": RANDOM_SEED, "bounds": asdict(RANDOM_BOUNDS), "layers": layers}

@@ -438,7 +438,7 @@ def gpu_timer(
         x, tw, ti = inputs[tokens]
 
         def run() -> torch.Tensor:
-            return fused_moe_sm90(x, *weights.tensors, tw, ti, expert_map, shape.intermediate, cfg, **weights.variant)
+            return fused_moe_sm90(x, weights, tw, ti, expert_map, cfg)
 
         try:
             out = run().float()

@@ -24,9 +24,9 @@ import dataclasses
 import torch
 
 from ..dispatch import sm_count
-from ..expert_activation import SILU, ExpertActivation
 from ..layouts import rows_16_aligned
 from ..shapes import LayerShape, device_traits
+from ..weights import MoEWeights
 from ..triton.combine import _combine_kernel, combine
 from ..triton.routing_kernels import _batched_route_kernel, _count_kernel, _route_kernel, route, route_batched
 from .common import Epilogue, GemmRouting, GemmWeights
@@ -50,10 +50,6 @@ def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
     compiled only where the JIT marks the row pointers and strides 16-divisible.  The interpreter (CPU tensors)
     and other rows run the Triton kernel with the same tiles, which computes the same sums."""
     return x.is_cuda and rows_16_aligned(x) and intermediate % 16 == 0
-
-
-def _map_len(expert_map: torch.Tensor | None) -> int:
-    return 0 if expert_map is None else expert_map.numel()
 
 
 def _gemm_routing(
@@ -80,22 +76,13 @@ def _gemm_routing(
 
 def fused_moe_sm90(
     x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
+    weights: MoEWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
-    intermediate: int,
     config: MoEKernelConfig | None = None,
     out: torch.Tensor | None = None,
     *,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Host wrapper: shapes are checked by the caller (api.fused_moe); launches the four kernels, three with
@@ -103,23 +90,22 @@ def fused_moe_sm90(
     (routing.routed_pairs: ids or expert-map entries out of range) contribute nothing on every path.
 
     ``config``: configs.select_config's for this call's shape where None (tests and the tuner pass their own).
-    The variant (weights.MoEWeights' activation and biases, the router weight on the input) reaches the GEMMs as
+    The variant (the weights' activation and biases, the router weight on the input) reaches the GEMMs as
     common.Epilogue; with ``apply_router_weight_on_input`` GEMM1 reads each pair's row x[t] * w[t, j]
     (rounded to x's dtype, one elementwise pass) instead of x[t], and GEMM2 weights nothing."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
-    num_experts = w13_packed.shape[0]
+    num_experts, intermediate = weights.num_experts, weights.intermediate
     out = torch.empty_like(x) if out is None else out
     if t == 0:
         return out
     if config is None:
-        shape = LayerShape(num_experts, top_k, hidden, intermediate, x.dtype, _map_len(expert_map), activation.gated)
-        config = select_config(t, shape, device_traits(x.device))
+        config = select_config(t, weights.layer_shape(top_k, x.dtype, expert_map), device_traits(x.device))
     gather = 1 if apply_router_weight_on_input else top_k  # GEMM1's A row of pair p: p // gather
     if apply_router_weight_on_input:  # one row per pair, as vLLM rounds it: a1 * topk_weights.to(a1.dtype)
         x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(t * top_k, hidden)
-    epilogue1 = Epilogue.of(w13_bias, activation, False)
-    epilogue2 = Epilogue.of(w2_bias, None, not apply_router_weight_on_input)
+    epilogue1 = Epilogue.of(weights.w13_bias, weights.activation, False)
+    epilogue2 = Epilogue.of(weights.w2_bias, None, not apply_router_weight_on_input)
     ws_ok = _gluon_rows_ok(x, intermediate)
     if x.is_cuda and not ws_ok and config.block_m < 16:
         # 8-token tiles are valid only where both GEMMs are Gluon (MoEKernelConfig.is_valid): the Triton GEMM takes
@@ -133,7 +119,7 @@ def fused_moe_sm90(
     launch1 = launch_gemm_ws if ws1 else launch_gemm
     launch1(
         x,
-        GemmWeights(w13_packed, w13_scale, w13_global),
+        GemmWeights(weights.w13_packed, weights.w13_scale, weights.w13_global),
         act,
         routing,
         config,
@@ -147,7 +133,7 @@ def fused_moe_sm90(
     launch2 = launch_gemm_ws if ws2 else launch_gemm
     launch2(
         act,
-        GemmWeights(w2_packed, w2_scale, w2_global),
+        GemmWeights(weights.w2_packed, weights.w2_scale, weights.w2_global),
         partial,
         routing,
         config,
@@ -174,20 +160,10 @@ def batched_config(
 
 def fused_moe_batched_sm90(
     x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
+    weights: MoEWeights,
     expert_num_tokens: torch.Tensor,
-    intermediate: int,
     out: torch.Tensor,
     config: MoEKernelConfig,
-    *,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
 ) -> None:
     """Host wrapper of the batched format (inputs checked by api.fused_moe_batched): x [E, M, H] with unit stride
     along H and rows M apart, expert_num_tokens int32 [E]; writes out[e, r] = FFN_e(x[e, r]) for r < count_e (the
@@ -195,6 +171,7 @@ def fused_moe_batched_sm90(
     reading its tile map (each row its own pair, top-k 1; no combine: GEMM2's rows are the output).  No host
     synchronisation; every grid and buffer is sized from E, M, H and I."""
     e, m, hidden = x.shape
+    intermediate = weights.intermediate
     if e * m == 0:
         return
     x_rows, out_rows = x.view(e * m, hidden), out.view(e * m, hidden)
@@ -207,12 +184,12 @@ def fused_moe_batched_sm90(
     routing = GemmRouting((sorted_rows, *tiles), stand_in, stand_in.view(torch.float32), None, False)
     sms = sm_count(x.device, off_gpu=2)
     act = torch.empty(e * m, intermediate, dtype=x.dtype, device=x.device)
-    epilogue1 = Epilogue.of(w13_bias, activation, False)
-    epilogue2 = Epilogue.of(w2_bias, None, False)
+    epilogue1 = Epilogue.of(weights.w13_bias, weights.activation, False)
+    epilogue2 = Epilogue.of(weights.w2_bias, None, False)
     launch1 = launch_gemm_ws if config.gemm1.warp_specialized and ws_ok else launch_gemm
     launch1(
         x_rows,
-        GemmWeights(w13_packed, w13_scale, w13_global),
+        GemmWeights(weights.w13_packed, weights.w13_scale, weights.w13_global),
         act,
         routing,
         config,
@@ -224,7 +201,7 @@ def fused_moe_batched_sm90(
     launch2 = launch_gemm_ws if config.gemm2.warp_specialized and ws_ok else launch_gemm
     launch2(
         act,
-        GemmWeights(w2_packed, w2_scale, w2_global),
+        GemmWeights(weights.w2_packed, weights.w2_scale, weights.w2_global),
         out_rows,
         routing,
         config,
@@ -236,39 +213,11 @@ def fused_moe_batched_sm90(
 
 
 def run_batched(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w13_global: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor,
-    expert_num_tokens: torch.Tensor,
-    intermediate: int,
-    expected_rows: float,
-    *,
-    activation: ExpertActivation = SILU,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
+    out: torch.Tensor, x: torch.Tensor, weights: MoEWeights, expert_num_tokens: torch.Tensor, expected_rows: float
 ) -> None:
     """The ``moe_w4a16_batched`` entry: ``fused_moe_batched_sm90`` with ``batched_config``'s config for
     ``expected_rows``."""
     e, _, hidden = x.shape
-    config = batched_config(e, hidden, intermediate, x.dtype, activation.gated, expected_rows, x.device)
-    fused_moe_batched_sm90(
-        x,
-        w13_packed,
-        w13_scale,
-        w13_global,
-        w2_packed,
-        w2_scale,
-        w2_global,
-        expert_num_tokens,
-        intermediate,
-        out,
-        config,
-        activation=activation,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-    )
+    gated = weights.activation.gated
+    config = batched_config(e, hidden, weights.intermediate, x.dtype, gated, expected_rows, x.device)
+    fused_moe_batched_sm90(x, weights, expert_num_tokens, out, config)

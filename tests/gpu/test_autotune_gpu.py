@@ -74,7 +74,7 @@ def test_every_default_config_of_a_zoo_shape_matches_the_reference(
         for tokens in (first, min(4 * first, 4096)):
             x, tw, ti = _inputs(tokens, z.hidden, experts, z.top_k, gen)
             out = torch.full_like(x, float("nan"))
-            fused_moe_sm90(x, *w.tensors, tw, ti, None, z.intermediate, cfg, out=out)
+            fused_moe_sm90(x, w, tw, ti, None, cfg, out=out)
             ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
             assert not out.isnan().any() and _rel(out, ref) < REL_TOL, (tokens, cfg)
     tuned_configs._tuned_entries.cache_clear()

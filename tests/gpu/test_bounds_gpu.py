@@ -140,7 +140,7 @@ def test_poisoned_routing_eager(shape: Shape, family: str, with_map: bool, gen: 
         tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
         _nan_scratch()
         out = torch.full_like(x, float("nan"))
-        fused_moe_sm90(x, *w.tensors, tw, ti, emap, shape.inter, cfg, out=out)
+        fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out)
         _check(out, x, q13, q2, tw, ti, emap)
 
 
@@ -156,10 +156,10 @@ def test_poisoned_routing_graph(shape: Shape, family: str, gen: torch.Generator)
     x = torch.randn(t, shape.hidden, generator=gen, device="cuda").bfloat16()
     tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
     out = torch.empty_like(x)
-    fused_moe_sm90(x, *w.tensors, tw, ti, emap, shape.inter, cfg, out=out)  # compile outside the capture
+    fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe_sm90(x, *w.tensors, tw, ti, emap, shape.inter, cfg, out=out)
+        fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out)
     for _ in range(3):
         new_tw, new_ti = _poisoned_routing(t, shape.top_k, n_global, gen)
         tw.copy_(new_tw)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import moe_nvfp4 as m
-from moe_nvfp4.api import _packed
+from moe_nvfp4.prepare_weights import _packed
 from moe_nvfp4.weight_layouts import FlashInferLayout
 
 

@@ -163,7 +163,7 @@ def test_expert_parallel_decode_defaults_match_reference(ep: tuple, tokens: int,
         is_local = (torch.arange(tokens * k, device="cuda") < n_local).view(tokens, k)
         slot = torch.arange(k, device="cuda").expand(tokens, k)  # distinct experts within a token either way
         ti = torch.where(is_local, owned[slot], others[slot]).to(torch.int32).contiguous()
-        out = _poisoned_run(x, (*weights.tensors, tw, ti, expert_map, i), cfg)
+        out = _poisoned_run(x, (weights, tw, ti, expert_map), cfg)
         ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=expert_map, compute_dtype=torch.float64)
         if n_local == 0:
             assert not out.any(), "a rank with no local pair must return zeros"
@@ -206,7 +206,7 @@ def test_configs_agree_and_outputs_fully_written(gen: torch.Generator) -> None:
     keep GEMM2's rows in x's dtype."""
     q13, q2, w, x, tw, ti = _problem(Case("cfg", 8, 2, 512, 512, 23), gen)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    args = (*w.tensors, tw, ti, None, 512)
+    args = (w, tw, ti, None)
     cfgs = [
         MoEKernelConfig(
             block_m, GemmConfig(block_n, num_warps=warps), GemmConfig(block_n, num_warps=warps, num_stages=stages), low
@@ -228,7 +228,7 @@ def _graph_replays_with_new_routing(case: Case, cfg: MoEKernelConfig, gen: torch
     """Capture one forward, replay it three times with new x and routing: each against the reference and
     bit-identical to an eager call."""
     q13, q2, w, x, tw, ti = _problem(case, gen)
-    args = (*w.tensors, tw, ti, None, case.inter)
+    args = (w, tw, ti, None)
     fused_moe_sm90(x, *args, cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -272,7 +272,7 @@ def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype
         gemm2=dataclasses.replace(full.gemm2, narrow_tiles=narrow),
     )
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (*w.tensors, tw, ti, None, case.inter)
+    args = (w, tw, ti, None)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
@@ -383,7 +383,7 @@ def test_warp_specialized_matches_reference(case, block_m, shape, which, dtype, 
     plain = GemmConfig(block_n, num_warps=warps, num_stages=3)
     cfg = MoEKernelConfig(block_m, ws if which & 1 else plain, ws if which & 2 else plain)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (*w.tensors, tw, ti, None, case.inter)
+    args = (w, tw, ti, None)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
@@ -411,7 +411,7 @@ def test_k_groups_give_a_token_the_same_bits_wherever_its_tile_runs(
     assert cfg.is_valid(1152, 640)
 
     def forward(order: torch.Tensor) -> torch.Tensor:
-        return fused_moe_sm90(x[order], *w.tensors, tw[order], ti[order], None, case.inter, cfg)
+        return fused_moe_sm90(x[order], w, tw[order], ti[order], None, cfg)
 
     out = forward(torch.arange(case.tokens, device="cuda"))
     for _ in range(3):
@@ -499,15 +499,15 @@ def test_pair_tiles_match_reference_and_routed_tiles(case, block_m, fields, dtyp
     tw, ti = _routing(case, gen, "cuda")
     cfg = _pair_tiles_config(block_m, fields)
     assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (*w.tensors, tw, ti)
+    args = (w, tw, ti)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    out = _poisoned_run(x, (*args, None, case.inter), cfg)
+    out = _poisoned_run(x, (*args, None), cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
-    assert torch.equal(out, fused_moe_sm90(x, *args, None, case.inter, cfg))
-    routed = fused_moe_sm90(x, *args, None, case.inter, dataclasses.replace(cfg, pair_tiles=False))
+    assert torch.equal(out, fused_moe_sm90(x, *args, None, cfg))
+    routed = fused_moe_sm90(x, *args, None, dataclasses.replace(cfg, pair_tiles=False))
     assert _rel(out, routed) < REL_TOL[dtype] / 4
     identity = torch.arange(case.experts, dtype=torch.int32, device="cuda")  # every expert on this rank
-    assert torch.equal(fused_moe_sm90(x, *args, identity, case.inter, cfg), out)
+    assert torch.equal(fused_moe_sm90(x, *args, identity, cfg), out)
 
 
 def test_pair_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
@@ -673,7 +673,7 @@ def test_shipped_configs_match_reference(path: Path, entry: dict, gen: torch.Gen
     cfg = MoEKernelConfig.from_dict(entry["config"])
     dtype = getattr(torch, entry["dtype"])
     q13, q2, w, x, tw, ti = _problem(case, gen, dtype)
-    args = (*w.tensors, tw, ti, None, inter)
+    args = (w, tw, ti, None)
     out = _poisoned_run(x, args, cfg)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     assert _rel(out, ref) < REL_TOL[dtype], cfg
@@ -802,9 +802,7 @@ def test_variants_on_both_kernel_families(v: Variant, block_m: int, which: str, 
     emap = torch.arange(v.experts, dtype=torch.int32, device="cuda")
     emap[0] = emap[-1] = -1  # global experts 0 and E - 1 on another rank
     out = torch.full_like(x, float("nan"))
-    fused_moe_sm90(
-        x, *w.tensors, tw, ti, emap, v.inter, cfg, out=out, **w.variant, apply_router_weight_on_input=v.on_input
-    )
+    fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out, apply_router_weight_on_input=v.on_input)
     ref = m.fused_moe_torch(
         x,
         q13,
