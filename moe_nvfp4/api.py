@@ -24,7 +24,6 @@ from .dispatch import select_backends
 from .expert_activation import RELU2, SILU, SWIGLU_OAI, ExpertActivation
 from .formats import input_scale_or_nan
 from .grouped_gemm import grouped_gemm_nvfp4, launch_grouped_gemm_nvfp4, plan_grouped_gemm_nvfp4
-from .layouts import rows_16_aligned
 from .moe_inputs import MAX_TOP_K, check_inputs, int32_saturated, kernel_inputs
 from .prepare_weights import MAX_EXPERTS, prepare_moe_weights, prepare_moe_weights_w4a4
 from .weights import MoEWeights
@@ -155,7 +154,7 @@ def fused_moe_batched(
         raise ValueError(f"out must be contiguous (the kernel writes its rows M * H apart), got strides {out.stride()}")
     from .ops import fused_moe_batched_op
 
-    if not x.is_contiguous() or (x.is_cuda and not rows_16_aligned(x.view(-1, hidden))):
+    if not x.is_contiguous():
         x = x.clone(memory_format=torch.contiguous_format)  # a view: the kernels read rows M * H apart
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     counts = int32_saturated(expert_num_tokens).contiguous()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from .layouts import rows_16_aligned
 
 __all__ = ["MAX_TOP_K", "check_inputs", "int32_saturated", "kernel_inputs"]
 
@@ -61,19 +60,15 @@ def check_inputs(
 def kernel_inputs(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> tuple[torch.Tensor, ...]:
-    """What the kernels read, checked inputs in their forms: x with unit stride along H and, on a GPU, rows the
-    Gluon GEMMs can read (layouts.rows_16_aligned), topk_weights float32, topk_ids int32, expert_map contiguous int32.
-    A strided x (``x[:, ::2]``) or one whose rows start off 16-byte boundaries (a column slice of a wider buffer) is
-    a valid tensor, so it is copied, not refused: the Gluon GEMMs every decode config names copy rows in 16-byte
-    pieces, and such a view fell back to the Triton GEMM with those configs' 8-token tiles, which the property test
-    caught giving a relative error of 0.95 on an H200 (a [1, 16] fp16 slice of a [1, 19] buffer, 2026-11-28).  The
-    copy of [T, H] costs little beside the expert weights every forward streams; it has a fixed shape, so it
-    captures in a CUDA graph like the rest.  int64 ids and entries past int32 saturate (to -1 or int32's max, both
+    """What the kernels read, checked inputs in their forms: x with unit stride along H (its rows' 16-byte alignment
+    is the op's to check: ops._readable_rows), topk_weights float32, topk_ids int32, expert_map contiguous int32.
+    A strided x (``x[:, ::2]``) is a valid tensor, so it is copied, not refused; the copy of [T, H] costs little
+    beside the expert weights every forward streams and has a fixed shape, so it captures in a CUDA graph.  int64 ids and entries past int32 saturate (to -1 or int32's max, both
     out of range) instead of wrapping onto a valid expert.  topk_weights and topk_ids are made contiguous (once,
     after the cast, which copies anyway when it converts): the kernels index them by flat pair t * k + j, so a
     strided view (``ids[:, :1]``, every other row, a column slice of a wider buffer) would be read as other
     pairs' values; the copy is [T, k], fixed-size, graph-capturable."""
-    if x.stride(-1) != 1 or (x.is_cuda and not rows_16_aligned(x)):
+    if x.stride(-1) != 1:
         x = x.clone(memory_format=torch.contiguous_format)  # .contiguous() keeps a one-row view's row stride
     emap = None if expert_map is None else int32_saturated(expert_map).contiguous()
     return x, topk_weights.float().contiguous(), int32_saturated(topk_ids).contiguous(), emap

@@ -8,6 +8,7 @@ import torch
 
 from .dispatch import select_backends
 from .expert_activation import ExpertActivation
+from .layouts import rows_16_aligned
 from .weight_layouts import weight_layout
 from .weights import MoEWeights
 
@@ -44,6 +45,17 @@ def _weights(
     )
 
 
+def _readable_rows(x: torch.Tensor, hidden: int) -> torch.Tensor:
+    """x, or on a GPU a copy where its [rows, hidden] rows do not start on 16-byte boundaries (a column slice of a
+    wider buffer): the Gluon GEMMs copy rows in 16-byte pieces, and such a view fell back to the Triton GEMM with the
+    decode configs' 8-token tiles, which gave a relative error of 0.95 on an H200 (2026-11-28).  Checked here, in the
+    op's body, because torch.compile cannot trace a data pointer (the API's checks run under it); the copy has a
+    fixed shape, so it captures in a CUDA graph like the rest."""
+    if x.is_cuda and not rows_16_aligned(x.reshape(-1, hidden)):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 @torch.library.custom_op("moe_nvfp4::fused_moe", mutates_args=())
 def fused_moe_op(
     x: torch.Tensor,
@@ -66,7 +78,14 @@ def fused_moe_op(
     ``moe_w4a16`` backend (``Backend.entry``)."""
     packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
     run = select_backends(x.device).moe_w4a16.entry("moe_w4a16")
-    return run(x, packed, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
+    return run(
+        _readable_rows(x, hidden),
+        packed,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
 
 
 @fused_moe_op.register_fake
@@ -111,7 +130,7 @@ def fused_moe_batched_op(
     count); the kernels the counted rows only."""
     packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
     run = select_backends(x.device).moe_w4a16.entry("moe_w4a16_batched")
-    run(out, x, packed, expert_num_tokens, expected_rows)
+    run(out, _readable_rows(x, hidden), packed, expert_num_tokens, expected_rows)
 
 
 @fused_moe_batched_op.register_fake
@@ -151,7 +170,7 @@ def fused_moe_w4a4_op(
     the backend too) by api.fused_moe_w4a4.  Runs the device's W4A4 backend (``Backend.entry``)."""
     packed = MoEWeights(*weights, hidden=hidden, intermediate=intermediate, layout=weight_layout(layout, expert_offset))
     run = select_backends(x.device).moe_w4a4.entry("moe_w4a4")
-    return run(x, packed, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
+    return run(_readable_rows(x, hidden), packed, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
 
 
 @fused_moe_w4a4_op.register_fake

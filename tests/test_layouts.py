@@ -215,7 +215,7 @@ def test_fragment_layout_rejects_wrong_shape() -> None:
 
 def test_rows_16_aligned_is_what_the_gluon_gemms_read() -> None:
     """Data on a 16-byte boundary and a row stride of 16 elements or a multiple: contiguous rows of H = 16 k are,
-    a column slice of a wider buffer (even one row of it) and a view one element in are not (moe_inputs.kernel_inputs
+    a column slice of a wider buffer (even one row of it) and a view one element in are not (ops._readable_rows
     copies those on a GPU)."""
     buf = torch.zeros(4, 19, dtype=torch.float16)
     flat = torch.zeros(65, dtype=torch.bfloat16)
