@@ -25,26 +25,12 @@ __all__ = [
     "fused_moe_batched_packed_torch",
     "grouped_gemm_nvfp4_torch",
     "fake_quantize_activations",
-    "expert_activation_torch",
 ]
 
 
 def fake_quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """x -> NVFP4 (per-16 e4m3 scales, fixed global input scale) -> float32: the W4A4 activation path."""
     return dequantize_nvfp4(quantize_activations_nvfp4(x.float(), input_scale))
-
-
-def expert_activation_torch(h: torch.Tensor, activation: ExpertActivation) -> torch.Tensor:
-    """GEMM1's output rows h (bias added; [M, 2I] gate then up when gated, else [M, I]) -> [M, I], in h's dtype
-    (expert_activation's definitions)."""
-    if not activation.gated:  # relu2
-        return torch.square(torch.relu(h))
-    gate, up = h.chunk(2, dim=-1)
-    if activation.name == "silu":
-        return torch.nn.functional.silu(gate) * up
-    gate = gate.clamp(max=activation.limit)
-    up = up.clamp(-activation.limit, activation.limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
 
 
 def _per_expert(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -98,7 +84,7 @@ def moe_dense_torch(
         h = xe @ w13[e].to(compute_dtype).T
         if w13_bias is not None:
             h = h + w13_bias[e].to(compute_dtype)
-        act = expert_activation_torch(h, activation)
+        act = activation.torch_twin(h)
         s2 = _per_expert(w2_input_scale, e)
         if s2 is not None:
             act = fake_quantize_activations(act, s2).to(compute_dtype)
@@ -169,7 +155,7 @@ def fused_moe_batched_torch(
         h = x[expert, :count].to(compute_dtype) @ w13f[expert].T
         if w13_bias is not None:
             h = h + w13_bias[expert].to(compute_dtype)
-        y = expert_activation_torch(h, activation) @ w2f[expert].T
+        y = activation.torch_twin(h) @ w2f[expert].T
         if w2_bias is not None:
             y = y + w2_bias[expert].to(compute_dtype)
         out[expert, :count] = y

@@ -17,7 +17,7 @@ import torch
 
 import moe_nvfp4 as m
 from moe_nvfp4.expert_activation import ACTIVATION_NAMES
-from moe_nvfp4.reference import expert_activation_torch, moe_dense_torch
+from moe_nvfp4.reference import moe_dense_torch
 
 HAND_TOL = 1e-6
 IDENTITY_TOL = 1e-5
@@ -113,8 +113,8 @@ def test_activations_are_vllms() -> None:
     interleaved = torch.stack((gate, up), dim=-1).reshape(64, -1)
     for theirs in swiglu:
         ours = m.ExpertActivation("swiglu_oai", theirs.alpha, theirs.limit)
-        torch.testing.assert_close(expert_activation_torch(h, ours), theirs.forward_native(interleaved), rtol=0, atol=0)
-    torch.testing.assert_close(expert_activation_torch(gate, m.RELU2), relu2.forward_native(gate), rtol=0, atol=0)
+        torch.testing.assert_close(ours.torch_twin(h), theirs.forward_native(interleaved), rtol=0, atol=0)
+    torch.testing.assert_close(m.RELU2.torch_twin(gate), relu2.forward_native(gate), rtol=0, atol=0)
 
 
 def _layer(gen: torch.Generator, activation: m.ExpertActivation, e: int = 5, h: int = 48, i: int = 32):
@@ -132,7 +132,7 @@ def _routing(gen: torch.Generator, t: int, e: int, k: int):
 @pytest.mark.parametrize("activation", VARIANTS, ids=lambda a: a.name)
 def test_activation_properties(activation: m.ExpertActivation, gen: torch.Generator) -> None:
     h = torch.randn(200, 2 * 16 if activation.gated else 16, generator=gen) * 8
-    out = expert_activation_torch(h, activation)
+    out = activation.torch_twin(h)
     assert out.shape == (200, 16)
     if activation is m.RELU2:
         assert (out >= 0).all() and torch.equal(out[h <= 0], torch.zeros_like(out[h <= 0]))
@@ -140,7 +140,7 @@ def test_activation_properties(activation: m.ExpertActivation, gen: torch.Genera
         gate, up = h.chunk(2, dim=-1)
         shifted = torch.cat((torch.where(gate > 7, gate + 5, gate), torch.where(up.abs() > 7, up * 2, up)), -1)
         assert ((gate > 7) | (up.abs() > 7)).any()
-        assert torch.equal(expert_activation_torch(shifted, activation), out)
+        assert torch.equal(activation.torch_twin(shifted), out)
     else:
         gate, up = h.chunk(2, dim=-1)
         torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up)

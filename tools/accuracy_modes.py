@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # too
 import torch  # noqa: E402
 
 from moe_nvfp4 import formats  # noqa: E402
-from moe_nvfp4.reference import expert_activation_torch, fake_quantize_activations  # noqa: E402
+from moe_nvfp4.reference import fake_quantize_activations  # noqa: E402
 from moe_nvfp4.zoo import MODELS  # noqa: E402
 
 MODES = ("w4a16", "w4a8", "w4a8_folded", "w4a4")
@@ -76,7 +76,7 @@ def expert_rows(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activatio
         xe = e4m3_per_row(xe)
     elif mode == "w4a4":
         xe = fake_quantize_activations(xe, formats.global_scale_for(xe)).double()
-    act = expert_activation_torch(xe @ w13.T, activation)
+    act = activation.torch_twin(xe @ w13.T)
     if mode == "w4a16":
         act = act.to(torch.bfloat16).double()
     elif mode in ("w4a8", "w4a8_folded"):

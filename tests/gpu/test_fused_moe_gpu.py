@@ -688,10 +688,9 @@ def _swiglu_oai_kernel(gate_ptr, up_ptr, out_ptr, n, ALPHA: tl.constexpr, LIMIT:
 
 
 def test_swiglu_oai_is_vllms_up_to_fp32_rounding(gen: torch.Generator) -> None:
-    """The epilogue's clamped SwiGLU against float64 expert_activation_torch (vLLM's definition) over gates and ups
+    """The epilogue's clamped SwiGLU against float64 ExpertActivation.torch_twin (vLLM's definition) over gates and ups
     on both sides of the clamp.  Bound as the SiLU test's (the exponent's argument being alpha * gate), relative to
     |g sigmoid(alpha g)| (|u| + 1): up + 1 rounds in fp32, which near up = -1 is large against the result alone."""
-    from moe_nvfp4.reference import expert_activation_torch
 
     gate = torch.cat(
         [torch.logspace(-20, 1.5, 3000, device="cuda"), torch.rand(20000, device="cuda", generator=gen) * 20]
@@ -699,7 +698,7 @@ def test_swiglu_oai_is_vllms_up_to_fp32_rounding(gen: torch.Generator) -> None:
     gate = torch.cat([gate, -gate])
     up = torch.randn(gate.shape, device="cuda", generator=gen) * 10
     act = m.SWIGLU_OAI
-    ref = expert_activation_torch(torch.cat([gate, up]).double().view(2, -1).T.reshape(-1, 2), act).reshape(-1)
+    ref = act.torch_twin(torch.cat([gate, up]).double().view(2, -1).T.reshape(-1, 2)).reshape(-1)
     assert (gate > act.limit).any() and (up.abs() > act.limit).any()
     for use_asm in (True, False):
         out = torch.full_like(gate, float("nan"))
