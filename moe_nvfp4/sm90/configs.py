@@ -57,15 +57,13 @@ class GemmConfig:
     narrow_tiles (0, 1 or 2): a tile whose rows fit in block_m / 2 (or / 4) runs its MMAs that narrow, down to 8
     tokens in the warp-specialized kernel and 16 in the Triton one (the weights are the MMA's 64-row side, the
     tokens its N).  At decode a tile then fits the largest expert, so no expert's weights stream twice, while the
-    many smaller ones pay for MMAs of their own width only (Mixtral T=1, GEMM1 at block_m 16: 43.8 -> 41.1 us on
-    the H200).  At prefill an expert's last tile often holds a few rows (Qwen3 T=1024: about 64 tokens an expert,
-    so half the experts have a second 64-row tile of 1-30 rows); their narrower MMAs gained 2% in that GEMM2 and
-    lost elsewhere, the extra K loops costing more than they save (design 002).
+    many smaller ones pay for MMAs of their own width only (design 002, decision 21).  At prefill an expert's last
+    tile often holds a few rows, yet narrower MMAs there cost more in extra K loops than they save (design 002).
 
     loader_warps (warp-specialized only; 1, 2 or 4): the loader warp group's warps that issue the token rows'
     cp.async (one thread issues the TMA boxes).  A thread holds block_m / (2 x loader_warps) row addresses:
-    one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage cost
-    Mixtral's long-K GEMM2 9 us of 78 (H200).
+    one warp spills them from block_m 16 on, while at block_m 8 four warps waiting on every stage slowed
+    Mixtral's long-K GEMM2 (design 002, decision 19).
 
     Every GEMM takes whole K per tile, its tiles in the kernels' fixed grouped order (common._grouped_tile).
     Config version 3 removed the fields of modes no tuned or default config chose: the tile group (always 8, now

@@ -265,9 +265,9 @@ def _descriptors(
     """TMA views of FragmentLayout weights, whose (unit u, K chunk c) block sits at u * chunks_k + c: dims
     [chunk, unit, row, byte] (innermost last), so one box holds ``units`` consecutive 64-row units by
     ``chunks`` K chunks, chunk-major: value rows of 128 bytes (a 4 KiB block per unit and chunk) and scale
-    rows (512 bytes).  Rows of 128 bytes: with 32-byte rows the same boxes streamed at 2.9 TB/s, with
-    128-byte rows at 3.6 (H200, loads alone).  The 128-byte swizzle keeps the MMA warps' 16-byte reads
-    (thread t: bytes 32 t .. 32 t + 31) free of bank conflicts."""
+    rows (512 bytes).  Rows of 128 bytes stream faster than 32-byte ones (design 002, decision 14).  The
+    128-byte swizzle keeps the MMA warps' 16-byte reads (thread t: bytes 32 t .. 32 t + 31) free of bank
+    conflicts."""
     fragments = FragmentLayout()  # host ints (BLOCK_BYTES and SCALE_BLOCK_BYTES are the kernels' constexprs)
     chunks_k = kp // fragments.chunk_k
     n_units = w_packed.numel() // (chunks_k * fragments.block_bytes)

@@ -201,9 +201,8 @@ def route(
 ) -> tuple[torch.Tensor, ...]:
     """Launch the routing kernel(s); returns (sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end,
     num_tiles) as in routing.RoutingPlan.  Up to ROUTE_ONE_PROGRAM pairs one program does it all (one launch);
-    past that _count_kernel counts chunks of pairs and _route_kernel scatters them, a program per chunk.  H200,
-    route() alone by graph replay, one program -> chunks: 4.2 -> 5.2 us at 1024 pairs and E=128, 7.8 -> 5.5 at
-    2048, 112 -> 7.1 at 32768 (its atomics serialized)."""
+    past that _count_kernel counts chunks of pairs and _route_kernel scatters them, a program per chunk: one
+    program's atomics serialize at large counts, chunks cost a launch at small ones (design 002, decision 6)."""
     from ..routing import max_tiles
 
     num_pairs = topk_ids.numel()
