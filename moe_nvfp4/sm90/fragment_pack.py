@@ -137,7 +137,7 @@ def agrees_with_twin(device: torch.device, layout: FragmentLayout = FragmentLayo
     """Whether the kernel on ``device`` gives the torch twin's bytes for a known matrix: every code byte, every
     scale byte from 0 (a zero block) to 0x7E and -0.0, rows and K padded (80 x 288 -> 128 x 384).  Once per device
     and process, before any checkpoint memory is overwritten: a compiler or driver that builds the kernel wrong
-    must not turn into silently wrong weights (api._block_packer falls back to the twin)."""
+    must not turn into silently wrong weights (block_packer then falls back to the twin)."""
     n, k = 80, 288
     packed = (torch.arange(n * k // 2) * 37 % 256).to(torch.uint8).reshape(n, k // 2)
     scale = (torch.arange(n * k // 16) % 0x7F).to(torch.uint8)
