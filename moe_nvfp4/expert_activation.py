@@ -36,8 +36,8 @@ def _swiglu_oai_torch(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _relu2_torch(h: torch.Tensor, unused: None, alpha: float, limit: float) -> torch.Tensor:
-    return torch.square(torch.relu(h))
+def _relu2_torch(h: torch.Tensor, up: None, alpha: float, limit: float) -> torch.Tensor:
+    return torch.square(torch.relu(h))  # not gated: h is the whole row, there is no up half
 
 
 class ActivationSpec(NamedTuple):
