@@ -284,7 +284,5 @@ def load_moe_configs(
     tune` cached for this GPU and shape, else the default, and with MOE_NVFP4_AUTOTUNE=1 timed here first).
     Returns the backend's report (``summary()`` says what serves, ``source`` where it came from: "cpu" where
     nothing is chosen), or None where the backend chooses nothing at load (the CPU's torch reference)."""
-    backend = select_backends(weights.w13_packed.device).moe_w4a16
-    if "load_configs" not in backend.entries:
-        return None
-    return backend.entry("load_configs")(weights, top_k, dtype, max_tokens, expert_map=expert_map)
+    load = select_backends(weights.w13_packed.device).moe_w4a16.optional_entry("load_configs")
+    return None if load is None else load(weights, top_k, dtype, max_tokens, expert_map=expert_map)

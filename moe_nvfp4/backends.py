@@ -82,6 +82,10 @@ class Backend:
         module, _, function = self.entries[name].partition(":")
         return getattr(importlib.import_module(module), function)
 
+    def optional_entry(self, name: str) -> Callable | None:
+        """``entry(name)``, or None where this backend leaves that optional entry out (module docstring)."""
+        return self.entry(name) if name in self.entries else None
+
 
 _TRITON_PLAN = "moe_nvfp4.triton.grouped_w4a4:plan_grouped_nvfp4"
 # A CPU plan launches the Triton kernel (TRITON_INTERPRET=1 in tests); the one-call grouped GEMM runs the reference.

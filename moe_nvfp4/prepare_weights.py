@@ -113,7 +113,8 @@ def prepare_moe_weights(
     e, h, device = w13.packed.shape[0], w13.k, w13.packed.device
     backend = select_backends(device).moe_w4a16  # the weights are packed once, for the kernels of their device
     layout = weight_layout(backend.w4a16_layout)
-    pack_block = backend.entry("pack_block")(device, layout.fragments) if "pack_block" in backend.entries else None
+    packer = backend.optional_entry("pack_block")
+    pack_block = None if packer is None else packer(device, layout.fragments)
     tensors = layout.pack(w13, w2, reuse_input_memory=reuse_input_memory, pack_block=pack_block)
     return MoEWeights(
         *tensors,

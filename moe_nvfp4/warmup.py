@@ -52,10 +52,10 @@ def warmup_token_counts(
     """The token counts whose forwards compile every variant up to ``max_tokens``: the device's ``moe_w4a16``
     backend's ``warmup_token_counts`` entry (the sm_90 one: the fewest tokens of each config it serves and of each
     routing variant); empty where the backend compiles nothing (the CPU's torch reference) or ``max_tokens`` < 1."""
-    backend = select_backends(weights.w13_packed.device).moe_w4a16
-    if "warmup_token_counts" not in backend.entries or max_tokens < 1:
+    counts = select_backends(weights.w13_packed.device).moe_w4a16.optional_entry("warmup_token_counts")
+    if counts is None or max_tokens < 1:
         return []
-    return backend.entry("warmup_token_counts")(weights, top_k, dtype, max_tokens, expert_map)
+    return counts(weights, top_k, dtype, max_tokens, expert_map)
 
 
 def run_bounded(counts: Sequence[int], run: Callable[[int], object], *, threads: int, budget: int) -> None:
