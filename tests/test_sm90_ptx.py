@@ -815,6 +815,12 @@ def test_ab_moe_gemm_variant_changes_one_gemms_fields() -> None:
     assert both == dataclasses.replace(
         cfg, gemm1=dataclasses.replace(cfg.gemm1, narrow_tiles=2), gemm2=dataclasses.replace(cfg.gemm2, narrow_tiles=2)
     )
+    joined = ab_moe.gemm_variant(cfg, "gemms:narrow_tiles=2+gemm1:num_stages=3/chunks_per_stage=1+gemm2:num_stages=2")
+    assert joined == dataclasses.replace(
+        both,
+        gemm1=dataclasses.replace(both.gemm1, num_stages=3, chunks_per_stage=1),
+        gemm2=dataclasses.replace(both.gemm2, num_stages=2),
+    )
 
 
 PARAM_LOAD = re.compile(r"ld\.param\.\w+\s+%\w+, \[(\w+)_param_(\d+)\]")

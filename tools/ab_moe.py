@@ -96,14 +96,17 @@ def tuned_config(directory: Path, select):
 def gemm_variant(cfg, variant: str):
     """``gemm1:field=value[/field=value...]`` (or gemm2, or gemms for both): the tuned config with those fields of
     one GEMM (or both) changed (integers, ``none`` for None), e.g. ``gemm1:num_stages=6/k_groups=2/max_registers=168``
-    or ``gemms:narrow_tiles=2``; a variant that is not a valid config for a case is skipped there (run_case)."""
-    gemm, fields = variant.split(":", 1)
-    overrides = {}
-    for item in fields.split("/"):
-        name, value = item.split("=")
-        overrides[name] = None if value == "none" else int(value)
-    gemms = ("gemm1", "gemm2") if gemm == "gemms" else (gemm,)
-    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **overrides) for g in gemms})
+    or ``gemms:narrow_tiles=2``; ``+`` joins changes applied in turn (``gemm1:...+gemm2:...``).  A variant that is
+    not a valid config for a case is skipped there (run_case)."""
+    for change in variant.split("+"):
+        gemm, fields = change.split(":", 1)
+        overrides = {}
+        for item in fields.split("/"):
+            name, value = item.split("=")
+            overrides[name] = None if value == "none" else int(value)
+        gemms = ("gemm1", "gemm2") if gemm == "gemms" else (gemm,)
+        cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **overrides) for g in gemms})
+    return cfg
 
 
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int, draw: int = 0) -> list[dict]:
