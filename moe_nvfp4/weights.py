@@ -4,6 +4,8 @@ them; ``api`` re-exports it."""
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -83,13 +85,13 @@ class MoEWeights:
             self.layout, self.num_experts, self.hidden, self.intermediate, self.activation.gated
         )
         device = self.w13_packed.device
-        for name, (shape, dtype) in expected.items():
+        for name, shape, dtype in expected:
             t = getattr(self, name)
             if t is None and name.endswith("_bias"):
                 continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"MoEWeights.{name} must be a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape or t.dtype != dtype:
+            if t.shape != shape or t.dtype != dtype:
                 raise ValueError(
                     f"MoEWeights.{name} must be {dtype} {shape} for E={self.num_experts}, "
                     f"hidden={self.hidden}, intermediate={self.intermediate} in the {self.layout.name} "
@@ -125,11 +127,19 @@ class MoEWeights:
         return self.layout.to_nvfp4(self)
 
 
+@functools.lru_cache(maxsize=256)
 def _expected_tensors(
     layout: MoELayout, e: int, h: int, i: int, gated: bool
+) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """(field name, shape, dtype) of every tensor of ``MoEWeights`` with these dimensions in ``layout``, as its
+    ``pack`` writes them (weight_layouts).  Cached: the custom ops rebuild and check a ``MoEWeights`` every eager
+    forward, and this was 8 of its 21 us on a CI core (2026-11-29)."""
+    return tuple((name, shape, dtype) for name, (shape, dtype) in _tensor_rules(layout, e, h, i, gated).items())
+
+
+def _tensor_rules(
+    layout: MoELayout, e: int, h: int, i: int, gated: bool
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Field name -> (shape, dtype) of every tensor of ``MoEWeights`` with these dimensions in ``layout``, as its
-    ``pack`` writes them (weight_layouts)."""
     u8, e4m3, f32 = torch.uint8, NVFP4.scale_dtype, torch.float32
     common = {
         "w13_global": ((e, 2) if gated else (e,), f32),
