@@ -5,7 +5,6 @@ them; ``api`` re-exports it."""
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
