@@ -13,7 +13,8 @@ and expert map, this rank holding the first E / EP experts).  A variant is ``shi
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
-tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
+tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant), or ``w4a8`` / ``w4a8:field=value[/...]``
+(the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.  ``--draws N`` times an expert-parallel case over N routings (bench_moe's
@@ -109,6 +110,22 @@ def gemm_variant(cfg, variant: str):
     return cfg
 
 
+def w4a8_config(variant: str):
+    """``w4a8`` (None: the mode's default tiles for the case) or ``w4a8:field=value[/...]`` as an Fp8Config."""
+    from moe_nvfp4.sm90.w4a8 import Fp8Config
+
+    if variant == "w4a8":
+        return None
+    return Fp8Config(**{k: int(v) for k, v in (item.split("=") for item in variant.split(":", 1)[1].split("/"))})
+
+
+def config_record(variant: str, config) -> dict:
+    """A row's config: the MoEKernelConfig's dict, or a W4A8 variant's Fp8Config fields ("default": the mode's rule)."""
+    if variant.startswith("w4a8"):
+        return {"w4a8": dataclasses.asdict(config) if config else "default"}
+    return config.to_dict()
+
+
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int, draw: int = 0) -> list[dict]:
     import torch
     from harness import time_graph
@@ -142,7 +159,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     local_ids = ti if expert_map is None else expert_map[ti.long()]  # -1: another rank's expert
     copies = rotated_weights(weights, local_ids)
 
+    folded: list = []  # the W4A8 variants' e4m3 copies of the rotated weights, folded once per case
+
     def configured(variant: str):
+        if variant.startswith("w4a8"):
+            return w4a8_config(variant)
         if variant in tuned_in:
             return tuned_in[variant]
         if variant.startswith("pkg=") and "|" in variant:  # another package running a GEMM variant
@@ -155,6 +176,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
 
     def forwards(variant: str) -> list:
         c = configured(variant)
+        if variant.startswith("w4a8"):
+            from moe_nvfp4.sm90.w4a8 import fold_to_fp8, fused_moe_w4a8
+
+            folded[:] = folded or [fold_to_fp8(ws) for ws in copies]
+            return [lambda f=f: fused_moe_w4a8(x, f, tw, ti, expert_map, c) for f in folded]
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
         c = package_config(host, c) if variant.startswith("pkg=") else c
         return [host_forward(host, x, ws, tw, ti, expert_map, c) for ws in copies]
@@ -195,7 +221,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
                 max_us=max(times[v]),
                 rel_diff=errors[v],
                 copies=len(copies),
-                config=configured(v).to_dict(),
+                config=config_record(v, configured(v)),
             )
         )
         print(json.dumps(rows[-1]), flush=True)

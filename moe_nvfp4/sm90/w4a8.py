@@ -1,0 +1,304 @@
+"""The W4A8 mode on sm_90 (issue 58, design 010): the NVFP4 experts folded once into an e4m3 copy, token rows
+quantized to e4m3 per row on the fly, both GEMMs on FP8 wgmma (gemm_fp8).
+
+Why a folded copy and not an in-kernel decode: one FP8 MMA (K = 32) spans two 16-element blocks, so the block
+scales cannot be applied inside it (design 008, decision 1), and folding them in the K loop costs a multiply and a
+conversion per value on the path that already bounds the W4A16 kernel at prefill.  The copy costs one byte per
+weight value (about 1.8x the NVFP4 bytes) and is opt-in.
+
+Roundings (the pure-torch twin ``fused_moe_w4a8_torch`` applies the same ones):
+  weights: code x block scale x global scale / 2^p rounded to e4m3 (round to nearest even), 2^p per weight row
+           the power of two that puts the row's largest value in [224, 448];
+  rows:    x * (448 / amax) rounded to e4m3 per token row (scale amax / 448; an all-zero row stays zero), for x and
+           for GEMM1's output (rounded to x's dtype first, as the W4A16 path stores it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import sm_count
+from ..formats import dequantize_nvfp4
+from ..routing import routed_pairs
+from ..triton.combine import combine
+from ..triton.quant_act import _round_e4m3
+from ..triton.routing_kernels import route
+from ..weights import MoEWeights
+from .common import Epilogue, GemmRouting
+from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles, launch_fp8_gemm
+
+__all__ = [
+    "Fp8Config",
+    "Fp8ExpertWeights",
+    "fold_to_fp8",
+    "fp8_copy_bytes",
+    "fused_moe_w4a8",
+    "fused_moe_w4a8_torch",
+    "quantize_rows_fp8",
+    "quantize_rows_fp8_torch",
+]
+
+E4M3_MAX = 448.0
+
+
+GATE_UP_BLOCK = 64  # a gated w13 copy holds 64 gate rows, then the same 64 outputs' up rows, and so on
+
+
+@dataclass(frozen=True)
+class Fp8ExpertWeights:
+    """The folded e4m3 experts.  w13 float8_e4m3fn [E, 2 pad64(I), H] for a gated activation (GATE_UP_BLOCK gate
+    rows, then those outputs' up rows, in turn; padding rows zero) or [E, I, H]; w2 [E, H, I]; w13_scale and
+    w2_scale float32 per row (a weight is e4m3 x its row's scale).  ``source``: the MoEWeights folded (activation,
+    biases, sizes)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    source: MoEWeights
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+
+    def w13_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 and its scales in the checkpoint's row order (gate rows, then up rows): [E, 2I or I, H], [E, 2I or I]."""
+        if not self.source.activation.gated:
+            return self.w13, self.w13_scale
+        i = self.source.intermediate
+        return _gate_up_rows(self.w13.view(torch.uint8), i).view(torch.float8_e4m3fn), _gate_up_rows(self.w13_scale, i)
+
+
+def _interleaved(rows: torch.Tensor, i: int) -> torch.Tensor:
+    """[E, 2I, ...] gate then up -> [E, 2 pad64(I), ...]: GATE_UP_BLOCK gate rows, then the same outputs' up rows."""
+    e, _, *rest = rows.shape
+    blocks = -(-i // GATE_UP_BLOCK)
+    halves = rows.new_zeros(e, 2, blocks * GATE_UP_BLOCK, *rest)
+    halves[:, :, :i] = rows.view(e, 2, i, *rest)
+    return halves.view(e, 2, blocks, GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, -1, *rest)
+
+
+def _gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
+    """_interleaved's inverse: [E, 2 pad64(I), ...] -> [E, 2I, ...] gate then up."""
+    e, rows, *rest = interleaved.shape
+    blocks = rows // (2 * GATE_UP_BLOCK)
+    halves = interleaved.view(e, blocks, 2, GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, 2, -1, *rest)
+    return halves[:, :, :i].reshape(e, 2 * i, *rest)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The FP8 GEMMs' tiles (gemm_fp8.Fp8Tiles), one set for both GEMMs: block_m token rows (the routing's tile
+    rows), block_n weight rows, block_k K a step."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    num_stages: int = 4
+    num_warps: int = 8
+    programs_per_sm: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("block_m", (16, 32, 64, 128, 256)),
+            ("block_n", (64, 128, 256)),
+            ("block_k", (64, 128, 256)),
+            ("num_stages", (1, 2, 3, 4, 5)),
+            ("num_warps", (4, 8)),
+            ("programs_per_sm", (1, 2)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Fp8Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def tiles(self) -> Fp8Tiles:
+        return Fp8Tiles(self.block_m, self.block_n, self.block_k, self.num_stages, self.num_warps, self.programs_per_sm)
+
+    @classmethod
+    def for_rows(cls, rows_per_expert: float) -> Fp8Config:
+        """Token tiles no wider than the rows an expert holds on average (16 to 128)."""
+        return cls(block_m=min(128, max(16, triton.next_power_of_2(int(rows_per_expert)))))
+
+
+def _fold(q_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized weights [N, K] (float32, exact) -> (e4m3 [N, K], float32 row scales [N]): each row divided by
+    the power of two that puts its amax in [224, 448] (exact), then rounded to e4m3."""
+    amax = q_weight.abs().amax(dim=1)
+    exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / E4M3_MAX))
+    scale = torch.exp2(exponent)
+    return (q_weight / scale[:, None]).to(torch.float8_e4m3fn), scale.float()
+
+
+def fold_to_fp8(weights: MoEWeights) -> Fp8ExpertWeights:
+    """Fold ``weights`` (any layout) into the e4m3 copy, one expert at a time (the float32 temporaries stay one
+    expert's size).  Padding rows and columns of the layout are dropped; a gated w13 is then interleaved."""
+    w13_q, w2_q = weights.to_nvfp4()
+    i, gated = weights.intermediate, weights.activation.gated
+    e = weights.num_experts
+    out = []
+    for q, n, k in ((w13_q, (2 if gated else 1) * i, weights.hidden), (w2_q, weights.hidden, i)):
+        codes = torch.empty(e, n, k, dtype=torch.uint8, device=q.packed.device)
+        scale = torch.empty(e, n, dtype=torch.float32, device=q.packed.device)
+        for x in range(e):
+            one = type(q)(q.packed[x], q.block_scale[x], q.global_scale[x], q.scale_layout)
+            folded, scale[x] = _fold(dequantize_nvfp4(one)[:n, :k])
+            codes[x] = folded.view(torch.uint8)
+        if q is w13_q and gated:
+            codes, scale = _interleaved(codes, i), _interleaved(scale, i)
+        out += [codes.view(torch.float8_e4m3fn), scale]
+    return Fp8ExpertWeights(*out, source=weights)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    stride_x,
+    out_ptr,
+    scale_ptr,
+    k,
+    src_ptr,
+    count_ptr,
+    top_k,
+    GATHER: tl.constexpr,
+    COUNTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Output row r: x's row r, or with GATHER x[src[r] // top_k]; with COUNTED only r < count[0].  amax, then
+    x * (448 / amax) rounded to e4m3 on the float32 bits (quant_act._round_e4m3: the interpreter's float8 cast rounds
+    wrongly; IEEE division, as the twin's); scale amax / 448."""
+    row = tl.program_id(0).to(tl.int64)
+    if COUNTED:
+        if row >= tl.load(count_ptr):
+            return
+    src = row
+    if GATHER:
+        src = (tl.load(src_ptr + row) // top_k).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + src * stride_x + offs, mask=offs < k, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    inv = tl.where(amax > 0, tl.math.div_rn(448.0, tl.maximum(amax, 1e-30)), 0.0)
+    q = x * inv
+    _, byte = _round_e4m3(tl.minimum(tl.abs(q), 448.0))
+    byte = tl.where(q != q, 0x7F, byte | ((q.to(tl.int32, bitcast=True) >> 24) & 0x80))
+    tl.store(out_ptr + row * k + offs, byte.to(tl.uint8), mask=offs < k)
+    # a NaN makes the row's scale NaN, as the twin's amax: the row's sums are NaN whatever the MMA makes of 0x7F
+    has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
+    tl.store(scale_ptr + row, tl.where(has_nan, float("nan"), tl.math.div_rn(amax, 448.0)))
+
+
+def quantize_rows_fp8(
+    x: torch.Tensor, *, src: torch.Tensor | None = None, top_k: int = 1, count: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (unit stride along K) -> (e4m3 [R, K] contiguous, float32 [R]); one program a row.  ``src`` int32
+    [P]: P output rows, row r quantizing x[src[r] // top_k] (GEMM1's token rows in sorted-pair order, route()'s
+    sorted_pairs); ``count`` int32 [1]: only rows r < count[0] are written (the routed rows; the rest belong to no
+    tile)."""
+    rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
+    out = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(rows,)](
+            x,
+            x.stride(0),
+            out.view(torch.uint8),
+            scale,
+            k,
+            scale if src is None else src,  # unread stand-ins where not given
+            scale if count is None else count,
+            top_k,
+            GATHER=src is not None,
+            COUNTED=count is not None,
+            BLOCK=block,
+            num_warps=8 if block > 4096 else 4,
+        )
+    return out, scale
+
+
+def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch twin of quantize_rows_fp8 (same operations, same roundings)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    # divisions in float64, rounded once to float32: IEEE float32 division on every device (CUDA torch divides
+    # by a scalar through its reciprocal, which moved ties on an H200)
+    inv = torch.where(amax > 0, (E4M3_MAX / amax.double().clamp_min(1e-30)).float(), 0.0)
+    return (xf * inv[:, None]).to(torch.float8_e4m3fn), (amax.double() / E4M3_MAX).float()
+
+
+def _epilogues(weights: MoEWeights) -> tuple[Epilogue, Epilogue]:
+    return Epilogue.of(weights.w13_bias, weights.activation, False), Epilogue.of(weights.w2_bias, None, True)
+
+
+def fused_moe_w4a8(
+    x: torch.Tensor,
+    fp8: Fp8ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """The MoE forward in the W4A8 mode: x [T, H] bf16/fp16, routing as api.fused_moe's (checked by the caller).
+    Five launches (+ routing): quantize x, GEMM1, quantize the activation, GEMM2, combine."""
+    weights = fp8.source
+    t, top_k = topk_ids.shape
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    config = config or Fp8Config.for_rows(t * top_k / weights.num_experts)
+    sorted_pairs, _, offsets, *tiles = route(topk_ids, weights.num_experts, config.block_m, expert_map)
+    routing = GemmRouting((sorted_pairs, *tiles), topk_ids.reshape(-1), topk_weights, expert_map, False)
+    routed = offsets[weights.num_experts :]  # rows past it belong to no tile
+    epilogue1, epilogue2 = _epilogues(weights)
+    sms = sm_count(x.device, off_gpu=2)
+    x8, x_scale = quantize_rows_fp8(x, src=sorted_pairs, top_k=top_k, count=routed)
+    act = torch.empty(t * top_k, weights.intermediate, dtype=x.dtype, device=x.device)
+    gemm1 = Fp8GemmOperands(x8, x_scale, fp8.w13, fp8.w13_scale, weights.intermediate)
+    launch_fp8_gemm(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
+    act8, act_scale = quantize_rows_fp8(act, count=routed)
+    partial = torch.empty(t * top_k, weights.hidden, dtype=torch.float32, device=x.device)
+    gemm2 = Fp8GemmOperands(act8, act_scale, fp8.w2, fp8.w2_scale, weights.hidden)
+    launch_fp8_gemm(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
+    combine(partial, topk_ids, expert_map, weights.num_experts, out)
+    return out
+
+
+def fused_moe_w4a8_torch(
+    x: torch.Tensor,
+    fp8: Fp8ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pure-torch twin of fused_moe_w4a8: the same e4m3 operands and scales, float32 sums, the activation rounded
+    to x's dtype before its e4m3 rounding; pairs routed nowhere add nothing."""
+    weights = fp8.source
+    x8, x_scale = quantize_rows_fp8_torch(x)
+    xq = x8.float() * x_scale[:, None]
+    w13, w13_scale = fp8.w13_rows()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local, routed = routed_pairs(topk_ids, weights.num_experts, expert_map)
+    ids = torch.where(routed, local, -1).view(topk_ids.shape)
+    for e in range(weights.num_experts):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = xq[token] @ (w13[e].float() * w13_scale[e][:, None]).T
+        if weights.w13_bias is not None:
+            h = h + weights.w13_bias[e]
+        a8, a_scale = quantize_rows_fp8_torch(weights.activation.torch_twin(h).to(x.dtype))
+        y = (a8.float() * a_scale[:, None]) @ (fp8.w2[e].float() * fp8.w2_scale[e][:, None]).T
+        if weights.w2_bias is not None:
+            y = y + weights.w2_bias[e]
+        out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
+    return out.to(x.dtype)
+
+
+def fp8_copy_bytes(weights: MoEWeights) -> int:
+    """Bytes fold_to_fp8 allocates for ``weights`` (the memory the opt-in mode costs on top of the NVFP4 copy)."""
+    i = weights.intermediate
+    n13 = 2 * -(-i // GATE_UP_BLOCK) * GATE_UP_BLOCK if weights.activation.gated else i
+    values = weights.num_experts * (n13 * weights.hidden + weights.hidden * weights.intermediate)
+    return values + 4 * weights.num_experts * (n13 + weights.hidden)

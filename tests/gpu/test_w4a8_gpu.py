@@ -1,0 +1,118 @@
+"""GPU tier of the W4A8 mode (sm90.w4a8 on FP8 wgmma; run with ``pytest -m gpu`` on an sm_90 machine).
+
+Bounds: against the pure-torch twin (the same e4m3 operands and scales, float32 sums) ||out - twin|| / ||twin||
+< 1e-2: the activation rounds to x's dtype before its e4m3 rounding, so a sum summed in another order (the MMA's)
+can move a value across an e4m3 rounding boundary, 2^-4 of it (measured 6.3-7.3e-3 in fp16 on an H200);
+against the float64 W4A16 reference < 8e-2 (design 008: folded scales cost 5.2-6.0e-2 on every zoo layer).  The
+row quantizer equals its twin byte for byte (cvt-free e4m3 rounding on the float32 bits).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+import moe_nvfp4 as m
+from moe_nvfp4.sm90.w4a8 import (
+    Fp8Config,
+    fold_to_fp8,
+    fused_moe_w4a8,
+    fused_moe_w4a8_torch,
+    quantize_rows_fp8,
+    quantize_rows_fp8_torch,
+)
+
+pytestmark = pytest.mark.gpu
+TWIN_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2}
+REF_TOL = 8e-2
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = secrets.randbits(31)
+    print(f"seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _layer(e, h, i, gen):
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda") / h**0.5
+    w13[..., :16] = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6], device="cuda") / 6
+    q13 = m.quantize_nvfp4(w13, segments=2)
+    q2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=gen, device="cuda") / i**0.5)
+    return q13, q2, m.prepare_moe_weights(q13, q2)
+
+
+CASES = [  # (why, E, top-k, H, I, T, config)
+    ("Qwen3-like prefill, default tiles", 32, 8, 1024, 384, 1024, None),
+    ("Mixtral-like, 64-row tiles, 3 stages", 8, 2, 1024, 1792, 700, Fp8Config(block_m=64, num_stages=3)),
+    ("K tails (H=1040, I=272), 64-row tiles", 12, 4, 1040, 272, 301, Fp8Config(block_m=64, block_k=64)),
+    ("decode-sized, most experts empty", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_n=64, num_warps=4)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("why,e,k,h,i,t,cfg", CASES, ids=[c[0] for c in CASES])
+def test_w4a8_matches_twin_and_reference(why, e, k, h, i, t, cfg, dtype, gen) -> None:
+    q13, q2, w = _layer(e, h, i, gen)
+    f = fold_to_fp8(w)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(dtype)
+    logits = torch.randn(t, e, generator=gen, device="cuda")
+    logits[:, : e // 4] -= 100  # a quarter of the experts get no token
+    tw, ti = m.topk_softmax(logits, k, renormalize=True)
+    out = fused_moe_w4a8(x, f, tw, ti, None, cfg)
+    twin = fused_moe_w4a8_torch(x, f, tw, ti)
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
+    assert not out.isnan().any()
+    assert _rel(out, twin) < TWIN_TOL[dtype], _rel(out, twin)
+    assert _rel(out, ref) < REF_TOL, _rel(out, ref)
+
+
+def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
+    """Pairs whose expert is another rank's (-1 in the map) or out of range add nothing, as on every path."""
+    e, h, i, t = 6, 512, 256, 50
+    q13, q2, w = _layer(e, h, i, gen)
+    f = fold_to_fp8(w)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    tw, ti = m.topk_softmax(torch.randn(t, e + 2, generator=gen, device="cuda"), 3, renormalize=True)
+    ti[::7, 0] = 1000  # out of range
+    emap = torch.tensor([-1, *range(e), -1], dtype=torch.int32, device="cuda")
+    out = fused_moe_w4a8(x, f, tw, ti, emap)
+    twin = fused_moe_w4a8_torch(x, f, tw, ti, emap)
+    assert _rel(out, twin) < TWIN_TOL[torch.bfloat16]
+
+
+def test_w4a8_in_a_cuda_graph(gen) -> None:
+    """Captured once, replayed with new x and routing: bit-identical to eager calls."""
+    e, k, h, i, t = 16, 4, 512, 256, 200
+    _, _, w = _layer(e, h, i, gen)
+    f = fold_to_fp8(w)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k)
+    fused_moe_w4a8(x, f, tw, ti)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_w4a8(x, f, tw, ti)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        new_w, new_ids = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k)
+        tw.copy_(new_w)
+        ti.copy_(new_ids)
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe_w4a8(x, f, tw, ti), rtol=0, atol=0)
+
+
+def test_row_quantizer_equals_its_twin(gen) -> None:
+    x = torch.randn(300, 2880, generator=gen, device="cuda").to(torch.bfloat16) * 10
+    x[5] = 0
+    x[7, :100] *= 1e-6  # subnormal codes
+    q, s = quantize_rows_fp8(x)
+    q_twin, s_twin = quantize_rows_fp8_torch(x)
+    assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8)) and torch.equal(s, s_twin)
+    x[9, 4] = float("nan")
+    assert quantize_rows_fp8(x)[1][9].isnan()

@@ -1,0 +1,139 @@
+"""The W4A8 mode (sm90.w4a8, sm90.gemm_fp8) under the Triton interpreter on CPU, tiny shapes, and its folding and row
+quantization on their own.
+
+Bounds: the kernels against the pure-torch twin (same e4m3 operands, float32 sums) ||out - twin|| / ||twin|| < 5e-3
+(GEMM1's output rounds to x's dtype before its e4m3 rounding, so a sum differing in its last bit can move a code);
+the twin against the float64 W4A16 reference < 1e-1 (design 008 measured 5.2-6.0e-2 for folded scales on every zoo
+layer; these tiny layers with 16 K-blocks are noisier).  The row quantizer equals its twin byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moe_nvfp4 import prepare_moe_weights, quantize_nvfp4
+from moe_nvfp4.formats import dequantize_nvfp4
+from moe_nvfp4.sm90.w4a8 import Fp8Config, fold_to_fp8, fp8_copy_bytes, quantize_rows_fp8_torch
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, moe_nvfp4 as m
+    from moe_nvfp4.expert_activation import ExpertActivation
+    from moe_nvfp4.sm90.w4a8 import (Fp8Config, fold_to_fp8, fused_moe_w4a8, fused_moe_w4a8_torch,
+                                     quantize_rows_fp8, quantize_rows_fp8_torch)
+    e, k, h, i, t, use_map, act, bias, block_m, nan_row, seed = sys.argv[1:]
+    e, k, h, i, t, use_map, bias, block_m, nan_row, seed = map(int, (e, k, h, i, t, use_map, bias, block_m, nan_row, seed))
+    activation = ExpertActivation(act)
+    g = torch.Generator().manual_seed(seed)
+    rows13 = 2 * i if activation.gated else i
+    w13 = torch.randn(e, rows13, h, generator=g) / h**0.5
+    w13[..., :16] = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]) / 6  # every code
+    q13 = m.quantize_nvfp4(w13, segments=2 if activation.gated else 1)
+    q2 = m.quantize_nvfp4(torch.randn(e, h, i, generator=g) / i**0.5)
+    biases = dict(w13_bias=torch.randn(e, rows13, generator=g) * 0.1, w2_bias=torch.randn(e, h, generator=g) * 0.1) if bias else {}
+    w = m.prepare_moe_weights(q13, q2, activation=activation, **biases)
+    x = torch.randn(t, h, generator=g).half()
+    n_global = e + 2 if use_map else e
+    logits = torch.randn(t, n_global, generator=g)
+    logits[:, 1] -= 100.0  # expert 1 (global) gets no token
+    tw, ti = m.topk_softmax(logits, k, renormalize=True)
+    emap = torch.tensor([-1] + list(range(e)) + [-1], dtype=torch.int32) if use_map else None
+    if nan_row:
+        x[nan_row - 1, 3] = float("nan")
+    a8, s = quantize_rows_fp8(x)
+    b8, s_twin = quantize_rows_fp8_torch(x)
+    ok = ~x.isnan().any(dim=1)
+    assert torch.equal(a8.view(torch.uint8)[ok], b8.view(torch.uint8)[ok]) and torch.equal(s[ok], s_twin[ok])
+    f = fold_to_fp8(w)
+    out = torch.full_like(x, float("nan"))
+    out = fused_moe_w4a8(x, f, tw, ti, emap, Fp8Config(block_m=block_m, block_n=64, block_k=64, num_stages=2, num_warps=4))
+    twin = fused_moe_w4a8_torch(x, f, tw, ti, emap)
+    ref = m.fused_moe_torch(x, q13, q2, tw, ti, expert_map=emap, activation=activation, compute_dtype=torch.float64, **biases)
+    if nan_row:  # that token is NaN, every other one finite and as without it
+        assert out[nan_row - 1].isnan().all(), out[nan_row - 1]
+        keep = torch.arange(t) != nan_row - 1
+        out, twin, ref = out[keep], twin[keep], ref[keep]
+    assert not out.isnan().any(), "unwritten or NaN output"
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item() if t else 0.0
+    print(rel(out, twin), rel(twin, ref))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "e,k,h,i,t,use_map,act,bias,block_m,nan_row",
+    [
+        pytest.param(4, 2, 256, 128, 9, 0, "silu", 0, 16, 0, id="basic"),
+        pytest.param(5, 3, 144, 48, 13, 0, "silu", 0, 16, 0, id="K tails: H=144, I=48"),
+        pytest.param(6, 2, 128, 128, 11, 1, "silu", 0, 32, 0, id="expert map, an expert with no token"),
+        pytest.param(4, 2, 128, 64, 40, 0, "silu", 0, 16, 0, id="ragged: several tiles an expert"),
+        pytest.param(3, 2, 128, 128, 1, 0, "silu", 0, 16, 0, id="one token"),
+        pytest.param(3, 2, 128, 128, 0, 0, "silu", 0, 16, 0, id="no tokens"),
+        pytest.param(4, 2, 128, 96, 7, 0, "relu2", 1, 16, 0, id="relu2, not gated, biases"),
+        pytest.param(4, 2, 128, 64, 7, 1, "swiglu_oai", 1, 16, 0, id="swiglu_oai, biases, expert map"),
+        pytest.param(4, 2, 128, 64, 6, 0, "silu", 0, 16, 3, id="a NaN in token 3"),
+    ],
+)
+def test_w4a8_matches_twin_and_reference(e, k, h, i, t, use_map, act, bias, block_m, nan_row) -> None:
+    args = [e, k, h, i, t, use_map, act, bias, block_m, nan_row, 0]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    to_twin, to_ref = map(float, proc.stdout.split())
+    assert to_twin < 5e-3 and to_ref < 1e-1, (to_twin, to_ref)
+
+
+def test_fold_rounds_each_weight_once_to_e4m3() -> None:
+    """Each folded value is code x block scale x global scale / 2^p to the nearest e4m3 (relative error <= 2^-4,
+    3 mantissa bits; exact where the product fits), 2^p a power of two per row putting its amax in [224, 448];
+    padding dropped; the copy's size is what fp8_copy_bytes says."""
+    g = torch.Generator().manual_seed(1)
+    e, h, i = 3, 144, 80  # rows and K padded in the layout
+    q13 = quantize_nvfp4(torch.randn(e, 2 * i, h, generator=g) * torch.logspace(-3, 1, h)[None, None], segments=2)
+    q2 = quantize_nvfp4(torch.randn(e, h, i, generator=g))
+    w = prepare_moe_weights(q13, q2)
+    f = fold_to_fp8(w)
+    assert f.w13.shape == (e, 2 * 128, h) and f.w2.shape == (e, h, i) and f.nbytes() == fp8_copy_bytes(w)
+    # interleaved: 64 gate rows, their 64 up rows, then the next 16 outputs' gate and up rows and 48 zero rows each
+    w13, w13_scale = f.w13_rows()
+    assert torch.equal(f.w13[:, 64:80].view(torch.uint8), w13[:, 80:96].view(torch.uint8))
+    assert (f.w13[:, 144:192].view(torch.uint8) == 0).all() and (f.w13[:, 208:].view(torch.uint8) == 0).all()
+    for q, w8, scale in ((q13, w13, w13_scale), (q2, f.w2, f.w2_scale)):
+        exact = dequantize_nvfp4(q)
+        assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # powers of two
+        folded = w8.float() * scale[..., None]
+        amax = (w8.float().abs()).amax(dim=-1)
+        assert ((amax >= 224) & (amax <= 448)).all()
+        err = (folded - exact).abs()
+        normal = exact.abs() >= scale[..., None] * 2.0**-6  # e4m3 normals: the relative bound holds
+        assert (err[normal] <= exact.abs()[normal] * 2.0**-4).all()
+        assert (err[~normal] <= scale[..., None].expand_as(err)[~normal] * 2.0**-10).all()  # half a subnormal step
+        assert (err > 0).any() and (err == 0).any()  # rounded where the product needs more bits, exact elsewhere
+
+
+def test_row_quantizer_twin_keeps_zero_rows_and_range() -> None:
+    x = torch.randn(5, 64, dtype=torch.float16)
+    x[2] = 0
+    q, scale = quantize_rows_fp8_torch(x)
+    assert scale[2] == 0 and (q[2].float() == 0).all()
+    assert torch.equal(q.float().abs().amax(dim=1)[[0, 1, 3, 4]], torch.full((4,), 448.0))
+    assert (
+        (q.float() * scale[:, None] - x.float()).abs() <= x.float().abs() * 2.0**-4 + scale[:, None] * 2.0**-10
+    ).all()
+
+
+def test_fp8_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="Fp8Config.block_n"):
+        Fp8Config(block_n=96)
+    with pytest.raises(ValueError, match="Fp8Config.num_warps"):
+        Fp8Config(num_warps=2)
+    assert [Fp8Config.for_rows(r).block_m for r in (1, 16, 17, 32, 33, 100, 512)] == [16, 16, 32, 32, 64, 128, 128]
