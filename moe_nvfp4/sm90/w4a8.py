@@ -92,7 +92,7 @@ def _gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Config:
     """The FP8 GEMMs' tiles (gemm_fp8.Fp8Tiles), one set for both GEMMs: block_m token rows (the routing's tile
-    rows), block_n weight rows, block_k K a step."""
+    rows), block_n weight rows, block_k K a step, flatten: the tile and K loops pipelined as one (gemm_fp8)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -100,6 +100,7 @@ class Fp8Config:
     num_stages: int = 4
     num_warps: int = 8
     programs_per_sm: int = 1
+    flatten: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -109,13 +110,14 @@ class Fp8Config:
             ("num_stages", (1, 2, 3, 4, 5)),
             ("num_warps", (4, 8)),
             ("programs_per_sm", (1, 2)),
+            ("flatten", (True, False)),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Fp8Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     @property
     def tiles(self) -> Fp8Tiles:
-        return Fp8Tiles(self.block_m, self.block_n, self.block_k, self.num_stages, self.num_warps, self.programs_per_sm)
+        return Fp8Tiles(*(getattr(self, f) for f in Fp8Tiles._fields))
 
     @classmethod
     def for_rows(cls, rows_per_expert: float) -> Fp8Config:

@@ -52,6 +52,7 @@ CASES = [  # (why, E, top-k, H, I, T, config)
     ("Qwen3-like prefill, default tiles", 32, 8, 1024, 384, 1024, None),
     ("Mixtral-like, 64-row tiles, 3 stages", 8, 2, 1024, 1792, 700, Fp8Config(block_m=64, num_stages=3)),
     ("K tails (H=1040, I=272), 64-row tiles", 12, 4, 1040, 272, 301, Fp8Config(block_m=64, block_k=64)),
+    ("Qwen3-like, tile and K loops not flattened", 32, 8, 1024, 384, 777, Fp8Config(flatten=False)),
     ("decode-sized, most experts empty", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_n=64, num_warps=4)),
 ]
 
