@@ -136,4 +136,77 @@ def test_fp8_config_is_validated() -> None:
         Fp8Config(block_n=96)
     with pytest.raises(ValueError, match="Fp8Config.num_warps"):
         Fp8Config(num_warps=2)
+    with pytest.raises(ValueError, match="warp_specialized takes block_m <= 64"):
+        Fp8Config(block_m=128, warp_specialized=True)
+    assert Fp8Config(warp_specialized=True, block_m=64).launcher(on_gpu=False).__name__ == "launch_fp8_gemm"
     assert [Fp8Config.for_rows(r).block_m for r in (1, 16, 17, 32, 33, 100, 512)] == [16, 16, 32, 32, 64, 128, 128]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gated,block_m,block_k,stages", [(True, 64, 128, 4), (False, 16, 64, 4), (True, 32, 128, 6)])
+def test_ping_pong_kernel_compiles_for_sm90(gated, block_m, block_k, stages) -> None:
+    """The Gluon ping-pong kernel (gemm_fp8_ws) for sm_90a on the CPU: FP8 wgmma of 64 weight rows, two TMA boxes a
+    stage, three register budgets (two MMA warp groups, the loader), and no spills under ptxas (maxnreg 168)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from test_sm90_ptx import DEFAULT_EPILOGUE, _divisibility, _epilogue
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moe_nvfp4.sm90 import gemm_fp8_ws as W
+
+    def descriptor(rows: int, block: list[int]):
+        t = torch.zeros(rows, 1024, dtype=torch.float8_e4m3fn)
+        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+        return native_specialize_impl(CUDABackend, d, False, True, True)[0]
+
+    signature = dict(
+        a_desc=descriptor(512, [block_m, block_k]),
+        a_scale_ptr="*fp32",
+        w_desc=descriptor(2048, [128, block_k]),
+        w_scale_ptr="*fp32",
+        out_ptr="*bf16" if gated else "*fp32",
+        stride_out="i32",
+        sorted_pairs_ptr="*i32",
+        tile_expert_ptr="*i32",
+        tile_row_ptr="*i32",
+        tile_row_end_ptr="*i32",
+        num_tiles_ptr="*i32",
+        topk_weights_ptr="*fp32",
+        n_out="i32",
+        n_rows="i32",
+        k="i32",
+        epilogue=None,
+    )
+    constexprs = dict(IS_GEMM1=gated, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages, PDL=True)
+    assert list(signature) + list(constexprs) == W._fp8_ws_kernel.arg_names, "test signature out of date"
+    signature["epilogue"], paths = _epilogue(W._fp8_ws_kernel, DEFAULT_EPILOGUE[gated])
+    src = GluonASTSource(
+        W._fp8_ws_kernel,
+        dict(signature, **{c: "constexpr" for c in constexprs}),
+        {**constexprs, **paths},
+        _divisibility(signature),
+    )
+    options = dict(launch_pdl=True, num_warps=4, maxnreg=168)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3" in ptx
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 2  # the loader's two boxes a stage
+    budgets = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {str(W.MMA_REGISTERS.value), str(W.LOADER_REGISTERS.value)} <= budgets
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    assert "0 bytes spill stores" in info and "0 bytes spill loads" in info, info

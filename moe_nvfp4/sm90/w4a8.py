@@ -30,6 +30,7 @@ from ..triton.routing_kernels import route
 from ..weights import MoEWeights
 from .common import Epilogue, GemmRouting
 from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles, launch_fp8_gemm
+from .gemm_fp8_ws import launch_fp8_ws
 
 __all__ = [
     "Fp8Config",
@@ -92,7 +93,9 @@ def _gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Config:
     """The FP8 GEMMs' tiles (gemm_fp8.Fp8Tiles), one set for both GEMMs: block_m token rows (the routing's tile
-    rows), block_n weight rows, block_k K a step, flatten: the tile and K loops pipelined as one (gemm_fp8)."""
+    rows), block_n weight rows, block_k K a step, flatten: the tile and K loops pipelined as one (gemm_fp8);
+    warp_specialized: the Gluon ping-pong kernel (gemm_fp8_ws; one program an SM, 128 weight rows a tile, and
+    num_warps, programs_per_sm, block_n and flatten unused)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -101,6 +104,7 @@ class Fp8Config:
     num_warps: int = 8
     programs_per_sm: int = 1
     flatten: bool = True
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -111,13 +115,25 @@ class Fp8Config:
             ("num_warps", (4, 8)),
             ("programs_per_sm", (1, 2)),
             ("flatten", (True, False)),
+            ("warp_specialized", (True, False)),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Fp8Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.warp_specialized and (self.block_m > 64 or self.block_k > 128):
+            raise ValueError(
+                "Fp8Config.warp_specialized takes block_m <= 64 and block_k <= 128 (gemm_fp8_ws: two 64-row "
+                f"accumulators and their fp32 partial sums a warp group), got block_m={self.block_m}, "
+                f"block_k={self.block_k}"
+            )
 
     @property
     def tiles(self) -> Fp8Tiles:
         return Fp8Tiles(*(getattr(self, f) for f in Fp8Tiles._fields))
+
+    def launcher(self, on_gpu: bool):
+        """The launch of both GEMMs: the ping-pong kernel where asked for and on a GPU (Gluon has no interpreter),
+        else gemm_fp8's, which computes the same sums."""
+        return launch_fp8_ws if self.warp_specialized and on_gpu else launch_fp8_gemm
 
     @classmethod
     def for_rows(cls, rows_per_expert: float) -> Fp8Config:
@@ -258,11 +274,12 @@ def fused_moe_w4a8(
     x8, x_scale = quantize_rows_fp8(x, src=sorted_pairs, top_k=top_k, count=routed)
     act = torch.empty(t * top_k, weights.intermediate, dtype=x.dtype, device=x.device)
     gemm1 = Fp8GemmOperands(x8, x_scale, fp8.w13, fp8.w13_scale, weights.intermediate)
-    launch_fp8_gemm(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
+    launch = config.launcher(x.is_cuda)
+    launch(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
     act8, act_scale = quantize_rows_fp8(act, count=routed)
     partial = torch.empty(t * top_k, weights.hidden, dtype=torch.float32, device=x.device)
     gemm2 = Fp8GemmOperands(act8, act_scale, fp8.w2, fp8.w2_scale, weights.hidden)
-    launch_fp8_gemm(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
+    launch(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
     combine(partial, topk_ids, expert_map, weights.num_experts, out)
     return out
 

@@ -53,6 +53,17 @@ CASES = [  # (why, E, top-k, H, I, T, config)
     ("Mixtral-like, 64-row tiles, 3 stages", 8, 2, 1024, 1792, 700, Fp8Config(block_m=64, num_stages=3)),
     ("K tails (H=1040, I=272), 64-row tiles", 12, 4, 1040, 272, 301, Fp8Config(block_m=64, block_k=64)),
     ("Qwen3-like, tile and K loops not flattened", 32, 8, 1024, 384, 777, Fp8Config(flatten=False)),
+    ("Qwen3-like, Gluon ping-pong, 64-row tiles", 32, 8, 1024, 384, 1024, Fp8Config(block_m=64, warp_specialized=True)),
+    (
+        "K tails (H=1040, I=272), ping-pong 32-row tiles, 6 stages",
+        12,
+        4,
+        1040,
+        272,
+        301,
+        Fp8Config(block_m=32, num_stages=6, warp_specialized=True),
+    ),
+    ("decode-sized, ping-pong", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_k=64, warp_specialized=True)),
     ("decode-sized, most experts empty", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_n=64, num_warps=4)),
 ]
 
@@ -88,24 +99,26 @@ def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
     assert _rel(out, twin) < TWIN_TOL[torch.bfloat16]
 
 
-def test_w4a8_in_a_cuda_graph(gen) -> None:
+@pytest.mark.parametrize("ws", [False, True], ids=["triton", "gluon ping-pong"])
+def test_w4a8_in_a_cuda_graph(ws, gen) -> None:
     """Captured once, replayed with new x and routing: bit-identical to eager calls."""
     e, k, h, i, t = 16, 4, 512, 256, 200
     _, _, w = _layer(e, h, i, gen)
     f = fold_to_fp8(w)
     x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k)
-    fused_moe_w4a8(x, f, tw, ti)  # compile outside the capture
+    cfg = Fp8Config(block_m=64, warp_specialized=ws)
+    fused_moe_w4a8(x, f, tw, ti, None, cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_w4a8(x, f, tw, ti)
+        out = fused_moe_w4a8(x, f, tw, ti, None, cfg)
     for _ in range(3):
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
         new_w, new_ids = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k)
         tw.copy_(new_w)
         ti.copy_(new_ids)
         graph.replay()
-        torch.testing.assert_close(out, fused_moe_w4a8(x, f, tw, ti), rtol=0, atol=0)
+        torch.testing.assert_close(out, fused_moe_w4a8(x, f, tw, ti, None, cfg), rtol=0, atol=0)
 
 
 def test_row_quantizer_equals_its_twin(gen) -> None:
