@@ -63,6 +63,15 @@ CASES = [  # (why, E, top-k, H, I, T, config)
         301,
         Fp8Config(block_m=32, num_stages=6, warp_specialized=True),
     ),
+    (
+        "Mixtral-like, cooperative, 128-row tiles",
+        8,
+        2,
+        1024,
+        1792,
+        700,
+        Fp8Config(warp_specialized=True, cooperative=True),
+    ),
     ("decode-sized, ping-pong", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_k=64, warp_specialized=True)),
     ("decode-sized, most experts empty", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_n=64, num_warps=4)),
 ]
@@ -99,15 +108,22 @@ def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
     assert _rel(out, twin) < TWIN_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("ws", [False, True], ids=["triton", "gluon ping-pong"])
-def test_w4a8_in_a_cuda_graph(ws, gen) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        Fp8Config(block_m=64),
+        Fp8Config(block_m=64, warp_specialized=True),
+        Fp8Config(block_m=64, warp_specialized=True, cooperative=True),
+    ],
+    ids=["triton", "gluon ping-pong", "gluon cooperative"],
+)
+def test_w4a8_in_a_cuda_graph(cfg, gen) -> None:
     """Captured once, replayed with new x and routing: bit-identical to eager calls."""
     e, k, h, i, t = 16, 4, 512, 256, 200
     _, _, w = _layer(e, h, i, gen)
     f = fold_to_fp8(w)
     x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k)
-    cfg = Fp8Config(block_m=64, warp_specialized=ws)
     fused_moe_w4a8(x, f, tw, ti, None, cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
