@@ -114,7 +114,7 @@ class Fp8Config:
             ("block_m", (16, 32, 64, 128, 256)),
             ("block_n", (64, 128, 256)),
             ("block_k", (64, 128, 256)),
-            ("num_stages", (1, 2, 3, 4, 5)),
+            ("num_stages", (1, 2, 3, 4, 5, 6, 7, 8)),
             ("num_warps", (4, 8)),
             ("programs_per_sm", (1, 2)),
             ("flatten", (True, False)),
