@@ -102,6 +102,10 @@ def test_fold_rounds_each_weight_once_to_e4m3() -> None:
     q2 = quantize_nvfp4(torch.randn(e, h, i, generator=g))
     w = prepare_moe_weights(q13, q2)
     f = fold_to_fp8(w)
+    from_checkpoint = fold_to_fp8(w, (q13, q2))  # the checkpoint's tensors: no layout unpacking, the same bytes
+    for a, b in ((f.w13, from_checkpoint.w13), (f.w2, from_checkpoint.w2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(f.w13_scale, from_checkpoint.w13_scale) and torch.equal(f.w2_scale, from_checkpoint.w2_scale)
     assert f.w13.shape == (e, 2 * 128, h) and f.w2.shape == (e, h, i) and f.nbytes() == fp8_copy_bytes(w)
     # interleaved: 64 gate rows, their 64 up rows, then the next 16 outputs' gate and up rows and 48 zero rows each
     w13, w13_scale = f.w13_rows()

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import sm_count
-from ..formats import dequantize_nvfp4
+from ..formats import NVFP4Tensor, dequantize_nvfp4
 from ..routing import routed_pairs
 from ..triton.combine import combine
 from ..triton.quant_act import _round_e4m3
@@ -149,33 +149,44 @@ class Fp8Config:
         return cls(block_m=min(128, max(16, triton.next_power_of_2(int(rows_per_expert)))))
 
 
-def _fold(q_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized weights [N, K] (float32, exact) -> (e4m3 [N, K], float32 row scales [N]): each row divided by
-    the power of two that puts its amax in [224, 448] (exact), then rounded to e4m3."""
-    amax = q_weight.abs().amax(dim=1)
-    exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / E4M3_MAX))
-    scale = torch.exp2(exponent)
-    return (q_weight / scale[:, None]).to(torch.float8_e4m3fn), scale.float()
+FOLD_CHUNK_BYTES = 256 << 20  # float32 temporaries of one fold step: experts are dequantized this many bytes at a time
 
 
-def fold_to_fp8(weights: MoEWeights) -> Fp8ExpertWeights:
-    """Fold ``weights`` (any layout) into the e4m3 copy, one expert at a time (the float32 temporaries stay one
-    expert's size).  Padding rows and columns of the layout are dropped; a gated w13 is then interleaved."""
-    w13_q, w2_q = weights.to_nvfp4()
+def _fold(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized weights [..., N, K] (float32, exact) -> (e4m3 bytes [..., N, K], float32 row scales [..., N]):
+    each row divided by the power of two that puts its amax in [224, 448] (exact), then rounded to e4m3."""
+    amax = weights.abs().amax(dim=-1)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / E4M3_MAX)))
+    return (weights / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8), scale.float()
+
+
+def _fold_matrix(q: NVFP4Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stack of expert matrices [E, >= n, >= k] folded, a run of experts at a time (FOLD_CHUNK_BYTES)."""
+    e = q.packed.shape[0]
+    codes = torch.empty(e, n, k, dtype=torch.uint8, device=q.packed.device)
+    scale = torch.empty(e, n, dtype=torch.float32, device=q.packed.device)
+    run = max(1, FOLD_CHUNK_BYTES // (4 * q.n * q.k))
+    for x in range(0, e, run):
+        part = NVFP4Tensor(
+            q.packed[x : x + run], q.block_scale[x : x + run], q.global_scale[x : x + run], q.scale_layout
+        )
+        codes[x : x + run], scale[x : x + run] = _fold(dequantize_nvfp4(part)[:, :n, :k])
+    return codes, scale
+
+
+def fold_to_fp8(weights: MoEWeights, nvfp4: tuple[NVFP4Tensor, NVFP4Tensor] | None = None) -> Fp8ExpertWeights:
+    """Fold ``weights`` (any layout) into the e4m3 copy.  ``nvfp4``: the (w13, w2) checkpoint tensors they were
+    packed from, which spares unpacking the layout (most of the time on a CPU core: MoEWeights.to_nvfp4).  Padding
+    rows and columns are dropped; a gated w13 is then interleaved."""
+    w13_q, w2_q = weights.to_nvfp4() if nvfp4 is None else nvfp4
     i, gated = weights.intermediate, weights.activation.gated
-    e = weights.num_experts
-    out = []
-    for q, n, k in ((w13_q, (2 if gated else 1) * i, weights.hidden), (w2_q, weights.hidden, i)):
-        codes = torch.empty(e, n, k, dtype=torch.uint8, device=q.packed.device)
-        scale = torch.empty(e, n, dtype=torch.float32, device=q.packed.device)
-        for x in range(e):
-            one = type(q)(q.packed[x], q.block_scale[x], q.global_scale[x], q.scale_layout)
-            folded, scale[x] = _fold(dequantize_nvfp4(one)[:n, :k])
-            codes[x] = folded.view(torch.uint8)
-        if q is w13_q and gated:
-            codes, scale = _interleaved(codes, i), _interleaved(scale, i)
-        out += [codes.view(torch.float8_e4m3fn), scale]
-    return Fp8ExpertWeights(*out, source=weights)
+    codes13, scale13 = _fold_matrix(w13_q, (2 if gated else 1) * i, weights.hidden)
+    if gated:
+        codes13, scale13 = _interleaved(codes13, i), _interleaved(scale13, i)
+    codes2, scale2 = _fold_matrix(w2_q, weights.hidden, i)
+    return Fp8ExpertWeights(
+        codes13.view(torch.float8_e4m3fn), scale13, codes2.view(torch.float8_e4m3fn), scale2, source=weights
+    )
 
 
 @triton.jit
