@@ -122,34 +122,45 @@ def serve_and_ask(model: Path, extra: list[str], log: Path, args, env: dict) -> 
         return answers, server.log()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def check_family(family: str, args, env: dict, root: Path, logs: Path) -> list[str]:
+    """One family's TP=1 server against a DP=2 + EP server per all2all backend: what differs (empty: all agree)."""
+    print(f"== {family}", flush=True)
+    model = build_model(family, root)
+    tp1, _ = serve_and_ask(model, [], logs / f"{family}-tp1.log", args, env)
+    problems = []
+    for backend in [b.strip() for b in args.all2all.split(",") if b.strip()]:
+        extra = ["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", backend]
+        dp, log = serve_and_ask(model, extra, logs / f"{family}-dp2-ep-{backend}.log", args, env)
+        found = [
+            f"request {i}: {d}" for i, (a, b) in enumerate(zip(tp1, dp)) if (d := greedy_divergence(a, b, tie=args.tie))
+        ]
+        if MODULAR_LINE not in log:
+            found.append(f"the DP server's log lacks {MODULAR_LINE!r}: vLLM's all2all did not drive our experts")
+        if found:
+            print(f"   FAIL {family} DP=2+EP ({backend}) vs TP=1:\n     " + "\n     ".join(found[:10]))
+        else:
+            print(f"   DP=2+EP matches TP=1: {family}, {backend}, {len(dp)} greedy requests", flush=True)
+        problems += [f"{family} {backend}: {line}" for line in found]
+    return problems
+
+
+def server_env() -> dict[str, str]:
+    """Every server's environment: no multicast, no autotune, this checkout's package and plugin first."""
     env = dict(os.environ, **NO_MULTICAST_ENV, MOE_NVFP4_AUTOTUNE="0", VLLM_USE_FLASHINFER_SAMPLER="0")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = server_env()
     root = Path(tempfile.mkdtemp(prefix="dp_ep_check-"))
     logs = Path(args.log_dir) if args.log_dir else root / "logs"
-    failures = 0
+    problems = []
     for family in [f.strip() for f in args.families.split(",") if f.strip()]:
-        print(f"== {family}", flush=True)
-        model = build_model(family, root)
-        tp1, _ = serve_and_ask(model, [], logs / f"{family}-tp1.log", args, env)
-        for backend in [b.strip() for b in args.all2all.split(",") if b.strip()]:
-            extra = ["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", backend]
-            dp, log = serve_and_ask(model, extra, logs / f"{family}-dp2-ep-{backend}.log", args, env)
-            problems = [
-                f"request {i}: {d}"
-                for i, (a, b) in enumerate(zip(tp1, dp))
-                if (d := greedy_divergence(a, b, tie=args.tie))
-            ]
-            if MODULAR_LINE not in log:
-                problems.append(f"the DP server's log lacks {MODULAR_LINE!r}: vLLM's all2all did not drive our experts")
-            if problems:
-                failures += 1
-                print(f"   FAIL {family} DP=2+EP ({backend}) vs TP=1:\n     " + "\n     ".join(problems[:10]))
-            else:
-                print(f"   DP=2+EP matches TP=1: {family}, {backend}, {len(dp)} greedy requests", flush=True)
+        problems += check_family(family, args, env, root, logs)
     print(f"logs: {logs}")
-    return 1 if failures else 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from moe_nvfp4.formats import NVFP4, NVFP4Tensor, quantize_nvfp4
 from moe_nvfp4.warmup import compile_kernels, warmup_threads
 
 from .compat import MoEMethodCompat, keep_finalized
+from .modular import apply_moe_kernel, make_moe_kernel
 from .loading import (
     BIAS,
     BLOCK_SCALE,
@@ -305,6 +306,8 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         )
         del w13, w2, w13_bias, w2_bias
         setattr(layer, WEIGHTS_ATTR, weights)
+        # under DP + EP vLLM's all2all dispatches to our experts (design 009); elsewhere None: apply() calls fused_moe
+        self.moe_kernel = make_moe_kernel(self.moe, weights, layer._expert_routing_tables())
         self._warmup(layer, weights)
 
     def _warmup(self, layer: torch.nn.Module, weights: moe_nvfp4.MoEWeights) -> None:
@@ -423,6 +426,10 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
                 w13_input_scale=w13_scale,
                 w2_input_scale=w2_scale,
                 expert_map=layer.expert_map,
+            )
+        if self.moe_kernel is not None:
+            return apply_moe_kernel(
+                self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
             )
         # the router's weights and ids as they come: the API casts them once (ids past int32 saturate out of range
         # instead of wrapping onto an expert, as a plain .to(int32) here did first)

@@ -71,3 +71,16 @@ def test_two_gpus_match_one(tmp_path, converted, family, mode):
         engine={**ENGINE, **MODES[mode]},
     )
     _compare(two, tp1, f"{family} {mode} vs TP=1")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_dp2_ep_servers_match_tp1(tmp_path, family):
+    """``vllm serve --data-parallel-size 2 --enable-expert-parallel``: vLLM's all2all drives our experts as its
+    modular experts stage (the server log must say so) and 64 concurrent greedy requests agree with a TP=1 server
+    but for ties (benchmarks/dp_ep_check.py, whose checks this runs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import dp_ep_check
+
+    args = dp_ep_check.parse_args([])
+    problems = dp_ep_check.check_family(family, args, dp_ep_check.server_env(), tmp_path, tmp_path / "logs")
+    assert not problems, "\n".join(problems[:20])
