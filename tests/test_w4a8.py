@@ -51,6 +51,13 @@ SCRIPT = textwrap.dedent(
     b8, s_twin = quantize_rows_fp8_torch(x)
     ok = ~x.isnan().any(dim=1)
     assert torch.equal(a8.view(torch.uint8)[ok], b8.view(torch.uint8)[ok]) and torch.equal(s[ok], s_twin[ok])
+    # gathered into a pair order: rows r < count are token src[r] // k's, bytes and scale
+    src = torch.randperm(t * k, generator=g).int()
+    n = max(1, t * k - 3)  # the routed count: the rows past it stay unwritten
+    g8, gs = quantize_rows_fp8(x, src=src, top_k=k, count=torch.tensor([n], dtype=torch.int32))
+    tok = src[:n].long() // k
+    assert torch.equal(g8.view(torch.uint8)[:n], a8.view(torch.uint8)[tok])
+    torch.testing.assert_close(gs[:n], s[tok], rtol=0, atol=0, equal_nan=True)
     f = fold_to_fp8(w)
     out = torch.full_like(x, float("nan"))
     out = fused_moe_w4a8(x, f, tw, ti, emap, Fp8Config(block_m=block_m, block_n=64, block_k=64, num_stages=2, num_warps=4))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -40,7 +41,6 @@ def load_package(directory: Path, scratch: Path, name: str):
     """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 host module
     (its relative imports resolve inside the copy): ``sm90.host``, or ``triton.moe_sm90`` in a tree from before the
     sm_90 backend had a folder of its own."""
-    import importlib
     import shutil
 
     shutil.copytree(directory / "moe_nvfp4", scratch / name)
@@ -53,8 +53,6 @@ def package_config(host, cfg):
     """``cfg`` as the config class of the package ``host`` (a load_package module) belongs to: a field that version
     lacks (one added after it, or removed before it) is left out, as its from_dict may refuse it; a field only it has
     takes its default (config version 2's tile group, K split and stream-K fields: what the current kernels run)."""
-    import importlib
-
     package = host.__name__.split(".")[0]
     configs = importlib.import_module(
         package + (".sm90.configs" if host.__name__.endswith(".sm90.host") else ".configs")
@@ -161,9 +159,13 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
 
     folded: list = []  # the W4A8 variants' e4m3 copies of the rotated weights, folded once per case
 
+    def w4a8_form(variant: str) -> str | None:  # "w4a8..." or "pkg=DIR|w4a8...": the W4A8 mode's form
+        form = variant.split("|", 1)[-1]
+        return form if form.startswith("w4a8") else None
+
     def configured(variant: str):
-        if variant.startswith("w4a8"):
-            return w4a8_config(variant)
+        if w4a8_form(variant):
+            return w4a8_config(w4a8_form(variant))
         if variant in tuned_in:
             return tuned_in[variant]
         if variant.startswith("pkg=") and "|" in variant:  # another package running a GEMM variant
@@ -176,11 +178,15 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
 
     def forwards(variant: str) -> list:
         c = configured(variant)
-        if variant.startswith("w4a8"):
+        if w4a8_form(variant):
             from moe_nvfp4.sm90.w4a8 import fold_to_fp8, fused_moe_w4a8
 
             folded[:] = folded or [fold_to_fp8(ws) for ws in copies]
-            return [lambda f=f: fused_moe_w4a8(x, f, tw, ti, expert_map, c) for f in folded]
+            if variant.startswith("pkg="):  # that package's W4A8 forward on the same folded bytes
+                other = importlib.import_module(modules[variant].__name__.split(".")[0] + ".sm90.w4a8")
+                c = other.Fp8Config(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
+                fused_moe_w4a8 = other.fused_moe_w4a8
+            return [lambda f=f, run=fused_moe_w4a8: run(x, f, tw, ti, expert_map, c) for f in folded]
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
         c = package_config(host, c) if variant.startswith("pkg=") else c
         return [host_forward(host, x, ws, tw, ti, expert_map, c) for ws in copies]
@@ -190,6 +196,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         v
         for v in variants
         if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:")))
+        and not w4a8_form(v)
         and not configured(v).is_valid(padded(h), padded(i))
     ]
     for v in invalid:

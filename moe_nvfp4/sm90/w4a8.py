@@ -191,68 +191,95 @@ def fold_to_fp8(weights: MoEWeights, nvfp4: tuple[NVFP4Tensor, NVFP4Tensor] | No
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr,
-    stride_x,
-    out_ptr,
-    scale_ptr,
-    k,
-    src_ptr,
-    count_ptr,
-    top_k,
-    GATHER: tl.constexpr,
-    COUNTED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    x_ptr, stride_x, out_ptr, scale_ptr, k, count_ptr, COUNTED: tl.constexpr, HW_CAST: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """Output row r: x's row r, or with GATHER x[src[r] // top_k]; with COUNTED only r < count[0].  amax, then
-    x * (448 / amax) rounded to e4m3 on the float32 bits (quant_act._round_e4m3: the interpreter's float8 cast rounds
-    wrongly; IEEE division, as the twin's); scale amax / 448."""
+    """Row r of x: amax, then x * (448 / amax) rounded to e4m3 (round to nearest even; IEEE division, as the twin's);
+    scale amax / 448.  HW_CAST: the GPU's float8 conversion (cvt.rn.satfinite, two values an instruction); without
+    it the rounding on the float32 bits (quant_act._round_e4m3), for the interpreter, whose float8 cast rounds
+    wrongly: the bit rounding made this kernel ALU-bound on an H200 (111 us of a 770-us Qwen3-30B forward).
+    COUNTED: only rows r < count[0]."""
     row = tl.program_id(0).to(tl.int64)
     if COUNTED:
         if row >= tl.load(count_ptr):
             return
-    src = row
-    if GATHER:
-        src = (tl.load(src_ptr + row) // top_k).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + src * stride_x + offs, mask=offs < k, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < k, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     inv = tl.where(amax > 0, tl.math.div_rn(448.0, tl.maximum(amax, 1e-30)), 0.0)
     q = x * inv
-    _, byte = _round_e4m3(tl.minimum(tl.abs(q), 448.0))
-    byte = tl.where(q != q, 0x7F, byte | ((q.to(tl.int32, bitcast=True) >> 24) & 0x80))
+    clamped = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if HW_CAST:
+        byte = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        _, byte = _round_e4m3(tl.abs(clamped))
+        byte = byte | ((q.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    byte = tl.where(q != q, 0x7F, byte)
     tl.store(out_ptr + row * k + offs, byte.to(tl.uint8), mask=offs < k)
     # a NaN makes the row's scale NaN, as the twin's amax: the row's sums are NaN whatever the MMA makes of 0x7F
     has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
     tl.store(scale_ptr + row, tl.where(has_nan, float("nan"), tl.math.div_rn(amax, 448.0)))
 
 
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, src_scale_ptr, out_ptr, out_scale_ptr, pairs_ptr, count_ptr, top_k, k, BLOCK: tl.constexpr
+):
+    """Output row r < count[0]: the quantized row of token pairs[r] // top_k and its scale (bytes copied)."""
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(count_ptr):
+        return
+    token = (tl.load(pairs_ptr + row) // top_k).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * k + offs, tl.load(src_ptr + token * k + offs, mask=offs < k), mask=offs < k)
+    tl.store(out_scale_ptr + row, tl.load(src_scale_ptr + token))
+
+
 def quantize_rows_fp8(
     x: torch.Tensor, *, src: torch.Tensor | None = None, top_k: int = 1, count: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] (unit stride along K) -> (e4m3 [R, K] contiguous, float32 [R]); one program a row.  ``src`` int32
-    [P]: P output rows, row r quantizing x[src[r] // top_k] (GEMM1's token rows in sorted-pair order, route()'s
-    sorted_pairs); ``count`` int32 [1]: only rows r < count[0] are written (the routed rows; the rest belong to no
-    tile)."""
-    rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
-    out = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    if rows:
-        block = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(rows,)](
+    """x [T, K] (unit stride along K) -> (e4m3 [R, K] contiguous, float32 [R]).  Without ``src``: R = T, row r
+    x's row r quantized (with ``count`` int32 [1] only rows r < count[0]: the routed rows of GEMM2's input).
+    ``src`` int32 [P] and ``count`` (GEMM1's token rows in sorted-pair order, route()'s sorted_pairs and routed
+    count): R = P, row r < count[0] the quantized row of token src[r] // top_k.  Rows past the count are left
+    unwritten (they belong to no tile).  Each token row is quantized once and its bytes gathered after:
+    top_k times fewer conversions and 1-byte instead of 2-byte gathered reads."""
+    t, k = x.shape
+    out = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(t, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    if t:
+        _quantize_rows_kernel[(t,)](
             x,
             x.stride(0),
             out.view(torch.uint8),
             scale,
             k,
-            scale if src is None else src,  # unread stand-ins where not given
-            scale if count is None else count,
-            top_k,
-            GATHER=src is not None,
-            COUNTED=count is not None,
+            scale if count is None or src is not None else count,  # an unread stand-in where not counted
+            COUNTED=count is not None and src is None,
+            HW_CAST=x.is_cuda,
             BLOCK=block,
             num_warps=8 if block > 4096 else 4,
         )
-    return out, scale
+    if src is None:
+        return out, scale
+    assert count is not None, "gathered rows need the routed count"
+    rows = src.numel()
+    gathered = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    gathered_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _gather_rows_kernel[(rows,)](
+            out.view(torch.uint8),
+            scale,
+            gathered.view(torch.uint8),
+            gathered_scale,
+            src,
+            count,
+            top_k,
+            k,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return gathered, gathered_scale
 
 
 def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,9 @@ from moe_nvfp4.sm90.w4a8 import (
 
 pytestmark = pytest.mark.gpu
 TWIN_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2}
-REF_TOL = 8e-2
+# the FP8 roundings' own error: 5.2-6.6e-2 over 256 tokens on every zoo layer (accuracy record, H200); over five
+# tokens one row weighs more (9.2e-2 seen on an H200 at the decode-sized case). Kernel bugs show against the twin.
+REF_TOL = 0.12
 
 
 @pytest.fixture
@@ -144,5 +146,12 @@ def test_row_quantizer_equals_its_twin(gen) -> None:
     q, s = quantize_rows_fp8(x)
     q_twin, s_twin = quantize_rows_fp8_torch(x)
     assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8)) and torch.equal(s, s_twin)
+    # GEMM1's rows: each token quantized once, its bytes gathered into the pair order up to the routed count
+    src = torch.randperm(300 * 8, generator=gen, device="cuda").int()
+    g8, gs = quantize_rows_fp8(x, src=src, top_k=8, count=torch.tensor([2395], dtype=torch.int32, device="cuda"))
+    tok = src[:2395].long() // 8
+    assert torch.equal(g8.view(torch.uint8)[:2395], q_twin.view(torch.uint8)[tok]) and torch.equal(
+        gs[:2395], s_twin[tok]
+    )
     x[9, 4] = float("nan")
     assert quantize_rows_fp8(x)[1][9].isnan()
