@@ -14,7 +14,7 @@ package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host 
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant), or ``w4a8`` / ``w4a8:field=value[/...]``
-(the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields).  Per case:
+(the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields; ``pkg=DIR|w4a8...``: that package's W4A8 forward).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.  ``--draws N`` times an expert-parallel case over N routings (bench_moe's
@@ -117,9 +117,15 @@ def w4a8_config(variant: str):
     return Fp8Config(**{k: int(v) for k, v in (item.split("=") for item in variant.split(":", 1)[1].split("/"))})
 
 
+def w4a8_form(variant: str) -> str | None:
+    """``w4a8...`` or ``pkg=DIR|w4a8...``: the W4A8 form the variant runs (None: a W4A16 variant)."""
+    form = variant.split("|", 1)[-1]
+    return form if form.startswith("w4a8") else None
+
+
 def config_record(variant: str, config) -> dict:
     """A row's config: the MoEKernelConfig's dict, or a W4A8 variant's Fp8Config fields ("default": the mode's rule)."""
-    if variant.startswith("w4a8"):
+    if w4a8_form(variant):
         return {"w4a8": dataclasses.asdict(config) if config else "default"}
     return config.to_dict()
 
@@ -159,10 +165,6 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
 
     folded: list = []  # the W4A8 variants' e4m3 copies of the rotated weights, folded once per case
 
-    def w4a8_form(variant: str) -> str | None:  # "w4a8..." or "pkg=DIR|w4a8...": the W4A8 mode's form
-        form = variant.split("|", 1)[-1]
-        return form if form.startswith("w4a8") else None
-
     def configured(variant: str):
         if w4a8_form(variant):
             return w4a8_config(w4a8_form(variant))
@@ -184,7 +186,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
             folded[:] = folded or [fold_to_fp8(ws) for ws in copies]
             if variant.startswith("pkg="):  # that package's W4A8 forward on the same folded bytes
                 other = importlib.import_module(modules[variant].__name__.split(".")[0] + ".sm90.w4a8")
-                c = other.Fp8Config(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
+                c = c and other.Fp8Config(**dataclasses.asdict(c))  # None: that package picks, as ours does
                 fused_moe_w4a8 = other.fused_moe_w4a8
             return [lambda f=f, run=fused_moe_w4a8: run(x, f, tw, ti, expert_map, c) for f in folded]
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90

@@ -26,9 +26,11 @@ from moe_nvfp4.sm90.w4a8 import (
 
 pytestmark = pytest.mark.gpu
 TWIN_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2}
-# the FP8 roundings' own error: 5.2-6.6e-2 over 256 tokens on every zoo layer (accuracy record, H200); over five
-# tokens one row weighs more (9.2e-2 seen on an H200 at the decode-sized case). Kernel bugs show against the twin.
-REF_TOL = 0.12
+# The FP8 roundings' own error against the float64 W4A16 reference: 5.2-6.6e-2 over 256 tokens on every zoo layer
+# (accuracy record, H200). Over a handful of tokens it has a long tail: the twin's, at the decode-sized shape (T=5),
+# 4.0e-2 to 0.138 over 60 seeds (median 5.9e-2). Kernel bugs show against the twin; the reference catches a twin gone
+# wrong with the kernel.
+REF_TOL = {"many tokens": 0.08, "few tokens": 0.25}
 
 
 @pytest.fixture
@@ -93,7 +95,7 @@ def test_w4a8_matches_twin_and_reference(why, e, k, h, i, t, cfg, dtype, gen) ->
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     assert not out.isnan().any()
     assert _rel(out, twin) < TWIN_TOL[dtype], _rel(out, twin)
-    assert _rel(out, ref) < REF_TOL, _rel(out, ref)
+    assert _rel(out, ref) < REF_TOL["many tokens" if t >= 256 else "few tokens"], _rel(out, ref)
 
 
 def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
