@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 E4M3_MAX = 448.0
+QUANTIZE_VALUES = 4096  # values a row-quantizer program takes: whole rows, several where rows are short
 
 
 GATE_UP_BLOCK = 64  # a gated w13 copy holds 64 gate rows, then the same 64 outputs' up rows, and so on
@@ -191,22 +192,34 @@ def fold_to_fp8(weights: MoEWeights, nvfp4: tuple[NVFP4Tensor, NVFP4Tensor] | No
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, stride_x, out_ptr, scale_ptr, k, count_ptr, COUNTED: tl.constexpr, HW_CAST: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    stride_x,
+    out_ptr,
+    scale_ptr,
+    n_rows,
+    k,
+    count_ptr,
+    COUNTED: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Row r of x: amax, then x * (448 / amax) rounded to e4m3 (round to nearest even; IEEE division, as the twin's);
-    scale amax / 448.  HW_CAST: the GPU's float8 conversion (cvt.rn.satfinite, two values an instruction); without
-    it the rounding on the float32 bits (quant_act._round_e4m3), for the interpreter, whose float8 cast rounds
-    wrongly: the bit rounding made this kernel ALU-bound on an H200 (111 us of a 770-us Qwen3-30B forward).
-    COUNTED: only rows r < count[0]."""
-    row = tl.program_id(0).to(tl.int64)
+    """ROWS rows of x a program: each row's amax, then x * (448 / amax) rounded to e4m3 (round to nearest even; IEEE
+    division, as the twin's); scale amax / 448.  HW_CAST: the GPU's float8 conversion (cvt.rn.satfinite, two values
+    an instruction); without it the rounding on the float32 bits (quant_act._round_e4m3), for the interpreter, whose
+    float8 cast rounds wrongly: the bit rounding made this kernel ALU-bound on an H200 (111 us of a 770-us Qwen3-30B
+    forward).  COUNTED: only rows r < count[0].  Several rows a program where rows are short (GEMM2's input, I
+    values): one 768-value row a program took 50 us at Qwen3-30B T=4096, a third of the copy rate."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
     if COUNTED:
-        if row >= tl.load(count_ptr):
-            return
+        live &= rows < tl.load(count_ptr)
     offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < k, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    inv = tl.where(amax > 0, tl.math.div_rn(448.0, tl.maximum(amax, 1e-30)), 0.0)
-    q = x * inv
+    mask = live[:, None] & (offs < k)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full([ROWS], 448.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+    q = x * inv[:, None]
     clamped = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if HW_CAST:
         byte = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
@@ -214,10 +227,11 @@ def _quantize_rows_kernel(
         _, byte = _round_e4m3(tl.abs(clamped))
         byte = byte | ((q.to(tl.int32, bitcast=True) >> 24) & 0x80)
     byte = tl.where(q != q, 0x7F, byte)
-    tl.store(out_ptr + row * k + offs, byte.to(tl.uint8), mask=offs < k)
+    tl.store(out_ptr + rows[:, None] * k + offs[None, :], byte.to(tl.uint8), mask=mask)
     # a NaN makes the row's scale NaN, as the twin's amax: the row's sums are NaN whatever the MMA makes of 0x7F
-    has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-    tl.store(scale_ptr + row, tl.where(has_nan, float("nan"), tl.math.div_rn(amax, 448.0)))
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    scale = tl.where(has_nan, float("nan"), tl.math.div_rn(amax, tl.full([ROWS], 448.0, tl.float32)))
+    tl.store(scale_ptr + rows, scale, mask=live)
 
 
 @triton.jit
@@ -247,18 +261,21 @@ def quantize_rows_fp8(
     out = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
+    rows_per_program = max(1, QUANTIZE_VALUES // block)
     if t:
-        _quantize_rows_kernel[(t,)](
+        _quantize_rows_kernel[(triton.cdiv(t, rows_per_program),)](
             x,
             x.stride(0),
             out.view(torch.uint8),
             scale,
+            t,
             k,
             scale if count is None or src is not None else count,  # an unread stand-in where not counted
             COUNTED=count is not None and src is None,
             HW_CAST=x.is_cuda,
+            ROWS=rows_per_program,
             BLOCK=block,
-            num_warps=8 if block > 4096 else 4,
+            num_warps=8 if block * rows_per_program > 4096 else 4,
         )
     if src is None:
         return out, scale
@@ -323,7 +340,9 @@ def fused_moe_w4a8(
     launch = config.launcher(x.is_cuda)
     launch(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
     act8, act_scale = quantize_rows_fp8(act, count=routed)
-    partial = torch.empty(t * top_k, weights.hidden, dtype=torch.float32, device=x.device)
+    # each pair's weighted row in x's dtype (as W4A16 at top-k > 2): the combine reads half the bytes (230 of about
+    # 2000 us at Kimi-K2 TP=8 T=4096 in float32), and the rounding (2^-9 of a row) is under a tenth of the mode's
+    partial = torch.empty(t * top_k, weights.hidden, dtype=x.dtype, device=x.device)
     gemm2 = Fp8GemmOperands(act8, act_scale, fp8.w2, fp8.w2_scale, weights.hidden)
     launch(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
     combine(partial, topk_ids, expert_map, weights.num_experts, out)
@@ -338,7 +357,8 @@ def fused_moe_w4a8_torch(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch twin of fused_moe_w4a8: the same e4m3 operands and scales, float32 sums, the activation rounded
-    to x's dtype before its e4m3 rounding; pairs routed nowhere add nothing."""
+    to x's dtype before its e4m3 rounding, each pair's weighted row rounded to x's dtype before the sum over top-k;
+    pairs routed nowhere add nothing."""
     weights = fp8.source
     x8, x_scale = quantize_rows_fp8_torch(x)
     xq = x8.float() * x_scale[:, None]
@@ -357,7 +377,7 @@ def fused_moe_w4a8_torch(
         y = (a8.float() * a_scale[:, None]) @ (fp8.w2[e].float() * fp8.w2_scale[e][:, None]).T
         if weights.w2_bias is not None:
             y = y + weights.w2_bias[e]
-        out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
+        out.index_add_(0, token, (y * topk_weights[token, slot].float()[:, None]).to(x.dtype).float())
     return out.to(x.dtype)
 
 

@@ -155,5 +155,10 @@ def test_row_quantizer_equals_its_twin(gen) -> None:
     assert torch.equal(g8.view(torch.uint8)[:2395], q_twin.view(torch.uint8)[tok]) and torch.equal(
         gs[:2395], s_twin[tok]
     )
+    # short rows (GEMM2's input, I values): several rows a program, only the first count[0]
+    a = torch.randn(301, 768, generator=gen, device="cuda").to(torch.bfloat16)
+    a8, a_s = quantize_rows_fp8(a, count=torch.tensor([299], dtype=torch.int32, device="cuda"))
+    a8_twin, a_s_twin = quantize_rows_fp8_torch(a[:299])
+    assert torch.equal(a8.view(torch.uint8)[:299], a8_twin.view(torch.uint8)) and torch.equal(a_s[:299], a_s_twin)
     x[9, 4] = float("nan")
     assert quantize_rows_fp8(x)[1][9].isnan()
