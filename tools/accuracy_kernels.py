@@ -27,8 +27,7 @@ from moe_nvfp4.zoo import MODELS  # noqa: E402
 
 W4A8_FORMS = {
     "w4a8_triton": None,  # the mode's default tiles
-    "w4a8_pingpong": Fp8Config(block_m=64, warp_specialized=True),
-    "w4a8_cooperative": Fp8Config(warp_specialized=True, cooperative=True),
+    "w4a8_gluon": Fp8Config(warp_specialized=True),
 }
 FORMS = ("w4a16", *W4A8_FORMS)
 

@@ -40,8 +40,7 @@ class Fp8GemmOperands(NamedTuple):
 
 class Fp8Tiles(NamedTuple):
     """The FP8 GEMMs' tiles (validated by w4a8.Fp8Config): block_m token rows, block_n weight rows (128 for a gated
-    GEMM1: 64 gate + 64 up), block_k K a step, num_stages loads in flight, num_warps, programs_per_sm; flatten:
-    the tile loop and the K loop pipelined as one."""
+    GEMM1: 64 gate + 64 up), block_k K a step, num_stages loads in flight, num_warps, programs_per_sm."""
 
     block_m: int
     block_n: int
@@ -49,7 +48,6 @@ class Fp8Tiles(NamedTuple):
     num_stages: int
     num_warps: int
     programs_per_sm: int
-    flatten: bool
 
 
 @triton.jit
@@ -145,7 +143,6 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
-    FLATTEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Persistent grouped FP8 GEMM: out^T[n, m] = w_scale[n] a_scale[m] sum_k W_e[n, k] A[m, k] over the sorted
@@ -156,9 +153,9 @@ def _fp8_gemm_kernel(
     num_n_tiles = tl.cdiv(n_rows, BLOCK_N)
     args = (a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, stride_out)
     args += (sorted_pairs_ptr, topk_weights_ptr, n_out, n_rows, k)
-    # FLATTEN: one loop over every (tile, K step), so the loads run ahead across tiles (each tile's ring otherwise
-    # starts cold: 6-16 K steps a tile at the zoo's prefill shapes)
-    for mn in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, tl.num_programs(0), flatten=FLATTEN):
+    # one loop over every (tile, K step), so the loads run ahead across tiles: each tile's ring started cold
+    # otherwise (6-16 K steps a tile at the zoo's prefill shapes; 1.2-1.5x slower, design 008 decision 7)
+    for mn in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, tl.num_programs(0), flatten=True):
         m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
         expert = tl.load(tile_expert_ptr + m_tile)
         tile = (n_tile, expert, tl.load(tile_row_ptr + m_tile), tl.load(tile_row_end_ptr + m_tile))
@@ -202,7 +199,6 @@ def launch_fp8_gemm(
         BLOCK_K=tiles.block_k,
         NUM_STAGES=tiles.num_stages,
         USE_ASM=rows.is_cuda,  # the interpreter has no PTX
-        FLATTEN=tiles.flatten,
         num_warps=tiles.num_warps,
         **triton_common._dependent_launch(rows.device),
     )

@@ -1,15 +1,14 @@
-"""The W4A8 mode's grouped GEMM, warp-specialized ping-pong (Gluon; issue 58, design 008 decision 5): gemm_fp8's
-contract and sums, built so that no tile's fill or epilogue leaves the tensor cores idle.
+"""The W4A8 mode's grouped GEMM, warp-specialized and cooperative (Gluon; issue 58, design 008 decisions 6-7):
+gemm_fp8's contract and sums, with the loads of the next tiles running ahead of the MMAs.
 
 One loader warp issues each stage's two TMA boxes (weights [128 rows, BLOCK_K], token rows [BLOCK_M, BLOCK_K]) into a
-ring, running ahead across tiles.  Two MMA warp groups take a program's tiles in turn (group 0 tiles 0, 2, ..., group
-1 tiles 1, 3, ...): a group's K steps start only once the other group's K steps for the tile before are issued (the
-``mainloop`` barriers), so the ring is read in order and each group's epilogue runs under the other's MMAs.  A
-group holds a tile's 128 weight rows as two 64-row accumulators (one m64 wgmma each): GEMM1's gate rows and their up
-rows (w4a8.GATE_UP_BLOCK), or two halves of GEMM2's.  The FP8 sums are promoted to fp32 every BLOCK_K (at most 128),
-which is why a group's token side is at most 64 rows: two accumulators and their partial sums at 64 x 64 are 128
-registers a thread.  COOPERATIVE instead has both groups on every tile, each on half its token rows (up to 128
-a tile): each stage then serves twice the MMAs, and the epilogue is not hidden; which wins is measured (design 008).
+ring, running ahead across tiles.  Two MMA warp groups take every tile together, each on half its token rows, so a
+stage serves both (it is freed once both read it).  A group holds a tile's 128 weight rows as two 64-row
+accumulators (one m64 wgmma each): GEMM1's gate rows and their up rows (w4a8.GATE_UP_BLOCK), or two halves of
+GEMM2's.  The FP8 sums are promoted to fp32 every BLOCK_K (at most 128), which is why a group's token side is at most
+64 rows: two accumulators and their partial sums at 64 x 64 are 128 registers a thread.  The ping-pong form (each
+group on alternate tiles, its epilogue under the other's MMAs) read half the bytes a MMA and lost: 0.81-1.01x W4A16
+where this form made 1.08-1.38x (design 008 decision 7).
 """
 
 from __future__ import annotations
@@ -130,25 +129,19 @@ def _fp8_mma(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
-    COOPERATIVE: gl.constexpr,
     GROUP: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """MMA warp group GROUP (0 or 1).  Ping-pong: tiles GROUP, GROUP + 2, ... of this program, a tile's K steps
-    waiting until the other group has issued the previous tile's (mainloop[1 - GROUP]), so the ring is read in
-    order.  COOPERATIVE: every tile, this group's half of its token rows (both read each stage once)."""
-    a_smem, w_smem, ready, empty, mainloop, tile_map, k, num_n_tiles, out_args = args
+    """MMA warp group GROUP (0 or 1): every tile of this program, its half GROUP of the token rows."""
+    a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args = args
     _after_previous_kernel(PDL)
     # sm_90's FP8 MMA sums in about 14 bits: added into fp32 every PRECISE K (design 008, decision 4)
     PRECISE: gl.constexpr = min(BLOCK_K, 128)
-    WIDTH: gl.constexpr = BLOCK_M // 2 if COOPERATIVE else BLOCK_M  # this group's token rows a tile
+    WIDTH: gl.constexpr = BLOCK_M // 2  # this group's token rows a tile
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
     steps = gl.cdiv(k, BLOCK_K)
-    first = 0 if COOPERATIVE else GROUP
-    for i in range(first, _program_tiles(tile_map, num_n_tiles), 1 if COOPERATIVE else 2):
+    for i in range(_program_tiles(tile_map, num_n_tiles)):
         n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles)
-        if not COOPERATIVE and i > 0:  # the other group's K steps of tile i - 1 (its (i - 1) // 2-th) are issued
-            mbarrier.wait(mainloop.index(1 - GROUP), ((i - 1) // 2) & 1)
         acc0 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
         acc1 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
         for step in range(steps):
@@ -156,17 +149,12 @@ def _fp8_mma(
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             w = w_smem.index(s)
-            if COOPERATIVE:
-                b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
-            else:
-                b = a_smem.index(s).permute((1, 0))
+            b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
             acc0 = warpgroup_mma(w.slice(0, HALF), b, acc0, is_async=True, max_num_imprecise_acc=PRECISE)
             acc1 = warpgroup_mma(w.slice(HALF, HALF), b, acc1, is_async=True, max_num_imprecise_acc=PRECISE)
             acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index(s))
-        if not COOPERATIVE:
-            mbarrier.arrive(mainloop.index(GROUP))
-        tile = (n_tile, expert, row0 + GROUP * WIDTH if COOPERATIVE else row0, row_end)
+        tile = (n_tile, expert, row0 + GROUP * WIDTH, row_end)
         _fp8_epilogue(acc0, acc1, tile, out_args, epilogue, IS_GEMM1, WIDTH, MMA_L)
 
 
@@ -192,28 +180,24 @@ def _fp8_ws_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
-    COOPERATIVE: gl.constexpr,
     PDL: gl.constexpr,
 ):
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mainloop = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2 if COOPERATIVE else 1)  # each group frees a stage it read
-    for g in gl.static_range(2):
-        mbarrier.init(mainloop.index(g), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both groups read every stage
     num_n_tiles = gl.cdiv(n_rows, 2 * HALF)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr)
     out_args = (a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out, n_rows)
-    mma = (a_smem, w_smem, ready, empty, mainloop, tile_map, k, num_n_tiles, out_args)
+    mma = (a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args)
     loader = (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_map, n_rows, k, num_n_tiles)
     gl.warp_specialize(
         [
-            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, COOPERATIVE, 0, PDL)),
-            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, COOPERATIVE, 1, PDL)),
+            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, 0, PDL)),
+            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, 1, PDL)),
             (_fp8_loader, (loader, BLOCK_M, BLOCK_K, STAGES, PDL)),
         ],
         [4, 1],
@@ -230,11 +214,10 @@ def launch_fp8_ws(
     *,
     is_gemm1: bool,
     sms: int,
-    cooperative: bool = False,
 ) -> None:
     """gemm_fp8.launch_fp8_gemm's contract on this kernel: one program an SM, 128 weight rows a tile,
-    ``tiles.block_m`` token rows (at most 64 a warp group: 64 ping-pong, 128 cooperative), ``tiles.block_k`` K a
-    stage, ``tiles.num_stages`` stages."""
+    ``tiles.block_m`` token rows (32 to 128: half a warp group's), ``tiles.block_k`` K a stage, ``tiles.num_stages``
+    stages."""
     rows, row_scale, weight, weight_scale, n_out = operands
     e, n_rows, k = weight.shape
     a_block, w_block = [tiles.block_m, tiles.block_k], [128, tiles.block_k]
@@ -260,7 +243,6 @@ def launch_fp8_ws(
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         STAGES=tiles.num_stages,
-        COOPERATIVE=cooperative,
         PDL=pdl,
         num_warps=4,
         maxnreg=168,

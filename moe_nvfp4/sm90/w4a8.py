@@ -15,7 +15,6 @@ Roundings (the pure-torch twin ``fused_moe_w4a8_torch`` applies the same ones):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,10 +94,9 @@ def _gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Config:
     """The FP8 GEMMs' tiles (gemm_fp8.Fp8Tiles), one set for both GEMMs: block_m token rows (the routing's tile
-    rows), block_n weight rows, block_k K a step, flatten: the tile and K loops pipelined as one (gemm_fp8);
-    warp_specialized: the Gluon kernel (gemm_fp8_ws; one program an SM, 128 weight rows a tile, and num_warps,
-    programs_per_sm, block_n and flatten unused), its two MMA warp groups ping-pong or, with cooperative, both on
-    every tile."""
+    rows), block_n weight rows, block_k K a step; warp_specialized: the Gluon kernel on a GPU (gemm_fp8_ws; one
+    program an SM, 128 weight rows a tile, two MMA warp groups on every tile; num_warps, programs_per_sm and block_n
+    unused)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -106,9 +104,7 @@ class Fp8Config:
     num_stages: int = 4
     num_warps: int = 8
     programs_per_sm: int = 1
-    flatten: bool = True
     warp_specialized: bool = False
-    cooperative: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -118,31 +114,25 @@ class Fp8Config:
             ("num_stages", (1, 2, 3, 4, 5, 6, 7, 8)),
             ("num_warps", (4, 8)),
             ("programs_per_sm", (1, 2)),
-            ("flatten", (True, False)),
             ("warp_specialized", (True, False)),
-            ("cooperative", (True, False)),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Fp8Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.warp_specialized and (self.block_m > (128 if self.cooperative else 64) or self.block_k > 128):
+        if self.warp_specialized and not (32 <= self.block_m <= 128 and self.block_k <= 128):
             raise ValueError(
-                "Fp8Config.warp_specialized takes block_m <= 64 (128 cooperative) and block_k <= 128 (gemm_fp8_ws: "
-                "two 64-row accumulators and their fp32 partial sums a warp group, 64 tokens wide), got "
-                f"block_m={self.block_m}, block_k={self.block_k}"
+                "Fp8Config.warp_specialized takes 32 <= block_m <= 128 and block_k <= 128 (gemm_fp8_ws: each MMA warp "
+                f"group takes half the token rows, at most 64, into two accumulators), got block_m={self.block_m}, "
+                f"block_k={self.block_k}"
             )
-        if self.cooperative and not (self.warp_specialized and self.block_m >= 32):
-            raise ValueError("Fp8Config.cooperative needs warp_specialized and block_m >= 32 (two halves of 16+)")
 
     @property
     def tiles(self) -> Fp8Tiles:
         return Fp8Tiles(*(getattr(self, f) for f in Fp8Tiles._fields))
 
     def launcher(self, on_gpu: bool):
-        """The launch of both GEMMs: the ping-pong kernel where asked for and on a GPU (Gluon has no interpreter),
-        else gemm_fp8's, which computes the same sums."""
-        if self.warp_specialized and on_gpu:
-            return functools.partial(launch_fp8_ws, cooperative=self.cooperative)
-        return launch_fp8_gemm
+        """The launch of both GEMMs: the Gluon kernel where asked for and on a GPU (Gluon has no interpreter), else
+        gemm_fp8's, which computes the same sums."""
+        return launch_fp8_ws if self.warp_specialized and on_gpu else launch_fp8_gemm
 
     @classmethod
     def for_rows(cls, rows_per_expert: float) -> Fp8Config:

@@ -56,10 +56,10 @@ CASES = [  # (why, E, top-k, H, I, T, config)
     ("Qwen3-like prefill, default tiles", 32, 8, 1024, 384, 1024, None),
     ("Mixtral-like, 64-row tiles, 3 stages", 8, 2, 1024, 1792, 700, Fp8Config(block_m=64, num_stages=3)),
     ("K tails (H=1040, I=272), 64-row tiles", 12, 4, 1040, 272, 301, Fp8Config(block_m=64, block_k=64)),
-    ("Qwen3-like, tile and K loops not flattened", 32, 8, 1024, 384, 777, Fp8Config(flatten=False)),
-    ("Qwen3-like, Gluon ping-pong, 64-row tiles", 32, 8, 1024, 384, 1024, Fp8Config(block_m=64, warp_specialized=True)),
+    ("Qwen3-like, Triton, 777 tokens", 32, 8, 1024, 384, 777, Fp8Config()),
+    ("Qwen3-like, Gluon, 64-row tiles", 32, 8, 1024, 384, 1024, Fp8Config(block_m=64, warp_specialized=True)),
     (
-        "K tails (H=1040, I=272), ping-pong 32-row tiles, 6 stages",
+        "K tails (H=1040, I=272), Gluon 32-row tiles, 6 stages",
         12,
         4,
         1040,
@@ -68,15 +68,15 @@ CASES = [  # (why, E, top-k, H, I, T, config)
         Fp8Config(block_m=32, num_stages=6, warp_specialized=True),
     ),
     (
-        "Mixtral-like, cooperative, 128-row tiles",
+        "Mixtral-like, Gluon, 128-row tiles",
         8,
         2,
         1024,
         1792,
         700,
-        Fp8Config(warp_specialized=True, cooperative=True),
+        Fp8Config(warp_specialized=True),
     ),
-    ("decode-sized, ping-pong", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_k=64, warp_specialized=True)),
+    ("decode-sized, Gluon", 64, 4, 768, 256, 5, Fp8Config(block_m=32, block_k=64, warp_specialized=True)),
     ("decode-sized, most experts empty", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_n=64, num_warps=4)),
 ]
 
@@ -117,9 +117,9 @@ def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
     [
         Fp8Config(block_m=64),
         Fp8Config(block_m=64, warp_specialized=True),
-        Fp8Config(block_m=64, warp_specialized=True, cooperative=True),
+        Fp8Config(block_m=128, warp_specialized=True),
     ],
-    ids=["triton", "gluon ping-pong", "gluon cooperative"],
+    ids=["triton", "gluon 64", "gluon 128"],
 )
 def test_w4a8_in_a_cuda_graph(cfg, gen) -> None:
     """Captured once, replayed with new x and routing: bit-identical to eager calls."""
