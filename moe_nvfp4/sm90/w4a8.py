@@ -33,11 +33,15 @@ from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles, launch_fp8_gemm
 from .gemm_fp8_ws import launch_fp8_ws
 
 __all__ = [
+    "FP8_MIN_ROWS_PER_EXPERT",
     "Fp8Config",
     "Fp8ExpertWeights",
     "fold_to_fp8",
     "fp8_copy_bytes",
+    "fp8_pays",
     "fused_moe_w4a8",
+    "fused_moe_w4a8_entry",
+    "fused_moe_w4a8_reference",
     "fused_moe_w4a8_torch",
     "quantize_rows_fp8",
     "quantize_rows_fp8_torch",
@@ -46,6 +50,12 @@ __all__ = [
 E4M3_MAX = 448.0
 QUANTIZE_VALUES = 4096  # values a row-quantizer program takes: whole rows, several where rows are short
 
+
+# The expected rows an expert (tokens x top-k / global experts) from which the W4A8 forward runs; below it the W4A16
+# one does.  H200, cooperative Gluon kernel against W4A16 in one process (design 008 decision 8): Qwen3-30B T=1024
+# (64 rows) 0.94-0.98x, Kimi-K2 TP=8 T=4096 (85 rows) 1.14x, 256 rows and more 1.20-1.40x; Llama-4-Maverick TP=8
+# T=1024 (8 rows) 0.48x.
+FP8_MIN_ROWS_PER_EXPERT = 80
 
 GATE_UP_BLOCK = 64  # a gated w13 copy holds 64 gate rows, then the same 64 outputs' up rows, and so on
 
@@ -63,8 +73,13 @@ class Fp8ExpertWeights:
     w2_scale: torch.Tensor
     source: MoEWeights
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the custom op carries: (w13, w13_scale, w2, w2_scale); ``source`` travels as the op's W4A16 weights."""
+        return self.w13, self.w13_scale, self.w2, self.w2_scale
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def w13_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """w13 and its scales in the checkpoint's row order (gate rows, then up rows): [E, 2I or I, H], [E, 2I or I]."""
@@ -377,3 +392,68 @@ def fp8_copy_bytes(weights: MoEWeights) -> int:
     n13 = 2 * -(-i // GATE_UP_BLOCK) * GATE_UP_BLOCK if weights.activation.gated else i
     values = weights.num_experts * (n13 * weights.hidden + weights.hidden * weights.intermediate)
     return values + 4 * weights.num_experts * (n13 + weights.hidden)
+
+
+def fp8_pays(tokens: int, top_k: int, global_experts: int, apply_router_weight_on_input: bool) -> bool:
+    """Whether a forward with an e4m3 copy at hand runs W4A8: experts expecting FP8_MIN_ROWS_PER_EXPERT rows or more
+    (no host sync: the expectation, not the routing's counts) and no router weight on the input (Llama-4's top-1;
+    the W4A8 forward does not scale its rows)."""
+    return not apply_router_weight_on_input and tokens * top_k >= FP8_MIN_ROWS_PER_EXPERT * global_experts
+
+
+def _w4a8_or_w4a16(w4a8, w4a16, x, fp8, topk_weights, topk_ids, expert_map, apply_router_weight_on_input):
+    global_experts = fp8.source.num_experts if expert_map is None else expert_map.numel()
+    if fp8_pays(x.shape[0], topk_ids.shape[1], global_experts, apply_router_weight_on_input):
+        return w4a8(x, fp8, topk_weights, topk_ids, expert_map)
+    return w4a16(
+        x, fp8.source, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input
+    )
+
+
+def fused_moe_w4a8_entry(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    fp8_tensors: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    *,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The Triton backend's ``moe_w4a8`` entry (backends.py): ``fp8_tensors`` (Fp8ExpertWeights.tensors folded from
+    ``weights``) through the W4A8 forward where fp8_pays, else ``weights`` through the W4A16 one.  The Gluon kernel on a GPU (gemm_fp8_ws, 128-token tiles), gemm_fp8's under the interpreter."""
+    from .host import fused_moe_sm90
+
+    def w4a8(*args):
+        return fused_moe_w4a8(*args, Fp8Config(warp_specialized=True))
+
+    fp8 = Fp8ExpertWeights(*fp8_tensors, source=weights)
+    return _w4a8_or_w4a16(
+        w4a8, fused_moe_sm90, x, fp8, topk_weights, topk_ids, expert_map, apply_router_weight_on_input
+    )
+
+
+def fused_moe_w4a8_reference(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    fp8_tensors: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    *,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The torch backend's ``moe_w4a8`` entry: the same choice as fused_moe_w4a8_entry, on the pure-torch twins."""
+    from ..reference import fused_moe_packed_torch
+
+    fp8 = Fp8ExpertWeights(*fp8_tensors, source=weights)
+    return _w4a8_or_w4a16(
+        fused_moe_w4a8_torch,
+        fused_moe_packed_torch,
+        x,
+        fp8,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        apply_router_weight_on_input,
+    )

@@ -162,3 +162,27 @@ def test_row_quantizer_equals_its_twin(gen) -> None:
     assert torch.equal(a8.view(torch.uint8)[:299], a8_twin.view(torch.uint8)) and torch.equal(a_s[:299], a_s_twin)
     x[9, 4] = float("nan")
     assert quantize_rows_fp8(x)[1][9].isnan()
+
+
+def test_fused_moe_with_fp8_weights(gen) -> None:
+    """api.fused_moe(..., fp8_weights=): the Gluon W4A8 forward where experts expect FP8_MIN_ROWS_PER_EXPERT rows
+    (within the twin's bound), the W4A16 forward bit for bit below it, and both inside one CUDA graph each."""
+    from moe_nvfp4.sm90.w4a8 import FP8_MIN_ROWS_PER_EXPERT
+
+    e, k, h, i = 16, 4, 1024, 512
+    t = FP8_MIN_ROWS_PER_EXPERT * e // k
+    q13, q2, w = _layer(e, h, i, gen)
+    f = m.prepare_fp8_weights(w, (q13, q2))
+    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k, renormalize=True)
+    out = m.fused_moe(x, w, tw, ti, fp8_weights=f)
+    assert _rel(out, fused_moe_w4a8_torch(x, f, tw, ti)) < TWIN_TOL[torch.bfloat16]
+    few = slice(0, 7)
+    assert torch.equal(
+        m.fused_moe(x[few], w, tw[few], ti[few], fp8_weights=f), m.fused_moe(x[few], w, tw[few], ti[few])
+    )
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = m.fused_moe(x, w, tw, ti, fp8_weights=f)
+    graph.replay()
+    torch.testing.assert_close(replayed, out, rtol=0, atol=0)
