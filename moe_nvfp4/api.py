@@ -135,7 +135,7 @@ def _check_fp8_weights(weights: MoEWeights, fp8_weights: Fp8ExpertWeights) -> No
     if fp8_weights.source is not weights:
         raise ValueError("fused_moe: fp8_weights were folded from other weights (prepare_fp8_weights(weights))")
     backend = select_backends(weights.w13_packed.device).moe_w4a16
-    if backend.optional_entry("moe_w4a8") is None:
+    if "moe_w4a8" not in backend.entries:  # not optional_entry: it imports, which torch.compile cannot trace
         raise ValueError(f"fused_moe: fp8_weights given, but the {backend.name} backend has no W4A8 mode")
 
 

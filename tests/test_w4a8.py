@@ -353,3 +353,27 @@ def test_fused_moe_with_fp8_weights_runs_the_triton_backend_entry() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split()[-1]) < 5e-3, proc.stdout
+
+
+def test_custom_op_with_fp8_weights_passes_opcheck() -> None:
+    """The op carrying the e4m3 copy's tensors: fake tensor, autograd-registration and AOT-dispatch checks of
+    torch.library, and torch.compile traces api.fused_moe(..., fp8_weights=) as one op."""
+    import moe_nvfp4 as m
+    from moe_nvfp4.ops import fused_moe_op
+    from moe_nvfp4.sm90.w4a8 import FP8_MIN_ROWS_PER_EXPERT
+
+    e, k = 4, 2
+    t = FP8_MIN_ROWS_PER_EXPERT * e // k
+    w, checkpoint, x, tw, ti = _api_layer(e, k, 64, 64, t, 3)
+    f = m.prepare_fp8_weights(w, checkpoint)
+    args = (x, list(w.tensors), list(f.tensors), tw, ti, None, 64, 64, w.layout.name)
+    # test_schema compares float8 inputs before and after by arithmetic CPU torch lacks for them
+    checks = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    result = torch.library.opcheck(fused_moe_op, args, test_utils=checks)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def layer(x, tw, ti):
+        return m.fused_moe(x, w, tw, ti, fp8_weights=f) * 2
+
+    assert torch.equal(layer(x, tw, ti), m.fused_moe(x, w, tw, ti, fp8_weights=f) * 2)
