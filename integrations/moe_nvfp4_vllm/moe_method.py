@@ -16,7 +16,8 @@ Life of a layer (``RoutedExperts``, the same in vLLM 0.26 and 0.33; ``compat`` h
    times configs here first), and ``moe_nvfp4.warmup.compile_kernels`` compiles every kernel variant up to the
    scheduler's token budget, in threads, so no request ever waits on a Triton compile.
 3. ``apply``: ``moe_nvfp4.fused_moe`` with the router's ``topk_weights`` / ``topk_ids`` (the MoE runner calls
-   ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map.
+   ``RoutedExperts.forward_modular`` -> ``apply`` after ``router.select_experts``) and the layer's expert map; under
+   DP + EP, vLLM's all2all around our experts instead (``modular``, design 009).
    No host synchronisation, so vLLM's CUDA graphs capture it.  The output is always finalized (the top-k sum).
 
 Activations stay in BF16/FP16 on Hopper: a W4A4 checkpoint's input scales are loaded and validated, not used.
@@ -415,7 +416,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
     # ---- forward ----
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
-        return None  # no vLLM modular kernel: apply() calls moe_nvfp4 directly
+        return None  # vLLM builds no kernel of its own for us: make_moe_kernel builds ours where an all2all runs
 
     def apply(
         self,

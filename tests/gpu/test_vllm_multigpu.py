@@ -1,4 +1,4 @@
-"""Tensor and expert parallel vLLM 0.26 engines with ``--quantization nvfp4_grouped`` on two GPUs.
+"""Tensor, expert and data parallel vLLM 0.26 engines with ``--quantization nvfp4_grouped`` on two GPUs.
 
 TP=2 and EP=2 (``enable_expert_parallel=True`` at TP=2: each rank holds half the experts, whole) must give the
 greedy tokens of TP=1 on the same converted checkpoint, for tiny Mixtral, Qwen3-MoE and DeepSeek-V3 models,
@@ -12,6 +12,9 @@ Every engine here, TP=1 included, runs with the settings for hosts without NVLin
 ``mnnvl`` all-reduce (an illegal address in the warm-up, then a hang, on such hosts).  Autotuning is off
 (``MOE_NVFP4_AUTOTUNE=0``: each rank would spend up to 50 s; test_vllm_e2e.py covers it) and the token budget is
 the model length, so each engine start stays near a minute.
+
+DP=2 + EP (``test_dp2_ep_servers_match_tp1``): two ``vllm serve`` processes, TP=1 and ``--data-parallel-size 2
+--enable-expert-parallel``, vLLM's all2all driving our experts as its modular experts stage (benchmarks/dp_ep_check.py).
 
 Run: ``CUDA_VISIBLE_DEVICES=0,1 python -m pytest -q -m "gpu and multigpu" tests/gpu/test_vllm_multigpu.py -k FAMILY``.
 """
