@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
 import torch  # noqa: E402
+from accuracy_modes import table, write_record  # noqa: E402
 
 import moe_nvfp4 as m  # noqa: E402
 from moe_nvfp4.sm90.w4a8 import Fp8Config, fold_to_fp8, fused_moe_w4a8  # noqa: E402
@@ -81,17 +82,6 @@ def measure(
     return rows
 
 
-def table(rows: list[dict]) -> list[str]:
-    lines = [
-        "| model (H, I, top-k, activation) | inputs | " + " | ".join(FORMS) + " |",
-        "|---|---|" + "---:|" * len(FORMS),
-    ]
-    for r in rows:
-        shape = f"{r['model']} ({r['hidden']}, {r['intermediate']}, {r['top_k']}, {r['activation']})"
-        lines.append(f"| {shape} | {r['inputs']} | " + " | ".join(f"{r[f]:.2e}" for f in FORMS) + " |")
-    return lines
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(z.key for z in MODELS), help="zoo keys, comma separated")
@@ -111,20 +101,13 @@ def main() -> int:
         rows += measure(
             key, e, min(z.top_k, e), z.hidden, z.intermediate, z.activation, args.tokens, dtype, device, args.seed
         )
-    lines = table(rows)
+    lines = table(rows, FORMS)
     print("\n".join(lines))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         command = "python tools/accuracy_kernels.py " + " ".join(sys.argv[1:])
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
         meta = dict(command=command, torch=torch.__version__, device=name, forms=FORMS, doc=__doc__)
-        (args.out / "accuracy.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-        (args.out / "accuracy.md").write_text(
-            f"# The kernels against float64, the zoo's layers ({name})\n\n"
-            f"- command: `{command}`; torch {torch.__version__}; ||out - ref|| / ||ref||, same NVFP4 weights\n\n"
-            + "\n".join(lines)
-            + "\n"
-        )
+        write_record(args.out, f"The kernels against float64, the zoo's layers ({name})", meta, rows, lines)
     return 0
 
 
