@@ -28,13 +28,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import dp_ep_check  # noqa: E402  (the DP=2 + EP servers and their check)
 from test_vllm_e2e import _compare, _run_llm  # noqa: E402  (the same engine runner and comparison)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.multigpu]
 
 FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3"]
 # Always set, on every engine of this file: never let a test reach the multicast all-reduce.
-NO_MULTICAST_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0"}
+NO_MULTICAST_ENV = dp_ep_check.NO_MULTICAST_ENV
 NO_MULTICAST_ENGINE = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
 ENV = {**NO_MULTICAST_ENV, "MOE_NVFP4_AUTOTUNE": "0"}
 ENGINE = {**NO_MULTICAST_ENGINE, "max_num_batched_tokens": 256}  # = max_model_len: a short kernel warm-up
@@ -76,14 +78,11 @@ def test_two_gpus_match_one(tmp_path, converted, family, mode):
     _compare(two, tp1, f"{family} {mode} vs TP=1")
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("family", dp_ep_check.parse_args([]).families.split(","))
 def test_dp2_ep_servers_match_tp1(tmp_path, family):
     """``vllm serve --data-parallel-size 2 --enable-expert-parallel``: vLLM's all2all drives our experts as its
     modular experts stage (the server log must say so) and 64 concurrent greedy requests agree with a TP=1 server
     but for ties (benchmarks/dp_ep_check.py, whose checks this runs)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import dp_ep_check
-
     args = dp_ep_check.parse_args([])
     problems = dp_ep_check.check_family(family, args, dp_ep_check.server_env(), tmp_path, tmp_path / "logs")
     assert not problems, "\n".join(problems[:20])
