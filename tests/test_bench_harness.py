@@ -360,6 +360,8 @@ def test_plot_rows(tmp_path):
         for t in (1, 16, 256)
     ]
     rows.append({"model": "A", "status": "failed"})
+    rows.append({"model": "C", "tokens": 1024, "status": "skipped (time budget)"})  # no timing: no panel
+    assert plot.plotted_models(rows) == ["A", "B"]
     path = plot.plot_rows(rows, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 1000
 

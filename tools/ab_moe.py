@@ -109,7 +109,7 @@ def gemm_variant(cfg, variant: str):
 
 
 def w4a8_config(variant: str):
-    """``w4a8`` (None: the mode's default tiles for the case) or ``w4a8:field=value[/...]`` as an Fp8Config."""
+    """``w4a8`` (None: the mode's tiles, Fp8Config()) or ``w4a8:field=value[/...]`` as an Fp8Config."""
     from moe_nvfp4.sm90.w4a8 import Fp8Config
 
     if variant == "w4a8":

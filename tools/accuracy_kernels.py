@@ -27,8 +27,8 @@ from moe_nvfp4.sm90.w4a8 import Fp8Config, fold_to_fp8, fused_moe_w4a8  # noqa: 
 from moe_nvfp4.zoo import MODELS  # noqa: E402
 
 W4A8_FORMS = {
-    "w4a8_triton": None,  # the mode's default tiles
-    "w4a8_gluon": Fp8Config(warp_specialized=True),
+    "w4a8_triton": Fp8Config(warp_specialized=False),  # the interpreter's stand-in, at the mode's tiles
+    "w4a8_gluon": Fp8Config(),  # what the mode runs
 }
 FORMS = ("w4a16", *W4A8_FORMS)
 

@@ -39,15 +39,15 @@ class Fp8GemmOperands(NamedTuple):
 
 
 class Fp8Tiles(NamedTuple):
-    """The FP8 GEMMs' tiles (validated by w4a8.Fp8Config): block_m token rows, block_n weight rows (128 for a gated
-    GEMM1: 64 gate + 64 up), block_k K a step, num_stages loads in flight, num_warps, programs_per_sm."""
+    """The FP8 GEMMs' tiles (validated by w4a8.Fp8Config): block_m token rows, block_k K a step, num_stages loads
+    in flight; both kernels take 128 weight rows a tile (GEMM1's: 64 gate + 64 up)."""
 
     block_m: int
-    block_n: int
     block_k: int
     num_stages: int
-    num_warps: int
-    programs_per_sm: int
+
+
+WEIGHT_ROWS = 128  # a tile's weight rows in both FP8 kernels (gemm_fp8_ws's two MMA warp groups share them)
 
 
 @triton.jit
@@ -177,10 +177,9 @@ def launch_fp8_gemm(
     out [R, n_out]."""
     rows, row_scale, weight, weight_scale, n_out = operands
     e, n_rows, k = weight.shape
-    block_n = 128 if epilogue.GATE_UP else tiles.block_n  # 64 gate + 64 up rows (w4a8.GATE_UP_BLOCK)
     a_desc = TensorDescriptor.from_tensor(rows, [tiles.block_m, tiles.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight.view(e * n_rows, k), [block_n, tiles.block_k])
-    _fp8_gemm_kernel[(sms * tiles.programs_per_sm,)](
+    w_desc = TensorDescriptor.from_tensor(weight.view(e * n_rows, k), [WEIGHT_ROWS, tiles.block_k])
+    _fp8_gemm_kernel[(sms,)](
         a_desc,
         row_scale,
         w_desc,
@@ -194,11 +193,11 @@ def launch_fp8_gemm(
         k,
         epilogue,
         IS_GEMM1=is_gemm1,
-        BLOCK_N=block_n,
+        BLOCK_N=WEIGHT_ROWS,
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         NUM_STAGES=tiles.num_stages,
         USE_ASM=rows.is_cuda,  # the interpreter has no PTX
-        num_warps=tiles.num_warps,
+        num_warps=8 if tiles.block_m >= 128 else 4,  # 128 x 128 fp32 sums and their promoted twin: two warp groups
         **triton_common._dependent_launch(rows.device),
     )

@@ -21,7 +21,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton import common as triton_common
 from .common import Epilogue, GemmRouting, _activation, _grouped_tile
-from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles
+from .gemm_fp8 import WEIGHT_ROWS, Fp8GemmOperands, Fp8Tiles
 from .gemm_gluon_loader import _after_previous_kernel
 
 __all__ = ["launch_fp8_ws"]
@@ -220,7 +220,7 @@ def launch_fp8_ws(
     stages."""
     rows, row_scale, weight, weight_scale, n_out = operands
     e, n_rows, k = weight.shape
-    a_block, w_block = [tiles.block_m, tiles.block_k], [128, tiles.block_k]
+    a_block, w_block = [tiles.block_m, tiles.block_k], [WEIGHT_ROWS, tiles.block_k]
     a_desc = TensorDescriptor.from_tensor(rows, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
     w_desc = TensorDescriptor.from_tensor(
         weight.view(e * n_rows, k), w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.float8e4nv)

@@ -109,26 +109,21 @@ def _gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Config:
     """The FP8 GEMMs' tiles (gemm_fp8.Fp8Tiles), one set for both GEMMs: block_m token rows (the routing's tile
-    rows), block_n weight rows, block_k K a step; warp_specialized: the Gluon kernel on a GPU (gemm_fp8_ws; one
-    program an SM, 128 weight rows a tile, two MMA warp groups on every tile; num_warps, programs_per_sm and block_n
-    unused)."""
+    rows), block_k K a step, num_stages loads in flight; 128 weight rows a tile.  warp_specialized: the Gluon
+    kernel on a GPU (gemm_fp8_ws, the shipped one: a loader warp, two MMA warp groups on every tile); off, or off a
+    GPU, gemm_fp8's plain Triton loop (the interpreter's stand-in: the same sums), which the GPU tests and
+    tools/ab_moe.py compare with it.  The defaults are what the mode runs (design 008, decisions 7 and 9)."""
 
     block_m: int = 128
-    block_n: int = 128
     block_k: int = 128
     num_stages: int = 4
-    num_warps: int = 8
-    programs_per_sm: int = 1
-    warp_specialized: bool = False
+    warp_specialized: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (
             ("block_m", (16, 32, 64, 128, 256)),
-            ("block_n", (64, 128, 256)),
             ("block_k", (64, 128, 256)),
             ("num_stages", (1, 2, 3, 4, 5, 6, 7, 8)),
-            ("num_warps", (4, 8)),
-            ("programs_per_sm", (1, 2)),
             ("warp_specialized", (True, False)),
         ):
             if getattr(self, name) not in allowed:
@@ -148,11 +143,6 @@ class Fp8Config:
         """The launch of both GEMMs: the Gluon kernel where asked for and on a GPU (Gluon has no interpreter), else
         gemm_fp8's, which computes the same sums."""
         return launch_fp8_ws if self.warp_specialized and on_gpu else launch_fp8_gemm
-
-    @classmethod
-    def for_rows(cls, rows_per_expert: float) -> Fp8Config:
-        """Token tiles no wider than the rows an expert holds on average (16 to 128)."""
-        return cls(block_m=min(128, max(16, triton.next_power_of_2(int(rows_per_expert)))))
 
 
 FOLD_CHUNK_BYTES = 256 << 20  # float32 temporaries of one fold step: experts are dequantized this many bytes at a time
@@ -333,7 +323,7 @@ def fused_moe_w4a8(
     out = torch.empty_like(x)
     if t == 0:
         return out
-    config = config or Fp8Config.for_rows(t * top_k / weights.num_experts)
+    config = config or Fp8Config()
     sorted_pairs, _, offsets, *tiles = route(topk_ids, weights.num_experts, config.block_m, expert_map)
     routing = GemmRouting((sorted_pairs, *tiles), topk_ids.reshape(-1), topk_weights, expert_map, False)
     routed = offsets[weights.num_experts :]  # rows past it belong to no tile
@@ -421,15 +411,13 @@ def fused_moe_w4a8_entry(
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """The Triton backend's ``moe_w4a8`` entry (backends.py): ``fp8_tensors`` (Fp8ExpertWeights.tensors folded from
-    ``weights``) through the W4A8 forward where fp8_pays, else ``weights`` through the W4A16 one.  The Gluon kernel on a GPU (gemm_fp8_ws, 128-token tiles), gemm_fp8's under the interpreter."""
+    ``weights``) through the W4A8 forward where fp8_pays, else ``weights`` through the W4A16 one.  Fp8Config's defaults: the Gluon kernel on a GPU (gemm_fp8_ws,
+    128-token tiles), gemm_fp8's under the interpreter."""
     from .host import fused_moe_sm90
-
-    def w4a8(*args):
-        return fused_moe_w4a8(*args, Fp8Config(warp_specialized=True))
 
     fp8 = Fp8ExpertWeights(*fp8_tensors, source=weights)
     return _w4a8_or_w4a16(
-        w4a8, fused_moe_sm90, x, fp8, topk_weights, topk_ids, expert_map, apply_router_weight_on_input
+        fused_moe_w4a8, fused_moe_sm90, x, fp8, topk_weights, topk_ids, expert_map, apply_router_weight_on_input
     )
 
 

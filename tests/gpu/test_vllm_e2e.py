@@ -455,7 +455,7 @@ def test_w4a8_mode_in_vllm(tmp_path, checkpoints, family):
     greedy token agrees unless W4A16's top two are within W4A8_TIE; the agreement over all tokens is printed."""
     ckpt = checkpoints[family]["modelopt"]
     base = _run_llm(tmp_path, ckpt, "nvfp4_grouped", tag=f"{family}-long", prompts=LONG_PROMPTS)
-    env = {"MOE_NVFP4_FP8_ACTIVATIONS": "1"}
+    env = {"MOE_NVFP4_FP8_ACTIVATIONS": "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # the log is read here
     w4a8 = _run_llm(tmp_path, ckpt, "nvfp4_grouped", tag=f"{family}-w4a8", env_extra=env, prompts=LONG_PROMPTS)
     assert "W4A8 mode on" in _LOGS[f"{family}-w4a8"], _LOGS[f"{family}-w4a8"][-3000:]
     same = total = 0

@@ -54,10 +54,10 @@ def _layer(e, h, i, gen):
 
 CASES = [  # (why, E, top-k, H, I, T, config)
     ("Qwen3-like prefill, default tiles", 32, 8, 1024, 384, 1024, None),
-    ("Mixtral-like, 64-row tiles, 3 stages", 8, 2, 1024, 1792, 700, Fp8Config(block_m=64, num_stages=3)),
-    ("K tails (H=1040, I=272), 64-row tiles", 12, 4, 1040, 272, 301, Fp8Config(block_m=64, block_k=64)),
-    ("Qwen3-like, Triton, 777 tokens", 32, 8, 1024, 384, 777, Fp8Config()),
-    ("Qwen3-like, Gluon, 64-row tiles", 32, 8, 1024, 384, 1024, Fp8Config(block_m=64, warp_specialized=True)),
+    ("Mixtral-like, Triton 64-row tiles, 3 stages", 8, 2, 1024, 1792, 700, Fp8Config(64, 128, 3, False)),
+    ("K tails (H=1040, I=272), Triton 64-row tiles", 12, 4, 1040, 272, 301, Fp8Config(64, 64, 4, False)),
+    ("Qwen3-like, Triton, 777 tokens", 32, 8, 1024, 384, 777, Fp8Config(warp_specialized=False)),
+    ("Qwen3-like, Gluon, 64-row tiles", 32, 8, 1024, 384, 1024, Fp8Config(block_m=64)),
     (
         "K tails (H=1040, I=272), Gluon 32-row tiles, 6 stages",
         12,
@@ -65,19 +65,11 @@ CASES = [  # (why, E, top-k, H, I, T, config)
         1040,
         272,
         301,
-        Fp8Config(block_m=32, num_stages=6, warp_specialized=True),
+        Fp8Config(block_m=32, num_stages=6),
     ),
-    (
-        "Mixtral-like, Gluon, 128-row tiles",
-        8,
-        2,
-        1024,
-        1792,
-        700,
-        Fp8Config(warp_specialized=True),
-    ),
-    ("decode-sized, Gluon", 64, 4, 768, 256, 5, Fp8Config(block_m=32, block_k=64, warp_specialized=True)),
-    ("decode-sized, most experts empty", 64, 4, 768, 256, 5, Fp8Config(block_m=16, block_n=64, num_warps=4)),
+    ("Mixtral-like, Gluon, 128-row tiles", 8, 2, 1024, 1792, 700, Fp8Config()),
+    ("decode-sized, Gluon", 64, 4, 768, 256, 5, Fp8Config(block_m=32, block_k=64)),
+    ("decode-sized, most experts empty, Triton", 64, 4, 768, 256, 5, Fp8Config(block_m=16, warp_specialized=False)),
 ]
 
 
@@ -115,9 +107,9 @@ def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
 @pytest.mark.parametrize(
     "cfg",
     [
+        Fp8Config(block_m=64, warp_specialized=False),
         Fp8Config(block_m=64),
-        Fp8Config(block_m=64, warp_specialized=True),
-        Fp8Config(block_m=128, warp_specialized=True),
+        Fp8Config(block_m=128),
     ],
     ids=["triton", "gluon 64", "gluon 128"],
 )
