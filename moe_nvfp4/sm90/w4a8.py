@@ -411,8 +411,8 @@ def fused_moe_w4a8_entry(
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """The Triton backend's ``moe_w4a8`` entry (backends.py): ``fp8_tensors`` (Fp8ExpertWeights.tensors folded from
-    ``weights``) through the W4A8 forward where fp8_pays, else ``weights`` through the W4A16 one.  Fp8Config's defaults: the Gluon kernel on a GPU (gemm_fp8_ws,
-    128-token tiles), gemm_fp8's under the interpreter."""
+    ``weights``) through the W4A8 forward where fp8_pays, else ``weights`` through the W4A16 one.  Fp8Config's
+    defaults: the Gluon kernel on a GPU (gemm_fp8_ws, 128-token tiles), gemm_fp8's under the interpreter."""
     from .host import fused_moe_sm90
 
     fp8 = Fp8ExpertWeights(*fp8_tensors, source=weights)
