@@ -16,8 +16,6 @@ This module holds the MoE forwards (and their warm-up and configs at load); the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import backends
@@ -28,10 +26,7 @@ from .formats import input_scale_or_nan
 from .grouped_gemm import grouped_gemm_nvfp4, launch_grouped_gemm_nvfp4, plan_grouped_gemm_nvfp4
 from .moe_inputs import MAX_TOP_K, check_inputs, int32_saturated, kernel_inputs
 from .prepare_weights import MAX_EXPERTS, prepare_moe_weights, prepare_moe_weights_w4a4
-from .weights import MoEWeights
-
-if TYPE_CHECKING:
-    from .sm90.w4a8 import Fp8ExpertWeights
+from .weights import Fp8ExpertWeights, MoEWeights
 
 __all__ = [
     "MoEWeights",

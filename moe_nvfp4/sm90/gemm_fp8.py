@@ -1,13 +1,14 @@
-"""The W4A8 mode's grouped GEMM (issue 58, design 010): e4m3 token rows times the folded e4m3 expert weights
-(w4a8.Fp8ExpertWeights) on FP8 wgmma, one persistent launch per GEMM over all experts, on the routing kernels'
+"""The W4A8 mode's grouped GEMM (issue 58, design 008): e4m3 token rows times the folded e4m3 expert weights
+(weights.Fp8ExpertWeights) on FP8 wgmma, one persistent launch per GEMM over all experts, on the routing kernels'
 tile map.
 
 Both operands arrive through TMA descriptors: the weights are one [E N, K] matrix, and the token rows are in
 sorted-row order for both GEMMs (GEMM1's were gathered while they were quantized, w4a8.quantize_rows_fp8), so a K
 step is two box loads and one MMA, with no address tensors in registers.  A tile's box may run into the next
 expert's rows or past the end: those columns are never stored (TMA fills past the end with zeros).  GEMM1's gated
-weights hold each 64 gate rows beside their 64 up rows (w4a8.GATE_UP_BLOCK), so one 128-row MMA makes both and
-one accumulator holds them.  The orientation is gemm_triton's (out^T = W @ A^T): weight rows are the MMA's M side.
+weights hold each 64 gate rows beside their 64 up rows (weight_layouts.FP8_GATE_UP_BLOCK), so one 128-row MMA makes
+both and one accumulator holds them.  The orientation is gemm_triton's (out^T = W @ A^T): weight rows are the
+MMA's M side.
 """
 
 from __future__ import annotations

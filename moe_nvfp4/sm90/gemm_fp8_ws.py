@@ -1,14 +1,14 @@
 """The W4A8 mode's grouped GEMM, warp-specialized and cooperative (Gluon; issue 58, design 008 decisions 6-7):
 gemm_fp8's contract and sums, with the loads of the next tiles running ahead of the MMAs.
 
-One loader warp issues each stage's two TMA boxes (weights [128 rows, BLOCK_K], token rows [BLOCK_M, BLOCK_K]) into a
-ring, running ahead across tiles.  Two MMA warp groups take every tile together, each on half its token rows, so a
+One loader warp issues each stage's two TMA boxes (weights [128 rows, BLOCK_K], token rows [BLOCK_M, BLOCK_K]) into
+a ring, running ahead across tiles.  Two MMA warp groups take every tile together, each on half its token rows, so a
 stage serves both (it is freed once both read it).  A group holds a tile's 128 weight rows as two 64-row
-accumulators (one m64 wgmma each): GEMM1's gate rows and their up rows (w4a8.GATE_UP_BLOCK), or two halves of
-GEMM2's.  The FP8 sums are promoted to fp32 every BLOCK_K (at most 128), which is why a group's token side is at most
-64 rows: two accumulators and their partial sums at 64 x 64 are 128 registers a thread.  The ping-pong form (each
-group on alternate tiles, its epilogue under the other's MMAs) read half the bytes a MMA and lost: 0.81-1.01x W4A16
-where this form made 1.08-1.38x (design 008 decision 7).
+accumulators (one m64 wgmma each): GEMM1's gate rows and their up rows (weight_layouts.FP8_GATE_UP_BLOCK), or two
+halves of GEMM2's.  The FP8 sums are promoted to fp32 every BLOCK_K (at most 128), which is why a group's token side
+is at most 64 rows: two accumulators and their partial sums at 64 x 64 are 128 registers a thread.  The ping-pong
+form (each group on alternate tiles, its epilogue under the other's MMAs) read half the bytes a MMA and lost:
+0.81-1.01x W4A16 where this form made 1.08-1.38x (design 008 decision 7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The W4A8 mode on sm_90 (issue 58, design 010): the NVFP4 experts folded once into an e4m3 copy, token rows
+"""The W4A8 mode on sm_90 (issue 58, design 008): the NVFP4 experts folded once into an e4m3 copy, token rows
 quantized to e4m3 per row on the fly, both GEMMs on FP8 wgmma (gemm_fp8).
 
 Why a folded copy and not an in-kernel decode: one FP8 MMA (K = 32) spans two 16-element blocks, so the block
@@ -27,7 +27,8 @@ from ..routing import routed_pairs
 from ..triton.combine import combine
 from ..triton.quant_act import _round_e4m3
 from ..triton.routing_kernels import route
-from ..weights import MoEWeights
+from ..weight_layouts import FP8_GATE_UP_BLOCK, interleave_gate_up
+from ..weights import Fp8ExpertWeights, MoEWeights
 from .common import Epilogue, GemmRouting
 from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles, launch_fp8_gemm
 from .gemm_fp8_ws import launch_fp8_ws
@@ -35,7 +36,6 @@ from .gemm_fp8_ws import launch_fp8_ws
 __all__ = [
     "FP8_MIN_ROWS_PER_EXPERT",
     "Fp8Config",
-    "Fp8ExpertWeights",
     "fold_to_fp8",
     "fp8_copy_bytes",
     "fp8_pays",
@@ -56,54 +56,6 @@ QUANTIZE_VALUES = 4096  # values a row-quantizer program takes: whole rows, seve
 # (64 rows) 0.94-0.98x, Kimi-K2 TP=8 T=4096 (85 rows) 1.14x, 256 rows and more 1.20-1.40x; Llama-4-Maverick TP=8
 # T=1024 (8 rows) 0.48x.
 FP8_MIN_ROWS_PER_EXPERT = 80
-
-GATE_UP_BLOCK = 64  # a gated w13 copy holds 64 gate rows, then the same 64 outputs' up rows, and so on
-
-
-@dataclass(frozen=True)
-class Fp8ExpertWeights:
-    """The folded e4m3 experts.  w13 float8_e4m3fn [E, 2 pad64(I), H] for a gated activation (GATE_UP_BLOCK gate
-    rows, then those outputs' up rows, in turn; padding rows zero) or [E, I, H]; w2 [E, H, I]; w13_scale and
-    w2_scale float32 per row (a weight is e4m3 x its row's scale).  ``source``: the MoEWeights folded (activation,
-    biases, sizes)."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    source: MoEWeights
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the custom op carries: (w13, w13_scale, w2, w2_scale); ``source`` travels as the op's W4A16 weights."""
-        return self.w13, self.w13_scale, self.w2, self.w2_scale
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def w13_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """w13 and its scales in the checkpoint's row order (gate rows, then up rows): [E, 2I or I, H], [E, 2I or I]."""
-        if not self.source.activation.gated:
-            return self.w13, self.w13_scale
-        i = self.source.intermediate
-        return _gate_up_rows(self.w13.view(torch.uint8), i).view(torch.float8_e4m3fn), _gate_up_rows(self.w13_scale, i)
-
-
-def _interleaved(rows: torch.Tensor, i: int) -> torch.Tensor:
-    """[E, 2I, ...] gate then up -> [E, 2 pad64(I), ...]: GATE_UP_BLOCK gate rows, then the same outputs' up rows."""
-    e, _, *rest = rows.shape
-    blocks = -(-i // GATE_UP_BLOCK)
-    halves = rows.new_zeros(e, 2, blocks * GATE_UP_BLOCK, *rest)
-    halves[:, :, :i] = rows.view(e, 2, i, *rest)
-    return halves.view(e, 2, blocks, GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, -1, *rest)
-
-
-def _gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
-    """_interleaved's inverse: [E, 2 pad64(I), ...] -> [E, 2I, ...] gate then up."""
-    e, rows, *rest = interleaved.shape
-    blocks = rows // (2 * GATE_UP_BLOCK)
-    halves = interleaved.view(e, blocks, 2, GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, 2, -1, *rest)
-    return halves[:, :, :i].reshape(e, 2 * i, *rest)
 
 
 @dataclass(frozen=True)
@@ -178,7 +130,7 @@ def fold_to_fp8(weights: MoEWeights, nvfp4: tuple[NVFP4Tensor, NVFP4Tensor] | No
     i, gated = weights.intermediate, weights.activation.gated
     codes13, scale13 = _fold_matrix(w13_q, (2 if gated else 1) * i, weights.hidden)
     if gated:
-        codes13, scale13 = _interleaved(codes13, i), _interleaved(scale13, i)
+        codes13, scale13 = interleave_gate_up(codes13, i), interleave_gate_up(scale13, i)
     codes2, scale2 = _fold_matrix(w2_q, weights.hidden, i)
     return Fp8ExpertWeights(
         codes13.view(torch.float8_e4m3fn), scale13, codes2.view(torch.float8_e4m3fn), scale2, source=weights
@@ -379,7 +331,7 @@ def fused_moe_w4a8_torch(
 def fp8_copy_bytes(weights: MoEWeights) -> int:
     """Bytes fold_to_fp8 allocates for ``weights`` (the memory the opt-in mode costs on top of the NVFP4 copy)."""
     i = weights.intermediate
-    n13 = 2 * -(-i // GATE_UP_BLOCK) * GATE_UP_BLOCK if weights.activation.gated else i
+    n13 = 2 * -(-i // FP8_GATE_UP_BLOCK) * FP8_GATE_UP_BLOCK if weights.activation.gated else i
     values = weights.num_experts * (n13 * weights.hidden + weights.hidden * weights.intermediate)
     return values + 4 * weights.num_experts * (n13 + weights.hidden)
 
