@@ -11,6 +11,7 @@ import sys
 
 SERIES = (  # key, label, style
     ("ours_us", "ours (moe_nvfp4)", dict(marker="o", color="C0")),
+    ("ours_w4a8_us", "ours W4A8 (opt-in FP8 activations)", dict(marker="v", color="C4")),
     ("marlin_us", "vLLM Marlin NVFP4", dict(marker="s", color="C1")),
     ("humming_us", "vLLM Humming NVFP4", dict(marker="D", color="C3")),
     ("bf16_us", "vLLM Triton BF16", dict(marker="^", color="C2")),
@@ -20,13 +21,19 @@ SERIES = (  # key, label, style
 COLUMNS = 4  # panels per row (the zoo has dozens of shapes)
 
 
+def plotted_models(rows: list[dict]) -> list[str]:
+    """The models with a timing, in order: a row skipped for the time budget has tokens and no timing (no empty
+    panel for it)."""
+    return list(dict.fromkeys(r["model"] for r in rows if r.get("tokens") and any(r.get(k) for k, _, _ in SERIES)))
+
+
 def plot_rows(rows: list[dict], path: str, *, title: str = "NVFP4 MoE forward") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in rows if r.get("tokens")))
+    models = plotted_models(rows)
     if not models:
         raise ValueError("no rows with timings to plot")
     cols = min(COLUMNS, len(models))

@@ -3,6 +3,7 @@
 from .api import (
     MoEWeights,
     fused_moe,
+    prepare_fp8_weights,
     fused_moe_batched,
     fused_moe_w4a4,
     grouped_gemm_nvfp4,
@@ -39,6 +40,7 @@ __all__ = [
     "SWIGLU_OAI",
     "MoEWeights",
     "fused_moe",
+    "prepare_fp8_weights",
     "fused_moe_batched",
     "fused_moe_batched_torch",
     "fused_moe_w4a4",

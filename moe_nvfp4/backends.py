@@ -4,7 +4,8 @@ one backend per operation from this table, once per device; nothing else names a
 backend what to run (``Backend.entry``) instead of comparing backends.
 
 Operations:
-  moe_w4a16     ``api.fused_moe``: NVFP4 weights, 16-bit activations
+  moe_w4a16     ``api.fused_moe``: NVFP4 weights, 16-bit activations (with ``fp8_weights``: the W4A8 mode, design
+                008, from the same backend's ``moe_w4a8`` entry)
   moe_w4a4      ``api.fused_moe_w4a4``: NVFP4 weights and activations (needs block-scaled FP4 tensor cores)
   grouped_gemm  ``api.grouped_gemm_nvfp4``: W4A4 grouped GEMM
   quantize      ``api.quantize_activations``: activations -> NVFP4 with 128x4-swizzled scales
@@ -16,6 +17,12 @@ kernel), one signature each:
                       inputs as ``api.fused_moe`` checked and cast them
   moe_w4a16_batched   (out, x, weights: MoEWeights, expert_num_tokens, expected_rows) -> None, writing
                       ``api.fused_moe_batched``'s rows into out
+  moe_w4a8            (x, weights: MoEWeights, fp8 tensors (w13, w13_scale, w2, w2_scale) folded from them,
+                      topk_weights, topk_ids, expert_map, *, apply_router_weight_on_input) -> [T, H]: e4m3
+                      activations on the folded copy where enough rows an expert pay for it, else moe_w4a16
+                      (optional: ``api.fused_moe`` refuses ``fp8_weights`` without it)
+  fold_fp8            (weights: MoEWeights, nvfp4: the checkpoint's (w13, w2) NVFP4Tensors or None) -> the
+                      e4m3 copy ``api.prepare_fp8_weights`` returns (optional, with moe_w4a8)
   warmup_token_counts (weights: MoEWeights, top_k, dtype, max_tokens, expert_map) -> the token counts whose
                       forwards compile every kernel variant (optional: without it nothing compiles)
   load_configs        (weights: MoEWeights, top_k, dtype, max_tokens, *, expert_map) -> a report (``summary()``,
@@ -98,6 +105,8 @@ TORCH = Backend(
     {
         "moe_w4a16": "moe_nvfp4.reference:fused_moe_packed_torch",
         "moe_w4a16_batched": "moe_nvfp4.reference:fused_moe_batched_packed_torch",
+        "moe_w4a8": "moe_nvfp4.sm90.w4a8:fused_moe_w4a8_reference",
+        "fold_fp8": "moe_nvfp4.sm90.w4a8:fold_to_fp8",
         "quantize": "moe_nvfp4.reference:quantize_activations_torch",
         "moe_w4a4": "moe_nvfp4.reference:fused_moe_w4a4_torch",
         "grouped_gemm": "moe_nvfp4.reference:grouped_gemm_nvfp4_torch",
@@ -116,6 +125,8 @@ TRITON = Backend(
     {
         "moe_w4a16": "moe_nvfp4.sm90.host:fused_moe_sm90",
         "moe_w4a16_batched": "moe_nvfp4.sm90.host:run_batched",
+        "moe_w4a8": "moe_nvfp4.sm90.w4a8:fused_moe_w4a8_entry",
+        "fold_fp8": "moe_nvfp4.sm90.w4a8:fold_to_fp8",
         "warmup_token_counts": "moe_nvfp4.sm90.warmup:warmup_token_counts",
         "load_configs": "moe_nvfp4.sm90.autotune:load_configs",
         "pack_block": "moe_nvfp4.sm90.fragment_pack:block_packer",

@@ -60,6 +60,7 @@ def _readable_rows(x: torch.Tensor, hidden: int) -> torch.Tensor:
 def fused_moe_op(
     x: torch.Tensor,
     weights: list[torch.Tensor],
+    fp8_weights: list[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
@@ -75,23 +76,32 @@ def fused_moe_op(
 ) -> torch.Tensor:
     """weights: ``MoEWeights.tensors`` in the layout called ``layout``, the activation as
     expert_activation.ExpertActivation's fields; inputs already checked by api.fused_moe.  Runs the device's
-    ``moe_w4a16`` backend (``Backend.entry``)."""
+    ``moe_w4a16`` backend (``Backend.entry``); with ``fp8_weights`` (``Fp8ExpertWeights.tensors`` folded from those
+    weights; empty: none) its ``moe_w4a8`` entry, which picks W4A8 or W4A16 by the rows an expert expects (in this eager body:
+    the token count is concrete here under torch.compile too)."""
     packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
-    run = select_backends(x.device).moe_w4a16.entry("moe_w4a16")
-    return run(
-        _readable_rows(x, hidden),
-        packed,
-        topk_weights,
-        topk_ids,
-        expert_map,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-    )
+    backend = select_backends(x.device).moe_w4a16
+    x = _readable_rows(x, hidden)
+    if fp8_weights:
+        run = backend.entry("moe_w4a8")
+        return run(
+            x,
+            packed,
+            fp8_weights,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
+    run = backend.entry("moe_w4a16")
+    return run(x, packed, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
 
 
 @fused_moe_op.register_fake
 def _(
     x,
     weights,
+    fp8_weights,
     topk_weights,
     topk_ids,
     expert_map,

@@ -41,6 +41,9 @@ __all__ = [
     "shuffle_rows_order",
     "INTERMEDIATE_ALIGN",
     "HIDDEN_ALIGN",
+    "FP8_GATE_UP_BLOCK",
+    "interleave_gate_up",
+    "gate_up_rows",
 ]
 
 # The values a packing launch reads at most (one expert's block at least): in place, the copy set aside.
@@ -301,3 +304,26 @@ def weight_layout(name: str, expert_offset: int = 0) -> MoELayout:
         raise ValueError(f"unknown weight layout {name!r}; known: {sorted(_BY_NAME)}")
     layout = _BY_NAME[name]
     return layout(expert_offset=expert_offset if layout.routed_by_offset else 0)
+
+
+# The W4A8 mode's e4m3 copy (weights.Fp8ExpertWeights, sm90/w4a8.py): a gated w13 holds 64 gate rows, then the same
+# 64 outputs' up rows, and so on, so one 128-row FP8 MMA tile makes both halves of 64 outputs.
+FP8_GATE_UP_BLOCK = 64
+
+
+def interleave_gate_up(rows: torch.Tensor, i: int) -> torch.Tensor:
+    """[E, 2I, ...] gate then up -> [E, 2 pad64(I), ...]: FP8_GATE_UP_BLOCK gate rows, then the same outputs' up
+    rows (padding rows zero)."""
+    e, _, *rest = rows.shape
+    blocks = -(-i // FP8_GATE_UP_BLOCK)
+    halves = rows.new_zeros(e, 2, blocks * FP8_GATE_UP_BLOCK, *rest)
+    halves[:, :, :i] = rows.view(e, 2, i, *rest)
+    return halves.view(e, 2, blocks, FP8_GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, -1, *rest)
+
+
+def gate_up_rows(interleaved: torch.Tensor, i: int) -> torch.Tensor:
+    """interleave_gate_up's inverse: [E, 2 pad64(I), ...] -> [E, 2I, ...] gate then up."""
+    e, rows, *rest = interleaved.shape
+    blocks = rows // (2 * FP8_GATE_UP_BLOCK)
+    halves = interleaved.view(e, blocks, 2, FP8_GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, 2, -1, *rest)
+    return halves[:, :, :i].reshape(e, 2 * i, *rest)

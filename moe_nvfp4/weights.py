@@ -1,6 +1,6 @@
 """``MoEWeights``: the MoE's expert weights in the layout of the kernels that read them (``weight_layouts``), one
-type for every backend.  A module of its own so the op layer builds them without importing the API that packs
-them; ``api`` re-exports it."""
+type for every backend; ``Fp8ExpertWeights``: the opt-in W4A8 mode's e4m3 copy of them (design 008).  A module of
+its own so the op layer builds them without importing the API that packs them; ``api`` re-exports MoEWeights."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from .weight_layouts import (
     MoELayout,
     Sm90Layout,
     Sm100Layout,
+    gate_up_rows,
     padded_intermediate,
 )
 
-__all__ = ["MoEWeights"]
+__all__ = ["MoEWeights", "Fp8ExpertWeights"]
 
 
 @dataclass(frozen=True)
@@ -171,3 +172,32 @@ def _tensor_rules(
         "w2_scale": ((e, *padded_scale_shape(h_pad, i_pad // 16)), e4m3),
         **common,
     }
+
+
+@dataclass(frozen=True)
+class Fp8ExpertWeights:
+    """The folded e4m3 experts.  w13 float8_e4m3fn [E, 2 pad64(I), H] for a gated activation (FP8_GATE_UP_BLOCK
+    gate rows, then those outputs' up rows, in turn; padding rows zero) or [E, I, H]; w2 [E, H, I]; w13_scale and
+    w2_scale float32 per row (a weight is e4m3 x its row's scale).  ``source``: the MoEWeights folded (activation,
+    biases, sizes)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    source: MoEWeights
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the custom op carries: (w13, w13_scale, w2, w2_scale); ``source`` travels as the op's W4A16 weights."""
+        return self.w13, self.w13_scale, self.w2, self.w2_scale
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def w13_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 and its scales in the checkpoint's row order (gate rows, then up rows): [E, 2I or I, H], [E, 2I or I]."""
+        if not self.source.activation.gated:
+            return self.w13, self.w13_scale
+        i = self.source.intermediate
+        return gate_up_rows(self.w13.view(torch.uint8), i).view(torch.float8_e4m3fn), gate_up_rows(self.w13_scale, i)

@@ -97,7 +97,7 @@ def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
     weights = m.prepare_moe_weights(*_layer(gen))
     x = torch.randn(5, 48, generator=gen).bfloat16()
     tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
-    args = (x, list(weights.tensors), tw, ti, None, 48, 32, weights.layout.name)
+    args = (x, list(weights.tensors), [], tw, ti, None, 48, 32, weights.layout.name)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
 

@@ -108,7 +108,8 @@ def test_backend_names_are_compared_nowhere_else() -> None:
 
 def test_each_backend_names_what_it_runs() -> None:
     """Every operation a backend implements has its entries (a MoE also the weight layout it reads; the
-    16-bit-activation MoE may add its warm-up, packer and configs at load), and every entry imports: the op layer and the API run
+    16-bit-activation MoE may add its warm-up, packer and configs at load, and the W4A8 mode with its fold), and
+    every entry imports: the op layer and the API run
     ``Backend.entry`` instead of comparing backends or naming a kernel module."""
     from moe_nvfp4.weight_layouts import weight_layout
 
@@ -120,8 +121,11 @@ def test_each_backend_names_what_it_runs() -> None:
     }
     for backend in REGISTRY:
         required = set().union(*(wanted.get(op, set()) for op in backend.operations))
-        extra = {"warmup_token_counts", "pack_block", "load_configs"} if "moe_w4a16" in backend.operations else set()
+        extra = set()
+        if "moe_w4a16" in backend.operations:
+            extra = {"warmup_token_counts", "pack_block", "load_configs", "moe_w4a8", "fold_fp8"}
         assert required <= set(backend.entries) <= required | extra, backend.name
+        assert ("moe_w4a8" in backend.entries) == ("fold_fp8" in backend.entries), backend.name  # one with the other
         assert all(callable(backend.entry(name)) for name in backend.entries)
         assert ("moe_w4a4" in backend.operations) == (backend.w4a4_layout is not None)
         assert ("moe_w4a16" in backend.operations) == (backend.w4a16_layout is not None)

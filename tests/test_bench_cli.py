@@ -175,3 +175,21 @@ def test_bench_on_the_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert main([*common, "--tokens", "2", "--out", str(tmp_path / "r.md")]) == 0
     md = (tmp_path / "r.md").read_text()
     assert md.startswith("# NVFP4 MoE forward") and "| E=5 top-3 H=64 I=48 | - | 2 |" in md, md
+
+
+@pytest.mark.slow
+def test_bench_w4a8_column_on_the_cpu(tmp_path):
+    """--paths ours,ours_w4a8 (the W4A8 mode is opt-in, never in auto): at T=160 each of 4 experts (top-2) expects 80
+    rows, so the column times W4A8 (its error against the reference within its own e4m3 bound, not a mismatch) and
+    at T=3 the W4A16 forward (ours' output exactly)."""
+    from moe_nvfp4.bench.paths import REGISTRY
+
+    args = ["bench", "--device", "cpu", "--shape", "4,2,64,64", "--tokens", "3,160", "--paths", "ours,ours_w4a8"]
+    args += ["--rounds", "1", "--replays", "1", "--no-rotate", "--out", str(tmp_path / "r.json")]
+    assert main(args) == 0
+    few, many = json.loads((tmp_path / "r.json").read_text())["rows"]
+    for r in (few, many):
+        assert r["ours_w4a8_us"] > 0 and not r["mismatched"], r
+    assert few["rel_err_ours_vs_ours_w4a8"] == 0.0
+    floor = REGISTRY["ours_w4a8"].error_floor
+    assert 1e-2 < many["rel_err_ours_w4a8_vs_ref"] < floor and many["rel_err_ours_vs_ref"] < 2e-2

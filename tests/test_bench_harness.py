@@ -303,7 +303,7 @@ def test_columns_follow_the_paths_run():
     without = keys(["ours", "marlin", "bf16"])
     assert not set(humming) & set(without) and "torch_us" not in without
     assert "marlin_us" in without and "speedup_vs_marlin" in without and "rel_err_marlin" in without
-    others = ("marlin", "bf16", "torch", "batched")
+    others = ("marlin", "bf16", "torch", "batched", "w4a8")
     assert keys(["ours", "humming"]) == [k for k in keys(list(bench.PATHS)) if not any(p in k for p in others)]
     assert "torch_us" in keys(["ours", "torch"]) and "speedup_vs_torch" in keys(["ours", "torch"])
 
@@ -360,6 +360,8 @@ def test_plot_rows(tmp_path):
         for t in (1, 16, 256)
     ]
     rows.append({"model": "A", "status": "failed"})
+    rows.append({"model": "C", "tokens": 1024, "status": "skipped (time budget)"})  # no timing: no panel
+    assert plot.plotted_models(rows) == ["A", "B"]
     path = plot.plot_rows(rows, str(tmp_path / "p.png"))
     assert os.path.getsize(path) > 1000
 

@@ -275,7 +275,7 @@ def test_custom_op_carries_the_variant(gen: torch.Generator) -> None:
     weights = m.prepare_moe_weights(w13, w2, activation=act, w13_bias=b13, w2_bias=b2)
     x = torch.randn(5, 48, generator=gen).bfloat16()
     tw, ti = _routing(gen, 5, 5, 1)
-    args = (x, list(weights.tensors), tw, ti, None, 48, 32, weights.layout.name, weights.w13_bias, weights.w2_bias)
+    args = (x, list(weights.tensors), [], tw, ti, None, 48, 32, weights.layout.name, weights.w13_bias, weights.w2_bias)
     args += (act.name, act.alpha, act.limit, True)
     result = torch.library.opcheck(fused_moe_op, args)
     assert all(v == "SUCCESS" for v in result.values()), result

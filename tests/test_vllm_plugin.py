@@ -1407,3 +1407,40 @@ def test_from_config_fuzz(plugin):
         assert isinstance(qc, plugin.NVFP4GroupedConfig)
 
     parse()
+
+
+def test_fp8_activations_switch(plugin, gen, monkeypatch):
+    """The W4A8 mode (design 008) is opt-in: the quantization config's ``fp8_activations`` or
+    MOE_NVFP4_FP8_ACTIVATIONS (which wins; a value other than 0 or 1 is refused by name).  Switched on, the layer
+    keeps the e4m3 copy and apply() runs what api.fused_moe runs with it: W4A8 where each expert expects enough
+    rows, the W4A16 forward bit for bit below that."""
+    import moe_nvfp4
+
+    env = plugin.FP8_ACTIVATIONS_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert not _config(plugin, "modelopt").fp8_activations
+    assert plugin.NVFP4GroupedConfig.from_config({**MODELOPT_W4A16, "fp8_activations": True}).fp8_activations
+    with pytest.raises(plugin.QuantConfigError, match="quantization_config.fp8_activations: expected true or false"):
+        plugin.NVFP4GroupedConfig.from_config({**MODELOPT_W4A16, "fp8_activations": "yes"})
+    monkeypatch.setenv(env, "0")
+    assert not plugin.NVFP4GroupedConfig.from_config({**MODELOPT_W4A16, "fp8_activations": True}).fp8_activations
+    monkeypatch.setenv(env, "on")
+    with pytest.raises(ValueError, match=f"{env}='on': expected 1"):
+        plugin.NVFP4GroupedConfig()
+    monkeypatch.setenv(env, "1")
+    ex = _experts(gen, "modelopt")
+    layer = _routed_experts(_config(plugin, "modelopt"))
+    _load(layer, ex.tensors)
+    method = layer.quant_method
+    assert method.fp8_weights is not None and method.fp8_weights.source is layer.moe_nvfp4_weights
+    t = 80 * E // TOPK  # sm90.w4a8.FP8_MIN_ROWS_PER_EXPERT rows an expert
+    x, tw, ids = _routing(gen, t)
+    weights = layer.moe_nvfp4_weights
+    w4a8 = moe_nvfp4.fused_moe(x, weights, tw, ids, fp8_weights=method.fp8_weights)
+    assert torch.equal(method.apply(layer, x, tw, ids, None, None), w4a8)
+    assert not torch.equal(w4a8, moe_nvfp4.fused_moe(x, weights, tw, ids))
+    few = slice(0, T)
+    assert torch.equal(
+        method.apply(layer, x[few], tw[few], ids[few], None, None),
+        moe_nvfp4.fused_moe(x[few], weights, tw[few], ids[few]),
+    )

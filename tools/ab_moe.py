@@ -13,7 +13,8 @@ and expert map, this rank holding the first E / EP experts).  A variant is ``shi
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
-tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant).  Per case:
+tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant), or ``w4a8`` / ``w4a8:field=value[/...]``
+(the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields; ``pkg=DIR|w4a8...``: that package's W4A8 forward).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.  ``--draws N`` times an expert-parallel case over N routings (bench_moe's
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -39,7 +41,6 @@ def load_package(directory: Path, scratch: Path, name: str):
     """Another version of the package (directory/moe_nvfp4) importable as ``name``, with its sm_90 host module
     (its relative imports resolve inside the copy): ``sm90.host``, or ``triton.moe_sm90`` in a tree from before the
     sm_90 backend had a folder of its own."""
-    import importlib
     import shutil
 
     shutil.copytree(directory / "moe_nvfp4", scratch / name)
@@ -52,8 +53,6 @@ def package_config(host, cfg):
     """``cfg`` as the config class of the package ``host`` (a load_package module) belongs to: a field that version
     lacks (one added after it, or removed before it) is left out, as its from_dict may refuse it; a field only it has
     takes its default (config version 2's tile group, K split and stream-K fields: what the current kernels run)."""
-    import importlib
-
     package = host.__name__.split(".")[0]
     configs = importlib.import_module(
         package + (".sm90.configs" if host.__name__.endswith(".sm90.host") else ".configs")
@@ -109,6 +108,28 @@ def gemm_variant(cfg, variant: str):
     return cfg
 
 
+def w4a8_config(variant: str):
+    """``w4a8`` (None: the mode's tiles, Fp8Config()) or ``w4a8:field=value[/...]`` as an Fp8Config."""
+    from moe_nvfp4.sm90.w4a8 import Fp8Config
+
+    if variant == "w4a8":
+        return None
+    return Fp8Config(**{k: int(v) for k, v in (item.split("=") for item in variant.split(":", 1)[1].split("/"))})
+
+
+def w4a8_form(variant: str) -> str | None:
+    """``w4a8...`` or ``pkg=DIR|w4a8...``: the W4A8 form the variant runs (None: a W4A16 variant)."""
+    form = variant.split("|", 1)[-1]
+    return form if form.startswith("w4a8") else None
+
+
+def config_record(variant: str, config) -> dict:
+    """A row's config: the MoEKernelConfig's dict, or a W4A8 variant's Fp8Config fields ("default": the mode's rule)."""
+    if w4a8_form(variant):
+        return {"w4a8": dataclasses.asdict(config) if config else "default"}
+    return config.to_dict()
+
+
 def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds: int, draw: int = 0) -> list[dict]:
     import torch
     from harness import time_graph
@@ -142,7 +163,11 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     local_ids = ti if expert_map is None else expert_map[ti.long()]  # -1: another rank's expert
     copies = rotated_weights(weights, local_ids)
 
+    folded: list = []  # the W4A8 variants' e4m3 copies of the rotated weights, folded once per case
+
     def configured(variant: str):
+        if w4a8_form(variant):
+            return w4a8_config(w4a8_form(variant))
         if variant in tuned_in:
             return tuned_in[variant]
         if variant.startswith("pkg=") and "|" in variant:  # another package running a GEMM variant
@@ -155,6 +180,15 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
 
     def forwards(variant: str) -> list:
         c = configured(variant)
+        if w4a8_form(variant):
+            from moe_nvfp4.sm90.w4a8 import fold_to_fp8, fused_moe_w4a8
+
+            folded[:] = folded or [fold_to_fp8(ws) for ws in copies]
+            if variant.startswith("pkg="):  # that package's W4A8 forward on the same folded bytes
+                other = importlib.import_module(modules[variant].__name__.split(".")[0] + ".sm90.w4a8")
+                c = c and other.Fp8Config(**dataclasses.asdict(c))  # None: that package picks, as ours does
+                fused_moe_w4a8 = other.fused_moe_w4a8
+            return [lambda f=f, run=fused_moe_w4a8: run(x, f, tw, ti, expert_map, c) for f in folded]
         host = modules[variant] if variant.startswith("pkg=") else moe_sm90
         c = package_config(host, c) if variant.startswith("pkg=") else c
         return [host_forward(host, x, ws, tw, ti, expert_map, c) for ws in copies]
@@ -164,6 +198,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         v
         for v in variants
         if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:")))
+        and not w4a8_form(v)
         and not configured(v).is_valid(padded(h), padded(i))
     ]
     for v in invalid:
@@ -195,7 +230,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
                 max_us=max(times[v]),
                 rel_diff=errors[v],
                 copies=len(copies),
-                config=configured(v).to_dict(),
+                config=config_record(v, configured(v)),
             )
         )
         print(json.dumps(rows[-1]), flush=True)

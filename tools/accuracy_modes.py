@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,15 +139,28 @@ def measure(model, experts: int, tokens: int, seed: int) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], columns: Sequence[str] = MODES) -> list[str]:
+    """The record's Markdown table: a row per layer and input, a column per precision (``columns``)."""
     lines = [
-        "| model (H, I, top-k, activation) | inputs | " + " | ".join(MODES) + " |",
-        "|---|---|" + "---:|" * len(MODES),
+        "| model (H, I, top-k, activation) | inputs | " + " | ".join(columns) + " |",
+        "|---|---|" + "---:|" * len(columns),
     ]
     for r in rows:
         shape = f"{r['model']} ({r['hidden']}, {r['intermediate']}, {r['top_k']}, {r['activation']})"
-        lines.append(f"| {shape} | {r['inputs']} | " + " | ".join(f"{r[m]:.2e}" for m in MODES) + " |")
+        lines.append(f"| {shape} | {r['inputs']} | " + " | ".join(f"{r[m]:.2e}" for m in columns) + " |")
     return lines
+
+
+def write_record(out: Path, title: str, meta: dict, rows: list[dict], lines: list[str]) -> None:
+    """out/accuracy.json (meta and rows) and out/accuracy.md (``title``, the command, the table)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    (out / "accuracy.md").write_text(
+        f"# {title}\n\n"
+        f"- command: `{meta['command']}`; torch {meta['torch']}; ||out - ref|| / ||ref||, same NVFP4 weights\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def main() -> int:
@@ -162,16 +176,9 @@ def main() -> int:
     lines = table(rows)
     print("\n".join(lines))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         command = "python tools/accuracy_modes.py " + " ".join(sys.argv[1:])
         meta = dict(command=command, torch=torch.__version__, device="cpu", modes=MODES, doc=__doc__)
-        (args.out / "accuracy.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-        (args.out / "accuracy.md").write_text(
-            "# Activation precision against float64, the zoo's layers (CPU)\n\n"
-            f"- command: `{command}`; torch {torch.__version__}; ||out - ref|| / ||ref||, same NVFP4 weights\n\n"
-            + "\n".join(lines)
-            + "\n"
-        )
+        write_record(args.out, "Activation precision against float64, the zoo's layers (CPU)", meta, rows, lines)
     return 0
 
 

@@ -20,6 +20,8 @@ naming the field, before vLLM's own parsers see it (``moe_nvfp4.convert.quant_co
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import torch
@@ -82,6 +84,21 @@ def _ct_w4a4(cfg: dict[str, Any]) -> bool:
     return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
 
 
+FP8_ACTIVATIONS_ENV = "MOE_NVFP4_FP8_ACTIVATIONS"  # 1: the W4A8 mode on, 0: off, whatever the checkpoint says
+FP8_ACTIVATIONS_KEY = "fp8_activations"  # the quantization config's switch (true / false)
+
+
+def fp8_activations_wanted(from_config: bool) -> bool:
+    """The W4A8 mode's switch: FP8_ACTIVATIONS_ENV where set (1 or 0, anything else refused by name), else the
+    quantization config's FP8_ACTIVATIONS_KEY."""
+    value = os.environ.get(FP8_ACTIVATIONS_ENV)
+    if value is None or value == "":
+        return from_config
+    if value not in ("0", "1"):
+        raise ValueError(f"{FP8_ACTIVATIONS_ENV}={value!r}: expected 1 (the W4A8 mode on) or 0 (off)")
+    return value == "1"
+
+
 class NVFP4GroupedConfig(QuantizationConfig):
     """Routes routed experts to ``NVFP4GroupedMoEMethod`` and every other layer to vLLM's own method.
 
@@ -99,6 +116,7 @@ class NVFP4GroupedConfig(QuantizationConfig):
         *,
         delegate: QuantizationConfig | None = None,
         input_scales: bool = False,
+        fp8_activations: bool = False,
     ) -> None:
         compat.check_supported()
         super().__init__()
@@ -107,10 +125,16 @@ class NVFP4GroupedConfig(QuantizationConfig):
         self.convention = convention
         self.delegate = delegate
         self.input_scales = input_scales
+        # the W4A8 mode (design 008): an e4m3 copy of the experts, about 1.8x their NVFP4 bytes, for prefill-sized
+        # forwards; opt-in through the checkpoint's quantization config or FP8_ACTIVATIONS_ENV, which wins
+        self.fp8_activations = fp8_activations_wanted(fp8_activations)
 
     def __repr__(self) -> str:
         conv = self.convention.value if self.convention else "bf16 (quantized on load)"
-        return f"NVFP4GroupedConfig(convention={conv}, input_scales={self.input_scales})"
+        return (
+            f"NVFP4GroupedConfig(convention={conv}, input_scales={self.input_scales}, "
+            f"fp8_activations={self.fp8_activations})"
+        )
 
     # ---- what vLLM asks of every QuantizationConfig ----
 
@@ -139,20 +163,25 @@ class NVFP4GroupedConfig(QuantizationConfig):
         if config is None or config == {}:
             return cls()
         check_quantization_config(config)
+        fp8 = config.get(FP8_ACTIVATIONS_KEY, False)
+        if not isinstance(fp8, bool):
+            raise QuantConfigError(FP8_ACTIVATIONS_KEY, f"expected true or false, got {fp8!r}")
         if str(config.get("quant_method", "")).lower() == QUANTIZATION_NAME and _modelopt_algo(config) is None:
-            return cls()
+            return cls(fp8_activations=fp8)
         if is_modelopt_nvfp4(config):
             from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
             delegate = _delegate(ModelOptNvFp4Config, config)
-            return cls(Convention.MODELOPT, delegate=delegate, input_scales=delegate.quant_method == "NVFP4")
+            w4a4 = delegate.quant_method == "NVFP4"
+            return cls(Convention.MODELOPT, delegate=delegate, input_scales=w4a4, fp8_activations=fp8)
         if is_compressed_tensors_nvfp4(config):
             from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
                 CompressedTensorsConfig,
             )
 
             delegate = _delegate(CompressedTensorsConfig, config)
-            return cls(Convention.COMPRESSED_TENSORS, delegate=delegate, input_scales=_ct_w4a4(config))
+            w4a4 = _ct_w4a4(config)
+            return cls(Convention.COMPRESSED_TENSORS, delegate=delegate, input_scales=w4a4, fp8_activations=fp8)
         raise QuantConfigError(
             "quant_method",
             "nvfp4_grouped loads ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4), compressed-tensors "

@@ -116,6 +116,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
         self.w13_input_scale: torch.Tensor | None = None  # validated multipliers [E, 2], unused on Hopper
         self.w2_input_scale: torch.Tensor | None = None
         self.w4a4_input_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # set where W4A4 runs (sm_100)
+        self.fp8_weights = None  # moe_nvfp4.prepare_fp8_weights' copy, where the W4A8 mode is on
         vllm_config = get_current_vllm_config_or_none()
         # The most tokens one forward can see: the scheduler's budget, gathered over data-parallel ranks.
         self.max_tokens = vllm_config.scheduler_config.max_num_batched_tokens * moe.dp_size if vllm_config else 0
@@ -301,10 +302,20 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             )
             setattr(layer, WEIGHTS_ATTR, moe_nvfp4.prepare_moe_weights_w4a4(w13, w2, expert_offset=global_ids[0]))
             return
-        # packed into the checkpoint tensors' own memory (their parameters are gone): one expert's block extra
+        # packed into the checkpoint tensors' own memory (their parameters are gone): one expert's block extra;
+        # the W4A8 mode folds its e4m3 copy from them after packing (no layout to unpack), so they are kept then
+        fp8 = self.quant_config.fp8_activations
         weights = moe_nvfp4.prepare_moe_weights(
-            w13, w2, activation=self.activation, w13_bias=w13_bias, w2_bias=w2_bias, reuse_input_memory=True
+            w13, w2, activation=self.activation, w13_bias=w13_bias, w2_bias=w2_bias, reuse_input_memory=not fp8
         )
+        if fp8:
+            self.fp8_weights = moe_nvfp4.prepare_fp8_weights(weights, (w13, w2))
+            logger.info_once(
+                "nvfp4_grouped: W4A8 mode on: an e4m3 copy of the experts, %.1f MB a layer beside %.1f MB of NVFP4, "
+                "for prefill-sized forwards (design 008)",
+                self.fp8_weights.nbytes() / 1e6,
+                weights.nbytes() / 1e6,
+            )
         del w13, w2, w13_bias, w2_bias
         setattr(layer, WEIGHTS_ATTR, weights)
         # under DP + EP vLLM's all2all dispatches to our experts (design 009); elsewhere None: apply() calls fused_moe
@@ -441,4 +452,5 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             topk_ids,
             expert_map=layer.expert_map,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
+            fp8_weights=self.fp8_weights,
         )

@@ -53,6 +53,8 @@ class Path:
     requires: tuple[str, ...] = ()  # modules it imports: --paths auto takes it where all of them are installed
     auto_unless: tuple[str, ...] = ()  # ... and none of these (a fallback baseline)
     graphable = True  # whether a CUDA graph can capture its forward (False: it synchronises with the host)
+    error_floor = 0.0  # its own rounding error against the reference, under which it is never a mismatch
+    weight_bytes_factor = 1.0  # its weights' bytes as a multiple of what ``weights`` names (L2 rotation)
 
     def __init__(self, copies: int):
         self.copies_wanted = copies

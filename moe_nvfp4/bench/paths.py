@@ -6,6 +6,8 @@
            (its first forward per shape JIT-compiles humming's kernels)
   bf16     vLLM fused_experts(x, w13_bf16, w2_bf16, topk_w, topk_ids) on the dequantized weights
   torch    moe_nvfp4.moe_dense_torch in bf16 on the dequantized weights (a per-expert loop: the baseline without vLLM)
+  ours_w4a8       moe_nvfp4.fused_moe(..., fp8_weights=prepare_fp8_weights(weights)): the W4A8 mode (opt-in:
+                  --paths ours,ours_w4a8; checked against the reference up to its own e4m3 error)
   ours_batched    moe_nvfp4.fused_moe_batched on vLLM's batched format (DeepEP low-latency's [E, T, H] and counts)
   marlin_batched  vLLM batched_fused_marlin_moe (BatchedMarlinExperts' kernel) on the same batched inputs
                   (the two batched paths are opt-in: --paths ours_batched,marlin_batched; their time is the experts
@@ -47,6 +49,31 @@ class Ours(Path):
         return lambda: f(x, w, topk_weights, topk_ids, expert_map=expert_map)
 
 
+class OursW4A8(Path):
+    """moe_nvfp4.fused_moe with prepare_fp8_weights' e4m3 copy (the opt-in W4A8 mode, design 008): W4A8 where each
+    expert expects enough rows, the W4A16 forward elsewhere."""
+
+    name, label = "ours_w4a8", "ours W4A8"
+    requires = auto_unless = ("triton",)  # opt-in: never in --paths auto
+    error_floor = 0.1  # its e4m3 roundings: 5-7e-2 from float64 on every zoo layer (design 008 decision 7)
+    weight_bytes_factor = 2.8  # the NVFP4 experts and their e4m3 copy (about 1.8x their bytes)
+
+    def __init__(self, shape: MoEShape, w13_q, w2_q, copies: int):
+        super().__init__(copies)
+        from ..api import fused_moe, prepare_fp8_weights, prepare_moe_weights
+
+        def packed_and_folded():  # each copy's fold from its own packed weights (fused_moe checks the pairing)
+            w = prepare_moe_weights(w13_q, w2_q, activation=shape.expert_activation)
+            return w, prepare_fp8_weights(w, (w13_q, w2_q))
+
+        self._fused_moe = fused_moe
+        self.weights = [packed_and_folded() for _ in range(copies)]
+
+    def fn(self, copy, x, topk_weights, topk_ids, expert_map=None):
+        (w, fp8), run = self.weights[copy], self._fused_moe
+        return lambda: run(x, w, topk_weights, topk_ids, expert_map=expert_map, fp8_weights=fp8)
+
+
 class Torch(Path):
     """moe_nvfp4.moe_dense_torch in bf16 on the dequantized weights: a loop over the experts, the forward a user
     without vLLM would write.  It reads which experts are routed on the host, so it runs eagerly (no CUDA graph)."""
@@ -75,7 +102,7 @@ class Torch(Path):
 
 # Every path, in the order of the table's columns; ours first, the others its baselines.
 REGISTRY: dict[str, type[Path]] = {
-    cls.name: cls for cls in (Ours, Marlin, Humming, BF16, Torch, OursBatched, MarlinBatched)
+    cls.name: cls for cls in (Ours, Marlin, Humming, BF16, Torch, OursBatched, MarlinBatched, OursW4A8)
 }
 PATHS = tuple(REGISTRY)
 BASELINES = PATHS[1:]

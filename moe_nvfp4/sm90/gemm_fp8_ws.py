@@ -1,0 +1,250 @@
+"""The W4A8 mode's grouped GEMM, warp-specialized and cooperative (Gluon; issue 58, design 008 decisions 6-7):
+gemm_fp8's contract and sums, with the loads of the next tiles running ahead of the MMAs.
+
+One loader warp issues each stage's two TMA boxes (weights [128 rows, BLOCK_K], token rows [BLOCK_M, BLOCK_K]) into
+a ring, running ahead across tiles.  Two MMA warp groups take every tile together, each on half its token rows, so a
+stage serves both (it is freed once both read it).  A group holds a tile's 128 weight rows as two 64-row
+accumulators (one m64 wgmma each): GEMM1's gate rows and their up rows (weight_layouts.FP8_GATE_UP_BLOCK), or two
+halves of GEMM2's.  The FP8 sums are promoted to fp32 every BLOCK_K (at most 128), which is why a group's token side
+is at most 64 rows: two accumulators and their partial sums at 64 x 64 are 128 registers a thread.  The ping-pong
+form (each group on alternate tiles, its epilogue under the other's MMAs) read half the bytes a MMA and lost:
+0.81-1.01x W4A16 where this form made 1.08-1.38x (design 008 decision 7).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..triton import common as triton_common
+from .common import Epilogue, GemmRouting, _activation, _grouped_tile
+from .gemm_fp8 import WEIGHT_ROWS, Fp8GemmOperands, Fp8Tiles
+from .gemm_gluon_loader import _after_previous_kernel
+
+__all__ = ["launch_fp8_ws"]
+
+HALF: gl.constexpr = gl.constexpr(64)  # weight rows an accumulator; a tile is two
+LOADER_REGISTERS = gl.constexpr(40)
+MMA_REGISTERS = gl.constexpr(
+    232
+)  # group 1's (setmaxnreg); maxnreg 168 x 12 warps less the loader's group, shared by 8 warps
+
+
+@gluon.jit
+def _program_tile(i, tile_map, num_n_tiles):
+    """This program's i-th tile (programs take tiles pid, pid + programs, ... in gemm_triton's grouped order): its
+    n tile, expert, first sorted row and end of rows."""
+    num_m_tiles = gl.load(tile_map[4])
+    mn = gl.program_id(0) + i * gl.num_programs(0)
+    m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
+    return n_tile, gl.load(tile_map[1] + m_tile), gl.load(tile_map[2] + m_tile), gl.load(tile_map[3] + m_tile)
+
+
+@gluon.jit
+def _program_tiles(tile_map, num_n_tiles):
+    """How many tiles this program takes."""
+    total = gl.load(tile_map[4]) * num_n_tiles
+    pid = gl.program_id(0)
+    return gl.where(pid < total, (total - pid + gl.num_programs(0) - 1) // gl.num_programs(0), 0)
+
+
+@gluon.jit
+def _fp8_loader(args, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+    """The loader warp: every tile's K steps in order, a stage each, weights then token rows on one barrier."""
+    a_desc, w_desc, a_smem, w_smem, ready, empty, tile_map, n_rows, k, num_n_tiles = args
+    _after_previous_kernel(PDL)
+    steps = gl.cdiv(k, BLOCK_K)
+    for i in range(_program_tiles(tile_map, num_n_tiles)):
+        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles)
+        w_row = expert * n_rows + n_tile * (2 * HALF)
+        for step in range(steps):
+            it = i * steps + step
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, (2 * HALF + BLOCK_M) * BLOCK_K)  # e4m3: a byte a value
+            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
+            tma.async_copy_global_to_shared(a_desc, [row0, step * BLOCK_K], bar, a_smem.index(s))
+
+
+@gluon.jit
+def _half_out(h, n0, expert, rows, row_ok, out_rows, args, epilogue, IS_GEMM1: gl.constexpr, MMA_L: gl.constexpr):
+    """One 64-row half of a non-gated tile out: bias, GEMM1's activation or GEMM2's routing weight, store."""
+    out_ptr, stride_out, weights_ptr, n_out = args
+    offs = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
+    bias_ptr = epilogue[0]
+    if bias_ptr is not None:
+        h += gl.load(bias_ptr + expert.to(gl.int64) * n_out + offs, mask=offs < n_out, other=0.0)[:, None]
+    if IS_GEMM1:
+        h = _activation(h, h, epilogue, True)
+    elif epilogue[4]:  # ROUTER_WEIGHT
+        h = h * gl.load(weights_ptr + out_rows, mask=row_ok, other=0.0)[None, :]
+    mask = (offs < n_out)[:, None] & row_ok[None, :]
+    gl.store(
+        out_ptr + out_rows.to(gl.int64)[None, :] * stride_out + offs[:, None], h.to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@gluon.jit
+def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOCK_M: gl.constexpr, MMA_L: gl.constexpr):
+    """A tile's sums out: scaled by each weight row's and token row's scale, then gemm_fp8's epilogue variants."""
+    a_scale_ptr, w_scale_ptr, pairs_ptr, out_ptr, stride_out, weights_ptr, n_out, n_rows = args
+    n_tile, expert, row0, row_end = tile
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
+    row_ok = rows < row_end
+    a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    w_rows = expert * n_rows + n_tile * (2 * HALF) + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
+    last = (expert + 1) * n_rows
+    h0 = acc0 * gl.load(w_scale_ptr + w_rows, mask=w_rows < last, other=0.0)[:, None] * a_scale
+    h1 = acc1 * gl.load(w_scale_ptr + w_rows + HALF, mask=w_rows + HALF < last, other=0.0)[:, None] * a_scale
+    out_rows = rows if IS_GEMM1 else gl.load(pairs_ptr + rows, mask=row_ok, other=0)
+    out = (out_ptr, stride_out, weights_ptr, n_out)
+    if epilogue[5]:  # GATE_UP: h0 the gate rows, h1 their up rows
+        offs = n_tile * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
+        bias_ptr = epilogue[0]
+        if bias_ptr is not None:
+            bias_row = bias_ptr + expert.to(gl.int64) * (2 * n_out) + offs
+            h0 += gl.load(bias_row, mask=offs < n_out, other=0.0)[:, None]
+            h1 += gl.load(bias_row + n_out, mask=offs < n_out, other=0.0)[:, None]
+        y = _activation(h0, h1, epilogue, True)
+        mask = (offs < n_out)[:, None] & row_ok[None, :]
+        gl.store(
+            out_ptr + out_rows.to(gl.int64)[None, :] * stride_out + offs[:, None],
+            y.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        _half_out(h0, n_tile * (2 * HALF), expert, rows, row_ok, out_rows, out, epilogue, IS_GEMM1, MMA_L)
+        _half_out(h1, n_tile * (2 * HALF) + HALF, expert, rows, row_ok, out_rows, out, epilogue, IS_GEMM1, MMA_L)
+
+
+@gluon.jit
+def _fp8_mma(
+    args,
+    epilogue,
+    IS_GEMM1: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """MMA warp group GROUP (0 or 1): every tile of this program, its half GROUP of the token rows."""
+    a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args = args
+    _after_previous_kernel(PDL)
+    # sm_90's FP8 MMA sums in about 14 bits: added into fp32 every PRECISE K (design 008, decision 4)
+    PRECISE: gl.constexpr = min(BLOCK_K, 128)
+    WIDTH: gl.constexpr = BLOCK_M // 2  # this group's token rows a tile
+    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
+    steps = gl.cdiv(k, BLOCK_K)
+    for i in range(_program_tiles(tile_map, num_n_tiles)):
+        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles)
+        acc0 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
+        acc1 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
+        for step in range(steps):
+            it = i * steps + step
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            w = w_smem.index(s)
+            b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
+            acc0 = warpgroup_mma(w.slice(0, HALF), b, acc0, is_async=True, max_num_imprecise_acc=PRECISE)
+            acc1 = warpgroup_mma(w.slice(HALF, HALF), b, acc1, is_async=True, max_num_imprecise_acc=PRECISE)
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index(s))
+        tile = (n_tile, expert, row0 + GROUP * WIDTH, row_end)
+        _fp8_epilogue(acc0, acc1, tile, out_args, epilogue, IS_GEMM1, WIDTH, MMA_L)
+
+
+@gluon.jit
+def _fp8_ws_kernel(
+    a_desc,
+    a_scale_ptr,
+    w_desc,
+    w_scale_ptr,
+    out_ptr,
+    stride_out,
+    sorted_pairs_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    tile_row_end_ptr,
+    num_tiles_ptr,
+    topk_weights_ptr,
+    n_out,
+    n_rows,
+    k,
+    epilogue,
+    IS_GEMM1: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both groups read every stage
+    num_n_tiles = gl.cdiv(n_rows, 2 * HALF)
+    tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr)
+    out_args = (a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out, n_rows)
+    mma = (a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args)
+    loader = (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_map, n_rows, k, num_n_tiles)
+    gl.warp_specialize(
+        [
+            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, 0, PDL)),
+            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, 1, PDL)),
+            (_fp8_loader, (loader, BLOCK_M, BLOCK_K, STAGES, PDL)),
+        ],
+        [4, 1],
+        [MMA_REGISTERS, LOADER_REGISTERS],
+    )
+
+
+def launch_fp8_ws(
+    operands: Fp8GemmOperands,
+    out: torch.Tensor,
+    routing: GemmRouting,
+    tiles: Fp8Tiles,
+    epilogue: Epilogue,
+    *,
+    is_gemm1: bool,
+    sms: int,
+) -> None:
+    """gemm_fp8.launch_fp8_gemm's contract on this kernel: one program an SM, 128 weight rows a tile,
+    ``tiles.block_m`` token rows (32 to 128: half a warp group's), ``tiles.block_k`` K a stage, ``tiles.num_stages``
+    stages."""
+    rows, row_scale, weight, weight_scale, n_out = operands
+    e, n_rows, k = weight.shape
+    a_block, w_block = [tiles.block_m, tiles.block_k], [WEIGHT_ROWS, tiles.block_k]
+    a_desc = TensorDescriptor.from_tensor(rows, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
+    w_desc = TensorDescriptor.from_tensor(
+        weight.view(e * n_rows, k), w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.float8e4nv)
+    )
+    pdl = triton_common._dependent_launch(rows.device)["PDL"]
+    _fp8_ws_kernel[(sms,)](
+        a_desc,
+        row_scale,
+        w_desc,
+        weight_scale,
+        out,
+        out.stride(0),
+        *routing.tile_map,
+        routing.topk_weights.reshape(-1),
+        n_out,
+        n_rows,
+        k,
+        epilogue,
+        IS_GEMM1=is_gemm1,
+        BLOCK_M=tiles.block_m,
+        BLOCK_K=tiles.block_k,
+        STAGES=tiles.num_stages,
+        PDL=pdl,
+        num_warps=4,
+        maxnreg=168,
+        launch_pdl=pdl,
+    )
