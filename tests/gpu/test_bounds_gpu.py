@@ -3,9 +3,10 @@
 Ids outside [0, E_global) (-1, E_global, 1000, the int32 extremes) and expert-map entries outside [0, E) (vLLM's -1
 for other ranks, and corrupt ones) must contribute nothing (routing.routed_pairs) and never be read through: each
 family is forced by an explicit config (pair tiles, the warp-specialized Gluon decode tiles, two-group 64-token
-tiles, the Triton prefill tiles) and run eagerly and under a CUDA graph whose ids change between replays.  Bound:
+tiles, the Triton prefill tiles; and the W4A8 mode's FP8 kernels, issue 58) and run eagerly and under a CUDA graph
+whose ids change between replays.  Bound:
 ||out - ref|| / ||ref|| < REL_TOL against the float32 reference on the same NVFP4 weights, which drops the same
-pairs; a token whose pairs are all poisoned gets exactly zero; the output and the scratch the combine reads start
+pairs (W4A8: < W4A8_TWIN_TOL against its torch twin on the same e4m3 copy, which drops them too); a token whose pairs are all poisoned gets exactly zero; the output and the scratch the combine reads start
 as NaN, so a row summed but never written fails.
 
 Memory errors are what compute-sanitizer sees; shapes named "small" keep that run short (its kernels run ~100x
@@ -28,10 +29,12 @@ from moe_nvfp4.shapes import LayerShape
 from moe_nvfp4.sm90.configs import MoEKernelConfig
 from moe_nvfp4.sm90.default_config import TRITON_PREFILL, WS_DECODE, WS_TWO_GROUPS, default_config, fit_gemm
 from moe_nvfp4.sm90.host import fused_moe_sm90
+from moe_nvfp4.sm90.w4a8 import Fp8Config, fused_moe_w4a8, fused_moe_w4a8_torch
 
 pytestmark = pytest.mark.gpu
 
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+W4A8_TWIN_TOL = 1e-2  # tests/gpu/test_w4a8_gpu.py's TWIN_TOL: the MMA's summing order against the twin's
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,15 @@ def _check(out: torch.Tensor, x, q13, q2, tw, ti, emap) -> None:
         assert bool((out[0] == 0).all()), "a token with only poisoned pairs got output"
 
 
+def _check_w4a8(out: torch.Tensor, x, fp8, tw, ti, emap) -> None:
+    assert not out.isnan().any(), "unwritten output (or a summed row never written)"
+    twin = fused_moe_w4a8_torch(x, fp8, tw, ti, emap)
+    rel = ((out.double() - twin.double()).norm() / twin.double().norm()).item()
+    assert rel < W4A8_TWIN_TOL, rel
+    if x.shape[0] >= 2:
+        assert bool((out[0] == 0).all()), "a token with only poisoned pairs got output"
+
+
 def _nan_scratch() -> None:
     """Freed blocks the forward's scratch (activations, partial rows) will reuse hold NaN."""
     torch.empty(256 << 20, device="cuda").fill_(float("nan"))
@@ -184,3 +196,49 @@ def test_public_api_with_expert_map_and_strided_x(shape: Shape, t: int, gen: tor
     _nan_scratch()
     out = m.fused_moe(wide[:, ::2], w, tw, ti, expert_map=emap)
     _check(out, wide[:, ::2].contiguous(), q13, q2, tw, ti, emap)
+
+
+# The W4A8 mode's FP8 kernels: the shipped Gluon one at its 128-token tiles and at 32, the Triton stand-in at 16;
+# 5 tokens leave most tiles empty, 300 fill several an expert.
+W4A8_CONFIGS = {"gluon-128": Fp8Config(), "gluon-32": Fp8Config(block_m=32), "triton-16": Fp8Config(16, 128, 4, False)}
+
+
+@pytest.mark.parametrize("with_map", [False, True], ids=["no-map", "expert-map"])
+@pytest.mark.parametrize("kernel", list(W4A8_CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+def test_poisoned_routing_w4a8(shape: Shape, kernel: str, with_map: bool, gen: torch.Generator) -> None:
+    q13, q2, w = _layer(shape, gen)
+    fp8 = m.prepare_fp8_weights(w, (q13, q2))
+    emap = _expert_map(shape) if with_map else None
+    n_global = 2 * shape.experts if with_map else shape.experts
+    for t in (5, 300):
+        x = torch.randn(t, shape.hidden, generator=gen, device="cuda").bfloat16()
+        tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+        _nan_scratch()
+        out = fused_moe_w4a8(x, fp8, tw, ti, emap, W4A8_CONFIGS[kernel])
+        _check_w4a8(out, x, fp8, tw, ti, emap)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=[s.name for s in SHAPES[1:]])
+def test_poisoned_routing_w4a8_graph(shape: Shape, gen: torch.Generator) -> None:
+    """One capture of the shipped W4A8 forward (expert map on, 300 tokens), replayed with fresh poisoned ids and x."""
+    q13, q2, w = _layer(shape, gen)
+    fp8 = m.prepare_fp8_weights(w, (q13, q2))
+    emap = _expert_map(shape)
+    n_global = 2 * shape.experts
+    t = 300
+    x = torch.randn(t, shape.hidden, generator=gen, device="cuda").bfloat16()
+    tw, ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+    out = fused_moe_w4a8(x, fp8, tw, ti, emap)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_w4a8(x, fp8, tw, ti, emap)
+    for _ in range(3):
+        new_tw, new_ti = _poisoned_routing(t, shape.top_k, n_global, gen)
+        tw.copy_(new_tw)
+        ti.copy_(new_ti)
+        x.copy_(torch.randn(t, shape.hidden, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_w4a8(out, x, fp8, tw, ti, emap)

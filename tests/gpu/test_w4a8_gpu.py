@@ -4,7 +4,7 @@ Bounds: against the pure-torch twin (the same e4m3 operands and scales, float32 
 < 1e-2: the activation rounds to x's dtype before its e4m3 rounding, so a sum summed in another order (the MMA's)
 can move a value across an e4m3 rounding boundary, 2^-4 of it (measured 6.3-7.3e-3 in fp16 on an H200);
 against the float64 W4A16 reference < 8e-2 (design 008: folded scales cost 5.2-6.0e-2 on every zoo layer).  The
-row quantizer equals its twin byte for byte (cvt-free e4m3 rounding on the float32 bits).
+row quantizer equals its twin byte for byte (round to nearest even: the GPU's float8 conversion, the twin's cast).
 """
 
 from __future__ import annotations
