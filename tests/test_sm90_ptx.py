@@ -905,3 +905,66 @@ def test_ab_moe_table_averages_the_draws_of_an_expert_parallel_case() -> None:
     assert one.split()[1:] == ["14.0", "(13.0-15.0)", "13.0", "(12.0-14.0)", "skipped"], one
     assert two.split()[1:7] == ["42.0", "(4.0-80.0)", "33.0", "(6.0-60.0)", "skipped", "local"], two
     assert two.endswith("local pairs by draw [2, 0]"), two
+
+
+def _shipped_gluon_gemms() -> dict[tuple, str]:
+    """Every warp-specialized GEMM the default configs choose on the zoo's gated shapes and ranks at 1-4096
+    tokens: _compile_ws's arguments -> the first (shape, T) that chose it."""
+    from moe_nvfp4.sm90.default_config import default_config
+    from moe_nvfp4.zoo import zoo_shapes
+
+    seen: dict[tuple, str] = {}
+    for s in zoo_shapes():
+        if not s.activation.gated:
+            continue
+        for t in (1, 2, 4, 16, 64, 256, 1024, 4096):
+            cfg = default_config(t, s.experts, s.top_k, s.hidden, s.intermediate)
+            for gated, g in ((True, cfg.gemm1), (False, cfg.gemm2)):
+                if g.warp_specialized:
+                    key = (gated, g.block_n, g.num_warps, g.max_registers, g.chunks_per_stage, g.k_groups)
+                    key += (g.num_stages, cfg.block_m, g.narrow_tiles, g.loader_warps, cfg.pair_tiles)
+                    seen.setdefault(key, f"{s.key}:{t}")
+    return seen
+
+
+@pytest.mark.slow
+def test_shipped_gluon_gemms_keep_their_wgmmas_in_flight() -> None:
+    """No default config's Gluon GEMM is one ptxas serializes (C7512: too few registers; C7514: sums read while
+    their MMA runs): the Gluon presets once timed at prefill were, every HGMMA of GEMM1 then followed by a wait for
+    all (prefill_probes_2026-11-29/gluon_w4a16_ptxas_scan.md), and their timings measured that."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    shipped = _shipped_gluon_gemms()
+    assert len(shipped) >= 20, shipped  # decode, two-group and prefill families across the zoo
+    serialized = {}
+    for key, where in shipped.items():
+        gated, block_n, warps, maxnreg, chunks, k_groups, stages, block_m, narrow, loader_warps, pair_tiles = key
+        ptx = _compile_ws(
+            gated,
+            block_n,
+            warps,
+            maxnreg,
+            chunks=chunks,
+            k_groups=k_groups,
+            stages=stages,
+            block_m=block_m,
+            narrow=narrow,
+            loader_warps=loader_warps,
+            pair_tiles=pair_tiles,
+        )["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run(
+                [get_ptxas(90).path, "--gpu-name=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stderr
+        codes = set(re.findall(r"\((C751[24])\)", info))
+        if codes:
+            serialized[where] = (key, sorted(codes))
+    assert not serialized, serialized
