@@ -184,6 +184,24 @@ def _ptx(name: str, pdl: bool) -> str:
     return _compile(name, pdl).asm["ptx"]
 
 
+def _ptxas_info(ptx: str) -> str:
+    """``ptxas -v`` on PTX for sm_90a: its report (registers, spills, C75xx notes), stderr."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        return subprocess.run(
+            [get_ptxas(90).path, "--gpu-name=sm_90a", "-v", f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+
+
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_every_kernel_waits_for_the_previous_one_before_touching_memory(name: str) -> None:
     ptx = _ptx(name, pdl=True)
@@ -206,24 +224,10 @@ def test_launch_options_follow_the_device() -> None:
 def test_register_cap_bounds_the_gemm_registers() -> None:
     """GemmConfig.max_registers is Triton's maxnreg: the PTX carries .maxnreg and ptxas keeps under it, which is
     what lets more programs share an SM (65536 registers / (threads x registers per thread))."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
     from moe_nvfp4.sm90.configs import GemmConfig
 
     def registers(ptx: str) -> int:  # ptxas -v on the PTX Triton produced
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            info = subprocess.run(
-                [get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stderr
-        return int(re.search(r"Used (\d+) registers", info).group(1))
+        return int(re.search(r"Used (\d+) registers", _ptxas_info(ptx)).group(1))
 
     options = GemmConfig(max_registers=80).launch_options()
     capped = _compile("gemm1", True, maxnreg=options["maxnreg"]).asm["ptx"]
@@ -932,11 +936,6 @@ def test_shipped_gluon_gemms_keep_their_wgmmas_in_flight() -> None:
     """No default config's Gluon GEMM is one ptxas serializes (C7512: too few registers; C7514: sums read while
     their MMA runs): the Gluon presets once timed at prefill were, every HGMMA of GEMM1 then followed by a wait for
     all (prefill_probes_2026-11-29/gluon_w4a16_ptxas_scan.md), and their timings measured that."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
     shipped = _shipped_gluon_gemms()
     assert len(shipped) >= 20, shipped  # decode, two-group and prefill families across the zoo
     serialized = {}
@@ -955,16 +954,7 @@ def test_shipped_gluon_gemms_keep_their_wgmmas_in_flight() -> None:
             loader_warps=loader_warps,
             pair_tiles=pair_tiles,
         )["ptx"]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            info = subprocess.run(
-                [get_ptxas(90).path, "--gpu-name=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stderr
-        codes = set(re.findall(r"\((C751[24])\)", info))
+        codes = set(re.findall(r"\((C751[24])\)", _ptxas_info(ptx)))
         if codes:
             serialized[where] = (key, sorted(codes))
     assert not serialized, serialized

@@ -167,14 +167,12 @@ def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stag
     token rows, two TMA boxes a stage, the register budgets of the second MMA warp group and the loader, and no
     spills under ptxas (maxnreg 168)."""
     import re
-    import subprocess
-    import tempfile
 
     import triton
-    from test_sm90_ptx import DEFAULT_EPILOGUE, _divisibility, _epilogue
+    from test_sm90_ptx import DEFAULT_EPILOGUE, _divisibility, _epilogue, _ptxas_info
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -219,15 +217,7 @@ def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stag
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 2  # the loader's two boxes a stage
     budgets = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {str(W.MMA_REGISTERS.value), str(W.LOADER_REGISTERS.value)} <= budgets
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        info = subprocess.run(
-            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
+    info = _ptxas_info(ptx)
     assert "0 bytes spill stores" in info and "0 bytes spill loads" in info, info
 
 
