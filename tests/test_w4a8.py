@@ -152,6 +152,8 @@ def test_fp8_config_is_validated() -> None:
         Fp8Config(block_m=16, warp_specialized=True)
     with pytest.raises(ValueError, match="warp_specialized takes 32 <= block_m <= 128"):
         Fp8Config(block_m=256, warp_specialized=True)
+    with pytest.raises(ValueError, match="num_stages >= 2"):  # a group holds two stages: one would deadlock
+        Fp8Config(num_stages=1)
     assert Fp8Config(block_m=16, warp_specialized=False).block_m == 16
     assert Fp8Config().launcher(on_gpu=True).__name__ == "launch_fp8_ws"  # what the mode runs
     assert Fp8Config(block_m=64).launcher(on_gpu=False).__name__ == "launch_fp8_gemm"  # the interpreter's
@@ -164,8 +166,8 @@ def test_fp8_config_is_validated() -> None:
 )
 def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stages) -> None:
     """The Gluon kernel (gemm_fp8_ws) for sm_90a on the CPU: FP8 wgmma of 64 weight rows by each group's half of the
-    token rows, two TMA boxes a stage, the register budgets of the second MMA warp group and the loader, and no
-    spills under ptxas (maxnreg 168)."""
+    token rows, two TMA boxes a stage, the register budgets of the second MMA warp group and the loader, no spills
+    under ptxas (maxnreg 168), and no MMA that ptxas serializes (C7514: the sums read while MMAs are in flight)."""
     import re
     import subprocess
     import tempfile
@@ -229,6 +231,7 @@ def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stag
             check=True,
         ).stderr
     assert "0 bytes spill stores" in info and "0 bytes spill loads" in info, info
+    assert "C7514" not in info and "C7517" not in info, info  # no MMA serialized by a read of its sums in flight
 
 
 @pytest.mark.slow

@@ -122,6 +122,27 @@ def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOC
 
 
 @gluon.jit
+def _issue_step(a_smem, w_smem, ready, it, zero, STAGES: gl.constexpr, GROUP: gl.constexpr, WIDTH: gl.constexpr):
+    """Wait for ring slot ``it`` and issue its K step into two fresh partial sums (one a weight half), async."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    w = w_smem.index(s)
+    b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
+    p0 = warpgroup_mma(w.slice(0, HALF), b, zero, use_acc=False, is_async=True)
+    p1 = warpgroup_mma(w.slice(HALF, HALF), b, zero, use_acc=False, is_async=True)
+    return p0, p1
+
+
+@gluon.jit
+def _retire_step(p0, p1, acc0, acc1, empty, it, STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
+    """Wait until only IN_FLIGHT MMAs (the next step's two, or none) are pending, add the step's partial sums into
+    the fp32 accumulators (the promotion, design 008 decision 4) and free its ring slot."""
+    p0, p1 = warpgroup_mma_wait(IN_FLIGHT, deps=(p0, p1))
+    mbarrier.arrive(empty.index(it % STAGES))
+    return acc0 + p0, acc1 + p1
+
+
+@gluon.jit
 def _fp8_mma(
     args,
     epilogue,
@@ -132,28 +153,37 @@ def _fp8_mma(
     GROUP: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """MMA warp group GROUP (0 or 1): every tile of this program, its half GROUP of the token rows."""
+    """MMA warp group GROUP (0 or 1): every tile of this program, its half GROUP of the token rows.
+
+    Each K step's sums go into fresh partials (the FP8 MMA sums in about 14 bits) that are added into fp32 once the
+    step is done.  Two partial pairs, A for even steps and B for odd ones, keep the next step's MMAs issued while
+    this one's are added: the MMA's own promotion (max_num_imprecise_acc) reads its partial right after issuing
+    it, which serializes every MMA (ptxas C7514)."""
     a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args = args
     _after_previous_kernel(PDL)
-    # sm_90's FP8 MMA sums in about 14 bits: added into fp32 every PRECISE K (design 008, decision 4)
-    PRECISE: gl.constexpr = min(BLOCK_K, 128)
     WIDTH: gl.constexpr = BLOCK_M // 2  # this group's token rows a tile
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
+    zero = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
     steps = gl.cdiv(k, BLOCK_K)
     for i in range(_program_tiles(tile_map, num_n_tiles)):
         n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles)
-        acc0 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
-        acc1 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
-        for step in range(steps):
-            it = i * steps + step
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            w = w_smem.index(s)
-            b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
-            acc0 = warpgroup_mma(w.slice(0, HALF), b, acc0, is_async=True, max_num_imprecise_acc=PRECISE)
-            acc1 = warpgroup_mma(w.slice(HALF, HALF), b, acc1, is_async=True, max_num_imprecise_acc=PRECISE)
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-            mbarrier.arrive(empty.index(s))
+        first = i * steps
+        acc0 = zero
+        acc1 = zero
+        a0, a1 = _issue_step(a_smem, w_smem, ready, first, zero, STAGES, GROUP, WIDTH)
+        for pair in range((steps - 1) // 2):  # step 2 pair (in A) in flight at the top
+            it = first + 2 * pair
+            b0, b1 = _issue_step(a_smem, w_smem, ready, it + 1, zero, STAGES, GROUP, WIDTH)
+            acc0, acc1 = _retire_step(a0, a1, acc0, acc1, empty, it, STAGES, 2)
+            a0, a1 = _issue_step(a_smem, w_smem, ready, it + 2, zero, STAGES, GROUP, WIDTH)
+            acc0, acc1 = _retire_step(b0, b1, acc0, acc1, empty, it + 1, STAGES, 2)
+        last = first + steps - 1
+        if steps % 2 == 0:  # one odd step left after the last even one
+            b0, b1 = _issue_step(a_smem, w_smem, ready, last, zero, STAGES, GROUP, WIDTH)
+            acc0, acc1 = _retire_step(a0, a1, acc0, acc1, empty, last - 1, STAGES, 2)
+            acc0, acc1 = _retire_step(b0, b1, acc0, acc1, empty, last, STAGES, 0)
+        else:
+            acc0, acc1 = _retire_step(a0, a1, acc0, acc1, empty, last, STAGES, 0)
         tile = (n_tile, expert, row0 + GROUP * WIDTH, row_end)
         _fp8_epilogue(acc0, acc1, tile, out_args, epilogue, IS_GEMM1, WIDTH, MMA_L)
 
