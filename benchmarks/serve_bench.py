@@ -2,7 +2,7 @@
 
     python benchmarks/serve_bench.py --model qwen3-30b-a3b --paths ours          # one path per call: ~5 min on an H200
     python benchmarks/serve_bench.py --model mixtral-8x7b --paths vllm_modelopt_fp4 bf16
-    python benchmarks/serve_bench.py --workload prefill-heavy --paths ours humming   # 2048 in, 128 out
+    python benchmarks/serve_bench.py --workload prefill-heavy --paths ours ours_w4a8 humming   # 2048 in, 128 out
 
 Per path: ``vllm serve`` (tests/helpers_engine.py ``VllmServer``: loopback, a free port, its log under ``--out``)
 on the checkpoints of e2e_throughput.py (the NVFP4 checkpoint written directly; BF16 from a config-only directory
@@ -17,7 +17,8 @@ checkpoint (tests/helpers_checkpoints.py ``write_word_tokenizer``), so nothing i
 
 Paths: ``ours`` = ``--quantization nvfp4_grouped``; ``vllm_modelopt_fp4`` = vLLM's NVFP4 MoE (Marlin on Hopper);
 ``humming`` = the same with ``--moe-backend humming`` (compiles its kernels with nvcc on first use: minutes);
-``bf16`` = random BF16 weights.  Every server gets the settings for hosts without NVLink multicast
+``bf16`` = random BF16 weights; ``ours_w4a8`` = ours with ``MOE_NVFP4_FP8_ACTIVATIONS=1`` (the opt-in W4A8
+mode: FP8 activations at prefill, design 008).  Every server gets the settings for hosts without NVLink multicast
 (docs/vllm-plugin.md) in case ``--tensor-parallel-size`` > 1.
 
 Writes ``<out>/serve_<model>_L<layers>.json`` and ``.md`` (``serve_<model>_L<layers>_<workload>`` for another
@@ -52,8 +53,9 @@ PATHS = {  # name -> (checkpoint kind, server arguments)
     "vllm_modelopt_fp4": ("modelopt", ["--quantization", "modelopt_fp4"]),
     "humming": ("modelopt", ["--quantization", "modelopt_fp4", "--moe-backend", "humming"]),
     "bf16": ("bf16", ["--load-format", "dummy"]),
+    "ours_w4a8": ("modelopt", ["--quantization", "nvfp4_grouped"]),
 }
-BASELINES = ("vllm_modelopt_fp4", "humming", "bf16")
+PATH_ENV = {"ours_w4a8": {"MOE_NVFP4_FP8_ACTIVATIONS": "1"}}  # the opt-in W4A8 mode (design 008): its switch
 NO_MULTICAST_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0"}
 NO_MULTICAST_ARGS = ["--compilation-config", json.dumps({"pass_config": {"fuse_allreduce_rms": False}})]
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -124,7 +126,7 @@ def bench_once(port: int, name: str, tokenizer: Path, rate: float, args, out_dir
 
 def run_path(name: str, ckpt: Path, args, out_dir: Path) -> dict:
     port = free_port()
-    env = dict(os.environ, **NO_MULTICAST_ENV)
+    env = dict(os.environ, **NO_MULTICAST_ENV, **PATH_ENV.get(name, {}))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")])
     serve_args = [
         str(ckpt),

@@ -346,3 +346,37 @@ def test_a_report_of_another_workload_is_never_merged_into(tmp_path, monkeypatch
         "ours",
         "bf16",
     ]
+
+
+def test_serving_w4a8_path_starts_ours_with_the_mode_switched_on(tmp_path, monkeypatch):
+    """ours_w4a8 serves the same checkpoint with the same arguments as ours, and MOE_NVFP4_FP8_ACTIVATIONS=1 in the
+    server's environment (ours without it); both keep the multicast-off settings."""
+    started = {}
+
+    class Server:
+        def __init__(self, serve_args, *, port, log_path, env):
+            self.key = next(a for a in serve_args if a in ("ours", "ours_w4a8"))
+            started[self.key] = (serve_args, env)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def start(self, timeout_s):
+            return 1.0
+
+        def stop(self, timeout_s):
+            return 0.5
+
+    monkeypatch.setattr(serve_bench, "VllmServer", Server)
+    monkeypatch.setattr(serve_bench, "bench_once", lambda port, name, tok, rate, args, out: {"rate": rate})
+    monkeypatch.delenv("MOE_NVFP4_FP8_ACTIVATIONS", raising=False)
+    args = serve_bench.parse_args(["--rates", "inf"])
+    for name in ("ours", "ours_w4a8"):
+        serve_bench.run_path(name, tmp_path, args, tmp_path)
+    (ours_args, ours_env), (w4a8_args, w4a8_env) = started["ours"], started["ours_w4a8"]
+    assert [a for a in ours_args if a != "ours"] == [a for a in w4a8_args if a != "ours_w4a8"]
+    assert w4a8_env["MOE_NVFP4_FP8_ACTIVATIONS"] == "1" and "MOE_NVFP4_FP8_ACTIVATIONS" not in ours_env
+    assert w4a8_env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == ours_env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "trtllm"
