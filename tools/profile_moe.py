@@ -3,6 +3,7 @@ launched without programmatic dependent launch (with it, a kernel's time also ho
 before: the routing kernel read 129 us at Qwen3 T=4096 that way).
 
     python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1
+    python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1 --per-launch      # GEMM1, GEMM2, ... apart
     python tools/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
 
 --ncu runs one forward (after three unprofiled ones, programmatic dependent launch as shipped) between
@@ -91,10 +92,17 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--config", default=None, help="MoEKernelConfig as JSON (default: the selected config)")
     p.add_argument("--ncu", action="store_true", help="one forward between cudaProfilerStart/Stop, no timing")
+    p.add_argument(
+        "--per-launch", action="store_true", help="each launch in order (GEMM1 and GEMM2 share a kernel name)"
+    )
     args = p.parse_args()
     cfg = MoEKernelConfig.from_dict(json.loads(args.config)) if args.config else None
     if args.ncu:
         one_forward_for_ncu(forward_of(args.model, args.tokens, cfg))
+        return 0
+    if args.per_launch:
+        for j, (name, us) in enumerate(kernel_times(forward_of(args.model, args.tokens, cfg))):
+            print(f"{j}  {us:9.1f} us  {name[:60]}")
         return 0
     times = profile(args.model, args.tokens, cfg)
     total = sum(times.values())

@@ -142,6 +142,21 @@ def _nan_scratch() -> None:
     torch.empty(256 << 20, device="cuda").fill_(float("nan"))
 
 
+def _replay_with_fresh_routing(graph, x, tw, ti, out, n_global: int, gen, check) -> None:
+    """Three replays of ``graph``, each after fresh poisoned ids, weights and x written into its inputs and NaN into
+    its output, then ``check()``."""
+    t, k = ti.shape
+    for _ in range(3):
+        new_tw, new_ti = _poisoned_routing(t, k, n_global, gen)
+        tw.copy_(new_tw)
+        ti.copy_(new_ti)
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check()
+
+
 @pytest.mark.parametrize("with_map", [False, True], ids=["no-map", "expert-map"])
 @pytest.mark.parametrize("family", list(FAMILY_TOKENS))
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
@@ -175,15 +190,7 @@ def test_poisoned_routing_graph(shape: Shape, family: str, gen: torch.Generator)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fused_moe_sm90(x, w, tw, ti, emap, cfg, out=out)
-    for _ in range(3):
-        new_tw, new_ti = _poisoned_routing(t, shape.top_k, n_global, gen)
-        tw.copy_(new_tw)
-        ti.copy_(new_ti)
-        x.copy_(torch.randn(t, shape.hidden, generator=gen, device="cuda"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, x, q13, q2, tw, ti, emap)
+    _replay_with_fresh_routing(graph, x, tw, ti, out, n_global, gen, lambda: _check(out, x, q13, q2, tw, ti, emap))
 
 
 @pytest.mark.parametrize("t", [1, 2, 9])
@@ -236,12 +243,4 @@ def test_poisoned_routing_w4a8_graph(shape: Shape, gen: torch.Generator) -> None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe_w4a8(x, fp8, tw, ti, emap)
-    for _ in range(3):
-        new_tw, new_ti = _poisoned_routing(t, shape.top_k, n_global, gen)
-        tw.copy_(new_tw)
-        ti.copy_(new_ti)
-        x.copy_(torch.randn(t, shape.hidden, generator=gen, device="cuda"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_w4a8(out, x, fp8, tw, ti, emap)
+    _replay_with_fresh_routing(graph, x, tw, ti, out, n_global, gen, lambda: _check_w4a8(out, x, fp8, tw, ti, emap))
