@@ -127,11 +127,13 @@ def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOC
     a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
     w_rows = expert * n_rows + n_tile * (2 * HALF) + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
     last = (expert + 1) * n_rows
-    h0 = acc0 * gl.load(w_scale_ptr + w_rows, mask=w_rows < last, other=0.0)[:, None] * a_scale
-    h1 = acc1 * gl.load(w_scale_ptr + w_rows + HALF, mask=w_rows + HALF < last, other=0.0)[:, None] * a_scale
+    w_scale0 = gl.load(w_scale_ptr + w_rows, mask=w_rows < last, other=0.0)[:, None]
+    w_scale1 = gl.load(w_scale_ptr + w_rows + HALF, mask=w_rows + HALF < last, other=0.0)[:, None]
     out_rows = rows if IS_GEMM1 else gl.load(pairs_ptr + rows, mask=row_ok, other=0)
     out = (out_ptr, stride_out, weights_ptr, n_out)
     if epilogue[5]:  # GATE_UP: h0 the gate rows, h1 their up rows
+        h0 = acc0 * w_scale0 * a_scale
+        h1 = acc1 * w_scale1 * a_scale
         offs = n_tile * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
         bias_ptr = epilogue[0]
         if bias_ptr is not None:
@@ -146,7 +148,10 @@ def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOC
             mask=mask,
         )
     else:
+        # one half scaled and stored at a time: fewer registers live at once
+        h0 = acc0 * w_scale0 * a_scale
         _half_out(h0, n_tile * (2 * HALF), expert, rows, row_ok, out_rows, out, epilogue, IS_GEMM1, MMA_L)
+        h1 = acc1 * w_scale1 * a_scale
         _half_out(h1, n_tile * (2 * HALF) + HALF, expert, rows, row_ok, out_rows, out, epilogue, IS_GEMM1, MMA_L)
 
 
@@ -184,8 +189,7 @@ def _retire_step(
     p0, p1 = warpgroup_mma_wait(IN_FLIGHT, deps=(p0, p1))
     mbarrier.arrive(empty.index((i * steps + step) % STAGES))
     if CHUNK_N > 0:
-        if i % CHUNK_N == CHUNK_N - 1:
-            mbarrier.arrive(panel_empty.index(step))
+        mbarrier.arrive(panel_empty.index(step), pred=i % CHUNK_N == CHUNK_N - 1)
     return acc0 + p0, acc1 + p1
 
 
@@ -214,6 +218,7 @@ def _fp8_mma(
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
     steps = gl.cdiv(k, BLOCK_K)
     for i in range(_program_tiles(tile_map, num_n_tiles, CHUNK_N)):
+        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles, CHUNK_N)
         acc0 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
         acc1 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
         w, b = _stage(i, 0, steps, bufs, STAGES, GROUP, WIDTH, CHUNK_N)
@@ -238,8 +243,6 @@ def _fp8_mma(
             acc0, acc1 = _retire_step(b0, q1, acc0, acc1, i, last, steps, bufs, STAGES, 0, CHUNK_N)
         else:
             acc0, acc1 = _retire_step(a0, q1, acc0, acc1, i, last, steps, bufs, STAGES, 0, CHUNK_N)
-        # the tile's place, read after its K loop: nothing of it is live beside the MMAs' registers
-        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles, CHUNK_N)
         tile = (n_tile, expert, row0 + GROUP * WIDTH, row_end)
         _fp8_epilogue(acc0, acc1, tile, out_args, epilogue, IS_GEMM1, WIDTH, MMA_L)
 
