@@ -152,6 +152,8 @@ def test_fp8_config_is_validated() -> None:
         Fp8Config(block_m=16, warp_specialized=True)
     with pytest.raises(ValueError, match="warp_specialized takes 32 <= block_m <= 128"):
         Fp8Config(block_m=256, warp_specialized=True)
+    with pytest.raises(ValueError, match="num_stages >= 2"):  # a group holds two stages: one would deadlock
+        Fp8Config(num_stages=1)
     assert Fp8Config(block_m=16, warp_specialized=False).block_m == 16
     assert Fp8Config().launcher(on_gpu=True).__name__ == "launch_fp8_ws"  # what the mode runs
     assert Fp8Config(block_m=64).launcher(on_gpu=False).__name__ == "launch_fp8_gemm"  # the interpreter's
@@ -159,13 +161,19 @@ def test_fp8_config_is_validated() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "gated,block_m,block_k,stages",
-    [(True, 128, 128, 4), (False, 32, 64, 4), (True, 64, 128, 6), (False, 128, 128, 3)],
+    "gated,block_m,block_k,stages,panel",
+    [
+        (True, 128, 128, 4, 0),
+        (False, 32, 64, 4, 0),
+        (True, 64, 128, 6, 0),
+        (False, 128, 128, 3, 0),
+        (False, 128, 128, 4, 6),
+    ],
 )
-def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stages) -> None:
+def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stages, panel) -> None:
     """The Gluon kernel (gemm_fp8_ws) for sm_90a on the CPU: FP8 wgmma of 64 weight rows by each group's half of the
-    token rows, two TMA boxes a stage, the register budgets of the second MMA warp group and the loader, and no
-    spills under ptxas (maxnreg 168)."""
+    token rows, two TMA boxes a stage, the register budgets of the second MMA warp group and the loader, no spills
+    under ptxas (maxnreg 168), and no MMA that ptxas serializes (C7514: the sums read while MMAs are in flight)."""
     import re
 
     import triton
@@ -202,7 +210,10 @@ def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stag
         k="i32",
         epilogue=None,
     )
-    constexprs = dict(IS_GEMM1=gated, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages, PDL=True)
+    chunk_n = 4 if panel else 0  # GEMM2 of Qwen3-30B-A3B: K = 768 in 6 steps kept, 16 weight tiles in units of 4
+    constexprs = dict(
+        IS_GEMM1=gated, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages, PANEL=panel, CHUNK_N=chunk_n, PDL=True
+    )
     assert list(signature) + list(constexprs) == W._fp8_ws_kernel.arg_names, "test signature out of date"
     signature["epilogue"], paths = _epilogue(W._fp8_ws_kernel, DEFAULT_EPILOGUE[gated])
     src = GluonASTSource(
@@ -214,11 +225,12 @@ def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stag
     options = dict(launch_pdl=True, num_warps=4, maxnreg=168)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     assert f"wgmma.mma_async.sync.aligned.m64n{block_m // 2}k32.f32.e4m3.e4m3" in ptx
-    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 2  # the loader's two boxes a stage
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 2  # the loader's two boxes (a stage's, or the panel's)
     budgets = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {str(W.MMA_REGISTERS.value), str(W.LOADER_REGISTERS.value)} <= budgets
     info = _ptxas_info(ptx)
     assert "0 bytes spill stores" in info and "0 bytes spill loads" in info, info
+    assert "C7514" not in info and "C7517" not in info, info  # no MMA serialized by a read of its sums in flight
 
 
 @pytest.mark.slow
@@ -367,3 +379,20 @@ def test_custom_op_with_fp8_weights_passes_opcheck() -> None:
         return m.fused_moe(x, w, tw, ti, fp8_weights=f) * 2
 
     assert torch.equal(layer(x, tw, ti), m.fused_moe(x, w, tw, ti, fp8_weights=f) * 2)
+
+
+def test_token_panel_rule() -> None:
+    """gemm_fp8_ws.token_panel: GEMM2 keeps a token tile's whole K in shared memory where it fits beside the ring
+    and the weight tiles split into units of 4 (else 2); GEMM1, long K and odd tile counts stream as before."""
+    from moe_nvfp4.sm90.gemm_fp8 import Fp8Tiles
+    from moe_nvfp4.sm90.gemm_fp8_ws import token_panel
+
+    tiles = Fp8Tiles(128, 128, 4)
+    assert token_panel(False, 768, 2048, tiles) == (6, 4)  # Qwen3-30B-A3B GEMM2
+    assert token_panel(False, 1024, 2048, tiles) == (8, 4)  # OLMoE: 192 KB with the ring
+    assert token_panel(False, 256, 7168, tiles) == (2, 4)  # Kimi-K2 TP=8
+    assert token_panel(False, 768, 768, tiles) == (6, 2)  # 6 weight tiles
+    assert token_panel(False, 1152, 2048, tiles) == (0, 0)  # 9 steps: 208 KB
+    assert token_panel(False, 14336, 4096, tiles) == (0, 0)  # Mixtral GEMM2
+    assert token_panel(False, 768, 2880, tiles) == (0, 0)  # 23 weight tiles
+    assert token_panel(True, 768, 2048, tiles) == (0, 0)  # GEMM1

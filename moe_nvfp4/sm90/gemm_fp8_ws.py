@@ -34,40 +34,69 @@ MMA_REGISTERS = gl.constexpr(
 
 
 @gluon.jit
-def _program_tile(i, tile_map, num_n_tiles):
-    """This program's i-th tile (programs take tiles pid, pid + programs, ... in gemm_triton's grouped order): its
-    n tile, expert, first sorted row and end of rows."""
+def _program_tile(i, tile_map, num_n_tiles, CHUNK_N: gl.constexpr):
+    """This program's i-th tile: its n tile, expert, first sorted row and end of rows.  CHUNK_N 0: programs take
+    tiles pid, pid + programs, ... in gemm_triton's grouped order; else units of CHUNK_N n tiles of one token tile
+    (pid, pid + programs, ... token-tile major), a unit's tiles in turn, so its token rows are loaded once."""
     num_m_tiles = gl.load(tile_map[4])
-    mn = gl.program_id(0) + i * gl.num_programs(0)
-    m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
+    if CHUNK_N == 0:
+        mn = gl.program_id(0) + i * gl.num_programs(0)
+        m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
+    else:
+        unit = gl.program_id(0) + (i // CHUNK_N) * gl.num_programs(0)
+        chunks = num_n_tiles // CHUNK_N
+        m_tile = unit // chunks
+        n_tile = (unit % chunks) * CHUNK_N + i % CHUNK_N
     return n_tile, gl.load(tile_map[1] + m_tile), gl.load(tile_map[2] + m_tile), gl.load(tile_map[3] + m_tile)
 
 
 @gluon.jit
-def _program_tiles(tile_map, num_n_tiles):
-    """How many tiles this program takes."""
-    total = gl.load(tile_map[4]) * num_n_tiles
+def _program_tiles(tile_map, num_n_tiles, CHUNK_N: gl.constexpr):
+    """How many tiles this program takes (whole units where CHUNK_N > 0)."""
+    per = 1 if CHUNK_N == 0 else CHUNK_N
+    total = gl.load(tile_map[4]) * (num_n_tiles // per)
     pid = gl.program_id(0)
-    return gl.where(pid < total, (total - pid + gl.num_programs(0) - 1) // gl.num_programs(0), 0)
+    return gl.where(pid < total, (total - pid + gl.num_programs(0) - 1) // gl.num_programs(0), 0) * per
 
 
 @gluon.jit
-def _fp8_loader(args, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
-    """The loader warp: every tile's K steps in order, a stage each, weights then token rows on one barrier."""
-    a_desc, w_desc, a_smem, w_smem, ready, empty, tile_map, n_rows, k, num_n_tiles = args
+def _fp8_loader(
+    args,
+    BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    CHUNK_N: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """The loader warp: every tile's K steps in order, a stage each, weights then token rows on one barrier; with
+    CHUNK_N the token rows go to the panel instead, once a unit, each K step's box when both groups are done with
+    the last unit's (panel_empty)."""
+    a_desc, w_desc, a_smem, w_smem, ready, empty, panel_ready, panel_empty, tile_map, n_rows, k, num_n_tiles = args
     _after_previous_kernel(PDL)
     steps = gl.cdiv(k, BLOCK_K)
-    for i in range(_program_tiles(tile_map, num_n_tiles)):
-        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles)
+    for i in range(_program_tiles(tile_map, num_n_tiles, CHUNK_N)):
+        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles, CHUNK_N)
         w_row = expert * n_rows + n_tile * (2 * HALF)
         for step in range(steps):
+            if CHUNK_N > 0:
+                if i % CHUNK_N == 0:  # a unit's first tile: its token rows into the panel
+                    unit = i // CHUNK_N
+                    mbarrier.wait(panel_empty.index(step), (unit & 1) ^ 1)
+                    mbarrier.expect(panel_ready.index(step), BLOCK_M * BLOCK_K)
+                    tma.async_copy_global_to_shared(
+                        a_desc, [row0, step * BLOCK_K], panel_ready.index(step), a_smem.index(step)
+                    )
             it = i * steps + step
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, (2 * HALF + BLOCK_M) * BLOCK_K)  # e4m3: a byte a value
-            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
-            tma.async_copy_global_to_shared(a_desc, [row0, step * BLOCK_K], bar, a_smem.index(s))
+            if CHUNK_N > 0:
+                mbarrier.expect(bar, 2 * HALF * BLOCK_K)  # e4m3: a byte a value
+                tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
+            else:
+                mbarrier.expect(bar, (2 * HALF + BLOCK_M) * BLOCK_K)
+                tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0, step * BLOCK_K], bar, a_smem.index(s))
 
 
 @gluon.jit
@@ -98,11 +127,13 @@ def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOC
     a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
     w_rows = expert * n_rows + n_tile * (2 * HALF) + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
     last = (expert + 1) * n_rows
-    h0 = acc0 * gl.load(w_scale_ptr + w_rows, mask=w_rows < last, other=0.0)[:, None] * a_scale
-    h1 = acc1 * gl.load(w_scale_ptr + w_rows + HALF, mask=w_rows + HALF < last, other=0.0)[:, None] * a_scale
+    w_scale0 = gl.load(w_scale_ptr + w_rows, mask=w_rows < last, other=0.0)[:, None]
+    w_scale1 = gl.load(w_scale_ptr + w_rows + HALF, mask=w_rows + HALF < last, other=0.0)[:, None]
     out_rows = rows if IS_GEMM1 else gl.load(pairs_ptr + rows, mask=row_ok, other=0)
     out = (out_ptr, stride_out, weights_ptr, n_out)
     if epilogue[5]:  # GATE_UP: h0 the gate rows, h1 their up rows
+        h0 = acc0 * w_scale0 * a_scale
+        h1 = acc1 * w_scale1 * a_scale
         offs = n_tile * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
         bias_ptr = epilogue[0]
         if bias_ptr is not None:
@@ -117,8 +148,49 @@ def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOC
             mask=mask,
         )
     else:
+        # one half scaled and stored at a time: fewer registers live at once
+        h0 = acc0 * w_scale0 * a_scale
         _half_out(h0, n_tile * (2 * HALF), expert, rows, row_ok, out_rows, out, epilogue, IS_GEMM1, MMA_L)
+        h1 = acc1 * w_scale1 * a_scale
         _half_out(h1, n_tile * (2 * HALF) + HALF, expert, rows, row_ok, out_rows, out, epilogue, IS_GEMM1, MMA_L)
+
+
+@gluon.jit
+def _stage(i, step, steps, bufs, STAGES: gl.constexpr, GROUP: gl.constexpr, WIDTH: gl.constexpr, CHUNK_N: gl.constexpr):
+    """Wait for tile i's K step (its ring slot, and with CHUNK_N its panel box): the weight box and this group's
+    token rows, as the MMA's operands."""
+    a_smem, w_smem, ready, empty, panel_ready, panel_empty = bufs
+    it = i * steps + step
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    if CHUNK_N > 0:
+        mbarrier.wait(panel_ready.index(step), (i // CHUNK_N) & 1)
+        b = a_smem.index(step).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
+    else:
+        b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
+    return w_smem.index(s), b
+
+
+@gluon.jit
+def _half_mma(w, b, h: gl.constexpr, WIDTH: gl.constexpr, MMA_L: gl.constexpr):
+    """Weight half h of a K step into a fresh partial sum, async."""
+    zero = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
+    return warpgroup_mma(w.slice(h * HALF, HALF), b, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _retire_step(
+    p0, p1, acc0, acc1, i, step, steps, bufs, STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, CHUNK_N: gl.constexpr
+):
+    """Wait until only IN_FLIGHT MMAs (the next step's first half, or none) are pending, add the step's partial sums
+    into the fp32 accumulators (the promotion, design 008 decision 4) and free its ring slot (and at a unit's last
+    tile its panel box)."""
+    a_smem, w_smem, ready, empty, panel_ready, panel_empty = bufs
+    p0, p1 = warpgroup_mma_wait(IN_FLIGHT, deps=(p0, p1))
+    mbarrier.arrive(empty.index((i * steps + step) % STAGES))
+    if CHUNK_N > 0:
+        mbarrier.arrive(panel_empty.index(step), pred=i % CHUNK_N == CHUNK_N - 1)
+    return acc0 + p0, acc1 + p1
 
 
 @gluon.jit
@@ -129,31 +201,48 @@ def _fp8_mma(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
+    CHUNK_N: gl.constexpr,
     GROUP: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """MMA warp group GROUP (0 or 1): every tile of this program, its half GROUP of the token rows."""
-    a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args = args
+    """MMA warp group GROUP (0 or 1): every tile of this program, its half GROUP of the token rows.
+
+    Each K step's sums go into fresh partials (the FP8 MMA sums in about 14 bits) that are added into fp32 once the
+    step is done, while the next step's first half runs: the MMA's own promotion (max_num_imprecise_acc) reads its
+    partial right after issuing it, which serializes every MMA (ptxas C7514).  The first halves alternate between
+    two partials (A on even steps, B on odd: the next one is issued before this one is read), the second halves
+    take one (issued after the step before is added): 160 accumulator registers, not 192."""
+    bufs, tile_map, k, num_n_tiles, out_args = args
     _after_previous_kernel(PDL)
-    # sm_90's FP8 MMA sums in about 14 bits: added into fp32 every PRECISE K (design 008, decision 4)
-    PRECISE: gl.constexpr = min(BLOCK_K, 128)
     WIDTH: gl.constexpr = BLOCK_M // 2  # this group's token rows a tile
     MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
     steps = gl.cdiv(k, BLOCK_K)
-    for i in range(_program_tiles(tile_map, num_n_tiles)):
-        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles)
+    for i in range(_program_tiles(tile_map, num_n_tiles, CHUNK_N)):
+        n_tile, expert, row0, row_end = _program_tile(i, tile_map, num_n_tiles, CHUNK_N)
         acc0 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
         acc1 = gl.zeros([HALF, WIDTH], gl.float32, MMA_L)
-        for step in range(steps):
-            it = i * steps + step
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            w = w_smem.index(s)
-            b = a_smem.index(s).slice(GROUP * WIDTH, WIDTH).permute((1, 0))
-            acc0 = warpgroup_mma(w.slice(0, HALF), b, acc0, is_async=True, max_num_imprecise_acc=PRECISE)
-            acc1 = warpgroup_mma(w.slice(HALF, HALF), b, acc1, is_async=True, max_num_imprecise_acc=PRECISE)
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-            mbarrier.arrive(empty.index(s))
+        w, b = _stage(i, 0, steps, bufs, STAGES, GROUP, WIDTH, CHUNK_N)
+        a0 = _half_mma(w, b, 0, WIDTH, MMA_L)
+        q1 = _half_mma(w, b, 1, WIDTH, MMA_L)
+        for pair in range((steps - 1) // 2):  # step 2 pair in flight at the top (first half in A)
+            step = 2 * pair
+            w, b = _stage(i, step + 1, steps, bufs, STAGES, GROUP, WIDTH, CHUNK_N)
+            b0 = _half_mma(w, b, 0, WIDTH, MMA_L)
+            acc0, acc1 = _retire_step(a0, q1, acc0, acc1, i, step, steps, bufs, STAGES, 1, CHUNK_N)
+            q1 = _half_mma(w, b, 1, WIDTH, MMA_L)
+            w, b = _stage(i, step + 2, steps, bufs, STAGES, GROUP, WIDTH, CHUNK_N)
+            a0 = _half_mma(w, b, 0, WIDTH, MMA_L)
+            acc0, acc1 = _retire_step(b0, q1, acc0, acc1, i, step + 1, steps, bufs, STAGES, 1, CHUNK_N)
+            q1 = _half_mma(w, b, 1, WIDTH, MMA_L)
+        last = steps - 1
+        if steps % 2 == 0:  # one odd step left after the last even one
+            w, b = _stage(i, last, steps, bufs, STAGES, GROUP, WIDTH, CHUNK_N)
+            b0 = _half_mma(w, b, 0, WIDTH, MMA_L)
+            acc0, acc1 = _retire_step(a0, q1, acc0, acc1, i, last - 1, steps, bufs, STAGES, 1, CHUNK_N)
+            q1 = _half_mma(w, b, 1, WIDTH, MMA_L)
+            acc0, acc1 = _retire_step(b0, q1, acc0, acc1, i, last, steps, bufs, STAGES, 0, CHUNK_N)
+        else:
+            acc0, acc1 = _retire_step(a0, q1, acc0, acc1, i, last, steps, bufs, STAGES, 0, CHUNK_N)
         tile = (n_tile, expert, row0 + GROUP * WIDTH, row_end)
         _fp8_epilogue(acc0, acc1, tile, out_args, epilogue, IS_GEMM1, WIDTH, MMA_L)
 
@@ -180,29 +269,58 @@ def _fp8_ws_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
+    PANEL: gl.constexpr,
+    CHUNK_N: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    # PANEL > 0 (with CHUNK_N): a unit's token rows stay in shared memory, PANEL K steps of them, while its CHUNK_N
+    # tiles stream only weight boxes through the ring
+    A_SLOTS: gl.constexpr = PANEL if PANEL > 0 else STAGES
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [A_SLOTS, BLOCK_M, BLOCK_K], a_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    P_SLOTS: gl.constexpr = PANEL if PANEL > 0 else 1
+    panel_ready = gl.allocate_shared_memory(gl.int64, [P_SLOTS, 1], mbarrier.MBarrierLayout())
+    panel_empty = gl.allocate_shared_memory(gl.int64, [P_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both groups read every stage
+    for i in gl.static_range(P_SLOTS):
+        mbarrier.init(panel_ready.index(i), count=1)
+        mbarrier.init(panel_empty.index(i), count=2)
     num_n_tiles = gl.cdiv(n_rows, 2 * HALF)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr)
     out_args = (a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out, n_rows)
-    mma = (a_smem, w_smem, ready, empty, tile_map, k, num_n_tiles, out_args)
-    loader = (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_map, n_rows, k, num_n_tiles)
+    bufs = (a_smem, w_smem, ready, empty, panel_ready, panel_empty)
+    mma = (bufs, tile_map, k, num_n_tiles, out_args)
+    loader = (a_desc, w_desc, a_smem, w_smem, ready, empty, panel_ready, panel_empty, tile_map, n_rows, k, num_n_tiles)
     gl.warp_specialize(
         [
-            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, 0, PDL)),
-            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, 1, PDL)),
-            (_fp8_loader, (loader, BLOCK_M, BLOCK_K, STAGES, PDL)),
+            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, CHUNK_N, 0, PDL)),
+            (_fp8_mma, (mma, epilogue, IS_GEMM1, BLOCK_M, BLOCK_K, STAGES, CHUNK_N, 1, PDL)),
+            (_fp8_loader, (loader, BLOCK_M, BLOCK_K, STAGES, CHUNK_N, PDL)),
         ],
         [4, 1],
         [MMA_REGISTERS, LOADER_REGISTERS],
     )
+
+
+PANEL_SMEM = 200 * 1024  # shared memory the token panel and the weight ring may take (sm_90: 227 KB a block)
+UNIT_TILES = (4, 2)  # n tiles a unit, the first that divides the GEMM's: the panel loaded once for 4 weight tiles
+
+
+def token_panel(is_gemm1: bool, k: int, n_rows: int, tiles: Fp8Tiles) -> tuple[int, int]:
+    """(K steps of token rows kept in shared memory, n tiles a unit), or (0, 0): GEMM2 where its whole K of a token
+    tile fits beside the ring (I <= 1024 at 128 x 128 boxes and 4 stages), so each weight box streams with no token
+    box beside it: half the bytes a K step from L2 (design 008 decision 7)."""
+    steps = -(-k // tiles.block_k)
+    panel_bytes = (steps * tiles.block_m + tiles.num_stages * WEIGHT_ROWS) * tiles.block_k
+    n_tiles = -(-n_rows // WEIGHT_ROWS)
+    chunk = next((c for c in UNIT_TILES if n_tiles % c == 0), 0)
+    if is_gemm1 or panel_bytes > PANEL_SMEM or not chunk:
+        return 0, 0
+    return steps, chunk
 
 
 def launch_fp8_ws(
@@ -225,6 +343,7 @@ def launch_fp8_ws(
     w_desc = TensorDescriptor.from_tensor(
         weight.view(e * n_rows, k), w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.float8e4nv)
     )
+    panel, chunk_n = token_panel(is_gemm1, k, n_rows, tiles)
     pdl = triton_common._dependent_launch(rows.device)["PDL"]
     _fp8_ws_kernel[(sms,)](
         a_desc,
@@ -243,6 +362,8 @@ def launch_fp8_ws(
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
         STAGES=tiles.num_stages,
+        PANEL=panel,
+        CHUNK_N=chunk_n,
         PDL=pdl,
         num_warps=4,
         maxnreg=168,

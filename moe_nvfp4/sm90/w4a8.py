@@ -80,11 +80,12 @@ class Fp8Config:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Fp8Config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.warp_specialized and not (32 <= self.block_m <= 128 and self.block_k <= 128):
+        if self.warp_specialized and not (32 <= self.block_m <= 128 and self.block_k <= 128 and self.num_stages >= 2):
             raise ValueError(
-                "Fp8Config.warp_specialized takes 32 <= block_m <= 128 and block_k <= 128 (gemm_fp8_ws: each MMA warp "
-                f"group takes half the token rows, at most 64, into two accumulators), got block_m={self.block_m}, "
-                f"block_k={self.block_k}"
+                "Fp8Config.warp_specialized takes 32 <= block_m <= 128, block_k <= 128 and num_stages >= 2 (gemm_fp8_ws: "
+                "each MMA warp group takes half the token rows, at most 64, into two accumulators, and holds two ring "
+                f"stages while it adds one's sums), got block_m={self.block_m}, block_k={self.block_k}, "
+                f"num_stages={self.num_stages}"
             )
 
     @property
