@@ -34,10 +34,11 @@ from moe_nvfp4.sm90.w4a8 import Fp8Config, fused_moe_w4a8, fused_moe_w4a8_torch
 pytestmark = pytest.mark.gpu
 
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-# tests/gpu/test_w4a8_gpu.py's TWIN_TOL: the MMA's summing order against the twin's.  x in fp16 for these cases:
-# a bf16 activation's rounding before its e4m3 one moves a few-token output 1.7-2.6e-2 from the twin (Triton's
-# interpreter, 5 tokens, some pairs poisoned; fp16 there: equal), which would hide a dropped or doubled pair.
-W4A8_TWIN_TOL = 1e-2
+# tests/gpu/test_w4a8_gpu.py's TWIN_TOL: the FP8 MMA's 13-bit sums against the twin's fp32 ones, wider over a handful
+# of tokens (5 here: one dropped or doubled pair moves them 0.2 or more).  x in fp16 for these cases: a bf16
+# activation's rounding before its e4m3 one moves a few-token output 1.7-2.6e-2 from the twin (Triton's interpreter,
+# 5 tokens, some pairs poisoned; fp16 there: equal), which would hide a dropped or doubled pair over 300 tokens.
+W4A8_TWIN_TOL = {"many tokens": 1e-2, "few tokens": 4e-2}
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def _check_w4a8(out: torch.Tensor, x, fp8, tw, ti, emap) -> None:
     assert not out.isnan().any(), "unwritten output (or a summed row never written)"
     twin = fused_moe_w4a8_torch(x, fp8, tw, ti, emap)
     rel = ((out.double() - twin.double()).norm() / twin.double().norm()).item()
-    assert rel < W4A8_TWIN_TOL, rel
+    assert rel < W4A8_TWIN_TOL["many tokens" if x.shape[0] >= 256 else "few tokens"], rel
     if x.shape[0] >= 2:
         assert bool((out[0] == 0).all()), "a token with only poisoned pairs got output"
 

@@ -1,10 +1,13 @@
 """GPU tier of the W4A8 mode (sm90.w4a8 on FP8 wgmma; run with ``pytest -m gpu`` on an sm_90 machine).
 
 Bounds: against the pure-torch twin (the same e4m3 operands and scales, float32 sums) ||out - twin|| / ||twin||
-< 1e-2: the activation rounds to x's dtype before its e4m3 rounding, so a sum summed in another order (the MMA's)
-can move a value across an e4m3 rounding boundary, 2^-4 of it (measured 6.3-7.3e-3 in fp16 on an H200);
-against the float64 W4A16 reference < 8e-2 (design 008: folded scales cost 5.2-6.0e-2 on every zoo layer).  The
-row quantizer equals its twin byte for byte (round to nearest even: the GPU's float8 conversion, the twin's cast).
+< 1e-2 over many tokens, < 4e-2 over a handful: sm_90's FP8 MMA sums a K step in about 13 bits before the kernel adds
+it into fp32, which moves the activation across an e4m3 rounding boundary now and then, 2^-4 of it (measured
+6.3-7.3e-3 in fp16 on an H200 at 1024 tokens; at the decode-sized shape, T=5, 1.05-1.95e-2 in 5 of 32 runs on
+2026-11-29, and an emulation of the 13-bit sums gives up to 1.9e-2 over 30 seeds:
+benchmarks/results/prefill_probes_2026-11-29/w4a8_twin_bound.md); against the float64 W4A16 reference < 8e-2
+(design 008: folded scales cost 5.2-6.0e-2 on every zoo layer).  The row quantizer equals its twin byte for byte
+(round to nearest even: the GPU's float8 conversion, the twin's cast).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from moe_nvfp4.sm90.w4a8 import (
 )
 
 pytestmark = pytest.mark.gpu
-TWIN_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2}
+TWIN_TOL = {"many tokens": 1e-2, "few tokens": 4e-2}
 # The FP8 roundings' own error against the float64 W4A16 reference: 5.2-6.6e-2 over 256 tokens on every zoo layer
 # (accuracy record, H200). Over a handful of tokens it has a long tail: the twin's, at the decode-sized shape (T=5),
 # 4.0e-2 to 0.138 over 60 seeds (median 5.9e-2). Kernel bugs show against the twin; the reference catches a twin gone
@@ -86,8 +89,9 @@ def test_w4a8_matches_twin_and_reference(why, e, k, h, i, t, cfg, dtype, gen) ->
     twin = fused_moe_w4a8_torch(x, f, tw, ti)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     assert not out.isnan().any()
-    assert _rel(out, twin) < TWIN_TOL[dtype], _rel(out, twin)
-    assert _rel(out, ref) < REF_TOL["many tokens" if t >= 256 else "few tokens"], _rel(out, ref)
+    tokens = "many tokens" if t >= 256 else "few tokens"
+    assert _rel(out, twin) < TWIN_TOL[tokens], _rel(out, twin)
+    assert _rel(out, ref) < REF_TOL[tokens], _rel(out, ref)
 
 
 def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
@@ -101,7 +105,7 @@ def test_w4a8_expert_map_and_poisoned_ids(gen) -> None:
     emap = torch.tensor([-1, *range(e), -1], dtype=torch.int32, device="cuda")
     out = fused_moe_w4a8(x, f, tw, ti, emap)
     twin = fused_moe_w4a8_torch(x, f, tw, ti, emap)
-    assert _rel(out, twin) < TWIN_TOL[torch.bfloat16]
+    assert _rel(out, twin) < TWIN_TOL["few tokens"]  # 50 tokens
 
 
 @pytest.mark.parametrize(
@@ -168,7 +172,7 @@ def test_fused_moe_with_fp8_weights(gen) -> None:
     x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k, renormalize=True)
     out = m.fused_moe(x, w, tw, ti, fp8_weights=f)
-    assert _rel(out, fused_moe_w4a8_torch(x, f, tw, ti)) < TWIN_TOL[torch.bfloat16]
+    assert _rel(out, fused_moe_w4a8_torch(x, f, tw, ti)) < TWIN_TOL["many tokens"]  # 320 tokens
     few = slice(0, 7)
     assert torch.equal(
         m.fused_moe(x[few], w, tw[few], ti[few], fp8_weights=f), m.fused_moe(x[few], w, tw[few], ti[few])
