@@ -5,10 +5,13 @@ One loader warp issues each stage's two TMA boxes (weights [128 rows, BLOCK_K], 
 a ring, running ahead across tiles.  Two MMA warp groups take every tile together, each on half its token rows, so a
 stage serves both (it is freed once both read it).  A group holds a tile's 128 weight rows as two 64-row
 accumulators (one m64 wgmma each): GEMM1's gate rows and their up rows (weight_layouts.FP8_GATE_UP_BLOCK), or two
-halves of GEMM2's.  The FP8 sums are promoted to fp32 every BLOCK_K (at most 128), which is why a group's token side
-is at most 64 rows: two accumulators and their partial sums at 64 x 64 are 128 registers a thread.  The ping-pong
-form (each group on alternate tiles, its epilogue under the other's MMAs) read half the bytes a MMA and lost:
-0.81-1.01x W4A16 where this form made 1.08-1.38x (design 008 decision 7).
+halves of GEMM2's.  Each K step's MMAs sum into fresh partials that are added into the fp32 accumulators while the
+next step's MMAs run (the promotion every BLOCK_K, at most 128: _fp8_mma), which is why a group's token side is at
+most 64 rows: the accumulators and three partials at 64 x 64 are 160 registers a thread.  Where GEMM2's whole K of
+a token tile fits beside the ring (token_panel), the token rows stay in shared memory for a unit of weight tiles and
+the ring streams weight boxes only (design 008 decision 10).  The ping-pong form (each group on alternate tiles,
+its epilogue under the other's MMAs) read half the bytes a MMA and lost: 0.81-1.01x W4A16 where this form made
+1.08-1.38x (design 008 decision 7).
 """
 
 from __future__ import annotations
@@ -90,12 +93,10 @@ def _fp8_loader(
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            if CHUNK_N > 0:
-                mbarrier.expect(bar, 2 * HALF * BLOCK_K)  # e4m3: a byte a value
-                tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
-            else:
-                mbarrier.expect(bar, (2 * HALF + BLOCK_M) * BLOCK_K)
-                tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
+            # e4m3: a byte a value; with the panel the stage holds the weight box only
+            mbarrier.expect(bar, (2 * HALF + (0 if CHUNK_N > 0 else BLOCK_M)) * BLOCK_K)
+            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, w_smem.index(s))
+            if CHUNK_N == 0:
                 tma.async_copy_global_to_shared(a_desc, [row0, step * BLOCK_K], bar, a_smem.index(s))
 
 
@@ -313,7 +314,7 @@ UNIT_TILES = (4, 2)  # n tiles a unit, the first that divides the GEMM's: the pa
 def token_panel(is_gemm1: bool, k: int, n_rows: int, tiles: Fp8Tiles) -> tuple[int, int]:
     """(K steps of token rows kept in shared memory, n tiles a unit), or (0, 0): GEMM2 where its whole K of a token
     tile fits beside the ring (I <= 1024 at 128 x 128 boxes and 4 stages), so each weight box streams with no token
-    box beside it: half the bytes a K step from L2 (design 008 decision 7)."""
+    box beside it: half the bytes a K step from L2 (design 008 decisions 7 and 10)."""
     steps = -(-k // tiles.block_k)
     panel_bytes = (steps * tiles.block_m + tiles.num_stages * WEIGHT_ROWS) * tiles.block_k
     n_tiles = -(-n_rows // WEIGHT_ROWS)
