@@ -84,7 +84,7 @@ def fused_moe(
     ``fp8_weights`` (``prepare_fp8_weights(weights)``, opt-in, about 1.8x the NVFP4 bytes): where each expert
     expects enough rows (``sm90.w4a8.fp8_pays``: prefill-sized T) the activations are quantized per token to e4m3
     and both GEMMs run on FP8 tensor cores (design 008: about 6e-2 from the float64 reference against W4A16's 3e-3;
-    1.21-1.86x W4A16 at T = 1024-16384 where it runs, H200, benchmarks/results/w4a8/panel_zoo/); elsewhere the W4A16
+    1.21-1.87x W4A16 at T = 1024-16384 where it runs, H200, benchmarks/results/w4a8/panel_zoo/); elsewhere the W4A16
     forward runs as without them.
     """
     _check_w4a16_layout(weights, "fused_moe", "run fused_moe_w4a4, or pack with prepare_moe_weights")
@@ -281,14 +281,16 @@ def warmup_fused_moe(
     *,
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    fp8_weights: Fp8ExpertWeights | None = None,
 ) -> list[int]:
     """Compile every kernel variant ``fused_moe`` can launch for 1..max_tokens tokens, now, not mid-serving.
 
     The kernels are compiled per tuned config (one per token-count range) and per routing variant;
     this runs one forward on zeros at the fewest tokens of each, in threads (``warmup.compile_kernels``;
     MOE_NVFP4_WARMUP_THREADS=1: serially).  Later calls with any T <= max_tokens, same weights (shape and
-    variant), dtype, top_k, expert-map presence and ``apply_router_weight_on_input``, compile nothing.  Returns
-    the token counts run (empty on CPU, where nothing is compiled).
+    variant), dtype, top_k, expert-map presence, ``apply_router_weight_on_input`` and ``fp8_weights`` (the W4A8
+    mode's copy: its kernels too, from the fewest tokens where it runs), compile nothing.  Returns the token counts
+    run (empty on CPU, where nothing is compiled).
     """
     from .warmup import compile_kernels
 
@@ -300,6 +302,7 @@ def warmup_fused_moe(
         forward=fused_moe,
         expert_map=expert_map,
         apply_router_weight_on_input=apply_router_weight_on_input,
+        fp8_weights=fp8_weights,
     )
 
 

@@ -23,8 +23,9 @@ kernel), one signature each:
                       (optional: ``api.fused_moe`` refuses ``fp8_weights`` without it)
   fold_fp8            (weights: MoEWeights, nvfp4: the checkpoint's (w13, w2) NVFP4Tensors or None) -> the
                       e4m3 copy ``api.prepare_fp8_weights`` returns (optional, with moe_w4a8)
-  warmup_token_counts (weights: MoEWeights, top_k, dtype, max_tokens, expert_map) -> the token counts whose
-                      forwards compile every kernel variant (optional: without it nothing compiles)
+  warmup_token_counts (weights: MoEWeights, top_k, dtype, max_tokens, expert_map, fp8: forwards get the W4A8
+                      mode's copy) -> the token counts whose forwards compile every kernel variant (optional:
+                      without it nothing compiles)
   load_configs        (weights: MoEWeights, top_k, dtype, max_tokens, *, expert_map) -> a report (``summary()``,
                       ``source``) of the kernel configs chosen at load for this layer shape (optional: without it
                       nothing is chosen; ``api.load_moe_configs``)

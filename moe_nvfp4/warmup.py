@@ -27,7 +27,7 @@ import torch
 from .dispatch import select_backends
 
 if TYPE_CHECKING:
-    from .weights import MoEWeights
+    from .weights import Fp8ExpertWeights, MoEWeights
 
 __all__ = ["THREADS_ENV", "compile_kernels", "run_bounded", "warmup_threads", "warmup_token_counts"]
 
@@ -47,15 +47,21 @@ def warmup_threads() -> int:
 
 
 def warmup_token_counts(
-    weights: MoEWeights, top_k: int, dtype: torch.dtype, max_tokens: int, expert_map: torch.Tensor | None = None
+    weights: MoEWeights,
+    top_k: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    expert_map: torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> list[int]:
     """The token counts whose forwards compile every variant up to ``max_tokens``: the device's ``moe_w4a16``
     backend's ``warmup_token_counts`` entry (the sm_90 one: the fewest tokens of each config it serves and of each
-    routing variant); empty where the backend compiles nothing (the CPU's torch reference) or ``max_tokens`` < 1."""
+    routing variant, and with ``fp8`` of the W4A8 mode); empty where the backend compiles nothing (the CPU's torch
+    reference) or ``max_tokens`` < 1."""
     counts = select_backends(weights.w13_packed.device).moe_w4a16.optional_entry("warmup_token_counts")
     if counts is None or max_tokens < 1:
         return []
-    return counts(weights, top_k, dtype, max_tokens, expert_map)
+    return counts(weights, top_k, dtype, max_tokens, expert_map, fp8)
 
 
 def run_bounded(counts: Sequence[int], run: Callable[[int], object], *, threads: int, budget: int) -> None:
@@ -95,13 +101,16 @@ def compile_kernels(
     forward: Callable[..., torch.Tensor],
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    fp8_weights: Fp8ExpertWeights | None = None,
     threads: int | None = None,
 ) -> list[int]:
     """``api.warmup_fused_moe`` in ``threads`` threads (None: ``warmup_threads()``), each forward on a stream of
     its own: ``forward(x, weights, topk_weights, topk_ids, expert_map=, apply_router_weight_on_input=)`` (the
-    signature of ``api.fused_moe``) on zeros at each of ``warmup_token_counts``, which it returns."""
+    signature of ``api.fused_moe``; ``fp8_weights=`` too where given, the W4A8 mode's copy, whose kernels then
+    compile as well) on zeros at each of ``warmup_token_counts``, which it returns."""
     threads = warmup_threads() if threads is None else threads
-    counts = warmup_token_counts(weights, top_k, dtype, max_tokens, expert_map)
+    counts = warmup_token_counts(weights, top_k, dtype, max_tokens, expert_map, fp8_weights is not None)
+    fp8 = {} if fp8_weights is None else {"fp8_weights": fp8_weights}
     device = weights.w13_packed.device
     n_global = weights.num_experts if expert_map is None else expert_map.numel()
     cuda = device.type == "cuda"
@@ -122,6 +131,7 @@ def compile_kernels(
                 ids,
                 expert_map=expert_map,
                 apply_router_weight_on_input=apply_router_weight_on_input,
+                **fp8,
             )
             if cuda and not serial:
                 torch.cuda.current_stream(device).synchronize()  # its memory is free again when it leaves the budget

@@ -487,7 +487,8 @@ def test_expert_parallel_uses_expert_map(plugin, gen):
 def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, monkeypatch):
     """process_weights_after_loading compiles the kernels for the scheduler's whole token budget, once per
     process and shape (same-shaped layers share the compiled kernels); an expert map is a new variant, and so is
-    the router weight on the input (Llama-4), which the warm-up is told."""
+    the router weight on the input (Llama-4), which the warm-up is told, and so is the W4A8 mode, whose e4m3 copy
+    the warm-up forwards get (its kernels compile at load too, not in the first prefill)."""
     from moe_nvfp4_vllm import moe_method
     from vllm.config import DeviceConfig, VllmConfig
 
@@ -495,9 +496,13 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
 
     calls = []
 
-    def warm(w, k, dtype, tokens, *, forward, expert_map=None, apply_router_weight_on_input=False, threads=None):
+    def warm(
+        w, k, dtype, tokens, *, forward, expert_map=None, apply_router_weight_on_input=False, fp8_weights, threads
+    ):
         assert forward is moe_nvfp4.fused_moe and threads >= 1  # what serving runs, in the configured threads
-        calls.append((w.num_experts, k, dtype, tokens, expert_map is None, apply_router_weight_on_input))
+        assert fp8_weights is None or fp8_weights.source is w
+        on_input = apply_router_weight_on_input
+        calls.append((w.num_experts, k, dtype, tokens, expert_map is None, on_input, fp8_weights is not None))
         return []
 
     monkeypatch.setattr(moe_method, "_WARMED", set())
@@ -506,11 +511,16 @@ def test_kernels_are_warmed_once_per_shape_up_to_the_token_budget(plugin, gen, m
     ex = _experts(gen)
     for _ in range(2):
         _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
-    assert calls == [(E, TOPK, torch.bfloat16, budget, True, False)]
+    assert calls == [(E, TOPK, torch.bfloat16, budget, True, False, False)]
     _load(_routed_experts(_config(plugin, "modelopt"), ep=2, ep_rank=0), ex.tensors)
-    assert calls[1:] == [(E // 2, TOPK, torch.bfloat16, budget, False, False)]
+    assert calls[1:] == [(E // 2, TOPK, torch.bfloat16, budget, False, False, False)]
     _load(_routed_experts(_config(plugin, "modelopt"), router_weight_on_input=True), ex.tensors)
-    assert calls[2:] == [(E, TOPK, torch.bfloat16, budget, True, True)]
+    assert calls[2:] == [(E, TOPK, torch.bfloat16, budget, True, True, False)]
+    monkeypatch.setenv(plugin.FP8_ACTIVATIONS_ENV, "1")
+    ex = _experts(gen, "modelopt")  # the loads above packed into the last checkpoint tensors' memory
+    for _ in range(2):
+        _load(_routed_experts(_config(plugin, "modelopt")), ex.tensors)
+    assert calls[3:] == [(E, TOPK, torch.bfloat16, budget, True, False, True)]
 
 
 def test_configs_are_chosen_once_per_shape_before_the_warmup_without_autotuning(plugin, gen, monkeypatch):

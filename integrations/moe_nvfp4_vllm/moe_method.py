@@ -338,6 +338,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             self.activation,
             self.moe.has_bias,
             on_input,
+            self.fp8_weights is not None,
         )
         if key in _WARMED or dtype not in (torch.bfloat16, torch.float16):
             return
@@ -353,6 +354,7 @@ class NVFP4GroupedMoEMethod(MoEMethodCompat, FusedMoEMethodBase):
             forward=moe_nvfp4.fused_moe,
             expert_map=expert_map,
             apply_router_weight_on_input=on_input,
+            fp8_weights=self.fp8_weights,
             threads=threads,
         )
         _WARMED.add(key)
