@@ -43,6 +43,7 @@ __all__ = [
     "HIDDEN_ALIGN",
     "FP8_GATE_UP_BLOCK",
     "interleave_gate_up",
+    "interleaved_gate_up_rows",
     "gate_up_rows",
 ]
 
@@ -311,11 +312,16 @@ def weight_layout(name: str, expert_offset: int = 0) -> MoELayout:
 FP8_GATE_UP_BLOCK = 64
 
 
+def interleaved_gate_up_rows(i: int) -> int:
+    """Rows of interleave_gate_up's result for I outputs: 2 pad64(I)."""
+    return 2 * -(-i // FP8_GATE_UP_BLOCK) * FP8_GATE_UP_BLOCK
+
+
 def interleave_gate_up(rows: torch.Tensor, i: int) -> torch.Tensor:
-    """[E, 2I, ...] gate then up -> [E, 2 pad64(I), ...]: FP8_GATE_UP_BLOCK gate rows, then the same outputs' up
-    rows (padding rows zero)."""
+    """[E, 2I, ...] gate then up -> [E, 2 pad64(I), ...] (interleaved_gate_up_rows): FP8_GATE_UP_BLOCK gate rows,
+    then the same outputs' up rows (padding rows zero)."""
     e, _, *rest = rows.shape
-    blocks = -(-i // FP8_GATE_UP_BLOCK)
+    blocks = interleaved_gate_up_rows(i) // (2 * FP8_GATE_UP_BLOCK)
     halves = rows.new_zeros(e, 2, blocks * FP8_GATE_UP_BLOCK, *rest)
     halves[:, :, :i] = rows.view(e, 2, i, *rest)
     return halves.view(e, 2, blocks, FP8_GATE_UP_BLOCK, *rest).transpose(1, 2).reshape(e, -1, *rest)

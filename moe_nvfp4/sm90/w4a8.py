@@ -27,7 +27,7 @@ from ..routing import routed_pairs
 from ..triton.combine import combine
 from ..triton.quant_act import _round_e4m3
 from ..triton.routing_kernels import route
-from ..weight_layouts import FP8_GATE_UP_BLOCK, interleave_gate_up
+from ..weight_layouts import interleave_gate_up, interleaved_gate_up_rows
 from ..weights import Fp8ExpertWeights, MoEWeights
 from .common import Epilogue, GemmRouting
 from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles, launch_fp8_gemm
@@ -335,7 +335,7 @@ def fused_moe_w4a8_torch(
 def fp8_copy_bytes(weights: MoEWeights) -> int:
     """Bytes fold_to_fp8 allocates for ``weights`` (the memory the opt-in mode costs on top of the NVFP4 copy)."""
     i = weights.intermediate
-    n13 = 2 * -(-i // FP8_GATE_UP_BLOCK) * FP8_GATE_UP_BLOCK if weights.activation.gated else i
+    n13 = interleaved_gate_up_rows(i) if weights.activation.gated else i
     values = weights.num_experts * (n13 * weights.hidden + weights.hidden * weights.intermediate)
     return values + 4 * weights.num_experts * (n13 + weights.hidden)
 
