@@ -1,4 +1,4 @@
-"""tools/profile_moe.py's --ncu mode (CPU: the CUDA calls are recorded, not made)."""
+"""tools/profile_moe.py's --ncu, --per-launch and --host modes (CPU: the CUDA calls are recorded, not made)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,29 @@ def test_per_launch_lists_each_launch_in_order(monkeypatch: pytest.MonkeyPatch, 
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["0", "1", "2"]
     assert "8.2 us" in lines[0] and "5.0 us" in lines[1] and lines[2].endswith("_combine_kernel")
+
+
+def test_host_mode_splits_the_hosts_time_from_the_wall_time(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--host: three warm forwards, then iters with the GPU waited for (wall), iters without (the host's enqueue),
+    iters under cProfile; the report names the functions that took the host's time."""
+    import time
+
+    import profile_moe
+
+    syncs: list[int] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
+    calls: list[int] = []
+
+    def slow_python_forward() -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    times = profile_moe.host_times(slow_python_forward, iters=5)
+    assert len(calls) == 3 + 3 * 5 and syncs == [3, 8, 13, 18]
+    assert times["wall_us"] >= 2000 and times["enqueue_us"] >= 2000
+    assert any("slow_python_forward" in where or "sleep" in where for _, where in times["top"][:2])
+    monkeypatch.setattr(profile_moe, "api_forward_of", lambda model, tokens, w4a8: slow_python_forward)
+    monkeypatch.setattr(sys, "argv", ["profile_moe.py", "--tokens", "2048", "--host", "--w4a8"])
+    assert profile_moe.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("qwen3-30b-a3b T=2048 W4A8, eager:") and "enqueue" in out[0] and len(out) > 1

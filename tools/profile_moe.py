@@ -6,6 +6,14 @@ before: the routing kernel read 129 us at Qwen3 T=4096 that way).
     python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1 --per-launch      # GEMM1, GEMM2, ... apart
     python tools/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
 
+--host times eager forwards through the public API (``moe_nvfp4.fused_moe``: its checks, the custom op, the
+backend), as vLLM runs prefill past its CUDA-graph sizes: the wall time of a forward, the host's enqueue time of one
+(no wait for the GPU: what the Python and launch path cost; where it nears the wall time the forward is
+host-bound), and the functions that take the most of it (cProfile, own time).  ``--w4a8`` gives the forwards the
+W4A8 mode's e4m3 copy:
+
+    python tools/profile_moe.py --model qwen3-30b-a3b --tokens 2048 --host --w4a8
+
 --ncu runs one forward (after three unprofiled ones, programmatic dependent launch as shipped) between
 cudaProfilerStart and cudaProfilerStop, for Nsight Compute (which flushes the caches before each kernel, so
 the weights come from HBM):
@@ -18,8 +26,11 @@ the weights come from HBM):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # too
 
 from tune_moe import MODELS, packed_layer  # noqa: E402
 
-from moe_nvfp4 import topk_softmax  # noqa: E402
+from moe_nvfp4 import fused_moe, prepare_fp8_weights, topk_softmax  # noqa: E402
 from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
 from moe_nvfp4.sm90.configs import MoEKernelConfig
 from moe_nvfp4.sm90.host import fused_moe_sm90  # noqa: E402
@@ -75,6 +86,49 @@ def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int 
     return dict(per_kernel)
 
 
+def api_forward_of(model: str, tokens: int, w4a8: bool) -> Callable[[], object]:
+    """One forward of ``model``'s layer (random weights) at ``tokens`` through the public API, with the W4A8
+    mode's copy where ``w4a8``."""
+    e, k, h, _ = MODELS[model]
+    weights = packed_layer(model)
+    fp8 = prepare_fp8_weights(weights) if w4a8 else None
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
+    return lambda: fused_moe(x, weights, tw, ti, fp8_weights=fp8)
+
+
+def host_times(forward: Callable[[], object], iters: int = 20, top: int = 12) -> dict:
+    """``forward`` eager, after three forwards (compiles, caches): ``wall_us`` a forward with the GPU waited for,
+    ``enqueue_us`` a forward without waiting (the host's cost; the launch queue holds a few forwards' kernels), and
+    ``top``: the ``top`` functions by own time under cProfile, (us a forward, where)."""
+    for _ in range(3):
+        forward()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        forward()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / iters
+    start = time.perf_counter()
+    for _ in range(iters):
+        forward()
+    enqueue = (time.perf_counter() - start) / iters
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        forward()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, own, cumulative, ...)
+    own = sorted(((v[2], f"{key[2]} ({Path(key[0]).name}:{key[1]})") for key, v in stats.items()), reverse=True)
+    return {
+        "wall_us": wall * 1e6,
+        "enqueue_us": enqueue * 1e6,
+        "top": [(seconds / iters * 1e6, where) for seconds, where in own[:top]],
+    }
+
+
 def one_forward_for_ncu(forward: Callable[[], object]) -> None:
     """Three forwards (compiles, caches), then one between cudaProfilerStart and cudaProfilerStop."""
     for _ in range(3):
@@ -95,7 +149,19 @@ def main() -> int:
     p.add_argument(
         "--per-launch", action="store_true", help="each launch in order (GEMM1 and GEMM2 share a kernel name)"
     )
+    p.add_argument("--host", action="store_true", help="eager forwards through the public API: host vs wall time")
+    p.add_argument("--w4a8", action="store_true", help="with --host: the forwards get the W4A8 mode's e4m3 copy")
     args = p.parse_args()
+    if args.host:
+        times = host_times(api_forward_of(args.model, args.tokens, args.w4a8))
+        mode = "W4A8" if args.w4a8 else "W4A16"
+        print(
+            f"{args.model} T={args.tokens} {mode}, eager: {times['wall_us']:.0f} us a forward, the host's enqueue "
+            f"{times['enqueue_us']:.0f} us"
+        )
+        for us, where in times["top"]:
+            print(f"{us:9.1f} us  {where}")
+        return 0
     cfg = MoEKernelConfig.from_dict(json.loads(args.config)) if args.config else None
     if args.ncu:
         one_forward_for_ncu(forward_of(args.model, args.tokens, cfg))
