@@ -69,13 +69,19 @@ def kernel_times(forward: Callable[[], object], iters: int = 20) -> list[tuple[s
     ]
 
 
-def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Callable[[], object]:
-    """One fused MoE forward of ``model``'s layer (random weights) at ``tokens``, the selected or given config."""
-    e, k, h, i = MODELS[model]
-    weights = packed_layer(model)
+def layer_inputs(model: str, tokens: int):
+    """``model``'s layer (random weights) and a forward's inputs at ``tokens``: (weights, x, topk_weights,
+    topk_ids)."""
+    e, k, h, _ = MODELS[model]
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
-    cfg = config or select_config(tokens, LayerShape(e, k, h, i, x.dtype), device_traits(x.device))
+    return packed_layer(model), x, tw, ti
+
+
+def forward_of(model: str, tokens: int, config: MoEKernelConfig | None) -> Callable[[], object]:
+    """One fused MoE forward of ``model``'s layer (random weights) at ``tokens``, the selected or given config."""
+    weights, x, tw, ti = layer_inputs(model, tokens)
+    cfg = config or select_config(tokens, LayerShape(*MODELS[model], x.dtype), device_traits(x.device))
     return lambda: fused_moe_sm90(x, weights, tw, ti, None, cfg)
 
 
@@ -89,11 +95,8 @@ def profile(model: str, tokens: int, config: MoEKernelConfig | None, iters: int 
 def api_forward_of(model: str, tokens: int, w4a8: bool) -> Callable[[], object]:
     """One forward of ``model``'s layer (random weights) at ``tokens`` through the public API, with the W4A8
     mode's copy where ``w4a8``."""
-    e, k, h, _ = MODELS[model]
-    weights = packed_layer(model)
+    weights, x, tw, ti = layer_inputs(model, tokens)
     fp8 = prepare_fp8_weights(weights) if w4a8 else None
-    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
-    tw, ti = topk_softmax(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
     return lambda: fused_moe(x, weights, tw, ti, fp8_weights=fp8)
 
 

@@ -30,10 +30,10 @@ def warmup_token_counts(
     """The fewest tokens of each config ``select_config`` serves up to ``max_tokens`` (``configs_up_to``) and of
     each routing variant; with ``fp8`` (forwards given the W4A8 mode's e4m3 copy) also the fewest at which that
     mode runs (w4a8.fp8_pays: one config and kernels compiled for every token count from there)."""
-    device = weights.w13_packed.device
-    first = configs_up_to(max_tokens, weights.layer_shape(top_k, dtype, expert_map), device_traits(device))
+    shape = weights.layer_shape(top_k, dtype, expert_map)
+    first = configs_up_to(max_tokens, shape, device_traits(weights.w13_packed.device))
     counts = set(first.values()) | {min(max_tokens, t) for t in routing_variants_from(top_k)}
-    if fp8:
-        w4a8 = fp8_first_tokens(top_k, weights.num_experts if expert_map is None else expert_map.numel())
-        counts |= {w4a8} if w4a8 <= max_tokens else set()
+    w4a8 = fp8_first_tokens(top_k, shape.global_experts)
+    if fp8 and w4a8 <= max_tokens:
+        counts.add(w4a8)
     return sorted(counts)
