@@ -19,7 +19,9 @@ slower), and graph tests are left out of it (the caching allocator, off under th
 from __future__ import annotations
 
 import secrets
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,14 +33,16 @@ from moe_nvfp4.sm90.default_config import TRITON_PREFILL, WS_DECODE, WS_TWO_GROU
 from moe_nvfp4.sm90.host import fused_moe_sm90
 from moe_nvfp4.sm90.w4a8 import Fp8Config, fused_moe_w4a8, fused_moe_w4a8_torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_w4a8 import TWIN_TOL as W4A8_TWIN_TOL, token_count  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-# tests/gpu/test_w4a8_gpu.py's TWIN_TOL: the FP8 MMA's 13-bit sums against the twin's fp32 ones, wider over a handful
-# of tokens (5 here: one dropped or doubled pair moves them 0.2 or more).  x in fp16 for these cases: a bf16
-# activation's rounding before its e4m3 one moves a few-token output 1.7-2.6e-2 from the twin (Triton's interpreter,
-# 5 tokens, some pairs poisoned; fp16 there: equal), which would hide a dropped or doubled pair over 300 tokens.
-W4A8_TWIN_TOL = {"many tokens": 1e-2, "few tokens": 4e-2}
+# W4A8_TWIN_TOL (helpers_w4a8): the FP8 MMA's 13-bit sums against the twin's fp32 ones, wider over a handful of tokens
+# (5 here: one dropped or doubled pair moves them 0.2 or more).  x in fp16 for these cases: a bf16 activation's
+# rounding before its e4m3 one moves a few-token output 1.7-2.6e-2 from the twin (Triton's interpreter, 5 tokens,
+# some pairs poisoned; fp16 there: equal), which would hide a dropped or doubled pair over 300 tokens.
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def _check_w4a8(out: torch.Tensor, x, fp8, tw, ti, emap) -> None:
     assert not out.isnan().any(), "unwritten output (or a summed row never written)"
     twin = fused_moe_w4a8_torch(x, fp8, tw, ti, emap)
     rel = ((out.double() - twin.double()).norm() / twin.double().norm()).item()
-    assert rel < W4A8_TWIN_TOL["many tokens" if x.shape[0] >= 256 else "few tokens"], rel
+    assert rel < W4A8_TWIN_TOL[token_count(x.shape[0])], rel
     if x.shape[0] >= 2:
         assert bool((out[0] == 0).all()), "a token with only poisoned pairs got output"
 
