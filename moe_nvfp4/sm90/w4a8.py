@@ -344,11 +344,12 @@ def fp8_pays(tokens: int, top_k: int, global_experts: int, apply_router_weight_o
     """Whether a forward with an e4m3 copy at hand runs W4A8: experts expecting FP8_MIN_ROWS_PER_EXPERT rows or more
     (no host sync: the expectation, not the routing's counts) and no router weight on the input (Llama-4's top-1;
     the W4A8 forward does not scale its rows)."""
-    return not apply_router_weight_on_input and tokens * top_k >= FP8_MIN_ROWS_PER_EXPERT * global_experts
+    return not apply_router_weight_on_input and tokens >= fp8_first_tokens(top_k, global_experts)
 
 
 def fp8_first_tokens(top_k: int, global_experts: int) -> int:
-    """The fewest tokens at which fp8_pays (without router weights on the input): the warm-up's W4A8 forward."""
+    """The fewest tokens whose pairs give each expert FP8_MIN_ROWS_PER_EXPERT rows: where fp8_pays starts (the
+    warm-up's W4A8 forward)."""
     return -(-FP8_MIN_ROWS_PER_EXPERT * global_experts // top_k)
 
 
