@@ -60,6 +60,15 @@ def _check_w4a16_layout(weights: MoEWeights, op: str, remedy: str) -> None:
         raise ValueError(f"weights are in the {weights.layout.name} layout; {op} reads {' or '.join(wanted)}: {remedy}")
 
 
+def _through_op(x: torch.Tensor) -> bool:
+    """Whether a forward must run as its torch.library custom op (ops.py): under a torch.compile or export trace, for
+    a tensor subclass (fake, functional) or under a dispatch mode (make_fx), which must see one opaque op.  An eager
+    call runs the op's body (``ops.run_*``) directly: the op's dispatch and the weights' re-validation were 180-270 us
+    of host time a forward on an H200 host (design 008 decision 12), and vLLM already calls the method inside its
+    own opaque ``moe_forward`` op."""
+    return torch.compiler.is_compiling() or type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack() > 0
+
+
 def fused_moe(
     x: torch.Tensor,
     weights: MoEWeights,
@@ -91,14 +100,19 @@ def fused_moe(
     if fp8_weights is not None:
         _check_fp8_weights(weights, fp8_weights)
     check_inputs(x, weights.hidden, weights.num_experts, weights.w13_packed.device, topk_weights, topk_ids, expert_map)
-    from .ops import fused_moe_op
+    from .ops import fused_moe_op, run_fused_moe
 
     x, topk_weights, topk_ids, expert_map = kernel_inputs(x, topk_weights, topk_ids, expert_map)
+    fp8_tensors = [] if fp8_weights is None else list(fp8_weights.tensors)
+    if not _through_op(x):
+        return run_fused_moe(
+            x, weights, fp8_tensors, topk_weights, topk_ids, expert_map, bool(apply_router_weight_on_input)
+        )
     act = weights.activation
     return fused_moe_op(
         x,
         list(weights.tensors),
-        [] if fp8_weights is None else list(fp8_weights.tensors),
+        fp8_tensors,
         topk_weights,
         topk_ids,
         expert_map,
@@ -184,14 +198,17 @@ def fused_moe_batched(
         )
     if out is not None and not out.is_contiguous():
         raise ValueError(f"out must be contiguous (the kernel writes its rows M * H apart), got strides {out.stride()}")
-    from .ops import fused_moe_batched_op
+    from .ops import fused_moe_batched_op, run_fused_moe_batched
 
     if not x.is_contiguous():
         x = x.clone(memory_format=torch.contiguous_format)  # a view: the kernels read rows M * H apart
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     counts = int32_saturated(expert_num_tokens).contiguous()
-    act = weights.activation
     rows = float(x.shape[1] if expected_rows is None else expected_rows)
+    if not _through_op(x):
+        run_fused_moe_batched(out, x, weights, counts, rows)
+        return out
+    act = weights.activation
     fused_moe_batched_op(
         out,
         x,
@@ -252,12 +269,14 @@ def fused_moe_w4a4(
             f"experts {layout.expert_offset}..{layout.expert_offset + weights.num_experts - 1} "
             f"are local, but expert_map has only {global_experts} entries"
         )
-    from .ops import fused_moe_w4a4_op
+    from .ops import fused_moe_w4a4_op, run_fused_moe_w4a4
 
     x, topk_weights, topk_ids, expert_map = kernel_inputs(x, topk_weights, topk_ids, expert_map)
     # Per-call scales: checked on the device (a bad one becomes NaN, so the output is NaN), not on the host,
     # which would synchronise every forward and break CUDA-graph capture.
     s13, s2 = (input_scale_or_nan(s.reshape(1)) for s in (w13_input_scale, w2_input_scale))
+    if not _through_op(x):
+        return run_fused_moe_w4a4(x, weights, topk_weights, topk_ids, expert_map, s13, s2)
     return fused_moe_w4a4_op(
         x,
         list(weights.tensors),

@@ -1,4 +1,5 @@
-"""torch.library custom ops with fake implementations, so torch.compile and CUDA graphs see one opaque op."""
+"""torch.library custom ops with fake implementations, so torch.compile sees one opaque op, and their bodies
+(``run_*``), which the API calls directly in eager mode (``api._through_op``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from .layouts import rows_16_aligned
 from .weight_layouts import weight_layout
 from .weights import MoEWeights
 
-__all__ = ["fused_moe_batched_op", "fused_moe_op", "fused_moe_w4a4_op"]
+__all__ = [
+    "fused_moe_batched_op",
+    "fused_moe_op",
+    "fused_moe_w4a4_op",
+    "run_fused_moe",
+    "run_fused_moe_batched",
+    "run_fused_moe_w4a4",
+]
 
 
 @functools.cache
@@ -77,16 +85,30 @@ def fused_moe_op(
     """weights: ``MoEWeights.tensors`` in the layout called ``layout``, the activation as
     expert_activation.ExpertActivation's fields; inputs already checked by api.fused_moe.  Runs the device's
     ``moe_w4a16`` backend (``Backend.entry``); with ``fp8_weights`` (``Fp8ExpertWeights.tensors`` folded from those
-    weights; empty: none) its ``moe_w4a8`` entry, which picks W4A8 or W4A16 by the rows an expert expects (in this eager body:
-    the token count is concrete here under torch.compile too)."""
+    weights; empty: none) its ``moe_w4a8`` entry (``run_fused_moe``)."""
     packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
+    return run_fused_moe(x, packed, fp8_weights, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
+
+
+def run_fused_moe(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    fp8_weights: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+) -> torch.Tensor:
+    """fused_moe_op's body on checked inputs: the device's ``moe_w4a16`` backend (``Backend.entry``), or with
+    ``fp8_weights`` (``Fp8ExpertWeights.tensors``; empty: none) its ``moe_w4a8`` entry, which picks W4A8 or W4A16 by
+    the rows an expert expects (the token count is concrete here, under torch.compile too: the op's eager body)."""
     backend = select_backends(x.device).moe_w4a16
-    x = _readable_rows(x, hidden)
+    x = _readable_rows(x, weights.hidden)
     if fp8_weights:
         run = backend.entry("moe_w4a8")
         return run(
             x,
-            packed,
+            weights,
             fp8_weights,
             topk_weights,
             topk_ids,
@@ -94,7 +116,9 @@ def fused_moe_op(
             apply_router_weight_on_input=apply_router_weight_on_input,
         )
     run = backend.entry("moe_w4a16")
-    return run(x, packed, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
+    return run(
+        x, weights, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input
+    )
 
 
 @fused_moe_op.register_fake
@@ -139,8 +163,15 @@ def fused_moe_batched_op(
     ``expected_rows``); weights as in ``fused_moe_op``.  The reference backend writes all of ``out`` (0 past each
     count); the kernels the counted rows only."""
     packed = _weights(weights, hidden, intermediate, layout, w13_bias, w2_bias, activation, alpha, limit)
+    run_fused_moe_batched(out, x, packed, expert_num_tokens, expected_rows)
+
+
+def run_fused_moe_batched(
+    out: torch.Tensor, x: torch.Tensor, weights: MoEWeights, expert_num_tokens: torch.Tensor, expected_rows: float
+) -> None:
+    """fused_moe_batched_op's body on checked inputs."""
     run = select_backends(x.device).moe_w4a16.entry("moe_w4a16_batched")
-    run(out, _readable_rows(x, hidden), packed, expert_num_tokens, expected_rows)
+    run(out, _readable_rows(x, weights.hidden), weights, expert_num_tokens, expected_rows)
 
 
 @fused_moe_batched_op.register_fake
@@ -179,8 +210,22 @@ def fused_moe_w4a4_op(
     """weights: ``MoEWeights.tensors`` in the layout called ``layout``; inputs already checked (the layout against
     the backend too) by api.fused_moe_w4a4.  Runs the device's W4A4 backend (``Backend.entry``)."""
     packed = MoEWeights(*weights, hidden=hidden, intermediate=intermediate, layout=weight_layout(layout, expert_offset))
+    return run_fused_moe_w4a4(x, packed, topk_weights, topk_ids, expert_map, w13_input_scale, w2_input_scale)
+
+
+def run_fused_moe_w4a4(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w13_input_scale: torch.Tensor,
+    w2_input_scale: torch.Tensor,
+) -> torch.Tensor:
+    """fused_moe_w4a4_op's body on checked inputs."""
     run = select_backends(x.device).moe_w4a4.entry("moe_w4a4")
-    return run(_readable_rows(x, hidden), packed, topk_weights, topk_ids, expert_map, (w13_input_scale, w2_input_scale))
+    scales = (w13_input_scale, w2_input_scale)
+    return run(_readable_rows(x, weights.hidden), weights, topk_weights, topk_ids, expert_map, scales)
 
 
 @fused_moe_w4a4_op.register_fake

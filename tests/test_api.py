@@ -90,6 +90,48 @@ def test_custom_op_under_torch_compile(gen: torch.Generator) -> None:
     assert torch.equal(layer(x, tw, ti), m.fused_moe(x, weights, tw, ti) * 2)
 
 
+def test_eager_calls_skip_the_op_and_traces_see_it(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager forward runs the op's body without the op's dispatch (host time, api._through_op); a torch.compile
+    trace and a dispatch mode (what make_fx and fake-tensor tracing use) see the one opaque op, with the same result
+    as the eager call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import moe_nvfp4.ops as ops
+
+    weights = m.prepare_moe_weights(*_layer(gen))
+    x = torch.randn(5, 48, generator=gen).bfloat16()
+    tw, ti = m.topk_softmax(torch.randn(5, 4, generator=gen), 2)
+    eager = m.fused_moe(x, weights, tw, ti)
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with SeenOps() as seen:
+        assert torch.equal(m.fused_moe(x, weights, tw, ti), eager)
+    assert "moe_nvfp4.fused_moe.default" in seen.names
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: m.fused_moe(x, weights, tw, ti), fullgraph=True, backend=recording_backend)
+    assert torch.equal(compiled(x), eager)
+    assert any(node.target is torch.ops.moe_nvfp4.fused_moe.default for node in graphs[0].graph.nodes)
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("an eager forward went through the custom op")
+
+    monkeypatch.setattr(ops, "fused_moe_op", no_op)
+    assert torch.equal(m.fused_moe(x, weights, tw, ti), eager)
+
+
 def test_custom_op_passes_opcheck(gen: torch.Generator) -> None:
     """Schema, fake tensor and AOT-dispatch checks of torch.library for moe_nvfp4::fused_moe."""
     from moe_nvfp4.ops import fused_moe_op
