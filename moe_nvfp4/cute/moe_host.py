@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..formats import NVFP4Tensor
+from ..triton.launcher import launch
 from ..weight_layouts import padded_intermediate
 from .grouped_w4a4_sm100 import TILE_M, GroupedW4A4Variant
 from .host import GroupedW4A4Sm100Plan, descriptor_workspace, launch_grouped_w4a4_sm100, num_ctas_for
@@ -140,8 +141,17 @@ def gather_rows(x: torch.Tensor, row_pairs: torch.Tensor, top_k: int) -> torch.T
     hidden = x.shape[1]
     out = torch.empty(row_pairs.numel(), hidden, dtype=x.dtype, device=x.device)
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _gather_rows_kernel[(row_pairs.numel(), triton.cdiv(hidden, block_h))](
-        x, x.stride(0), row_pairs, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4
+    launch(
+        _gather_rows_kernel,
+        (row_pairs.numel(), triton.cdiv(hidden, block_h)),
+        x,
+        x.stride(0),
+        row_pairs,
+        out,
+        hidden,
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        num_warps=4,
     )
     return out
 

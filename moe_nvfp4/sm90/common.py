@@ -7,6 +7,7 @@ every Triton kernel of the forward shares (the routing predicate, programmatic d
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -74,9 +75,15 @@ class Epilogue(NamedTuple):
     def of(cls, bias: torch.Tensor | None, activation: ExpertActivation | None, router_weight: bool) -> "Epilogue":
         """The launch argument of GEMM1 (its ``activation``) or GEMM2 (None), each field but the bias a
         tl.constexpr: in a tuple argument a plain bool or float would be a run-time value (and a str no value)."""
-        fields = (None, None, None) if activation is None else (activation.name, activation.alpha, activation.limit)
-        gate_up = activation is not None and activation.gated
-        return cls(bias, *map(tl.constexpr, (*fields, router_weight, gate_up)))
+        return cls(bias, *_epilogue_constexprs(activation, router_weight))
+
+
+@functools.cache
+def _epilogue_constexprs(activation: ExpertActivation | None, router_weight: bool) -> tuple[tl.constexpr, ...]:
+    """Epilogue's fields after the bias, built once per variant (two launches a forward ask)."""
+    fields = (None, None, None) if activation is None else (activation.name, activation.alpha, activation.limit)
+    gate_up = activation is not None and activation.gated
+    return tuple(map(tl.constexpr, (*fields, router_weight, gate_up)))
 
 
 # Bytes of one 64-row unit and 128-wide K chunk in layouts.FragmentLayout: values, then (separately) scales

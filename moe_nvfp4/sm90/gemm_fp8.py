@@ -22,6 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..triton import common as triton_common
 from ..triton.common import _after_previous_kernel
+from ..triton.launcher import launch
 from .common import Epilogue, GemmRouting, _activation, _grouped_tile
 
 __all__ = ["Fp8GemmOperands", "Fp8Tiles", "launch_fp8_gemm"]
@@ -180,7 +181,9 @@ def launch_fp8_gemm(
     e, n_rows, k = weight.shape
     a_desc = TensorDescriptor.from_tensor(rows, [tiles.block_m, tiles.block_k])
     w_desc = TensorDescriptor.from_tensor(weight.view(e * n_rows, k), [WEIGHT_ROWS, tiles.block_k])
-    _fp8_gemm_kernel[(sms,)](
+    launch(
+        _fp8_gemm_kernel,
+        (sms,),
         a_desc,
         row_scale,
         w_desc,

@@ -16,6 +16,8 @@ its epilogue under the other's MMAs) read half the bytes a MMA and lost: 0.81-1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -23,6 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton import common as triton_common
+from ..triton.launcher import launch
 from .common import Epilogue, GemmRouting, _activation, _grouped_tile
 from .gemm_fp8 import WEIGHT_ROWS, Fp8GemmOperands, Fp8Tiles
 from .gemm_gluon_loader import _after_previous_kernel
@@ -324,6 +327,13 @@ def token_panel(is_gemm1: bool, k: int, n_rows: int, tiles: Fp8Tiles) -> tuple[i
     return steps, chunk
 
 
+@functools.cache
+def _box_layout(rows: int, cols: int) -> gl.NVMMASharedLayout:
+    """The shared layout of an e4m3 TMA box: one object per box shape, built once (Gluon builds a layout through
+    constexpr functions: 20-40 us of host time a launch, design 008 decision 12)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+
+
 def launch_fp8_ws(
     operands: Fp8GemmOperands,
     out: torch.Tensor,
@@ -340,13 +350,13 @@ def launch_fp8_ws(
     rows, row_scale, weight, weight_scale, n_out = operands
     e, n_rows, k = weight.shape
     a_block, w_block = [tiles.block_m, tiles.block_k], [WEIGHT_ROWS, tiles.block_k]
-    a_desc = TensorDescriptor.from_tensor(rows, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
-    w_desc = TensorDescriptor.from_tensor(
-        weight.view(e * n_rows, k), w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.float8e4nv)
-    )
+    a_desc = TensorDescriptor.from_tensor(rows, a_block, _box_layout(*a_block))
+    w_desc = TensorDescriptor.from_tensor(weight.view(e * n_rows, k), w_block, _box_layout(*w_block))
     panel, chunk_n = token_panel(is_gemm1, k, n_rows, tiles)
     pdl = triton_common._dependent_launch(rows.device)["PDL"]
-    _fp8_ws_kernel[(sms,)](
+    launch(
+        _fp8_ws_kernel,
+        (sms,),
         a_desc,
         row_scale,
         w_desc,

@@ -24,6 +24,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..layouts import FragmentLayout
 from ..triton import common as triton_common
+from ..triton.launcher import launch
 from .common import Epilogue, GemmRouting, GemmWeights
 from .configs import GemmConfig, MoEKernelConfig
 from .gemm_gluon_loader import _loader
@@ -320,7 +321,9 @@ def launch_gemm_ws(
     has_map = routing.pair_tiles and expert_map is not None  # routed tiles hold local experts already
     topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     pdl = triton_common._dependent_launch(a.device)["PDL"]
-    _moe_gemm_ws_kernel[(sms * gemm.programs_per_sm,)](
+    launch(
+        _moe_gemm_ws_kernel,
+        (sms * gemm.programs_per_sm,),
         a,
         a.stride(0),
         w_desc,

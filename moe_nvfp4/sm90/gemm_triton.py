@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..triton import common as triton_common
 from ..triton.common import _TL_DTYPES, _after_previous_kernel
+from ..triton.launcher import launch
 from .common import (
     BF16_EPILOGUE_FIX,
     BLOCK_BYTES,
@@ -339,7 +340,9 @@ def launch_gemm(
     gemm = config.gemm1 if is_gemm1 else config.gemm2
     k, kp = a.shape[1], weights.packed.shape[-1] * 2
     topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
-    _moe_gemm_kernel[(sms * gemm.programs_per_sm,)](
+    launch(
+        _moe_gemm_kernel,
+        (sms * gemm.programs_per_sm,),
         a,
         a.stride(0),
         weights.packed,

@@ -25,6 +25,7 @@ from ..dispatch import sm_count
 from ..formats import NVFP4Tensor, dequantize_nvfp4
 from ..routing import routed_pairs
 from ..triton.combine import combine
+from ..triton.launcher import launch
 from ..triton.quant_act import _round_e4m3
 from ..triton.routing_kernels import route
 from ..weight_layouts import interleave_gate_up, interleaved_gate_up_rows
@@ -214,7 +215,9 @@ def quantize_rows_fp8(
     block = triton.next_power_of_2(k)
     rows_per_program = max(1, QUANTIZE_VALUES // block)
     if t:
-        _quantize_rows_kernel[(triton.cdiv(t, rows_per_program),)](
+        launch(
+            _quantize_rows_kernel,
+            (triton.cdiv(t, rows_per_program),),
             x,
             x.stride(0),
             out.view(torch.uint8),
@@ -235,7 +238,9 @@ def quantize_rows_fp8(
     gathered = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     gathered_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        _gather_rows_kernel[(rows,)](
+        launch(
+            _gather_rows_kernel,
+            (rows,),
             out.view(torch.uint8),
             scale,
             gathered.view(torch.uint8),
@@ -288,14 +293,14 @@ def fused_moe_w4a8(
     x8, x_scale = quantize_rows_fp8(x, src=sorted_pairs, top_k=top_k, count=routed)
     act = torch.empty(t * top_k, weights.intermediate, dtype=x.dtype, device=x.device)
     gemm1 = Fp8GemmOperands(x8, x_scale, fp8.w13, fp8.w13_scale, weights.intermediate)
-    launch = config.launcher(x.is_cuda)
-    launch(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
+    run_gemm = config.launcher(x.is_cuda)
+    run_gemm(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
     act8, act_scale = quantize_rows_fp8(act, count=routed)
     # each pair's weighted row in x's dtype (as W4A16 at top-k > 2): the combine reads half the bytes (230 of about
     # 2000 us at Kimi-K2 TP=8 T=4096 in float32), and the rounding (2^-9 of a row) is under a tenth of the mode's
     partial = torch.empty(t * top_k, weights.hidden, dtype=x.dtype, device=x.device)
     gemm2 = Fp8GemmOperands(act8, act_scale, fp8.w2, fp8.w2_scale, weights.hidden)
-    launch(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
+    run_gemm(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
     combine(partial, topk_ids, expert_map, weights.num_experts, out)
     return out
 

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from . import common
 from .common import _TL_DTYPES, _after_previous_kernel, _routed
+from .launcher import launch
 
 
 @triton.jit
@@ -51,7 +52,9 @@ def combine(
     ids = topk_ids.reshape(-1)
     # 512 columns a program (4 per thread): at decode, more programs for the few token rows (design 002 decision 9)
     block_h = min(512, triton.next_power_of_2(hidden))
-    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
+    launch(
+        _combine_kernel,
+        (t, triton.cdiv(hidden, block_h)),
         partial,
         ids,
         ids if expert_map is None else expert_map,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..dispatch import sm_count
 from ..formats import NVFP4Tensor, grouped_operands
+from .launcher import launch
 from .scale_layout import swizzled_offset
 
 __all__ = [
@@ -332,7 +333,9 @@ def plan_grouped_w4a4(
 def launch_grouped_w4a4(plan: GroupedW4A4Plan) -> list[torch.Tensor]:
     """One persistent launch (nothing else: no allocation, no host-to-device copy); returns plan.outs."""
     if plan.total_tiles:
-        _grouped_w4a4_kernel[(plan.grid,)](
+        launch(
+            _grouped_w4a4_kernel,
+            (plan.grid,),
             *plan.pointers,
             plan.sizes,
             plan.tile_starts,

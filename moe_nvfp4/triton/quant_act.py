@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..formats import NVFP4, NVFP4Tensor, ScaleLayout
 from ..layouts import padded_scale_shape
+from .launcher import launch
 from .scale_layout import swizzled_offset
 
 __all__ = ["quantize_activations_sm90"]
@@ -118,7 +119,9 @@ def quantize_activations_sm90(x: torch.Tensor, input_global_scale: torch.Tensor)
         return result
     block_k = min(128, triton.next_power_of_2(k))
     block_m = 32
-    _quantize_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
+    launch(
+        _quantize_act_kernel,
+        (triton.cdiv(m, block_m), triton.cdiv(k, block_k)),
         x,
         x.stride(0),
         input_global_scale.reshape(1),

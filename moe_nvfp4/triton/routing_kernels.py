@@ -15,6 +15,7 @@ import triton.language as tl
 from ..layouts import round_up
 from . import common
 from .common import _after_previous_kernel, _routed
+from .launcher import launch
 
 
 @triton.jit
@@ -225,9 +226,11 @@ def route(
     emap = ids if expert_map is None else expert_map
     num_global = num_experts if expert_map is None else expert_map.numel()
     block_p = ROUTE_BLOCK if counted else ROUTE_BLOCK_SMALL if num_pairs <= ROUTE_BLOCK_SMALL else ROUTE_ONE_PROGRAM
-    launch = common._dependent_launch(topk_ids.device)
+    pdl = common._dependent_launch(topk_ids.device)
     if counted:
-        _count_kernel[(num_chunks,)](
+        launch(
+            _count_kernel,
+            (num_chunks,),
             ids,
             emap,
             hist,
@@ -239,9 +242,11 @@ def route(
             BLOCK_P=block_p,
             E_POW2=e_pow2,
             num_warps=4,
-            **launch,
+            **pdl,
         )
-    _route_kernel[(num_chunks,)](
+    launch(
+        _route_kernel,
+        (num_chunks,),
         ids,
         emap,
         hist if counted else ints,
@@ -266,7 +271,7 @@ def route(
         BLOCK_P=block_p,
         E_POW2=e_pow2,
         num_warps=8,
-        **launch,
+        **pdl,
     )
     return sorted_pairs, counts, offsets, tile_expert, tile_row, tile_row_end, num_tiles
 
@@ -343,7 +348,9 @@ def route_batched(expert_num_tokens: torch.Tensor, max_tokens: int, block_m: int
     ints = torch.empty(starts[-1], dtype=torch.int32, device=expert_num_tokens.device)
     parts = tuple(ints[start : start + size] for start, size in zip(starts, sizes))
     e_pow2 = triton.next_power_of_2(num_experts)
-    _batched_route_kernel[(max(1, triton.cdiv(num_rows, BATCHED_ROUTE_ROWS)),)](
+    launch(
+        _batched_route_kernel,
+        (max(1, triton.cdiv(num_rows, BATCHED_ROUTE_ROWS)),),
         expert_num_tokens,
         *parts,
         max_tokens,
