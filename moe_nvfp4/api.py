@@ -63,7 +63,7 @@ def _check_w4a16_layout(weights: MoEWeights, op: str, remedy: str) -> None:
 def _through_op(x: torch.Tensor) -> bool:
     """Whether a forward must run as its torch.library custom op (ops.py): under a torch.compile or export trace, for
     a tensor subclass (fake, functional) or under a dispatch mode (make_fx), which must see one opaque op.  An eager
-    call runs the op's body (``ops.run_*``) directly: the op's dispatch and the weights' re-validation were 180-270 us
+    call runs the op's body (``ops.run_*``) directly: the op's dispatch and the weights' re-validation were 210-270 us
     of host time a forward on an H200 host (design 008 decision 12), and vLLM already calls the method inside its
     own opaque ``moe_forward`` op."""
     return torch.compiler.is_compiling() or type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack() > 0
