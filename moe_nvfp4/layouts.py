@@ -55,6 +55,12 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (x >= 1): triton.next_power_of_2 on the host, where Triton 3.6's is a
+    constexpr function that costs microseconds a call in every forward."""
+    return 1 << (x - 1).bit_length()
+
+
 def rows_16_aligned(x: torch.Tensor) -> bool:
     """Whether 2-D activations ``x`` have the row layout the sm_90 Gluon GEMMs read: data on a 16-byte boundary and a
     row stride of a multiple of 16 elements (what Triton's JIT marks divisible; their cp.async copies 16 bytes)."""

@@ -223,3 +223,12 @@ def test_rows_16_aligned_is_what_the_gluon_gemms_read() -> None:
     assert not rows_16_aligned(buf[:, :16]) and not rows_16_aligned(buf[:1, :16])
     assert not rows_16_aligned(flat[1:].view(4, 16))
     assert rows_16_aligned(flat[:64].view(4, 16)) == (flat.data_ptr() % 16 == 0)
+
+
+def test_next_pow2_is_tritons() -> None:
+    """The host's next_pow2 gives triton.next_power_of_2's value for every size the forward asks about."""
+    import triton
+
+    from moe_nvfp4.layouts import next_pow2
+
+    assert all(next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 70000))

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ..dispatch import sm_count
 from ..formats import NVFP4Tensor, dequantize_nvfp4
+from ..layouts import next_pow2
 from ..routing import routed_pairs
 from ..triton.combine import combine
 from ..triton.launcher import launch
@@ -212,12 +213,12 @@ def quantize_rows_fp8(
     t, k = x.shape
     out = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
+    block = next_pow2(k)
     rows_per_program = max(1, QUANTIZE_VALUES // block)
     if t:
         launch(
             _quantize_rows_kernel,
-            (triton.cdiv(t, rows_per_program),),
+            (-(-t // rows_per_program),),
             x,
             x.stride(0),
             out.view(torch.uint8),

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layouts import next_pow2
 from . import common
 from .common import _TL_DTYPES, _after_previous_kernel, _routed
 from .launcher import launch
@@ -51,10 +52,10 @@ def combine(
     t, hidden = out.shape
     ids = topk_ids.reshape(-1)
     # 512 columns a program (4 per thread): at decode, more programs for the few token rows (design 002 decision 9)
-    block_h = min(512, triton.next_power_of_2(hidden))
+    block_h = min(512, next_pow2(hidden))
     launch(
         _combine_kernel,
-        (t, triton.cdiv(hidden, block_h)),
+        (t, -(-hidden // block_h)),
         partial,
         ids,
         ids if expert_map is None else expert_map,

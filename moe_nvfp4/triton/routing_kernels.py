@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layouts import round_up
+from ..layouts import next_pow2, round_up
 from . import common
 from .common import _after_previous_kernel, _routed
 from .launcher import launch
@@ -193,7 +193,7 @@ def route_chunks(num_pairs: int, num_experts: int) -> tuple[int, int]:
     """(pairs per chunk, chunks) of the counted routing path: whole ROUTE_BLOCK steps per chunk, at most
     _route_max_chunks chunks.  Depends on T and E only, never on the routing."""
     steps = -(-num_pairs // ROUTE_BLOCK)
-    chunk = -(-steps // _route_max_chunks(triton.next_power_of_2(num_experts))) * ROUTE_BLOCK
+    chunk = -(-steps // _route_max_chunks(next_pow2(num_experts))) * ROUTE_BLOCK
     return chunk, -(-num_pairs // chunk)
 
 
@@ -207,7 +207,7 @@ def route(
     from ..routing import max_tiles
 
     num_pairs = topk_ids.numel()
-    e_pow2 = triton.next_power_of_2(num_experts)
+    e_pow2 = next_pow2(num_experts)
     counted = num_pairs > ROUTE_ONE_PROGRAM
     chunk, num_chunks = route_chunks(num_pairs, num_experts) if counted else (num_pairs, 1)
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
@@ -347,10 +347,10 @@ def route_batched(expert_num_tokens: torch.Tensor, max_tokens: int, block_m: int
         starts.append(starts[-1] + round_up(size, 4))
     ints = torch.empty(starts[-1], dtype=torch.int32, device=expert_num_tokens.device)
     parts = tuple(ints[start : start + size] for start, size in zip(starts, sizes))
-    e_pow2 = triton.next_power_of_2(num_experts)
+    e_pow2 = next_pow2(num_experts)
     launch(
         _batched_route_kernel,
-        (max(1, triton.cdiv(num_rows, BATCHED_ROUTE_ROWS)),),
+        (max(1, -(-num_rows // BATCHED_ROUTE_ROWS)),),
         expert_num_tokens,
         *parts,
         max_tokens,
