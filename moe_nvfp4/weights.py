@@ -132,8 +132,8 @@ def _expected_tensors(
     layout: MoELayout, e: int, h: int, i: int, gated: bool
 ) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
     """(field name, shape, dtype) of every tensor of ``MoEWeights`` with these dimensions in ``layout``, as its
-    ``pack`` writes them (weight_layouts).  Cached: the custom ops rebuild and check a ``MoEWeights`` every eager
-    forward, and this was 8 of its 21 us on a CI core (2026-11-29)."""
+    ``pack`` writes them (weight_layouts).  Cached: the custom ops rebuild and check a ``MoEWeights`` every call
+    (eager calls skip the op since: api._through_op), and this was 8 of its 21 us on a CI core (2026-11-29)."""
     return tuple((name, shape, dtype) for name, (shape, dtype) in _tensor_rules(layout, e, h, i, gated).items())
 
 
