@@ -68,4 +68,22 @@ def test_host_mode_splits_the_hosts_time_from_the_wall_time(monkeypatch: pytest.
     monkeypatch.setattr(sys, "argv", ["profile_moe.py", "--tokens", "2048", "--host", "--w4a8"])
     assert profile_moe.main() == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("qwen3-30b-a3b T=2048 W4A8, eager:") and "enqueue" in out[0] and len(out) > 1
+    assert out[0].startswith("qwen3-30b-a3b T=2048 W4A8, eager, launcher:") and "enqueued" in out[0]
+    assert out[1].startswith("qwen3-30b-a3b T=2048 W4A8, eager, kernel[grid]:") and len(out) > 2
+
+
+def test_host_ab_runs_the_plain_launches_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--host's A/B: the forwards alternate between the launcher and Triton's kernel[grid] path (the launcher's
+    own fallback), two rounds, and the launcher is as shipped afterwards."""
+    import profile_moe
+
+    from moe_nvfp4.triton import launcher
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen: list[bool] = []
+    shipped = launcher.INTERNALS_KNOWN
+    best = profile_moe.launcher_ab(lambda: seen.append(launcher.INTERNALS_KNOWN), rounds=2, iters=2)
+    assert set(best) == {"launcher", "kernel[grid]"}
+    per_call = 3 + 2 * 2  # warm forwards, then the wall and the enqueue loops
+    expected = ([shipped] * per_call + [False] * per_call) * 2
+    assert seen == expected and launcher.INTERNALS_KNOWN == shipped

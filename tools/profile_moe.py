@@ -6,11 +6,12 @@ before: the routing kernel read 129 us at Qwen3 T=4096 that way).
     python tools/profile_moe.py --model qwen3-30b-a3b --tokens 1 --per-launch      # GEMM1, GEMM2, ... apart
     python tools/profile_moe.py --model mixtral-8x7b --tokens 4096 --config '{"block_m": 128, ...}'
 
---host times eager forwards through the public API (``moe_nvfp4.fused_moe``: its checks, the custom op, the
+--host times eager forwards through the public API (``moe_nvfp4.fused_moe``: its checks, the op's body, the
 backend), as vLLM runs prefill past its CUDA-graph sizes: the wall time of a forward, the host's enqueue time of one
 (no wait for the GPU: what the Python and launch path cost; where it nears the wall time the forward is
-host-bound), and the functions that take the most of it (cProfile, own time).  ``--w4a8`` gives the forwards the
-W4A8 mode's e4m3 copy:
+host-bound), the same with every launch through Triton's ``kernel[grid](...)`` instead of ``triton.launcher`` (the
+launcher's A/B, interleaved in one process: design 008 decision 12), and the functions that take the most of the
+host's time (cProfile, own time).  ``--w4a8`` gives the forwards the W4A8 mode's e4m3 copy:
 
     python tools/profile_moe.py --model qwen3-30b-a3b --tokens 2048 --host --w4a8
 
@@ -26,13 +27,14 @@ the weights come from HBM):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
 from moe_nvfp4.sm90.configs import MoEKernelConfig
 from moe_nvfp4.sm90.host import fused_moe_sm90  # noqa: E402
 from moe_nvfp4.sm90.tuned_configs import select_config
+from moe_nvfp4.triton import launcher
 from moe_nvfp4.triton.common import plain_launches
 
 
@@ -103,7 +106,7 @@ def api_forward_of(model: str, tokens: int, w4a8: bool) -> Callable[[], object]:
 def host_times(forward: Callable[[], object], iters: int = 20, top: int = 12) -> dict:
     """``forward`` eager, after three forwards (compiles, caches): ``wall_us`` a forward with the GPU waited for,
     ``enqueue_us`` a forward without waiting (the host's cost; the launch queue holds a few forwards' kernels), and
-    ``top``: the ``top`` functions by own time under cProfile, (us a forward, where)."""
+    ``top``: the ``top`` functions by own time under cProfile, (us a forward, where); none and no cProfile run for 0."""
     for _ in range(3):
         forward()
     torch.cuda.synchronize()
@@ -117,6 +120,8 @@ def host_times(forward: Callable[[], object], iters: int = 20, top: int = 12) ->
         forward()
     enqueue = (time.perf_counter() - start) / iters
     torch.cuda.synchronize()
+    if not top:
+        return {"wall_us": wall * 1e6, "enqueue_us": enqueue * 1e6, "top": []}
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(iters):
@@ -130,6 +135,31 @@ def host_times(forward: Callable[[], object], iters: int = 20, top: int = 12) ->
         "enqueue_us": enqueue * 1e6,
         "top": [(seconds / iters * 1e6, where) for seconds, where in own[:top]],
     }
+
+
+@contextlib.contextmanager
+def triton_launches() -> Iterator[None]:
+    """Inside, every launch goes through Triton's ``kernel[grid](...)`` (JITFunction.run), as before the launcher:
+    the launcher takes that path wherever it does not know Triton's internals."""
+    known = launcher.INTERNALS_KNOWN
+    launcher.INTERNALS_KNOWN = False
+    try:
+        yield
+    finally:
+        launcher.INTERNALS_KNOWN = known
+
+
+def launcher_ab(forward: Callable[[], object], rounds: int = 2, iters: int = 20) -> dict[str, tuple[float, float]]:
+    """(wall_us, enqueue_us) of ``forward`` as shipped and with ``triton_launches``, the two interleaved ``rounds``
+    times in one process (the machines are noisy), the least of each kept."""
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(rounds):
+        for name, context in (("launcher", contextlib.nullcontext), ("kernel[grid]", triton_launches)):
+            with context():
+                times = host_times(forward, iters, top=0)
+            wall, enqueue = best.get(name, (float("inf"), float("inf")))
+            best[name] = (min(wall, times["wall_us"]), min(enqueue, times["enqueue_us"]))
+    return best
 
 
 def one_forward_for_ncu(forward: Callable[[], object]) -> None:
@@ -156,13 +186,13 @@ def main() -> int:
     p.add_argument("--w4a8", action="store_true", help="with --host: the forwards get the W4A8 mode's e4m3 copy")
     args = p.parse_args()
     if args.host:
-        times = host_times(api_forward_of(args.model, args.tokens, args.w4a8))
+        forward = api_forward_of(args.model, args.tokens, args.w4a8)
         mode = "W4A8" if args.w4a8 else "W4A16"
-        print(
-            f"{args.model} T={args.tokens} {mode}, eager: {times['wall_us']:.0f} us a forward, the host's enqueue "
-            f"{times['enqueue_us']:.0f} us"
-        )
-        for us, where in times["top"]:
+        for name, (wall, enqueue) in launcher_ab(forward).items():
+            print(
+                f"{args.model} T={args.tokens} {mode}, eager, {name}: {wall:.0f} us a forward, enqueued in {enqueue:.0f} us"
+            )
+        for us, where in host_times(forward)["top"]:
             print(f"{us:9.1f} us  {where}")
         return 0
     cfg = MoEKernelConfig.from_dict(json.loads(args.config)) if args.config else None
