@@ -314,7 +314,7 @@ FP8_GATE_UP_BLOCK = 64
 
 def interleaved_gate_up_rows(i: int) -> int:
     """Rows of interleave_gate_up's result for I outputs: 2 pad64(I)."""
-    return 2 * -(-i // FP8_GATE_UP_BLOCK) * FP8_GATE_UP_BLOCK
+    return 2 * round_up(i, FP8_GATE_UP_BLOCK)
 
 
 def interleave_gate_up(rows: torch.Tensor, i: int) -> torch.Tensor:
