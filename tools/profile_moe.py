@@ -15,6 +15,12 @@ host's time (cProfile, own time).  ``--w4a8`` gives the forwards the W4A8 mode's
 
     python tools/profile_moe.py --model qwen3-30b-a3b --tokens 2048 --host --w4a8
 
+--modes times W4A16 and W4A8 eagerly at each of ``--token-list`` (the W4A8 forward run at every T, whatever
+``fp8_pays`` would choose; the two interleaved, two rounds, the least kept): where the W4A8 mode starts paying off
+in an eager forward, host time included (design 008 decision 13); ``--out`` writes the rows as JSON:
+
+    python tools/profile_moe.py --modes --models qwen3-30b-a3b,mixtral-8x7b --token-list 1024,2048,4096 --out f.json
+
 --ncu runs one forward (after three unprofiled ones, programmatic dependent launch as shipped) between
 cudaProfilerStart and cudaProfilerStop, for Nsight Compute (which flushes the caches before each kernel, so
 the weights come from HBM):
@@ -42,12 +48,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # tools/README.md: imports
 
-from tune_moe import MODELS, packed_layer  # noqa: E402
+from tune_moe import MODELS, packed_layer
 
-from moe_nvfp4 import fused_moe, prepare_fp8_weights, topk_softmax  # noqa: E402
-from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
+from moe_nvfp4 import fused_moe, prepare_fp8_weights, topk_softmax
+from moe_nvfp4.shapes import LayerShape, device_traits
+from moe_nvfp4.sm90 import w4a8
 from moe_nvfp4.sm90.configs import MoEKernelConfig
-from moe_nvfp4.sm90.host import fused_moe_sm90  # noqa: E402
+from moe_nvfp4.sm90.host import fused_moe_sm90
 from moe_nvfp4.sm90.tuned_configs import select_config
 from moe_nvfp4.triton import launcher
 from moe_nvfp4.triton.common import plain_launches
@@ -162,6 +169,43 @@ def launcher_ab(forward: Callable[[], object], rounds: int = 2, iters: int = 20)
     return best
 
 
+@contextlib.contextmanager
+def w4a8_everywhere() -> Iterator[None]:
+    """Inside, a forward given the e4m3 copy runs W4A8 at every T (fp8_pays' rows-per-expert bound at zero)."""
+    rows = w4a8.FP8_MIN_ROWS_PER_EXPERT
+    w4a8.FP8_MIN_ROWS_PER_EXPERT = 0
+    try:
+        yield
+    finally:
+        w4a8.FP8_MIN_ROWS_PER_EXPERT = rows
+
+
+def mode_times(model: str, tokens: int, rounds: int = 2, iters: int = 20) -> dict:
+    """Eager wall and enqueue times (us) of ``model``'s layer at ``tokens`` in W4A16 and in W4A8 (forced), the two
+    interleaved ``rounds`` times, the least of each kept; with the rows an expert expects (T x top-k / E)."""
+    weights, x, tw, ti = layer_inputs(model, tokens)
+    fp8 = prepare_fp8_weights(weights)
+    forwards = {
+        "w4a16": lambda: fused_moe(x, weights, tw, ti),
+        "w4a8": lambda: fused_moe(x, weights, tw, ti, fp8_weights=fp8),
+    }
+    best = {name: {"wall_us": float("inf"), "enqueue_us": float("inf")} for name in forwards}
+    with w4a8_everywhere():
+        for _ in range(rounds):
+            for name, forward in forwards.items():
+                times = host_times(forward, iters, top=0)
+                for key in best[name]:
+                    best[name][key] = min(best[name][key], times[key])
+    e, k, _, _ = MODELS[model]
+    return {
+        "model": model,
+        "tokens": tokens,
+        "rows_per_expert": tokens * k / e,
+        **{f"{name}_{key}": round(value, 1) for name, times in best.items() for key, value in times.items()},
+        "w4a8_speedup": round(best["w4a16"]["wall_us"] / best["w4a8"]["wall_us"], 3),
+    }
+
+
 def one_forward_for_ncu(forward: Callable[[], object]) -> None:
     """Three forwards (compiles, caches), then one between cudaProfilerStart and cudaProfilerStop."""
     for _ in range(3):
@@ -184,7 +228,28 @@ def main() -> int:
     )
     p.add_argument("--host", action="store_true", help="eager forwards through the public API: host vs wall time")
     p.add_argument("--w4a8", action="store_true", help="with --host: the forwards get the W4A8 mode's e4m3 copy")
+    p.add_argument("--modes", action="store_true", help="W4A16 against W4A8 eagerly, at each of --token-list")
+    p.add_argument("--models", default="qwen3-30b-a3b", help="with --modes: comma-separated models")
+    p.add_argument("--token-list", default="1024,2048,4096", help="with --modes: comma-separated token counts")
+    p.add_argument("--out", default=None, help="with --modes: the rows as JSON")
     args = p.parse_args()
+    if args.modes:
+        rows = []
+        for model in args.models.split(","):
+            for tokens in (int(t) for t in args.token_list.split(",")):
+                rows.append(mode_times(model, tokens))
+                r = rows[-1]
+                print(
+                    f"{model} T={tokens} ({r['rows_per_expert']:.0f} rows an expert): W4A16 {r['w4a16_wall_us']:.0f} us"
+                    f" (enqueued {r['w4a16_enqueue_us']:.0f}), W4A8 {r['w4a8_wall_us']:.0f} us (enqueued"
+                    f" {r['w4a8_enqueue_us']:.0f}): W4A8 {r['w4a8_speedup']:.2f}x",
+                    flush=True,
+                )
+        if args.out:
+            Path(args.out).write_text(
+                json.dumps({"meta": {"device": torch.cuda.get_device_name()}, "rows": rows}, indent=1)
+            )
+        return 0
     if args.host:
         forward = api_forward_of(args.model, args.tokens, args.w4a8)
         mode = "W4A8" if args.w4a8 else "W4A16"
