@@ -143,7 +143,7 @@ def fold_to_fp8(weights: MoEWeights, nvfp4: tuple[NVFP4Tensor, NVFP4Tensor] | No
 
 # the row count is T or T x top-k: not specialized on (T % 16 == 0 or not would be two variants, one of them first
 # compiled mid-serving: a 1.7x TTFT hit in vLLM's prefill-heavy serving bench, 2026-11-29)
-@triton.jit(do_not_specialize=["n_rows", "top_k"])
+@triton.jit(do_not_specialize=["n_rows"])
 def _quantize_rows_kernel(
     x_ptr,
     stride_x,
@@ -152,17 +152,13 @@ def _quantize_rows_kernel(
     n_rows,
     k,
     count_ptr,
-    src_ptr,
-    top_k,
     COUNTED: tl.constexpr,
-    GATHERED: tl.constexpr,
     HW_CAST: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """ROWS output rows a program: each source row's amax, then x * (448 / amax) rounded to e4m3 (round to nearest
-    even; IEEE division, as the twin's); scale amax / 448.  GATHERED: output row r reads x's row src[r] // top_k
-    (GEMM1's token rows in sorted-pair order).  HW_CAST: the GPU's float8 conversion (cvt.rn.satfinite, two values
+    """ROWS rows of x a program: each row's amax, then x * (448 / amax) rounded to e4m3 (round to nearest even; IEEE
+    division, as the twin's); scale amax / 448.  HW_CAST: the GPU's float8 conversion (cvt.rn.satfinite, two values
     an instruction); without it the rounding on the float32 bits (quant_act._round_e4m3), for the interpreter, whose
     float8 cast rounds wrongly: the bit rounding made this kernel ALU-bound on an H200 (111 us of a 770-us Qwen3-30B
     forward).  COUNTED: only rows r < count[0].  Several rows a program where rows are short (GEMM2's input, I
@@ -171,12 +167,9 @@ def _quantize_rows_kernel(
     live = rows < n_rows
     if COUNTED:
         live &= rows < tl.load(count_ptr)
-    source = rows
-    if GATHERED:
-        source = (tl.load(src_ptr + rows, mask=live, other=0) // top_k).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = live[:, None] & (offs < k)[None, :]
-    x = tl.load(x_ptr + source[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full([ROWS], 448.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
     q = x * inv[:, None]
@@ -194,45 +187,73 @@ def _quantize_rows_kernel(
     tl.store(scale_ptr + rows, scale, mask=live)
 
 
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, src_scale_ptr, out_ptr, out_scale_ptr, pairs_ptr, count_ptr, top_k, k, BLOCK: tl.constexpr
+):
+    """Output row r < count[0]: the quantized row of token pairs[r] // top_k and its scale (bytes copied)."""
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(count_ptr):
+        return
+    token = (tl.load(pairs_ptr + row) // top_k).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * k + offs, tl.load(src_ptr + token * k + offs, mask=offs < k), mask=offs < k)
+    tl.store(out_scale_ptr + row, tl.load(src_scale_ptr + token))
+
+
 def quantize_rows_fp8(
     x: torch.Tensor, *, src: torch.Tensor | None = None, top_k: int = 1, count: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (unit stride along K) -> (e4m3 [R, K] contiguous, float32 [R]).  Without ``src``: R = T, row r
     x's row r quantized (with ``count`` int32 [1] only rows r < count[0]: the routed rows of GEMM2's input).
     ``src`` int32 [P] and ``count`` (GEMM1's token rows in sorted-pair order, route()'s sorted_pairs and routed
-    count): R = P, row r < count[0] the quantized row of token src[r] // top_k, in one launch (a token's row is
-    quantized once for each of its pairs, the same bytes each time: a launch fewer than quantizing then gathering,
-    whose host time bounded the eager forward, design 008 decision 13).  Rows past the count are left unwritten
-    (they belong to no tile)."""
-    if src is not None and count is None:
-        raise ValueError("quantize_rows_fp8: gathered rows (src) need the routed count (count)")
-    k = x.shape[1]
-    rows = x.shape[0] if src is None else src.numel()
-    out = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    count): R = P, row r < count[0] the quantized row of token src[r] // top_k.  Rows past the count are left
+    unwritten (they belong to no tile).  Each token row is quantized once and its bytes gathered after:
+    top_k times fewer conversions and 1-byte instead of 2-byte gathered reads."""
+    t, k = x.shape
+    out = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(t, dtype=torch.float32, device=x.device)
     block = next_pow2(k)
     rows_per_program = max(1, QUANTIZE_VALUES // block)
-    if rows:
+    if t:
         launch(
             _quantize_rows_kernel,
-            (-(-rows // rows_per_program),),
+            (-(-t // rows_per_program),),
             x,
             x.stride(0),
             out.view(torch.uint8),
             scale,
-            rows,
+            t,
             k,
-            scale if count is None else count,  # unread stand-ins where not counted or not gathered
-            scale if src is None else src,
-            top_k,
-            COUNTED=count is not None,
-            GATHERED=src is not None,
+            scale if count is None or src is not None else count,  # an unread stand-in where not counted
+            COUNTED=count is not None and src is None,
             HW_CAST=x.is_cuda,
             ROWS=rows_per_program,
             BLOCK=block,
             num_warps=8 if block * rows_per_program > 4096 else 4,
         )
-    return out, scale
+    if src is None:
+        return out, scale
+    assert count is not None, "gathered rows need the routed count"
+    rows = src.numel()
+    gathered = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    gathered_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        launch(
+            _gather_rows_kernel,
+            (rows,),
+            out.view(torch.uint8),
+            scale,
+            gathered.view(torch.uint8),
+            gathered_scale,
+            src,
+            count,
+            top_k,
+            k,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return gathered, gathered_scale
 
 
 def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,8 +279,7 @@ def fused_moe_w4a8(
     config: Fp8Config | None = None,
 ) -> torch.Tensor:
     """The MoE forward in the W4A8 mode: x [T, H] bf16/fp16, routing as api.fused_moe's (checked by the caller).
-    Five launches (+ routing): quantize x's rows into sorted-pair order, GEMM1, quantize the activation, GEMM2,
-    combine."""
+    Five launches (+ routing): quantize x, GEMM1, quantize the activation, GEMM2, combine."""
     weights = fp8.source
     t, top_k = topk_ids.shape
     out = torch.empty_like(x)

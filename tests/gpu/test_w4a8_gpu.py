@@ -148,7 +148,7 @@ def test_row_quantizer_equals_its_twin(gen) -> None:
     q, s = quantize_rows_fp8(x)
     q_twin, s_twin = quantize_rows_fp8_torch(x)
     assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8)) and torch.equal(s, s_twin)
-    # GEMM1's rows: each pair's token row quantized in the pair order up to the routed count, the same bytes
+    # GEMM1's rows: each token quantized once, its bytes gathered into the pair order up to the routed count
     src = torch.randperm(300 * 8, generator=gen, device="cuda").int()
     g8, gs = quantize_rows_fp8(x, src=src, top_k=8, count=torch.tensor([2395], dtype=torch.int32, device="cuda"))
     tok = src[:2395].long() // 8

@@ -16,7 +16,7 @@ import moe_nvfp4 as m
 from moe_nvfp4.sm90.host import compiled_variants
 from moe_nvfp4.sm90 import gemm_gluon as moe_sm90_ws
 from moe_nvfp4.sm90.gemm_fp8_ws import _fp8_ws_kernel
-from moe_nvfp4.sm90.w4a8 import _quantize_rows_kernel, fp8_first_tokens
+from moe_nvfp4.sm90.w4a8 import _gather_rows_kernel, _quantize_rows_kernel, fp8_first_tokens
 from moe_nvfp4.warmup import compile_kernels
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ REL_TOL = 1e-2
 def _variants() -> int:
     """Triton's compiled variants of the MoE's kernels in this process, the Gluon GEMMs' and the W4A8 mode's
     included."""
-    kernels = (moe_sm90_ws._moe_gemm_ws_kernel, _fp8_ws_kernel, _quantize_rows_kernel)
+    kernels = (moe_sm90_ws._moe_gemm_ws_kernel, _fp8_ws_kernel, _quantize_rows_kernel, _gather_rows_kernel)
     caches = (getattr(k, "device_caches", {}) for k in kernels)
     return compiled_variants() + sum(len(c[0]) for cache in caches for c in cache.values())
 
