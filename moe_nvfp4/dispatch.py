@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,20 @@ import torch
 from . import backends
 from .backends import TORCH, Backend, by_name
 
-__all__ = ["Selection", "arch_of", "select_backends", "sm_count"]
+__all__ = ["WARMING_UP", "Selection", "arch_of", "host_cost_counts", "select_backends", "sm_count"]
 
 OVERRIDE_ENV = "MOE_NVFP4_BACKEND"
+
+# True in the warm-up's forwards (warmup.compile_kernels): a choice that weighs the host's launch time
+# (sm90.w4a8.fp8_pays) takes the choice a CUDA-graph capture makes, so the warm-up compiles every kernel a capture
+# or a later eager forward launches (a kernel first compiled mid-serving cost a 1.7x TTFT, design 008 decision 11).
+WARMING_UP: ContextVar[bool] = ContextVar("moe_nvfp4_warming_up", default=False)
+
+
+def host_cost_counts(x: torch.Tensor) -> bool:
+    """Whether the forward on ``x`` pays its launches' host time each call: not being captured into a CUDA graph
+    (a replay launches nothing from Python) and not a warm-up forward."""
+    return not WARMING_UP.get() and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dispatch import select_backends
+from .dispatch import WARMING_UP, select_backends
 
 if TYPE_CHECKING:
     from .weights import Fp8ExpertWeights, MoEWeights
@@ -119,6 +119,7 @@ def compile_kernels(
 
     def run(t: int) -> None:
         with contextlib.ExitStack() as stack:
+            stack.callback(WARMING_UP.reset, WARMING_UP.set(True))
             if cuda and not serial:  # CUDA's current device is per thread: this one's, and a stream of its own
                 stack.enter_context(torch.cuda.device(device))
                 stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))

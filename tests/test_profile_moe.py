@@ -91,20 +91,21 @@ def test_host_ab_runs_the_plain_launches_interleaved(monkeypatch: pytest.MonkeyP
 
 def test_modes_times_both_modes_interleaved_with_w4a8_forced(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """--modes: at each T, W4A16 and W4A8 alternate for two rounds (the least time kept); the W4A8 forwards run with
-    fp8_pays' bound at zero (W4A8 at every T) and the bound is as shipped afterwards; the rows go to --out."""
+    fp8_pays' bounds at zero (W4A8 at every T) and the bounds are as shipped afterwards; the rows go to --out."""
     import json
 
     import profile_moe
 
     from moe_nvfp4.sm90 import w4a8
 
-    shipped = w4a8.FP8_MIN_ROWS_PER_EXPERT
+    shipped = w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS
     seen: list[tuple[str, int]] = []
     monkeypatch.setattr(profile_moe, "layer_inputs", lambda model, tokens: ("w", "x", "tw", "ti"))
     monkeypatch.setattr(profile_moe, "prepare_fp8_weights", lambda weights: "fp8")
 
     def fake_fused_moe(x, weights, tw, ti, fp8_weights=None):
-        seen.append(("w4a8" if fp8_weights == "fp8" else "w4a16", w4a8.FP8_MIN_ROWS_PER_EXPERT))
+        bounds = w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS
+        seen.append(("w4a8" if fp8_weights == "fp8" else "w4a16", bounds))
 
     walls = iter([500.0, 700.0, 480.0, 650.0] * 2)
 
@@ -120,8 +121,8 @@ def test_modes_times_both_modes_interleaved_with_w4a8_forced(monkeypatch: pytest
     argv = ["profile_moe.py", "--modes", "--models", "qwen3-30b-a3b", "--token-list", "1024,2048", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     assert profile_moe.main() == 0
-    assert [name for name, _ in seen] == ["w4a16", "w4a8"] * 4 and all(rows == 0 for _, rows in seen)
-    assert w4a8.FP8_MIN_ROWS_PER_EXPERT == shipped
+    assert [name for name, _ in seen] == ["w4a16", "w4a8"] * 4 and all(bounds == (0, 0.0) for _, bounds in seen)
+    assert (w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS) == shipped
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1024, 2048] and rows[0]["rows_per_expert"] == 1024 * 8 / 128
     assert rows[0]["w4a16_wall_us"] == 480.0 and rows[0]["w4a8_wall_us"] == 650.0

@@ -1425,6 +1425,7 @@ def test_fp8_activations_switch(plugin, gen, monkeypatch):
     keeps the e4m3 copy and apply() runs what api.fused_moe runs with it: W4A8 where each expert expects enough
     rows, the W4A16 forward bit for bit below that."""
     import moe_nvfp4
+    from moe_nvfp4.sm90 import w4a8 as w4a8_mode
 
     env = plugin.FP8_ACTIVATIONS_ENV
     monkeypatch.delenv(env, raising=False)
@@ -1443,6 +1444,7 @@ def test_fp8_activations_switch(plugin, gen, monkeypatch):
     _load(layer, ex.tensors)
     method = layer.quant_method
     assert method.fp8_weights is not None and method.fp8_weights.source is layer.moe_nvfp4_weights
+    monkeypatch.setattr(w4a8_mode, "FP8_MIN_EAGER_FLOPS", 0.0)  # eager: the rows bound alone for this small layer
     t = 80 * E // TOPK  # sm90.w4a8.FP8_MIN_ROWS_PER_EXPERT rows an expert
     x, tw, ids = _routing(gen, t)
     weights = layer.moe_nvfp4_weights

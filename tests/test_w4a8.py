@@ -270,22 +270,48 @@ def _api_layer(e: int, k: int, h: int, i: int, t: int, seed: int, dtype: torch.d
     return w, (q13, q2), x, tw, ti
 
 
-def test_fp8_pays_at_the_rows_an_expert_expects() -> None:
-    from moe_nvfp4.sm90.w4a8 import FP8_MIN_ROWS_PER_EXPERT, fp8_pays
+def test_fp8_pays_at_the_rows_an_expert_expects_and_eagerly_at_the_work() -> None:
+    """Captured into a CUDA graph: from FP8_MIN_ROWS_PER_EXPERT rows an expert (global experts).  Eager: also from
+    FP8_MIN_EAGER_FLOPS of the rank's expected work (its local share under an expert map), so a small layer stays
+    W4A16 where a large one at the same rows runs W4A8.  Never with the router weight on the input."""
+    from moe_nvfp4.shapes import LayerShape
+    from moe_nvfp4.sm90.w4a8 import FP8_MIN_EAGER_FLOPS, FP8_MIN_ROWS_PER_EXPERT, expected_flops, fp8_pays
 
     rows = FP8_MIN_ROWS_PER_EXPERT
-    assert fp8_pays(rows * 8 // 2, 2, 8, False) and not fp8_pays(rows * 8 // 2 - 1, 2, 8, False)
-    assert not fp8_pays(10**6, 8, 8, True)  # the router weight on the input: W4A16
-    assert not fp8_pays(rows, 1, 2, False)  # global experts count (an EP rank's map), not local ones
+    small = LayerShape(8, 2, 256, 128)
+    first = rows * 8 // 2
+    assert fp8_pays(first, small, False, eager=False) and not fp8_pays(first - 1, small, False, eager=False)
+    assert not fp8_pays(first, small, False, eager=True)  # 0.1 GFLOP: host-bound eagerly
+    assert not fp8_pays(10**6, LayerShape(8, 1, 4096, 14336), True, eager=False)  # the router weight on the input
+    assert not fp8_pays(rows, LayerShape(1, 1, 256, 128, global_experts=2), False, eager=False)  # global experts
+    qwen3 = LayerShape(128, 8, 2048, 768)  # 75.5 MFLOP a token: 200 GFLOP at 2650 tokens
+    assert expected_flops(1, qwen3) == 2 * 8 * 2048 * 768 * 3
+    assert fp8_pays(1280, qwen3, False, eager=False) and not fp8_pays(2560, qwen3, False, eager=True)
+    assert fp8_pays(2650, qwen3, False, eager=True)
+    ep = LayerShape(32, 8, 2048, 768, global_experts=128)  # a quarter of the experts: a quarter of the work
+    assert expected_flops(4096, ep) == expected_flops(1024, qwen3)
+    assert not fp8_pays(8192, ep, False, eager=True) and fp8_pays(4 * 2650, ep, False, eager=True)
+    gelu = LayerShape(128, 8, 2048, 768, gated=False)  # GEMM1 of I rows, not 2I
+    assert expected_flops(3, gelu) == expected_flops(2, qwen3) and FP8_MIN_EAGER_FLOPS > 0
 
 
-def test_fused_moe_with_fp8_weights_on_cpu() -> None:
-    """api.fused_moe(..., fp8_weights=) on CPU tensors (the torch backend): the W4A8 twin where each expert expects
-    FP8_MIN_ROWS_PER_EXPERT rows, bit for bit; the W4A16 forward below that and with the router weight on the input,
-    bit for bit the forward without the copy; an expert map counts global experts."""
+@pytest.fixture
+def eager_w4a8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager forwards run W4A8 from the rows bound alone (the test layers are far under FP8_MIN_EAGER_FLOPS)."""
+    from moe_nvfp4.sm90 import w4a8
+
+    monkeypatch.setattr(w4a8, "FP8_MIN_EAGER_FLOPS", 0.0)
+
+
+def test_fused_moe_with_fp8_weights_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """api.fused_moe(..., fp8_weights=) on CPU tensors (the torch backend), eager: this small layer stays W4A16 under
+    the shipped work bound; with it at zero, the W4A8 twin where each expert expects FP8_MIN_ROWS_PER_EXPERT rows, bit
+    for bit; the W4A16 forward below that and with the router weight on the input, bit for bit the forward without
+    the copy; an expert map counts global experts."""
     import secrets
 
     import moe_nvfp4 as m
+    from moe_nvfp4.sm90 import w4a8
     from moe_nvfp4.sm90.w4a8 import FP8_MIN_ROWS_PER_EXPERT
 
     e, k = 4, 2
@@ -293,6 +319,8 @@ def test_fused_moe_with_fp8_weights_on_cpu() -> None:
     w, checkpoint, x, tw, ti = _api_layer(e, k, 64, 64, t, secrets.randbits(31))
     f = m.prepare_fp8_weights(w, checkpoint)
     assert torch.equal(f.w13.view(torch.uint8), fold_to_fp8(w).w13.view(torch.uint8))
+    assert torch.equal(m.fused_moe(x, w, tw, ti, fp8_weights=f), m.fused_moe(x, w, tw, ti))
+    monkeypatch.setattr(w4a8, "FP8_MIN_EAGER_FLOPS", 0.0)
     out = m.fused_moe(x, w, tw, ti, fp8_weights=f)
     assert torch.equal(out, fused_moe_w4a8_torch(x, f, tw, ti))
     assert not torch.equal(out, m.fused_moe(x, w, tw, ti))  # the W4A8 roundings are there
@@ -325,7 +353,9 @@ API_SCRIPT = textwrap.dedent(
     import sys, torch, moe_nvfp4 as m
     sys.path.insert(0, sys.argv[1])
     from test_w4a8 import _api_layer
+    from moe_nvfp4.sm90 import w4a8
     from moe_nvfp4.sm90.w4a8 import FP8_MIN_ROWS_PER_EXPERT, fused_moe_w4a8_torch
+    w4a8.FP8_MIN_EAGER_FLOPS = 0.0  # W4A8 from the rows bound alone: this layer is far under the eager work bound
     e, k = 4, 2
     t = FP8_MIN_ROWS_PER_EXPERT * e // k
     w, _, x, tw, ti = _api_layer(e, k, 128, 128, t, int(sys.argv[2]), torch.float16)
@@ -357,7 +387,7 @@ def test_fused_moe_with_fp8_weights_runs_the_triton_backend_entry() -> None:
     assert float(proc.stdout.split()[-1]) < 5e-3, proc.stdout
 
 
-def test_custom_op_with_fp8_weights_passes_opcheck() -> None:
+def test_custom_op_with_fp8_weights_passes_opcheck(eager_w4a8) -> None:
     """The op carrying the e4m3 copy's tensors: fake tensor, autograd-registration and AOT-dispatch checks of
     torch.library, and torch.compile traces api.fused_moe(..., fp8_weights=) as one op."""
     import moe_nvfp4 as m

@@ -171,13 +171,13 @@ def launcher_ab(forward: Callable[[], object], rounds: int = 2, iters: int = 20)
 
 @contextlib.contextmanager
 def w4a8_everywhere() -> Iterator[None]:
-    """Inside, a forward given the e4m3 copy runs W4A8 at every T (fp8_pays' rows-per-expert bound at zero)."""
-    rows = w4a8.FP8_MIN_ROWS_PER_EXPERT
-    w4a8.FP8_MIN_ROWS_PER_EXPERT = 0
+    """Inside, a forward given the e4m3 copy runs W4A8 at every T (fp8_pays' rows and eager-work bounds at zero)."""
+    bounds = w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS
+    w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS = 0, 0.0
     try:
         yield
     finally:
-        w4a8.FP8_MIN_ROWS_PER_EXPERT = rows
+        w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS = bounds
 
 
 def mode_times(model: str, tokens: int, rounds: int = 2, iters: int = 20) -> dict:

@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import sm_count
+from ..dispatch import host_cost_counts, sm_count
 from ..formats import NVFP4Tensor, dequantize_nvfp4
 from ..layouts import next_pow2
 from ..routing import routed_pairs
+from ..shapes import LayerShape
 from ..triton.combine import combine
 from ..triton.launcher import launch
 from ..triton.quant_act import _round_e4m3
@@ -39,6 +40,8 @@ __all__ = [
     "FP8_MIN_ROWS_PER_EXPERT",
     "Fp8Config",
     "fold_to_fp8",
+    "FP8_MIN_EAGER_FLOPS",
+    "expected_flops",
     "fp8_copy_bytes",
     "fp8_first_tokens",
     "fp8_pays",
@@ -59,6 +62,14 @@ QUANTIZE_VALUES = 4096  # values a row-quantizer program takes: whole rows, seve
 # (64 rows) 0.94-0.98x, Kimi-K2 TP=8 T=4096 (85 rows) 1.14x, 256 rows and more 1.20-1.40x; Llama-4-Maverick TP=8
 # T=1024 (8 rows) 0.48x.
 FP8_MIN_ROWS_PER_EXPERT = 80
+
+# The least work (both GEMMs' operations over the pairs a rank expects) at which an eager forward runs W4A8: its
+# host time (eight launches, the two GEMMs' with TMA descriptors) is above the W4A16 forward's (enqueued in 406-871
+# against 314-695 us on the H200 host), so it pays only where the GPU work hides it.  Eager layers of Qwen3-30B-A3B,
+# Qwen3-Next, OLMoE and Mixtral, both modes interleaved in one process (design 008 decision 13): where the rows
+# bound alone ran W4A8 under 200 GFLOP, 0.59-1.03x (OLMoE T=1024 0.59x); from 200 up 1.06-1.86x on all 17 rows.  A
+# forward captured into a CUDA graph (vLLM's decode and small prefills) replays with no host time: the rows bound.
+FP8_MIN_EAGER_FLOPS = 200e9
 
 
 @dataclass(frozen=True)
@@ -346,22 +357,33 @@ def fp8_copy_bytes(weights: MoEWeights) -> int:
     return values + 4 * weights.num_experts * (n13 + weights.hidden)
 
 
-def fp8_pays(tokens: int, top_k: int, global_experts: int, apply_router_weight_on_input: bool) -> bool:
+def fp8_pays(tokens: int, shape: LayerShape, apply_router_weight_on_input: bool, eager: bool) -> bool:
     """Whether a forward with an e4m3 copy at hand runs W4A8: experts expecting FP8_MIN_ROWS_PER_EXPERT rows or more
-    (no host sync: the expectation, not the routing's counts) and no router weight on the input (Llama-4's top-1;
-    the W4A8 forward does not scale its rows)."""
-    return not apply_router_weight_on_input and tokens >= fp8_first_tokens(top_k, global_experts)
+    (no host sync: the expectation, not the routing's counts), no router weight on the input (Llama-4's top-1; the
+    W4A8 forward does not scale its rows), and, for an ``eager`` forward (dispatch.host_cost_counts: not one being
+    captured into a CUDA graph, not a warm-up's), FP8_MIN_EAGER_FLOPS of expected work on this rank."""
+    if apply_router_weight_on_input or tokens < fp8_first_tokens(shape.top_k, shape.global_experts):
+        return False
+    return not eager or expected_flops(tokens, shape) >= FP8_MIN_EAGER_FLOPS
+
+
+def expected_flops(tokens: int, shape: LayerShape) -> float:
+    """Both GEMMs' floating-point operations over the (token, expert) pairs this rank expects at ``tokens`` (its
+    local share of the global experts, uniform routing)."""
+    pairs = tokens * shape.top_k * shape.experts / shape.global_experts
+    return 2.0 * pairs * shape.hidden * shape.intermediate * (3 if shape.gated else 2)
 
 
 def fp8_first_tokens(top_k: int, global_experts: int) -> int:
-    """The fewest tokens whose pairs give each expert FP8_MIN_ROWS_PER_EXPERT rows: where fp8_pays starts (the
-    warm-up's W4A8 forward)."""
+    """The fewest tokens whose pairs give each expert FP8_MIN_ROWS_PER_EXPERT rows: where fp8_pays starts under
+    CUDA-graph capture and in the warm-up (its W4A8 forward: one config, so it compiles the kernels every later T
+    runs, captured or eager)."""
     return -(-FP8_MIN_ROWS_PER_EXPERT * global_experts // top_k)
 
 
 def _w4a8_or_w4a16(w4a8, w4a16, x, fp8, topk_weights, topk_ids, expert_map, apply_router_weight_on_input):
-    global_experts = fp8.source.num_experts if expert_map is None else expert_map.numel()
-    if fp8_pays(x.shape[0], topk_ids.shape[1], global_experts, apply_router_weight_on_input):
+    shape = fp8.source.layer_shape(topk_ids.shape[1], x.dtype, expert_map)
+    if fp8_pays(x.shape[0], shape, apply_router_weight_on_input, eager=host_cost_counts(x)):
         return w4a8(x, fp8, topk_weights, topk_ids, expert_map)
     return w4a16(
         x, fp8.source, topk_weights, topk_ids, expert_map, apply_router_weight_on_input=apply_router_weight_on_input

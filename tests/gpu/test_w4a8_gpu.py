@@ -164,9 +164,12 @@ def test_row_quantizer_equals_its_twin(gen) -> None:
     assert quantize_rows_fp8(x)[1][9].isnan()
 
 
-def test_fused_moe_with_fp8_weights(gen) -> None:
-    """api.fused_moe(..., fp8_weights=): the Gluon W4A8 forward where experts expect FP8_MIN_ROWS_PER_EXPERT rows
-    (within the twin's bound), the W4A16 forward bit for bit below it, and both inside one CUDA graph each."""
+def test_fused_moe_with_fp8_weights(gen, monkeypatch) -> None:
+    """api.fused_moe(..., fp8_weights=): captured into a CUDA graph, the Gluon W4A8 forward where experts expect
+    FP8_MIN_ROWS_PER_EXPERT rows (within the twin's bound; what an eager forward runs with w4a8.FP8_MIN_EAGER_FLOPS
+    at zero, bit for bit); eager, this 4-GFLOP layer stays W4A16 (the host's cost weighed), bit for bit the forward
+    without the copy; below the rows bound W4A16 in a graph too."""
+    from moe_nvfp4.sm90 import w4a8
     from moe_nvfp4.sm90.w4a8 import FP8_MIN_ROWS_PER_EXPERT
 
     e, k, h, i = 16, 4, 1024, 512
@@ -175,14 +178,18 @@ def test_fused_moe_with_fp8_weights(gen) -> None:
     f = m.prepare_fp8_weights(w, (q13, q2))
     x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     tw, ti = m.topk_softmax(torch.randn(t, e, generator=gen, device="cuda"), k, renormalize=True)
-    out = m.fused_moe(x, w, tw, ti, fp8_weights=f)
+    assert torch.equal(m.fused_moe(x, w, tw, ti, fp8_weights=f), m.fused_moe(x, w, tw, ti))
+    with monkeypatch.context() as patch:
+        patch.setattr(w4a8, "FP8_MIN_EAGER_FLOPS", 0.0)
+        out = m.fused_moe(x, w, tw, ti, fp8_weights=f)
     assert _rel(out, fused_moe_w4a8_torch(x, f, tw, ti)) < TWIN_TOL["many tokens"]  # 320 tokens
     few = slice(0, 7)
-    assert torch.equal(
-        m.fused_moe(x[few], w, tw[few], ti[few], fp8_weights=f), m.fused_moe(x[few], w, tw[few], ti[few])
-    )
-    graph = torch.cuda.CUDAGraph()
+    graph, few_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = m.fused_moe(x, w, tw, ti, fp8_weights=f)
+    with torch.cuda.graph(few_graph):
+        few_replayed = m.fused_moe(x[few], w, tw[few], ti[few], fp8_weights=f)
     graph.replay()
+    few_graph.replay()
     torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+    torch.testing.assert_close(few_replayed, m.fused_moe(x[few], w, tw[few], ti[few]), rtol=0, atol=0)
