@@ -106,11 +106,14 @@ def compile_kernels(
 ) -> list[int]:
     """``api.warmup_fused_moe`` in ``threads`` threads (None: ``warmup_threads()``), each forward on a stream of
     its own: ``forward(x, weights, topk_weights, topk_ids, expert_map=, apply_router_weight_on_input=)`` (the
-    signature of ``api.fused_moe``; ``fp8_weights=`` too where given, the W4A8 mode's copy, whose kernels then
-    compile as well) on zeros at each of ``warmup_token_counts``, which it returns."""
+    signature of ``api.fused_moe``) on zeros at each of ``warmup_token_counts``, which it returns.  With
+    ``fp8_weights`` (the W4A8 mode's copy) each count runs twice, without it and with it choosing as a CUDA-graph
+    capture does (dispatch.WARMING_UP): an eager forward with the copy runs W4A16 where the layer's work is under
+    w4a8.FP8_MIN_EAGER_FLOPS, a captured one W4A8 from its rows bound, and both kinds must find their kernels
+    compiled."""
     threads = warmup_threads() if threads is None else threads
     counts = warmup_token_counts(weights, top_k, dtype, max_tokens, expert_map, fp8_weights is not None)
-    fp8 = {} if fp8_weights is None else {"fp8_weights": fp8_weights}
+    modes = [{}] if fp8_weights is None else [{}, {"fp8_weights": fp8_weights}]
     device = weights.w13_packed.device
     n_global = weights.num_experts if expert_map is None else expert_map.numel()
     cuda = device.type == "cuda"
@@ -125,15 +128,17 @@ def compile_kernels(
                 stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
             x = torch.zeros(t, weights.hidden, dtype=dtype, device=device)
             ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % n_global).view(t, top_k)
-            forward(
-                x,
-                weights,
-                torch.full((t, top_k), 1.0 / top_k, device=device),
-                ids,
-                expert_map=expert_map,
-                apply_router_weight_on_input=apply_router_weight_on_input,
-                **fp8,
-            )
+            topk_weights = torch.full((t, top_k), 1.0 / top_k, device=device)
+            for mode in modes:
+                forward(
+                    x,
+                    weights,
+                    topk_weights,
+                    ids,
+                    expert_map=expert_map,
+                    apply_router_weight_on_input=apply_router_weight_on_input,
+                    **mode,
+                )
             if cuda and not serial:
                 torch.cuda.current_stream(device).synchronize()  # its memory is free again when it leaves the budget
 
