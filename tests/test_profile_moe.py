@@ -100,7 +100,8 @@ def test_modes_times_both_modes_interleaved_with_w4a8_forced(monkeypatch: pytest
 
     shipped = w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS
     seen: list[tuple[str, int]] = []
-    monkeypatch.setattr(profile_moe, "layer_inputs", lambda model, tokens: ("w", "x", "tw", "ti"))
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(profile_moe, "layer_inputs", lambda model, tokens: ("w", x, "tw", "ti"))
     monkeypatch.setattr(profile_moe, "prepare_fp8_weights", lambda weights: "fp8")
 
     def fake_fused_moe(x, weights, tw, ti, fp8_weights=None):
@@ -123,7 +124,10 @@ def test_modes_times_both_modes_interleaved_with_w4a8_forced(monkeypatch: pytest
     assert profile_moe.main() == 0
     assert [name for name, _ in seen] == ["w4a16", "w4a8"] * 4 and all(bounds == (0, 0.0) for _, bounds in seen)
     assert (w4a8.FP8_MIN_ROWS_PER_EXPERT, w4a8.FP8_MIN_EAGER_FLOPS) == shipped
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows, meta = result["rows"], result["meta"]
+    assert meta["device"] == "test device" and meta["command"].startswith("python profile_moe.py --modes")
+    assert meta["tuned_entries"] is False and all(r["w4a16_config"] == "default" for r in rows)
     assert [r["tokens"] for r in rows] == [1024, 2048] and rows[0]["rows_per_expert"] == 1024 * 8 / 128
     assert rows[0]["w4a16_wall_us"] == 480.0 and rows[0]["w4a8_wall_us"] == 650.0
     assert rows[0]["w4a8_speedup"] == round(480 / 650, 3) and rows[0]["w4a8_enqueue_us"] == 325.0

@@ -55,7 +55,7 @@ from moe_nvfp4.shapes import LayerShape, device_traits
 from moe_nvfp4.sm90 import w4a8
 from moe_nvfp4.sm90.configs import MoEKernelConfig
 from moe_nvfp4.sm90.host import fused_moe_sm90
-from moe_nvfp4.sm90.tuned_configs import select_config
+from moe_nvfp4.sm90.tuned_configs import entries_for, select_config
 from moe_nvfp4.triton import launcher
 from moe_nvfp4.triton.common import plain_launches
 
@@ -197,10 +197,12 @@ def mode_times(model: str, tokens: int, rounds: int = 2, iters: int = 20) -> dic
                 for key in best[name]:
                     best[name][key] = min(best[name][key], times[key])
     e, k, _, _ = MODELS[model]
+    tuned = bool(entries_for(LayerShape(*MODELS[model], x.dtype), device_traits(x.device)))
     return {
         "model": model,
         "tokens": tokens,
         "rows_per_expert": tokens * k / e,
+        "w4a16_config": "tuned" if tuned else "default",
         **{f"{name}_{key}": round(value, 1) for name, times in best.items() for key, value in times.items()},
         "w4a8_speedup": round(best["w4a16"]["wall_us"] / best["w4a8"]["wall_us"], 3),
     }
@@ -246,9 +248,17 @@ def main() -> int:
                     flush=True,
                 )
         if args.out:
-            Path(args.out).write_text(
-                json.dumps({"meta": {"device": torch.cuda.get_device_name()}, "rows": rows}, indent=1)
-            )
+            import triton
+
+            meta = {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "triton": triton.__version__,
+                "command": "python " + " ".join(sys.argv),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "tuned_entries": any(r["w4a16_config"] != "default" for r in rows),
+            }
+            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         return 0
     if args.host:
         forward = api_forward_of(args.model, args.tokens, args.w4a8)

@@ -37,11 +37,11 @@ from .gemm_fp8 import Fp8GemmOperands, Fp8Tiles, launch_fp8_gemm
 from .gemm_fp8_ws import launch_fp8_ws
 
 __all__ = [
+    "FP8_MIN_EAGER_FLOPS",
     "FP8_MIN_ROWS_PER_EXPERT",
     "Fp8Config",
-    "fold_to_fp8",
-    "FP8_MIN_EAGER_FLOPS",
     "expected_flops",
+    "fold_to_fp8",
     "fp8_copy_bytes",
     "fp8_first_tokens",
     "fp8_pays",
