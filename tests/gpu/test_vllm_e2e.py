@@ -443,21 +443,31 @@ def test_issue42_family_greedy_tokens_match_dequantized_bf16(tmp_path, tmp_path_
 
 
 # Eight prompts of 40 tokens: a prefill of 320 tokens, 160 rows an expert of the tiny models (4 experts, top-2), past
-# the W4A8 mode's 80 (sm90.w4a8.FP8_MIN_ROWS_PER_EXPERT); decode (8 tokens) stays W4A16.
+# the W4A8 mode's 80 (sm90.w4a8.FP8_MIN_ROWS_PER_EXPERT); decode (8 tokens) stays W4A16.  The prefill runs in a CUDA
+# graph captured at 320 tokens (max_num_seqs=8 alone captures up to 16): an eager forward of these tiny layers stays
+# W4A16 (w4a8.FP8_MIN_EAGER_FLOPS), a captured one runs W4A8 from the rows bound.
 LONG_PROMPTS = [[(7 * p + 13 * j) % 250 + 1 for j in range(40)] for p in range(8)]
+LONG_PROMPT_GRAPHS = {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 320]}}
 W4A8_TIE = 0.5  # W4A16's top-2 log-probability gap under which W4A8 (6e-2 from float64 a layer) may pick the other
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_w4a8_mode_in_vllm(tmp_path, checkpoints, family):
     """MOE_NVFP4_FP8_ACTIVATIONS=1 (design 008's opt-in W4A8 mode): the engine folds the e4m3 copy at load (its log
-    says so) and the 320-token prefill runs W4A8.  Against the same checkpoint without it, every prompt's first
+    says so) and the 320-token prefill, captured in a CUDA graph, runs W4A8 (it moves the log-probabilities).  Against the same checkpoint without it, every prompt's first
     greedy token agrees unless W4A16's top two are within W4A8_TIE; the agreement over all tokens is printed."""
     ckpt = checkpoints[family]["modelopt"]
-    base = _run_llm(tmp_path, ckpt, "nvfp4_grouped", tag=f"{family}-long", prompts=LONG_PROMPTS)
+    long = dict(prompts=LONG_PROMPTS, engine=LONG_PROMPT_GRAPHS)
+    base = _run_llm(tmp_path, ckpt, "nvfp4_grouped", tag=f"{family}-long", **long)
     env = {"MOE_NVFP4_FP8_ACTIVATIONS": "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # the log is read here
-    w4a8 = _run_llm(tmp_path, ckpt, "nvfp4_grouped", tag=f"{family}-w4a8", env_extra=env, prompts=LONG_PROMPTS)
+    w4a8 = _run_llm(tmp_path, ckpt, "nvfp4_grouped", tag=f"{family}-w4a8", env_extra=env, **long)
     assert "W4A8 mode on" in _LOGS[f"{family}-w4a8"], _LOGS[f"{family}-w4a8"][-3000:]
+    # the W4A8 roundings move the first token's log-probability (W4A16 against itself is bit for bit the same)
+    moved = [
+        ours["logprobs"][0].get(str(ref["tokens"][0])) != ref["logprobs"][0][str(ref["tokens"][0])]
+        for ours, ref in zip(w4a8, base)
+    ]
+    assert any(moved), f"{family}: no first-token log-probability moved: the 320-token prefill did not run W4A8"
     same = total = 0
     for p, (ours, ref) in enumerate(zip(w4a8, base)):
         first, ref_first = ours["tokens"][0], ref["tokens"][0]
