@@ -14,8 +14,10 @@ Other operations keep the device default.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -24,20 +26,39 @@ import torch
 from . import backends
 from .backends import TORCH, Backend, by_name
 
-__all__ = ["WARMING_UP", "Selection", "arch_of", "host_cost_counts", "select_backends", "sm_count"]
+__all__ = [
+    "AS_CAPTURED",
+    "Selection",
+    "arch_of",
+    "choose_as_captured",
+    "host_cost_counts",
+    "select_backends",
+    "sm_count",
+]
 
 OVERRIDE_ENV = "MOE_NVFP4_BACKEND"
 
-# True in the warm-up's forwards (warmup.compile_kernels): a choice that weighs the host's launch time
-# (sm90.w4a8.fp8_pays) takes the choice a CUDA-graph capture makes, so the warm-up compiles every kernel a capture
-# or a later eager forward launches (a kernel first compiled mid-serving cost a 1.7x TTFT, design 008 decision 11).
-WARMING_UP: ContextVar[bool] = ContextVar("moe_nvfp4_warming_up", default=False)
+# True where forwards run eagerly but must choose as a CUDA-graph capture does (choose_as_captured): the warm-up
+# (warmup.compile_kernels: it compiles what captures and later eager forwards launch; a kernel first compiled
+# mid-serving cost a 1.7x TTFT, design 008 decision 11) and the bench's W4A8 path (it checks eagerly the output it
+# times in graphs).  What such a choice weighs: the host's launch time (sm90.w4a8.fp8_pays).
+AS_CAPTURED: ContextVar[bool] = ContextVar("moe_nvfp4_as_captured", default=False)
+
+
+@contextlib.contextmanager
+def choose_as_captured() -> Iterator[None]:
+    """Inside (this thread or task), forwards choose as if captured into a CUDA graph (host_cost_counts false)."""
+    token = AS_CAPTURED.set(True)
+    try:
+        yield
+    finally:
+        AS_CAPTURED.reset(token)
 
 
 def host_cost_counts(x: torch.Tensor) -> bool:
     """Whether the forward on ``x`` pays its launches' host time each call: not being captured into a CUDA graph
-    (a replay launches nothing from Python) and not a warm-up forward."""
-    return not WARMING_UP.get() and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    (a replay launches nothing from Python) and not inside choose_as_captured."""
+    return not AS_CAPTURED.get() and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dispatch import WARMING_UP, select_backends
+from .dispatch import choose_as_captured, select_backends
 
 if TYPE_CHECKING:
     from .weights import Fp8ExpertWeights, MoEWeights
@@ -108,7 +108,7 @@ def compile_kernels(
     its own: ``forward(x, weights, topk_weights, topk_ids, expert_map=, apply_router_weight_on_input=)`` (the
     signature of ``api.fused_moe``) on zeros at each of ``warmup_token_counts``, which it returns.  With
     ``fp8_weights`` (the W4A8 mode's copy) each count runs twice, without it and with it choosing as a CUDA-graph
-    capture does (dispatch.WARMING_UP): an eager forward with the copy runs W4A16 where the layer's work is under
+    capture does (dispatch.choose_as_captured): an eager forward with the copy runs W4A16 where the layer's work is under
     w4a8.FP8_MIN_EAGER_FLOPS, a captured one W4A8 from its rows bound, and both kinds must find their kernels
     compiled."""
     threads = warmup_threads() if threads is None else threads
@@ -122,7 +122,7 @@ def compile_kernels(
 
     def run(t: int) -> None:
         with contextlib.ExitStack() as stack:
-            stack.callback(WARMING_UP.reset, WARMING_UP.set(True))
+            stack.enter_context(choose_as_captured())
             if cuda and not serial:  # CUDA's current device is per thread: this one's, and a stream of its own
                 stack.enter_context(torch.cuda.device(device))
                 stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))

@@ -274,6 +274,7 @@ def test_fp8_pays_at_the_rows_an_expert_expects_and_eagerly_at_the_work() -> Non
     """Captured into a CUDA graph: from FP8_MIN_ROWS_PER_EXPERT rows an expert (global experts).  Eager: also from
     FP8_MIN_EAGER_FLOPS of the rank's expected work (its local share under an expert map), so a small layer stays
     W4A16 where a large one at the same rows runs W4A8.  Never with the router weight on the input."""
+    from moe_nvfp4.dispatch import choose_as_captured, host_cost_counts
     from moe_nvfp4.shapes import LayerShape
     from moe_nvfp4.sm90.w4a8 import FP8_MIN_EAGER_FLOPS, FP8_MIN_ROWS_PER_EXPERT, expected_flops, fp8_pays
 
@@ -293,6 +294,10 @@ def test_fp8_pays_at_the_rows_an_expert_expects_and_eagerly_at_the_work() -> Non
     assert not fp8_pays(8192, ep, False, eager=True) and fp8_pays(4 * 2650, ep, False, eager=True)
     gelu = LayerShape(128, 8, 2048, 768, gated=False)  # GEMM1 of I rows, not 2I
     assert expected_flops(3, gelu) == expected_flops(2, qwen3) and FP8_MIN_EAGER_FLOPS > 0
+    x = torch.zeros(4, 8)
+    with choose_as_captured():  # the warm-up's and the bench's forwards choose as a capture does
+        assert not host_cost_counts(x)
+    assert host_cost_counts(x)
 
 
 @pytest.fixture

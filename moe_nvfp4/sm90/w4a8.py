@@ -361,7 +361,7 @@ def fp8_pays(tokens: int, shape: LayerShape, apply_router_weight_on_input: bool,
     """Whether a forward with an e4m3 copy at hand runs W4A8: experts expecting FP8_MIN_ROWS_PER_EXPERT rows or more
     (no host sync: the expectation, not the routing's counts), no router weight on the input (Llama-4's top-1; the
     W4A8 forward does not scale its rows), and, for an ``eager`` forward (dispatch.host_cost_counts: not one being
-    captured into a CUDA graph, not a warm-up's), FP8_MIN_EAGER_FLOPS of expected work on this rank."""
+    captured into a CUDA graph, not under dispatch.choose_as_captured), FP8_MIN_EAGER_FLOPS of expected work on this rank."""
     if apply_router_weight_on_input or tokens < fp8_first_tokens(shape.top_k, shape.global_experts):
         return False
     return not eager or expected_flops(tokens, shape) >= FP8_MIN_EAGER_FLOPS
