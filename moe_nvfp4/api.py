@@ -92,10 +92,9 @@ def fused_moe(
 
     ``fp8_weights`` (``prepare_fp8_weights(weights)``, opt-in, about 1.8x the NVFP4 bytes): where each expert
     expects enough rows and, eagerly, the layer has enough work to hide the mode's host time (``sm90.w4a8.fp8_pays``:
-    prefill-sized T) the activations are quantized per token to e4m3 and both GEMMs run on FP8 tensor cores
-    (design 008: about 6e-2 from the float64 reference against W4A16's 3e-3;
-    1.21-1.87x W4A16 at T = 1024-16384 where it runs, H200, benchmarks/results/w4a8/panel_zoo/); elsewhere the W4A16
-    forward runs as without them.
+    prefill-sized T) the activations are quantized per token to e4m3 and both GEMMs run on FP8 tensor cores (design
+    008: about 6e-2 from the float64 reference against W4A16's 3e-3; 1.21-1.87x W4A16 at T = 1024-16384 where it
+    runs, H200, benchmarks/results/w4a8/panel_zoo/); elsewhere the W4A16 forward runs as without them.
     """
     _check_w4a16_layout(weights, "fused_moe", "run fused_moe_w4a4, or pack with prepare_moe_weights")
     if fp8_weights is not None:

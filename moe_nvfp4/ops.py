@@ -100,8 +100,9 @@ def run_fused_moe(
     apply_router_weight_on_input: bool,
 ) -> torch.Tensor:
     """fused_moe_op's body on checked inputs: the device's ``moe_w4a16`` backend (``Backend.entry``), or with
-    ``fp8_weights`` (``Fp8ExpertWeights.tensors``; empty: none) its ``moe_w4a8`` entry, which picks W4A8 or W4A16 by
-    the rows an expert expects (the token count is concrete here, under torch.compile too: the op's eager body)."""
+    ``fp8_weights`` (``Fp8ExpertWeights.tensors``; empty: none) its ``moe_w4a8`` entry, which picks W4A8 or W4A16
+    (sm90.w4a8.fp8_pays: the rows an expert expects and, eagerly, the work; the token count is concrete here, under
+    torch.compile too: the op's eager body)."""
     backend = select_backends(x.device).moe_w4a16
     x = _readable_rows(x, weights.hidden)
     if fp8_weights:
