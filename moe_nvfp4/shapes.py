@@ -84,6 +84,11 @@ class LayerShape:
         """The fields a tuned entry is matched on."""
         return self.experts, self.global_experts, self.top_k, self.hidden, self.intermediate, self.dtype, self.gated
 
+    def flops_per_pair(self) -> int:
+        """Both GEMMs' operations for one (token, expert) pair: 2 H x (2I + I) gated, 2 H x (I + I) not (the
+        activation ignored)."""
+        return 2 * self.hidden * self.intermediate * (3 if self.gated else 2)
+
     def rows_per_active_expert(self, tokens: int) -> float:
         """Expected (token, k) pairs per expert that gets any, with uniform routing: T k / (E (1 - (1 - k/E)^T))
         over the routing's E experts (the local share of both numerator and denominator cancels).  1 at one
