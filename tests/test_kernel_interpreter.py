@@ -227,6 +227,8 @@ POISON_SCRIPT = textwrap.dedent(
     bad = torch.rand(t, k, generator=g) < 0.4
     ti = torch.where(bad, poison[torch.randint(0, len(poison), (t, k), generator=g)], ti)
     ti[0] = poison[:k]  # a token with no routed pair: its output is exactly zero
+    bad[0] = True
+    tw = torch.where(bad, float("nan"), tw)  # a pair routed nowhere: its weight goes unread (the combine's too)
     emap = None
     if use_map:  # global experts 0 and e + 1 on another rank (-1), e + 2 a corrupt entry past the local experts
         emap = torch.tensor([-1] + list(range(e)) + [-1, e + 5], dtype=torch.int32)

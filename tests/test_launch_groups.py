@@ -8,7 +8,9 @@ Each argument is recorded by what the kernel can tell of it: a tensor by which n
 buffer the host allocated, numbered by first use), its storage offset, shape, stride and dtype; a TMA descriptor by
 its base tensor, shape, strides, block shape and layout; a tuple item by item; a scalar by value and type.  The golden
 file was written by this module's ``--write`` on the code before the launch groups (main at 891f650), then again
-when the epilogue tuple gained GATE_UP (2026-11-28; every launch the same but that field):
+when the epilogue tuple gained GATE_UP (2026-11-28; every launch the same but that field), and when the router weights
+moved from GEMM2 to the combine (2026-11-30: the GEMMs lost their weights argument and the epilogue's ROUTER_WEIGHT,
+the combine gained the weights and WEIGHTED; every other argument the same):
 
     python tests/test_launch_groups.py --write
 """

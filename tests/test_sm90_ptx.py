@@ -36,7 +36,6 @@ GEMM_SIGNATURE = dict(
     tile_row_ptr="*i32",
     tile_row_end_ptr="*i32",
     num_tiles_ptr="*i32",
-    topk_weights_ptr="*fp32",
     n_out="i32",
     k="i32",
     kp="i32",
@@ -102,25 +101,26 @@ KERNELS = {
         dict(
             partial_ptr="*fp32",
             ids_ptr="*i32",
+            weights_ptr="*fp32",
             expert_map_ptr="*i32",
             out_ptr="*bf16",
             hidden="i32",
             num_global="i32",
             num_experts="i32",
         ),
-        dict(TOP_K=2, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16),
+        dict(TOP_K=2, WEIGHTED=True, HAS_MAP=False, BLOCK_H=1024, DTYPE=tl.bfloat16),
         4,
     ),
 }
 
 
-# common.Epilogue's fields: the host's defaults (gated SiLU without biases, GEMM2 weighting each pair's row)
-DEFAULT_EPILOGUE = {True: (False, "silu", 1.702, 7.0, False, True), False: (False, None, None, None, True, False)}
+# common.Epilogue's fields: the host's defaults (gated SiLU without biases; GEMM2 plain)
+DEFAULT_EPILOGUE = {True: (False, "silu", 1.702, 7.0, True), False: (False, None, None, None, False)}
 
 
 def _epilogue(kernel, fields: tuple) -> tuple[tuple, dict]:
-    """The kernel's ``epilogue`` tuple argument (common.Epilogue: has bias, activation, alpha, limit, router
-    weight, gate and up rows) as its signature entry and its constexprs by path, as the JIT specializes a launch's Epilogue.of."""
+    """The kernel's ``epilogue`` tuple argument (common.Epilogue: has bias, activation, alpha, limit, gate and
+    up rows) as its signature entry and its constexprs by path, as the JIT specializes a launch's Epilogue.of."""
     i = kernel.arg_names.index("epilogue")
     bias, *rest = fields
     return ("*fp32" if bias else "constexpr",) + ("constexpr",) * len(rest), {
@@ -283,7 +283,6 @@ def _compile_ws(
         expert_map_ptr="*i32",
         num_global="i32",
         num_experts="i32",
-        topk_weights_ptr="*fp32",
         n_out="i32",
         k="i32",
         kp="i32",
@@ -585,7 +584,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
 
     launches = []
     monkeypatch.setattr(K, "route", route)
-    monkeypatch.setattr(K, "combine", lambda *args: None)
+    monkeypatch.setattr(K, "combine", lambda *args, **kwargs: None)
     monkeypatch.setattr(K, "launch_gemm_ws", lambda a, weights, out, routing, *args, **kwargs: launches.append(routing))
     gluon_rows = True
     monkeypatch.setattr(K, "_gluon_rows_ok", lambda x, intermediate: gluon_rows)
@@ -605,7 +604,7 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
     forward(cfg)
     forward(cfg, emap)
     assert len(launches) == 4
-    for n, (tile_map, ids, _, expert_map, pairs) in enumerate(launches):  # each launch's common.GemmRouting
+    for n, (tile_map, ids, expert_map, pairs) in enumerate(launches):  # each launch's common.GemmRouting
         assert pairs is True and torch.equal(ids, ti.reshape(-1)) and expert_map is (None if n < 2 else emap)
         assert len({id(p) for p in tile_map}) == 1 and tile_map[0].dtype == torch.int32
         assert tile_map[0].data_ptr() % 16 == 0 and tile_map[0].data_ptr() != ids.data_ptr()
@@ -838,8 +837,8 @@ def _loaded_params(ptx: str) -> set[str]:
 def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
     """common.Epilogue's constexprs decide at compile time: a non-gated GEMM1 (relu2) streams one matrix (the
     Gluon kernel: one TMA box of values and one of scales per stage, half the expect-tx bytes, one wgmma per chunk),
-    a bias adds one pointer parameter and loads it, and GEMM2 without the router weight never loads topk_weights;
-    every variant leaves the rest of the kernel as it is (same parameters, same PDL protocol)."""
+    a bias adds one pointer parameter and loads it; every variant leaves the rest of the kernel as it is (same
+    parameters, same PDL protocol)."""
 
     def build(gated: bool, fields: tuple) -> str:
         if family == "triton":
@@ -851,11 +850,10 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
         return len(re.findall(r"_param_\d+\b", ptx[entry : ptx.index(")", entry)]))
 
     silu = build(True, DEFAULT_EPILOGUE[True])
-    relu2 = build(True, (False, "relu2", None, None, False, False))
-    swiglu_bias = build(True, (True, "swiglu_oai", 1.702, 7.0, False, True))
+    relu2 = build(True, (False, "relu2", None, None, False))
+    swiglu_bias = build(True, (True, "swiglu_oai", 1.702, 7.0, True))
     gemm2 = build(False, DEFAULT_EPILOGUE[False])
-    gemm2_bias_unweighted = build(False, (True, None, None, None, False, False))
-    gemm2_unweighted = build(False, (False, None, None, None, False, False))
+    gemm2_bias = build(False, (True, None, None, None, False))
     wgmma = re.compile(r"wgmma\.mma_async")
     assert len(wgmma.findall(relu2)) * 2 == len(wgmma.findall(silu)) > 0
     if family == "gluon":
@@ -863,20 +861,16 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
         assert len(boxes.findall(relu2)) * 2 == len(boxes.findall(silu)) == 4
         assert re.search(r"expect_tx\.shared\.b64 _, \[%r\d+\], 9216;", relu2)  # 2 chunks x (4096 + 512)
     assert params(relu2) == params(silu) and params(swiglu_bias) == params(silu) + 1
-    assert params(gemm2_bias_unweighted) == params(gemm2) + 1
+    assert params(gemm2_bias) == params(gemm2) + 1
     bias_param = str(params(silu) - 2)  # after the kernel's own parameters come Triton's two scratch pointers
     assert bias_param in _loaded_params(swiglu_bias) and bias_param not in _loaded_params(silu)
-    for ptx in (relu2, swiglu_bias, gemm2_bias_unweighted):
+    for ptx in (relu2, swiglu_bias, gemm2_bias):
         assert "griddepcontrol.wait" in ptx and ".local" not in ptx
     # the activations' clamps keep NaN (a NaN token stays NaN, as in the torch reference): min/max.NaN, never plain
     plain = re.compile(r"\b(min|max)\.(xorsign\.abs\.)?f32")  # returns the other operand where one is NaN
     assert re.search(r"max\.NaN\.f32", relu2) and not plain.search(relu2)
     assert re.search(r"min\.NaN\.f32", swiglu_bias) and re.search(r"min\.NaN\.xorsign\.abs\.f32", swiglu_bias)
     assert not plain.search(swiglu_bias)
-    unread = _loaded_params(gemm2) - _loaded_params(gemm2_unweighted)  # topk_weights_ptr alone
-    assert len(unread) == 1 and _loaded_params(gemm2_unweighted) <= _loaded_params(gemm2)
-    if family == "triton":
-        assert unread == {str(list(GEMM_SIGNATURE).index("topk_weights_ptr"))}
 
 
 def test_ab_moe_table_averages_the_draws_of_an_expert_parallel_case() -> None:

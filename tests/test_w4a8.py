@@ -204,7 +204,6 @@ def test_warp_specialized_kernel_compiles_for_sm90(gated, block_m, block_k, stag
         tile_row_ptr="*i32",
         tile_row_end_ptr="*i32",
         num_tiles_ptr="*i32",
-        topk_weights_ptr="*fp32",
         n_out="i32",
         n_rows="i32",
         k="i32",

@@ -44,12 +44,11 @@ class GemmRouting(NamedTuple):
     """Where both GEMM launches of a forward find each token tile's expert and rows.  tile_map:
     routing_kernels.route()'s (sorted_pairs, tile_expert, tile_row, tile_row_end, num_tiles), as in
     routing.RoutingPlan, or with ``pair_tiles`` a stand-in that goes unread: each (token, k) pair of ``topk_ids``
-    (flat [T * top_k], global expert ids; through ``expert_map`` where given) is then a tile of its own.
-    topk_weights: float32 [T, top_k] as the caller passed them (GEMM2 reads them by flat pair index)."""
+    (flat [T * top_k], global expert ids; through ``expert_map`` where given) is then a tile of its own.  The
+    router weights are not the GEMMs': the combine applies them (triton.combine)."""
 
     tile_map: tuple[torch.Tensor, ...]
     topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
     expert_map: torch.Tensor | None
     pair_tiles: bool
 
@@ -60,30 +59,29 @@ class Epilogue(NamedTuple):
 
     bias: float32 [E, N] added to each row after the global scales (GEMM1: [E, 2I] gate then up, or [E, I]; GEMM2:
     [E, H]), or None.  ACTIVATION: GEMM1's expert_activation name ("silu", "swiglu_oai", "relu2"), None for GEMM2;
-    ALPHA, LIMIT: swiglu_oai's.  ROUTER_WEIGHT: GEMM2 multiplies each pair's row by its routing weight (False where
-    the weight scaled GEMM1's input).  GATE_UP: the weights hold gate rows then up rows (GEMM1 of a gated
-    activation, ExpertActivation.gated), else one matrix of N rows."""
+    ALPHA, LIMIT: swiglu_oai's.  GATE_UP: the weights hold gate rows then up rows (GEMM1 of a gated activation,
+    ExpertActivation.gated), else one matrix of N rows.  GEMM2 never applies the router weights: its epilogue
+    would wait on their loads after the K loop: the combine weights each row (design 002 decision 9)."""
 
     bias: torch.Tensor | None
     ACTIVATION: tl.constexpr
     ALPHA: tl.constexpr
     LIMIT: tl.constexpr
-    ROUTER_WEIGHT: tl.constexpr
     GATE_UP: tl.constexpr
 
     @classmethod
-    def of(cls, bias: torch.Tensor | None, activation: ExpertActivation | None, router_weight: bool) -> "Epilogue":
+    def of(cls, bias: torch.Tensor | None, activation: ExpertActivation | None) -> "Epilogue":
         """The launch argument of GEMM1 (its ``activation``) or GEMM2 (None), each field but the bias a
         tl.constexpr: in a tuple argument a plain bool or float would be a run-time value (and a str no value)."""
-        return cls(bias, *_epilogue_constexprs(activation, router_weight))
+        return cls(bias, *_epilogue_constexprs(activation))
 
 
 @functools.cache
-def _epilogue_constexprs(activation: ExpertActivation | None, router_weight: bool) -> tuple[tl.constexpr, ...]:
+def _epilogue_constexprs(activation: ExpertActivation | None) -> tuple[tl.constexpr, ...]:
     """Epilogue's fields after the bias, built once per variant (two launches a forward ask)."""
     fields = (None, None, None) if activation is None else (activation.name, activation.alpha, activation.limit)
     gate_up = activation is not None and activation.gated
-    return tuple(map(tl.constexpr, (*fields, router_weight, gate_up)))
+    return tuple(map(tl.constexpr, (*fields, gate_up)))
 
 
 # Bytes of one 64-row unit and 128-wide K chunk in layouts.FragmentLayout: values, then (separately) scales

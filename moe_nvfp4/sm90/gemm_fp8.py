@@ -56,7 +56,7 @@ WEIGHT_ROWS = 128  # a tile's weight rows in both FP8 kernels (gemm_fp8_ws's two
 def _epilogue_rows(h, n0, expert, n_out, epilogue, BLOCK_N: tl.constexpr, IS_GEMM1: tl.constexpr, USE_ASM):
     """The scaled sums h [BLOCK_N weight rows, tokens] -> GEMM1's activation rows [outputs, tokens] (bias added),
     and their output offsets; GEMM2's rows pass through (bias added)."""
-    GATE_UP: tl.constexpr = epilogue[5]
+    GATE_UP: tl.constexpr = epilogue[4]
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATE_UP else BLOCK_N
     offs = n0 + tl.arange(0, OUT_N)
     bias_ptr = epilogue[0]
@@ -90,11 +90,11 @@ def _fp8_tile(
     USE_ASM: tl.constexpr,
 ):
     """One tile: whole K, then the epilogue (common.Epilogue's variants, as gemm_triton's)."""
-    GATE_UP: tl.constexpr = epilogue[5]
+    GATE_UP: tl.constexpr = epilogue[4]
     # sm_90's FP8 MMA sums in less than fp32 precision (about 14 bits): Triton adds the MMA's sums into the fp32
     # accumulator every PRECISE_EVERY K (DeepGEMM's 128); without it 1.2-1.4e-2 of error against the twin on an H200
     PRECISE_EVERY: tl.constexpr = min(BLOCK_K, 128)
-    a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, stride_out, pairs_ptr, weights_ptr, n_out, n_rows, k = args
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, stride_out, pairs_ptr, n_out, n_rows, k = args
     n_tile, expert, row0, row_end = tile
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
@@ -113,10 +113,8 @@ def _fp8_tile(
     store_mask = (offs < n_out)[:, None] & row_ok[None, :]
     if IS_GEMM1:  # the activation row of each sorted row
         out_rows = rows
-    else:  # each pair's row, weighted
+    else:  # each pair's row (the combine weights it)
         out_rows = tl.load(pairs_ptr + rows, mask=row_ok, other=0)
-        if epilogue[4]:  # ROUTER_WEIGHT
-            y = y * tl.load(weights_ptr + out_rows, mask=row_ok, other=0.0)[None, :]
     out_ptrs = out_ptr + out_rows.to(tl.int64)[None, :] * stride_out + offs[:, None]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
@@ -134,7 +132,6 @@ def _fp8_gemm_kernel(
     tile_row_ptr,
     tile_row_end_ptr,
     num_tiles_ptr,
-    topk_weights_ptr,
     n_out,
     n_rows,
     k,
@@ -149,12 +146,12 @@ def _fp8_gemm_kernel(
 ):
     """Persistent grouped FP8 GEMM: out^T[n, m] = w_scale[n] a_scale[m] sum_k W_e[n, k] A[m, k] over the sorted
     rows m of each token tile, tiles dealt out to the programs in turn, whole K each.  GEMM1 (IS_GEMM1) writes
-    act(gate, up) to the sorted row; GEMM2 writes the (weighted) row to its pair.  n_rows: weight rows an expert."""
+    act(gate, up) to the sorted row; GEMM2 writes the row to its pair.  n_rows: weight rows an expert."""
     _after_previous_kernel(PDL)
     num_m_tiles = tl.load(num_tiles_ptr)
     num_n_tiles = tl.cdiv(n_rows, BLOCK_N)
     args = (a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, stride_out)
-    args += (sorted_pairs_ptr, topk_weights_ptr, n_out, n_rows, k)
+    args += (sorted_pairs_ptr, n_out, n_rows, k)
     # one loop over every (tile, K step), so the loads run ahead across tiles: each tile's ring started cold
     # otherwise (6-16 K steps a tile at the zoo's prefill shapes; 1.2-1.5x slower, design 008 decision 7)
     for mn in tl.range(tl.program_id(0), num_m_tiles * num_n_tiles, tl.num_programs(0), flatten=True):
@@ -175,7 +172,7 @@ def launch_fp8_gemm(
     sms: int,
 ) -> None:
     """One launch of _fp8_gemm_kernel over ``routing``'s tile map (built for ``tiles.block_m`` rows a tile): GEMM1
-    when ``is_gemm1``, out[row] = act(rows[row] @ W^T); otherwise out[pair] = weight * (rows[row] @ W^T).
+    when ``is_gemm1``, out[row] = act(rows[row] @ W^T); otherwise out[pair] = rows[row] @ W^T (unweighted).
     out [R, n_out]."""
     rows, row_scale, weight, weight_scale, n_out = operands
     e, n_rows, k = weight.shape
@@ -191,7 +188,6 @@ def launch_fp8_gemm(
         out,
         out.stride(0),
         *routing.tile_map,
-        routing.topk_weights.reshape(-1),  # by flat pair index (GEMM2's)
         n_out,
         n_rows,
         k,

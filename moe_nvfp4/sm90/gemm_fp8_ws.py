@@ -105,16 +105,14 @@ def _fp8_loader(
 
 @gluon.jit
 def _half_out(h, n0, expert, rows, row_ok, out_rows, args, epilogue, IS_GEMM1: gl.constexpr, MMA_L: gl.constexpr):
-    """One 64-row half of a non-gated tile out: bias, GEMM1's activation or GEMM2's routing weight, store."""
-    out_ptr, stride_out, weights_ptr, n_out = args
+    """One 64-row half of a non-gated tile out: bias, GEMM1's activation, store."""
+    out_ptr, stride_out, n_out = args
     offs = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
     bias_ptr = epilogue[0]
     if bias_ptr is not None:
         h += gl.load(bias_ptr + expert.to(gl.int64) * n_out + offs, mask=offs < n_out, other=0.0)[:, None]
     if IS_GEMM1:
         h = _activation(h, h, epilogue, True)
-    elif epilogue[4]:  # ROUTER_WEIGHT
-        h = h * gl.load(weights_ptr + out_rows, mask=row_ok, other=0.0)[None, :]
     mask = (offs < n_out)[:, None] & row_ok[None, :]
     gl.store(
         out_ptr + out_rows.to(gl.int64)[None, :] * stride_out + offs[:, None], h.to(out_ptr.dtype.element_ty), mask=mask
@@ -124,7 +122,7 @@ def _half_out(h, n0, expert, rows, row_ok, out_rows, args, epilogue, IS_GEMM1: g
 @gluon.jit
 def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOCK_M: gl.constexpr, MMA_L: gl.constexpr):
     """A tile's sums out: scaled by each weight row's and token row's scale, then gemm_fp8's epilogue variants."""
-    a_scale_ptr, w_scale_ptr, pairs_ptr, out_ptr, stride_out, weights_ptr, n_out, n_rows = args
+    a_scale_ptr, w_scale_ptr, pairs_ptr, out_ptr, stride_out, n_out, n_rows = args
     n_tile, expert, row0, row_end = tile
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_L))
     row_ok = rows < row_end
@@ -134,8 +132,8 @@ def _fp8_epilogue(acc0, acc1, tile, args, epilogue, IS_GEMM1: gl.constexpr, BLOC
     w_scale0 = gl.load(w_scale_ptr + w_rows, mask=w_rows < last, other=0.0)[:, None]
     w_scale1 = gl.load(w_scale_ptr + w_rows + HALF, mask=w_rows + HALF < last, other=0.0)[:, None]
     out_rows = rows if IS_GEMM1 else gl.load(pairs_ptr + rows, mask=row_ok, other=0)
-    out = (out_ptr, stride_out, weights_ptr, n_out)
-    if epilogue[5]:  # GATE_UP: h0 the gate rows, h1 their up rows
+    out = (out_ptr, stride_out, n_out)
+    if epilogue[4]:  # GATE_UP: h0 the gate rows, h1 their up rows
         h0 = acc0 * w_scale0 * a_scale
         h1 = acc1 * w_scale1 * a_scale
         offs = n_tile * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA_L))
@@ -264,7 +262,6 @@ def _fp8_ws_kernel(
     tile_row_ptr,
     tile_row_end_ptr,
     num_tiles_ptr,
-    topk_weights_ptr,
     n_out,
     n_rows,
     k,
@@ -295,7 +292,7 @@ def _fp8_ws_kernel(
         mbarrier.init(panel_empty.index(i), count=2)
     num_n_tiles = gl.cdiv(n_rows, 2 * HALF)
     tile_map = (sorted_pairs_ptr, tile_expert_ptr, tile_row_ptr, tile_row_end_ptr, num_tiles_ptr)
-    out_args = (a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, out_ptr, stride_out, topk_weights_ptr, n_out, n_rows)
+    out_args = (a_scale_ptr, w_scale_ptr, sorted_pairs_ptr, out_ptr, stride_out, n_out, n_rows)
     bufs = (a_smem, w_smem, ready, empty, panel_ready, panel_empty)
     mma = (bufs, tile_map, k, num_n_tiles, out_args)
     loader = (a_desc, w_desc, a_smem, w_smem, ready, empty, panel_ready, panel_empty, tile_map, n_rows, k, num_n_tiles)
@@ -364,7 +361,6 @@ def launch_fp8_ws(
         out,
         out.stride(0),
         *routing.tile_map,
-        routing.topk_weights.reshape(-1),
         n_out,
         n_rows,
         k,

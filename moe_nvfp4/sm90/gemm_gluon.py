@@ -60,7 +60,6 @@ def _moe_gemm_ws_kernel(
     expert_map_ptr,
     num_global,
     num_experts,
-    topk_weights_ptr,
     n_out,
     k,
     kp,
@@ -84,7 +83,7 @@ def _moe_gemm_ws_kernel(
     NW: gl.constexpr = gl.num_warps()
     UNITS: gl.constexpr = BLOCK_N // 64
     # weight matrices per expert: gate and up, or one (GEMM2; GEMM1 with a non-gated activation)
-    HALVES: gl.constexpr = 2 if epilogue[5] else 1  # gate and up matrices (common.Epilogue.GATE_UP)
+    HALVES: gl.constexpr = 2 if epilogue[4] else 1  # gate and up matrices (common.Epilogue.GATE_UP)
     a_smem = gl.allocate_shared_memory(
         DTYPE,
         [STAGES * CHUNKS, BLOCK_M, 128],
@@ -137,7 +136,6 @@ def _moe_gemm_ws_kernel(
         out_ptr,
         stride_out,
         tile_map,
-        topk_weights_ptr,
         n_out,
         kp,
     )
@@ -310,7 +308,7 @@ def launch_gemm_ws(
 ) -> None:
     """One warp-specialized GEMM launch, gemm_triton.launch_gemm's contract: GEMM1 when ``is_gemm1`` (config.gemm1's
     tiles), out[row] = act(a[pair // top_k] @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's),
-    out[pair] = routing weight * (a[row] @ W^T).  a [rows, K] and out [rows, N] in 16-byte aligned rows; ``sms``
+    out[pair] = a[row] @ W^T (unweighted).  a [rows, K] and out [rows, N] in 16-byte aligned rows; ``sms``
     programs per GemmConfig.programs_per_sm.  With ``routing.pair_tiles`` the tile map goes unread and no routing
     kernel needs to run.  A pair routed nowhere (routing.routed_pairs) is skipped: its output row is not written."""
     gemm = config.gemm1 if is_gemm1 else config.gemm2
@@ -319,7 +317,6 @@ def launch_gemm_ws(
     num_experts = weights.packed.shape[0]
     ids, expert_map = routing.topk_ids, routing.expert_map
     has_map = routing.pair_tiles and expert_map is not None  # routed tiles hold local experts already
-    topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     pdl = triton_common._dependent_launch(a.device)["PDL"]
     launch(
         _moe_gemm_ws_kernel,
@@ -337,7 +334,6 @@ def launch_gemm_ws(
         expert_map if has_map else ids,
         expert_map.numel() if has_map else num_experts,
         num_experts,
-        topk_weights,
         out.shape[1],
         a.shape[1],
         kp,

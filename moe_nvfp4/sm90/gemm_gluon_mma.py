@@ -81,7 +81,6 @@ def _consumer(
         out_ptr,
         stride_out,
         tile_map,
-        topk_weights_ptr,
         n_out,
         kp,
     ) = shared
@@ -209,7 +208,6 @@ def _tile_sums(
         out_ptr,
         stride_out,
         tile_map,
-        topk_weights_ptr,
         n_out,
         kp,
     ) = shared
@@ -300,7 +298,6 @@ def _tile_sums(
             operands,
             out_ptr,
             stride_out,
-            topk_weights_ptr,
             n_out,
             epilogue,
             IS_GEMM1,
@@ -325,7 +322,7 @@ def _epilogue_operands(
     MMA_L: gl.constexpr,
     PAIR_TILES: gl.constexpr,
 ):
-    """What a tile's epilogue loads but GEMM2's top-k weights (they wait on its pair ids) and the biases: GEMM1's
+    """What a tile's epilogue loads but the biases: GEMM1's
     gate and up global scales (one without up rows), GEMM2's global scale and pair ids (its output rows).  At
     decode a tile's K steps take about as long as a few loads one after another, so these are loaded as the tile
     starts (_tile_sums' EARLY)."""
@@ -350,7 +347,6 @@ def _epilogue(
     operands,
     out_ptr,
     stride_out,
-    topk_weights_ptr,
     n_out,
     epilogue,
     IS_GEMM1: gl.constexpr,
@@ -362,7 +358,7 @@ def _epilogue(
 ):
     """A tile's whole-K sums out (``operands`` from _epilogue_operands), gemm_triton._tile_sums_and_store's epilogue
     (common.Epilogue): GEMM1 act(gate + bias, up + bias) in DTYPE (SiLU(gate) * up by default); GEMM2
-    (acc + bias) times the pairs' top-k weights."""
+    acc + bias (the combine weights it)."""
     # decoded values are value * 2^-126 (bf16) or * 2^-14 (fp16), undone here with the global scales
     FIX: gl.constexpr = BF16_EPILOGUE_FIX if DTYPE == gl.bfloat16 else FP16_EPILOGUE_FIX
     rows = row0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, MMA_L))
@@ -391,15 +387,9 @@ def _epilogue(
         gl.store(out_ptr + rows.to(gl.int64)[None, :] * stride_out + offs_n[:, None], y.to(DTYPE), mask=store_mask)
     else:
         scale, pair_id = operands
+        y = acc * (scale * FIX)
         if bias_ptr is not None:
-            y = acc * (scale * FIX) + gl.load(bias_row, mask=n_ok, other=0.0)[:, None]
-            if epilogue[4]:
-                y = y * gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)[None, :]
-        elif epilogue[4]:
-            weight = gl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-            y = acc * (scale * FIX * weight)[None, :]
-        else:
-            y = acc * (scale * FIX)
+            y += gl.load(bias_row, mask=n_ok, other=0.0)[:, None]
         gl.store(
             out_ptr + pair_id.to(gl.int64)[None, :] * stride_out + offs_n[:, None],
             y.to(out_ptr.dtype.element_ty),

@@ -139,8 +139,8 @@ def _tile_sums_and_store(
 ):
     """One tile's K steps and its epilogue (common.Epilogue), with the token side WIDTH rows wide (the tile's
     first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
-    GATE_UP: tl.constexpr = epilogue[5]  # GEMM1 with up rows (common.Epilogue)
-    a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k = args
+    GATE_UP: tl.constexpr = epilogue[4]  # GEMM1 with up rows (common.Epilogue)
+    a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, n_out, k = args
     n_tile, expert, row0, row_end, chunks = tile
     w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
     rows = row0 + tl.arange(0, WIDTH)
@@ -183,15 +183,9 @@ def _tile_sums_and_store(
         out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
         tl.store(out_ptrs, _activation(h, h, epilogue, USE_ASM).to(DTYPE), mask=store_mask)
     else:
+        y = acc * (tl.load(gs_ptr + expert) * fix)
         if bias_ptr is not None:
-            y = acc * (tl.load(gs_ptr + expert) * fix) + tl.load(bias_row, mask=n_ok, other=0.0)[:, None]
-            if epilogue[4]:
-                y = y * tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)[None, :]
-        elif epilogue[4]:
-            weight = tl.load(topk_weights_ptr + pair_id, mask=row_ok, other=0.0)
-            y = acc * (tl.load(gs_ptr + expert) * fix * weight)[None, :]
-        else:
-            y = acc * (tl.load(gs_ptr + expert) * fix)
+            y += tl.load(bias_row, mask=n_ok, other=0.0)[:, None]
         out_ptrs = out_ptr + pair_id.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
         tl.store(out_ptrs, y, mask=store_mask)
 
@@ -210,7 +204,6 @@ def _moe_gemm_kernel(
     tile_row_ptr,
     tile_row_end_ptr,
     num_tiles_ptr,
-    topk_weights_ptr,
     n_out,
     k,
     kp,
@@ -235,8 +228,8 @@ def _moe_gemm_kernel(
     IS_GEMM1 (GEMM1): A rows are gathered from x by pair // TOP_K; W has 2 * n_out rows (gate, then up), or n_out
     with a non-gated activation; the epilogue writes act(gs_g * gate + b_g, gs_u * up + b_u) to out[row, n] in
     sorted-row order (``epilogue``: common.Epilogue, the activation SiLU(gate) * up by default).
-    Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes topk_weight * (gs * acc + b) (no weight
-    where Epilogue.ROUTER_WEIGHT is False) to out[pair, n] (float32, or the buffer's dtype).
+    Otherwise (GEMM2): A rows are the sorted rows; the epilogue writes gs * acc + b to out[pair, n] (float32, or
+    the buffer's dtype; the combine applies the router weights).
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
@@ -252,8 +245,8 @@ def _moe_gemm_kernel(
     UNITS: tl.constexpr = BLOCK_N // 64
     slot = tl.arange(0, 2 * BLOCK_N)
     pair = tl.arange(0, BLOCK_N // 2)
-    args = (a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, topk_weights_ptr, n_out, k)
-    GATE_UP: tl.constexpr = epilogue[5]
+    args = (a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, n_out, k)
+    GATE_UP: tl.constexpr = epilogue[4]
     for mn in range(pid, num_m_tiles * num_n_tiles, tl.num_programs(0)):
         m_tile, n_tile = _grouped_tile(mn, num_m_tiles, num_n_tiles)
 
@@ -334,12 +327,10 @@ def launch_gemm(
     sms: int,
 ) -> None:
     """One launch of _moe_gemm_kernel: GEMM1 when ``is_gemm1`` (config.gemm1's tiles), out[row] = act(a[pair // top_k]
-    @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = routing weight *
-    (a[row] @ W^T).  a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing
+    @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = a[row] @ W^T (unweighted).  a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing
     kernel's tile map is read (``routing.pair_tiles`` is the Gluon GEMMs' alone)."""
     gemm = config.gemm1 if is_gemm1 else config.gemm2
     k, kp = a.shape[1], weights.packed.shape[-1] * 2
-    topk_weights = routing.topk_weights if is_gemm1 else routing.topk_weights.reshape(-1)  # GEMM1 reads none
     launch(
         _moe_gemm_kernel,
         (sms * gemm.programs_per_sm,),
@@ -351,7 +342,6 @@ def launch_gemm(
         out,
         out.stride(0),
         *routing.tile_map,
-        topk_weights,
         out.shape[1],
         k,
         kp,

@@ -8,9 +8,10 @@ Launches per forward (each grid sized from the SM count or T, never from routing
      (token, k) pair as a one-row tile, its expert read from topk_ids.
   2. GEMM1 (gemm_triton or gemm_gluon, per config): gathers token rows of x, decodes w13 in registers, SiLU(gate) *
      up (or the weights' other activation, bias added: common.Epilogue).
-  3. GEMM2: decodes w2, multiplies by the top-k weight (bias added first), writes one row per (token, k) pair into a
-     float32 buffer (or one in x's dtype, per config).
-  4. ``_combine_kernel`` sums each token's pairs in a fixed order: deterministic, no atomics on data.
+  3. GEMM2: decodes w2, adds the bias, writes one row per (token, k) pair into a float32 buffer (or one in x's
+     dtype, per config).
+  4. ``_combine_kernel`` sums each token's pairs times their top-k weights in a fixed order: deterministic, no
+     atomics on data.
 Routing (triton.routing_kernels) and the combine (triton.combine) are modules of their own: the Blackwell host
 launches them too.  vLLM's batched format (``fused_moe_batched_sm90``) runs the same two GEMMs on a plan built from
 per-expert counts (``route_batched``): each row of x [E, max_tokens, H] is a pair of its own, GEMM2 writes the
@@ -55,7 +56,6 @@ def _gluon_rows_ok(x: torch.Tensor, intermediate: int) -> bool:
 def _gemm_routing(
     config: MoEKernelConfig,
     both_gluon: bool,
-    topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
     num_experts: int,
@@ -71,7 +71,7 @@ def _gemm_routing(
     else:
         sorted_pairs, _, _, *tiles = route(topk_ids, num_experts, config.block_m, expert_map)
         tile_map = (sorted_pairs, *tiles)  # the GEMMs read each tile's expert and rows, not the per-expert runs
-    return GemmRouting(tile_map, topk_ids.reshape(-1), topk_weights, expert_map, pair_tiles)
+    return GemmRouting(tile_map, topk_ids.reshape(-1), expert_map, pair_tiles)
 
 
 def fused_moe_sm90(
@@ -104,8 +104,8 @@ def fused_moe_sm90(
     gather = 1 if apply_router_weight_on_input else top_k  # GEMM1's A row of pair p: p // gather
     if apply_router_weight_on_input:  # one row per pair, as vLLM rounds it: a1 * topk_weights.to(a1.dtype)
         x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(t * top_k, hidden)
-    epilogue1 = Epilogue.of(weights.w13_bias, weights.activation, False)
-    epilogue2 = Epilogue.of(weights.w2_bias, None, not apply_router_weight_on_input)
+    epilogue1 = Epilogue.of(weights.w13_bias, weights.activation)
+    epilogue2 = Epilogue.of(weights.w2_bias, None)
     ws_ok = _gluon_rows_ok(x, intermediate)
     if x.is_cuda and not ws_ok and config.block_m < 16:
         # 8-token tiles are valid only where both GEMMs are Gluon (MoEKernelConfig.is_valid): the Triton GEMM takes
@@ -113,7 +113,7 @@ def fused_moe_sm90(
         # column slice of a wider buffer, 2026-11-28; the API copies such rows, so only direct callers get here)
         config = config.with_token_tile(16)
     ws1, ws2 = config.gemm1.warp_specialized and ws_ok, config.gemm2.warp_specialized and ws_ok
-    routing = _gemm_routing(config, ws1 and ws2, topk_weights, topk_ids, expert_map, num_experts)
+    routing = _gemm_routing(config, ws1 and ws2, topk_ids, expert_map, num_experts)
     sms = sm_count(x.device, off_gpu=2)  # the interpreter: two programs, so the persistent loop still strides
     act = torch.empty(t * top_k, intermediate, dtype=x.dtype, device=x.device)  # the activation
     launch1 = launch_gemm_ws if ws1 else launch_gemm
@@ -142,7 +142,7 @@ def fused_moe_sm90(
         top_k=top_k,
         sms=sms,
     )
-    combine(partial, topk_ids, expert_map, num_experts, out)
+    combine(partial, topk_ids, expert_map, num_experts, out, None if apply_router_weight_on_input else topk_weights)
     return out
 
 
@@ -179,13 +179,13 @@ def fused_moe_batched_sm90(
     if x.is_cuda and not ws_ok and config.block_m < 16:  # 8-token tiles need both GEMMs Gluon (fused_moe_sm90)
         config = config.with_token_tile(16)
     sorted_rows, _, _, *tiles = route_batched(expert_num_tokens, m, config.block_m)
-    # GEMM2 weights nothing and no tile is a pair tile: the ids and weights go unread (16-byte aligned stand-ins)
+    # no tile is a pair tile: the ids go unread (a 16-byte aligned stand-in)
     stand_in = torch.empty(4, dtype=torch.int32, device=x.device)
-    routing = GemmRouting((sorted_rows, *tiles), stand_in, stand_in.view(torch.float32), None, False)
+    routing = GemmRouting((sorted_rows, *tiles), stand_in, None, False)
     sms = sm_count(x.device, off_gpu=2)
     act = torch.empty(e * m, intermediate, dtype=x.dtype, device=x.device)
-    epilogue1 = Epilogue.of(weights.w13_bias, weights.activation, False)
-    epilogue2 = Epilogue.of(weights.w2_bias, None, False)
+    epilogue1 = Epilogue.of(weights.w13_bias, weights.activation)
+    epilogue2 = Epilogue.of(weights.w2_bias, None)
     launch1 = launch_gemm_ws if config.gemm1.warp_specialized and ws_ok else launch_gemm
     launch1(
         x_rows,

@@ -278,7 +278,7 @@ def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _epilogues(weights: MoEWeights) -> tuple[Epilogue, Epilogue]:
-    return Epilogue.of(weights.w13_bias, weights.activation, False), Epilogue.of(weights.w2_bias, None, True)
+    return Epilogue.of(weights.w13_bias, weights.activation), Epilogue.of(weights.w2_bias, None)
 
 
 def fused_moe_w4a8(
@@ -298,7 +298,7 @@ def fused_moe_w4a8(
         return out
     config = config or Fp8Config()
     sorted_pairs, _, offsets, *tiles = route(topk_ids, weights.num_experts, config.block_m, expert_map)
-    routing = GemmRouting((sorted_pairs, *tiles), topk_ids.reshape(-1), topk_weights, expert_map, False)
+    routing = GemmRouting((sorted_pairs, *tiles), topk_ids.reshape(-1), expert_map, False)
     routed = offsets[weights.num_experts :]  # rows past it belong to no tile
     epilogue1, epilogue2 = _epilogues(weights)
     sms = sm_count(x.device, off_gpu=2)
@@ -308,12 +308,12 @@ def fused_moe_w4a8(
     run_gemm = config.launcher(x.is_cuda)
     run_gemm(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
     act8, act_scale = quantize_rows_fp8(act, count=routed)
-    # each pair's weighted row in x's dtype (as W4A16 at top-k > 2): the combine reads half the bytes (230 of about
+    # each pair's row in x's dtype (as W4A16 at top-k > 2; the combine weights it): the combine reads half the bytes (230 of about
     # 2000 us at Kimi-K2 TP=8 T=4096 in float32), and the rounding (2^-9 of a row) is under a tenth of the mode's
     partial = torch.empty(t * top_k, weights.hidden, dtype=x.dtype, device=x.device)
     gemm2 = Fp8GemmOperands(act8, act_scale, fp8.w2, fp8.w2_scale, weights.hidden)
     run_gemm(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)
-    combine(partial, topk_ids, expert_map, weights.num_experts, out)
+    combine(partial, topk_ids, expert_map, weights.num_experts, out, topk_weights)
     return out
 
 
@@ -325,8 +325,8 @@ def fused_moe_w4a8_torch(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch twin of fused_moe_w4a8: the same e4m3 operands and scales, float32 sums, the activation rounded
-    to x's dtype before its e4m3 rounding, each pair's weighted row rounded to x's dtype before the sum over top-k;
-    pairs routed nowhere add nothing."""
+    to x's dtype before its e4m3 rounding, each pair's row rounded to x's dtype, then weighted in float32 and summed
+    over top-k; pairs routed nowhere add nothing."""
     weights = fp8.source
     x8, x_scale = quantize_rows_fp8_torch(x)
     xq = x8.float() * x_scale[:, None]
@@ -345,7 +345,7 @@ def fused_moe_w4a8_torch(
         y = (a8.float() * a_scale[:, None]) @ (fp8.w2[e].float() * fp8.w2_scale[e][:, None]).T
         if weights.w2_bias is not None:
             y = y + weights.w2_bias[e]
-        out.index_add_(0, token, (y * topk_weights[token, slot].float()[:, None]).to(x.dtype).float())
+        out.index_add_(0, token, y.to(x.dtype).float() * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)
 
 
