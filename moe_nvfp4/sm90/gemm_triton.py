@@ -327,7 +327,8 @@ def launch_gemm(
     sms: int,
 ) -> None:
     """One launch of _moe_gemm_kernel: GEMM1 when ``is_gemm1`` (config.gemm1's tiles), out[row] = act(a[pair // top_k]
-    @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = a[row] @ W^T (unweighted).  a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing
+    @ W^T) for the pair of each sorted row; otherwise GEMM2 (config.gemm2's), out[pair] = a[row] @ W^T (unweighted).
+    a [rows, K], out [rows, N]; ``sms`` programs per GemmConfig.programs_per_sm.  The routing
     kernel's tile map is read (``routing.pair_tiles`` is the Gluon GEMMs' alone)."""
     gemm = config.gemm1 if is_gemm1 else config.gemm2
     k, kp = a.shape[1], weights.packed.shape[-1] * 2

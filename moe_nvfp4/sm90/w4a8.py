@@ -308,8 +308,9 @@ def fused_moe_w4a8(
     run_gemm = config.launcher(x.is_cuda)
     run_gemm(gemm1, act, routing, config.tiles, epilogue1, is_gemm1=True, sms=sms)
     act8, act_scale = quantize_rows_fp8(act, count=routed)
-    # each pair's row in x's dtype (as W4A16 at top-k > 2; the combine weights it): the combine reads half the bytes (230 of about
-    # 2000 us at Kimi-K2 TP=8 T=4096 in float32), and the rounding (2^-9 of a row) is under a tenth of the mode's
+    # each pair's row in x's dtype (as W4A16 at top-k > 2; the combine weights it): the combine reads half the bytes
+    # (230 of about 2000 us at Kimi-K2 TP=8 T=4096 in float32), and the rounding (2^-9 of a row) is under a tenth of
+    # the mode's error
     partial = torch.empty(t * top_k, weights.hidden, dtype=x.dtype, device=x.device)
     gemm2 = Fp8GemmOperands(act8, act_scale, fp8.w2, fp8.w2_scale, weights.hidden)
     run_gemm(gemm2, partial, routing, config.tiles, epilogue2, is_gemm1=False, sms=sms)

@@ -1,5 +1,6 @@
 """The fixed-order combine in Triton: each token's (token, k) partial rows times their top-k weights, summed in k
-order (deterministic, no atomics on data).  The sm_90 host (sm90.host) and the Blackwell host (cute/moe_host) both launch it.
+order (deterministic, no atomics on data).  The sm_90 host (sm90.host) and the Blackwell host (cute/moe_host) both
+launch it.
 """
 
 from __future__ import annotations
