@@ -60,8 +60,8 @@ class Epilogue(NamedTuple):
     bias: float32 [E, N] added to each row after the global scales (GEMM1: [E, 2I] gate then up, or [E, I]; GEMM2:
     [E, H]), or None.  ACTIVATION: GEMM1's expert_activation name ("silu", "swiglu_oai", "relu2"), None for GEMM2;
     ALPHA, LIMIT: swiglu_oai's.  GATE_UP: the weights hold gate rows then up rows (GEMM1 of a gated activation,
-    ExpertActivation.gated), else one matrix of N rows.  GEMM2 never applies the router weights: its epilogue
-    would wait on their loads after the K loop: the combine weights each row (design 002 decision 9)."""
+    ExpertActivation.gated), else one matrix of N rows.  GEMM2 never applies the router weights (its epilogue
+    waited on their loads after the K loop); the combine weights each row (design 002 decision 9)."""
 
     bias: torch.Tensor | None
     ACTIVATION: tl.constexpr

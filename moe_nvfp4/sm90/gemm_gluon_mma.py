@@ -322,10 +322,9 @@ def _epilogue_operands(
     MMA_L: gl.constexpr,
     PAIR_TILES: gl.constexpr,
 ):
-    """What a tile's epilogue loads but the biases: GEMM1's
-    gate and up global scales (one without up rows), GEMM2's global scale and pair ids (its output rows).  At
-    decode a tile's K steps take about as long as a few loads one after another, so these are loaded as the tile
-    starts (_tile_sums' EARLY)."""
+    """What a tile's epilogue loads but the biases: GEMM1's gate and up global scales (one without up rows), GEMM2's
+    global scale and pair ids (its output rows).  At decode a tile's K steps take about as long as a few loads one
+    after another, so these are loaded as the tile starts (_tile_sums' EARLY)."""
     if HALVES == 2:
         return gl.load(gs_ptr + expert * 2), gl.load(gs_ptr + expert * 2 + 1)
     elif IS_GEMM1:  # the scale twice: the operands keep one shape
