@@ -952,3 +952,26 @@ def test_shipped_gluon_gemms_keep_their_wgmmas_in_flight() -> None:
         if codes:
             serialized[where] = (key, sorted(codes))
     assert not serialized, serialized
+
+
+def test_ab_moe_config_variants() -> None:
+    """tools/ab_moe.py's W4A16 variants of the tuned config: ``at=T`` is what the selector picks for the same layer at
+    T tokens (Kimi-K2 at 4096 tokens timed with the 128-token prefill tiles of 16384), ``tile=N`` the config at
+    another token tile, ``gemm2:...`` one GEMM's fields, a field name that field flipped."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import ab_moe
+
+    from moe_nvfp4.sm90.default_config import default_config
+
+    def select_at(tokens: int):
+        return default_config(tokens, 384, 8, 7168, 2048)
+
+    cfg = select_at(4096)
+    assert cfg.block_m == 64
+    prefill = ab_moe.config_variant(cfg, "at=16384", select_at)
+    assert prefill == select_at(16384) and prefill.block_m == 128 and not prefill.gemm1.warp_specialized
+    wider = ab_moe.config_variant(cfg, "tile=128", select_at)
+    assert wider.block_m == 128 and wider.gemm1 == cfg.gemm1.narrowed_for(128)
+    assert ab_moe.config_variant(cfg, "gemm2:num_stages=2", select_at).gemm2.num_stages == 2
+    flipped = ab_moe.config_variant(cfg, "partials_in_x_dtype", select_at)
+    assert flipped.partials_in_x_dtype is not cfg.partials_in_x_dtype

@@ -14,7 +14,9 @@ package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host 
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant), or ``w4a8`` / ``w4a8:field=value[/...]``
-(the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields; ``pkg=DIR|w4a8...``: that package's W4A8 forward).  Per case:
+(the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields; ``pkg=DIR|w4a8...``: that package's W4A8 forward),
+or ``at=T`` (the config the selector picks for the same layer at T tokens: another token count's rule tried here)
+or ``tile=N`` (the tuned config at token tile N, ``MoEKernelConfig.with_token_tile``).  Per case:
 every variant's output is checked against the first's, then each is timed by CUDA-graph replay with rotating
 weight copies (harness.time_graph, as bench_moe.py), ``--rounds`` times in turn; the table gives each
 variant's median over rounds and its range.  ``--draws N`` times an expert-parallel case over N routings (bench_moe's
@@ -108,6 +110,20 @@ def gemm_variant(cfg, variant: str):
     return cfg
 
 
+def config_variant(cfg, variant: str, select_at):
+    """A W4A16 variant of the tuned config ``cfg``: ``gemm1:...`` / ``gemm2:...`` / ``gemms:...`` (gemm_variant),
+    ``at=T`` (``select_at(T)``: the config the selector picks for the same layer at T tokens, so another token
+    count's rule is timed here), ``tile=N`` (``cfg`` at token tile N, MoEKernelConfig.with_token_tile), or a
+    boolean MoEKernelConfig field flipped."""
+    if variant.startswith(("gemm1:", "gemm2:", "gemms:")):
+        return gemm_variant(cfg, variant)
+    if variant.startswith("at="):
+        return select_at(int(variant[len("at=") :]))
+    if variant.startswith("tile="):
+        return cfg.with_token_tile(int(variant[len("tile=") :]))
+    return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
+
+
 def w4a8_config(variant: str):
     """``w4a8`` (None: the mode's tiles, Fp8Config()) or ``w4a8:field=value[/...]`` as an Fp8Config."""
     from moe_nvfp4.sm90.w4a8 import Fp8Config
@@ -174,9 +190,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
             variant = variant.split("|", 1)[1]
         if variant == "shipped" or variant in modules:
             return cfg
-        if variant.startswith(("gemm1:", "gemm2:", "gemms:")):
-            return gemm_variant(cfg, variant)
-        return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
+        return config_variant(cfg, variant, lambda t: select_config(t, shape, device))
 
     def forwards(variant: str) -> list:
         c = configured(variant)
@@ -197,7 +211,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     invalid = [
         v
         for v in variants
-        if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:")))
+        if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:", "tile=")))
         and not w4a8_form(v)
         and not configured(v).is_valid(padded(h), padded(i))
     ]
@@ -271,7 +285,7 @@ def main() -> int:
     p.add_argument(
         "--variants",
         default="shipped",
-        help="shipped, pkg=DIR, configs=DIR or a MoEKernelConfig field, comma separated",
+        help="shipped, pkg=DIR, configs=DIR, gemm1:/gemm2:/gemms:..., at=T, tile=N, w4a8[:...] or a MoEKernelConfig field, comma separated",
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--draws", type=int, default=1, help="routings per expert-parallel case (bench_moe's seeds 0..N-1)")
