@@ -975,3 +975,6 @@ def test_ab_moe_config_variants() -> None:
     assert ab_moe.config_variant(cfg, "gemm2:num_stages=2", select_at).gemm2.num_stages == 2
     flipped = ab_moe.config_variant(cfg, "partials_in_x_dtype", select_at)
     assert flipped.partials_in_x_dtype is not cfg.partials_in_x_dtype
+    joined = ab_moe.config_variant(cfg, "at=16384+gemms:narrow_tiles=1", select_at)
+    assert joined.block_m == 128 and joined.gemm1.narrow_tiles == joined.gemm2.narrow_tiles == 1
+    assert joined.gemm1.block_n == prefill.gemm1.block_n

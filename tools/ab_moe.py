@@ -114,14 +114,17 @@ def config_variant(cfg, variant: str, select_at):
     """A W4A16 variant of the tuned config ``cfg``: ``gemm1:...`` / ``gemm2:...`` / ``gemms:...`` (gemm_variant),
     ``at=T`` (``select_at(T)``: the config the selector picks for the same layer at T tokens, so another token
     count's rule is timed here), ``tile=N`` (``cfg`` at token tile N, MoEKernelConfig.with_token_tile), or a
-    boolean MoEKernelConfig field flipped."""
-    if variant.startswith(("gemm1:", "gemm2:", "gemms:")):
-        return gemm_variant(cfg, variant)
-    if variant.startswith("at="):
-        return select_at(int(variant[len("at=") :]))
-    if variant.startswith("tile="):
-        return cfg.with_token_tile(int(variant[len("tile=") :]))
-    return dataclasses.replace(cfg, **{variant: not getattr(cfg, variant)})
+    boolean MoEKernelConfig field flipped; ``+`` applies several in turn (``at=16384+gemms:narrow_tiles=1``)."""
+    for change in variant.split("+"):
+        if change.startswith(("gemm1:", "gemm2:", "gemms:")):
+            cfg = gemm_variant(cfg, change)
+        elif change.startswith("at="):
+            cfg = select_at(int(change[len("at=") :]))
+        elif change.startswith("tile="):
+            cfg = cfg.with_token_tile(int(change[len("tile=") :]))
+        else:
+            cfg = dataclasses.replace(cfg, **{change: not getattr(cfg, change)})
+    return cfg
 
 
 def w4a8_config(variant: str):
@@ -211,7 +214,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     invalid = [
         v
         for v in variants
-        if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:", "tile=")))
+        if ("|" in v or v.startswith(("gemm1:", "gemm2:", "gemms:", "tile=", "at=")))
         and not w4a8_form(v)
         and not configured(v).is_valid(padded(h), padded(i))
     ]
