@@ -89,6 +89,11 @@ class LayerShape:
         activation ignored)."""
         return 2 * self.hidden * self.intermediate * (3 if self.gated else 2)
 
+    def local_pairs(self, tokens: int) -> float:
+        """Expected (token, k) pairs routed to this rank's experts, with uniform routing: T k E / E_g (all T k
+        without expert parallelism; half a pair for DBRX EP8 at one token)."""
+        return tokens * self.top_k * self.experts / self.global_experts
+
     def rows_per_active_expert(self, tokens: int) -> float:
         """Expected (token, k) pairs per expert that gets any, with uniform routing: T k / (E (1 - (1 - k/E)^T))
         over the routing's E experts (the local share of both numerator and denominator cancels).  1 at one

@@ -95,6 +95,13 @@ def test_rows_per_busy_expert_do_not_depend_on_the_local_share() -> None:
     assert LayerShape(8, 8, 256, 256).rows_per_active_expert(5) == 5  # top-k = E: every token on every expert
 
 
+def test_local_pairs_are_the_ranks_share_of_the_routed_pairs() -> None:
+    """What the W4A8 bound, the pair-tile presets and the bench's FLOPs count: T k E / E_g, not floored."""
+    assert LayerShape(384, 8, 7168, 2048).local_pairs(3) == 24
+    assert LayerShape(2, 4, 6144, 10752, global_experts=16).local_pairs(1) == 0.5  # DBRX EP8, one token
+    assert LayerShape(48, 8, 7168, 2048, global_experts=384).local_pairs(4096) == 4096
+
+
 # ---- the default ----
 @pytest.mark.parametrize("shape", ZOO, ids=[s.key for s in ZOO])
 def test_default_is_valid_on_every_zoo_shape(shape) -> None:

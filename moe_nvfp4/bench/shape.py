@@ -61,8 +61,9 @@ class MoEShape:
 
     def flops(self, tokens: int) -> int:
         """2 * T * k * (2I*H + H*I) (I*H for GEMM1 when not gated) over the pairs whose expert is local (all without
-        expert parallelism; the expected share with it): both GEMMs; the activation is ignored."""
-        return tokens * self.top_k * self.experts // self.global_experts * self.layer.flops_per_pair()
+        expert parallelism; the expected share with it, LayerShape.local_pairs, rounded): both GEMMs; the activation
+        is ignored."""
+        return round(self.layer.local_pairs(tokens) * self.layer.flops_per_pair())
 
     def expert_nvfp4_bytes(self) -> int:
         """Weight bytes of one expert in NVFP4: w13 [2I, H] ([I, H] not gated; one global scale) + w2 [H, I] (one)."""

@@ -115,8 +115,7 @@ def default_config(
 def _pair_tiles_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEKernelConfig:
     """default_config at one or two tokens: 8-token tiles, each pair a tile where no expert map routes them."""
     k1, k2 = shape.padded_k
-    # the pairs this rank expects: under expert parallelism E/E_g of the T k (DBRX EP8 at one token: half a pair)
-    block_m, pairs = 8, max(tokens, 1) * shape.top_k * shape.experts / shape.global_experts
+    block_m, pairs = 8, shape.local_pairs(max(tokens, 1))  # under expert parallelism E/E_g of the T k
 
     def pair_gemm(n: int, k: int, two: bool) -> GemmConfig:
         units = pairs * -(-n // 64)  # tiles of 64 rows

@@ -371,7 +371,7 @@ def fp8_pays(tokens: int, shape: LayerShape, apply_router_weight_on_input: bool,
 def expected_flops(tokens: int, shape: LayerShape) -> float:
     """Both GEMMs' floating-point operations over the (token, expert) pairs this rank expects at ``tokens`` (its
     local share of the global experts, uniform routing)."""
-    return tokens * shape.top_k * shape.experts / shape.global_experts * shape.flops_per_pair()
+    return shape.local_pairs(tokens) * shape.flops_per_pair()
 
 
 def fp8_first_tokens(top_k: int, global_experts: int) -> int:
