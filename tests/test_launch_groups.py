@@ -10,7 +10,9 @@ its base tensor, shape, strides, block shape and layout; a tuple item by item; a
 file was written by this module's ``--write`` on the code before the launch groups (main at 891f650), then again
 when the epilogue tuple gained GATE_UP (2026-11-28; every launch the same but that field), and when the router weights
 moved from GEMM2 to the combine (2026-11-30: the GEMMs lost their weights argument and the epilogue's ROUTER_WEIGHT,
-the combine gained the weights and WEIGHTED; every other argument the same):
+the combine gained the weights and WEIGHTED; every other argument the same), and when GEMM2 on the Triton kernel took
+TMA descriptors (branch gemm2-tma, 2026-11-30: the Triton GEMM's three descriptor arguments, None where it reads
+through addresses, and TMA; every other argument the same):
 
     python tests/test_launch_groups.py --write
 """
@@ -25,6 +27,7 @@ import pytest
 import torch
 import triton.language as tl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.tools.tensor_descriptor import TensorDescriptor as TritonTensorDescriptor
 
 import moe_nvfp4 as m
 from moe_nvfp4.sm90 import default_config as C
@@ -158,9 +161,10 @@ def _describe(v, names: _Names):
     if isinstance(v, torch.Tensor):
         where = f"{names.of(v)} offset {v.storage_offset()}"
         return f"tensor {where} shape {list(v.shape)} stride {list(v.stride())} {v.dtype}"
-    if isinstance(v, TensorDescriptor):
+    if isinstance(v, (TensorDescriptor, TritonTensorDescriptor)):
+        layout = f" {v.layout!r}" if isinstance(v, TensorDescriptor) else ""  # Triton's picks its own
         return [
-            f"descriptor shape {v.shape} strides {v.strides} block {v.block_shape} {v.layout!r} {v.padding}",
+            f"descriptor shape {list(v.shape)} strides {list(v.strides)} block {v.block_shape}{layout} {v.padding}",
             _describe(v.base, names),
         ]
     if isinstance(v, tl.constexpr):

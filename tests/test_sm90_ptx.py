@@ -39,8 +39,11 @@ GEMM_SIGNATURE = dict(
     n_out="i32",
     k="i32",
     kp="i32",
+    a_desc="constexpr",
+    w_desc="constexpr",
+    s_desc="constexpr",
     epilogue=None,
-)  # epilogue: _epilogue's
+)  # epilogue: _epilogue's; the TMA descriptors None (constexpr) but where a test gives them
 # in the kernel's argument order
 GEMM1_CONSTEXPRS = dict(
     TOP_K=2,
@@ -53,6 +56,7 @@ GEMM1_CONSTEXPRS = dict(
     NUM_STAGES=4,
     USE_ASM=True,
     NARROW=0,
+    TMA=False,
 )
 
 ROUTE_SIGNATURE = dict(
@@ -172,8 +176,12 @@ def _compile(
         epilogue_sig, paths = _epilogue(kernel, fields)
         signature = dict(signature, epilogue=epilogue_sig)
     attrs = _divisibility(signature) if aligned else None
+    absent = {n: None for n, t in signature.items() if t == "constexpr"}  # arguments passed as None
     src = ASTSource(
-        kernel, dict(signature, **{c: "constexpr" for c in constexprs}), constexprs={**constexprs, **paths}, attrs=attrs
+        kernel,
+        dict(signature, **{c: "constexpr" for c in constexprs}),
+        constexprs={**absent, **constexprs, **paths},
+        attrs=attrs,
     )
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, launch_pdl=pdl, **options)
@@ -616,6 +624,47 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
         gluon_rows = rows
         with pytest.raises(Routed):
             forward(config, expert_map)
+
+
+def _gemm2_boxes(block_m: int, stages: int, maxnreg: int | None = None, tma: bool = True):
+    """GEMM2 at 8 warps, 128 weight rows, bf16 partials, on TMA boxes (the host's descriptors' specializations) or
+    through address tensors."""
+    kernel, signature, constexprs, _ = KERNELS["gemm2"]
+    signature = dict(signature, out_ptr="*bf16")
+    if tma:
+        boxes = dict(a_desc=f"bf16[{block_m}, 128]", w_desc="u8[1, 2, 32, 128]", s_desc="u8[1, 2, 4, 128]")
+        signature.update({name: f"tensordesc<{box}>" for name, box in boxes.items()})
+    KERNELS["gemm2 boxes"] = (kernel, signature, dict(constexprs, BLOCK_N=128, NUM_STAGES=stages, TMA=tma), 8)
+    try:
+        return _compile(
+            "gemm2 boxes", True, block_m=block_m, aligned=True, **({} if maxnreg is None else {"maxnreg": maxnreg})
+        )
+    finally:
+        del KERNELS["gemm2 boxes"]
+
+
+def test_triton_gemm2_reads_boxes_and_fits_two_programs_an_sm() -> None:
+    """The Triton GEMM2 at full width takes its token rows and weight blocks as TMA boxes (no cp.async), which frees
+    the registers the address tensors held: a 128 x 128 tile compiles in fewer registers, and capped at 128 (two
+    programs an SM) spills nothing where the address-tensor build spills; ptxas keeps its wgmmas unserialized
+    (no C7515: the tile loop is not flattened, whose accumulator reset would serialize them)."""
+
+    def report(k) -> tuple[int, int, str]:
+        info = _ptxas_info(k.asm["ptx"])
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info))
+        return int(re.search(r"Used (\d+) registers", info).group(1)), spills, info
+
+    boxes, pointers = _gemm2_boxes(128, 3), _gemm2_boxes(128, 3, tma=False)
+    ptx = boxes.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and not re.search(r"cp\.async\.c[ag]", ptx)
+    regs_boxes, spills, info = report(boxes)
+    regs_pointers, _, _ = report(pointers)
+    assert regs_boxes < regs_pointers - 32 and spills == 0 and "C7515" not in info
+    two_boxes, two_pointers = _gemm2_boxes(128, 2, 128), _gemm2_boxes(128, 2, 128, tma=False)
+    regs, spills, info = report(two_boxes)
+    assert regs <= 128 and spills == 0 and "C7515" not in info
+    assert report(two_pointers)[1] > 0  # what the boxes fixed
+    assert 2 * two_boxes.metadata.shared <= 227 * 1024  # two programs' rings fit an SM
 
 
 def test_triton_gemm_compiles_eight_token_tiles() -> None:

@@ -25,8 +25,10 @@ __all__ = [
     "BF16_EPILOGUE_FIX",
     "FP16_EPILOGUE_FIX",
     "Epilogue",
+    "FragmentView",
     "GemmRouting",
     "GemmWeights",
+    "fragment_views",
 ]
 
 
@@ -38,6 +40,32 @@ class GemmWeights(NamedTuple):
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
+
+
+class FragmentView(NamedTuple):
+    """A TMA view of FragmentLayout bytes (values or scales), whose (unit u, K chunk c) block sits at
+    u * chunks_k + c: dims [chunk, unit, row, byte] (innermost last), each block ``rows`` rows of 128 bytes (a
+    4 KiB value block, a 512-byte scale block).  A box of [c, u, rows, 128] holds u consecutive 64-row units by c
+    chunks; rows of 128 bytes stream faster than 32-byte ones (design 002, decision 14)."""
+
+    flat: torch.Tensor
+    shape: list[int]
+    strides: list[int]
+    rows: int
+
+
+def fragment_views(w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int) -> tuple[FragmentView, FragmentView]:
+    """The values' and the scales' TMA views of one GEMM's FragmentLayout weights (K padded to ``kp``), as the
+    Gluon and the Triton GEMMs' descriptors take them."""
+    fragments = FragmentLayout()  # host ints (BLOCK_BYTES and SCALE_BLOCK_BYTES are the kernels' constexprs)
+    chunks_k = kp // fragments.chunk_k
+    n_units = w_packed.numel() // (chunks_k * fragments.block_bytes)
+
+    def view(t: torch.Tensor, block: int) -> FragmentView:
+        rows = block // 128
+        return FragmentView(t.reshape(-1), [chunks_k, n_units, rows, 128], [block, chunks_k * block, 128, 1], rows)
+
+    return view(w_packed, fragments.block_bytes), view(w_scale, fragments.scale_block_bytes)
 
 
 class GemmRouting(NamedTuple):

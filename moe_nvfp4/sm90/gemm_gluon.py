@@ -22,10 +22,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..layouts import FragmentLayout
 from ..triton import common as triton_common
 from ..triton.launcher import launch
-from .common import Epilogue, GemmRouting, GemmWeights
+from .common import Epilogue, GemmRouting, GemmWeights, fragment_views
 from .configs import GemmConfig, MoEKernelConfig
 from .gemm_gluon_loader import _loader
 from .gemm_gluon_mma import _consumer
@@ -261,27 +260,14 @@ def _moe_gemm_ws_kernel(
 def _descriptors(
     w_packed: torch.Tensor, w_scale: torch.Tensor, kp: int, units: int, chunks: int
 ) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA views of FragmentLayout weights, whose (unit u, K chunk c) block sits at u * chunks_k + c: dims
-    [chunk, unit, row, byte] (innermost last), so one box holds ``units`` consecutive 64-row units by
-    ``chunks`` K chunks, chunk-major: value rows of 128 bytes (a 4 KiB block per unit and chunk) and scale
-    rows (512 bytes).  Rows of 128 bytes stream faster than 32-byte ones (design 002, decision 14).  The
-    128-byte swizzle keeps the MMA warps' 16-byte reads (thread t: bytes 32 t .. 32 t + 31) free of bank
+    """Boxes of ``units`` consecutive 64-row units by ``chunks`` K chunks, chunk-major, over common.fragment_views.
+    The 128-byte swizzle keeps the MMA warps' 16-byte reads (thread t: bytes 32 t .. 32 t + 31) free of bank
     conflicts."""
-    fragments = FragmentLayout()  # host ints (BLOCK_BYTES and SCALE_BLOCK_BYTES are the kernels' constexprs)
-    chunks_k = kp // fragments.chunk_k
-    n_units = w_packed.numel() // (chunks_k * fragments.block_bytes)
-
-    def view(t: torch.Tensor, block: int, layout: gl.NVMMASharedLayout) -> TensorDescriptor:
-        rows = block // 128
-        return TensorDescriptor(
-            t.reshape(-1),
-            [chunks_k, n_units, rows, 128],
-            [block, chunks_k * block, 128, 1],
-            [chunks, units, rows, 128],
-            layout,
-        )
-
-    return view(w_packed, fragments.block_bytes, _W_BOX), view(w_scale, fragments.scale_block_bytes, _S_BOX)
+    values, scales = fragment_views(w_packed, w_scale, kp)
+    return tuple(
+        TensorDescriptor(v.flat, v.shape, v.strides, [chunks, units, v.rows, 128], layout)
+        for v, layout in ((values, _W_BOX), (scales, _S_BOX))
+    )
 
 
 def _mma_registers(gemm: GemmConfig) -> int:

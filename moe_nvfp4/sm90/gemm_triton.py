@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..triton import common as triton_common
 from ..triton.common import _TL_DTYPES, _after_previous_kernel
@@ -32,6 +33,7 @@ from .common import (
     _activation,
     _decode_words,
     _grouped_tile,
+    fragment_views,
 )
 from .configs import MoEKernelConfig
 
@@ -96,19 +98,37 @@ def _decode_fragments(p, s, ROWS: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl
 
 
 @triton.jit
-def _dot_chunk(
-    acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr
-):
-    """acc += W[tile rows, chunk] @ A^T for one 128-wide K chunk (FragmentLayout addresses)."""
-    p = tl.load(w_slots[:, None] + chunk * BLOCK_BYTES + tl.arange(0, 32)[None, :], mask=slot_ok[:, None], other=0)
-    s = tl.load(
-        s_pairs[:, None] + chunk * SCALE_BLOCK_BYTES + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0
-    )
+def _decoded_dot(acc, p, s, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc += W @ A^T for one 128-wide K chunk of the weight tile, p its value slots [2 BLOCK_N, 32] and s its scale
+    pairs [BLOCK_N / 2, 16] (FragmentLayout bytes)."""
     # four threads (q) share each row pair's scales
     s = tl.reshape(
         tl.broadcast_to(tl.reshape(s, [BLOCK_N // 16, 8, 1, 16]), [BLOCK_N // 16, 8, 4, 16]), [2 * BLOCK_N, 16]
     )
     return tl.dot(_decode_fragments(p, s, BLOCK_N, DTYPE, USE_ASM), a, acc)
+
+
+@triton.jit
+def _dot_chunk(
+    acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr
+):
+    """_decoded_dot of one K chunk loaded through FragmentLayout addresses."""
+    p = tl.load(w_slots[:, None] + chunk * BLOCK_BYTES + tl.arange(0, 32)[None, :], mask=slot_ok[:, None], other=0)
+    s = tl.load(
+        s_pairs[:, None] + chunk * SCALE_BLOCK_BYTES + tl.arange(0, 16)[None, :], mask=pair_ok[:, None], other=0
+    )
+    return _decoded_dot(acc, p, s, a, BLOCK_N, DTYPE, USE_ASM)
+
+
+@triton.jit
+def _dot_chunk_tma(
+    acc, w_desc, s_desc, unit, chunk, a, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr
+):
+    """_decoded_dot of one K chunk loaded as TMA boxes (common.fragment_views; ``unit`` the tile's first 64-row unit):
+    the same bytes in the same slots."""
+    p = tl.reshape(w_desc.load([chunk, unit, 0, 0]), [2 * BLOCK_N, 32])
+    s = tl.reshape(s_desc.load([chunk, unit, 0, 0]), [BLOCK_N // 2, 16])
+    return _decoded_dot(acc, p, s, a, BLOCK_N, DTYPE, USE_ASM)
 
 
 @triton.jit
@@ -126,6 +146,7 @@ def _tile_sums_and_store(
     args,
     tile,
     weights,
+    boxes,
     epilogue,
     TOP_K: tl.constexpr,
     IS_GEMM1: tl.constexpr,
@@ -136,30 +157,38 @@ def _tile_sums_and_store(
     DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One tile's K steps and its epilogue (common.Epilogue), with the token side WIDTH rows wide (the tile's
-    first WIDTH rows: all it has where WIDTH < BLOCK_M)."""
+    first WIDTH rows: all it has where WIDTH < BLOCK_M); with TMA (GEMM2 at full width) its token rows and weights
+    arrive as boxes (``boxes``), else through address tensors (``args``, ``weights``)."""
     GATE_UP: tl.constexpr = epilogue[4]  # GEMM1 with up rows (common.Epilogue)
     a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, n_out, k = args
     n_tile, expert, row0, row_end, chunks = tile
     w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes = weights
+    a_desc, w_desc, s_desc, unit = boxes  # TMA only
     rows = row0 + tl.arange(0, WIDTH)
     row_ok = rows < row_end
     pair_id = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
-    if IS_GEMM1:
-        a_rows = pair_id // TOP_K
-    else:
-        a_rows = tl.where(row_ok, rows, row0)
-    a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
     acc = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)  # GATE_UP only (unused otherwise)
-    w_up = w_slots + n_units * unit_bytes  # GATE_UP: the up rows, n_units units after the gate rows
-    s_up = s_pairs + n_units * unit_scale_bytes
-    for chunk in tl.range(0, chunks, num_stages=NUM_STAGES):
-        a = _load_a(a_base, chunk * BLOCK_K, k, BLOCK_K, EVEN_K)
-        acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
-        if GATE_UP:
-            acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
+    if TMA:  # GEMM2: the tile's sorted rows are one box of a (rows past the tile's are never stored)
+        for chunk in tl.range(0, chunks, num_stages=NUM_STAGES):
+            a = a_desc.load([row0, chunk * BLOCK_K]).T
+            acc = _dot_chunk_tma(acc, w_desc, s_desc, unit, chunk, a, BLOCK_N, DTYPE, USE_ASM)
+    else:
+        if IS_GEMM1:
+            a_rows = pair_id // TOP_K
+        else:
+            a_rows = tl.where(row_ok, rows, row0)
+        a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_a
+        w_up = w_slots + n_units * unit_bytes  # GATE_UP: the up rows, n_units units after the gate rows
+        s_up = s_pairs + n_units * unit_scale_bytes
+        for chunk in tl.range(0, chunks, num_stages=NUM_STAGES):
+            a = _load_a(a_base, chunk * BLOCK_K, k, BLOCK_K, EVEN_K)
+            acc = _dot_chunk(acc, w_slots, s_pairs, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
+            if GATE_UP:
+                acc_up = _dot_chunk(acc_up, w_up, s_up, slot_ok, pair_ok, chunk, a, BLOCK_N, DTYPE, USE_ASM)
 
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     store_mask = (offs_n < n_out)[:, None] & row_ok[None, :]
@@ -207,6 +236,9 @@ def _moe_gemm_kernel(
     n_out,
     k,
     kp,
+    a_desc,
+    w_desc,
+    s_desc,
     epilogue,
     TOP_K: tl.constexpr,
     IS_GEMM1: tl.constexpr,
@@ -218,6 +250,7 @@ def _moe_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     USE_ASM: tl.constexpr,
     NARROW: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Persistent grouped GEMM over all experts: out^T[n, m] = sum_k W_e[n, k] A[m, k], whole tiles dealt out to
@@ -233,6 +266,10 @@ def _moe_gemm_kernel(
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
+    TMA (GEMM2 with NARROW 0): a's tile rows and the weights' values and scales arrive as TMA boxes (a_desc,
+    w_desc, s_desc: common.fragment_views) instead of through address tensors, which held the registers: a
+    128 x 128 tile compiles to 142 registers instead of 208, and capped at 128 (two programs an SM, each one's
+    fill and epilogue under the other's MMAs) spills nothing where the address tensors spilled 124 bytes.
     """
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -263,12 +300,14 @@ def _moe_gemm_kernel(
         s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
         tile = (n_tile, expert, row0, row_end, chunks)
         weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
+        boxes = (a_desc, w_desc, s_desc, expert * matrices + n_tile * UNITS)
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
             _tile_sums_and_store(
                 args,
                 tile,
                 weights,
+                boxes,
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -279,12 +318,14 @@ def _moe_gemm_kernel(
                 DTYPE,
                 NUM_STAGES,
                 USE_ASM,
+                False,
             )
         elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
             _tile_sums_and_store(
                 args,
                 tile,
                 weights,
+                boxes,
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -295,12 +336,14 @@ def _moe_gemm_kernel(
                 DTYPE,
                 NUM_STAGES,
                 USE_ASM,
+                False,
             )
         else:
             _tile_sums_and_store(
                 args,
                 tile,
                 weights,
+                boxes,
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -311,6 +354,7 @@ def _moe_gemm_kernel(
                 DTYPE,
                 NUM_STAGES,
                 USE_ASM,
+                TMA,
             )
 
 
@@ -332,6 +376,10 @@ def launch_gemm(
     kernel's tile map is read (``routing.pair_tiles`` is the Gluon GEMMs' alone)."""
     gemm = config.gemm1 if is_gemm1 else config.gemm2
     k, kp = a.shape[1], weights.packed.shape[-1] * 2
+    # a descriptor needs some rows, a 16-byte aligned base and row stride (the weights' blocks always are)
+    rows_ok = a.shape[0] > 0 and a.data_ptr() % 16 == 0 and a.stride(0) * a.element_size() % 16 == 0
+    tma = not is_gemm1 and gemm.narrow_tiles == 0 and rows_ok
+    boxes = _boxes(a, weights, kp, config.block_m, gemm.block_n) if tma else (None, None, None)
     launch(
         _moe_gemm_kernel,
         (sms * gemm.programs_per_sm,),
@@ -346,6 +394,7 @@ def launch_gemm(
         out.shape[1],
         k,
         kp,
+        *boxes,
         epilogue,
         TOP_K=top_k,
         IS_GEMM1=is_gemm1,
@@ -357,6 +406,18 @@ def launch_gemm(
         NUM_STAGES=gemm.num_stages,
         USE_ASM=a.is_cuda,  # the interpreter has no PTX
         NARROW=gemm.narrow_tiles,
+        TMA=tma,
         **triton_common._dependent_launch(a.device),
         **gemm.launch_options(),
+    )
+
+
+def _boxes(a: torch.Tensor, weights: GemmWeights, kp: int, block_m: int, block_n: int) -> tuple:
+    """GEMM2's TMA descriptors: a tile's token rows [block_m, 128] of ``a`` (zeros past its K and its rows), and one K
+    chunk of the tile's block_n / 64 units of values and scales (common.fragment_views)."""
+    values, scales = fragment_views(weights.packed, weights.scale, kp)
+    units = block_n // 64
+    return (
+        TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m, 128]),
+        *(TensorDescriptor(v.flat, v.shape, v.strides, [1, units, v.rows, 128]) for v in (values, scales)),
     )
