@@ -11,8 +11,8 @@ file was written by this module's ``--write`` on the code before the launch grou
 when the epilogue tuple gained GATE_UP (2026-11-28; every launch the same but that field), and when the router weights
 moved from GEMM2 to the combine (2026-11-30: the GEMMs lost their weights argument and the epilogue's ROUTER_WEIGHT,
 the combine gained the weights and WEIGHTED; every other argument the same), and when GEMM2 on the Triton kernel took
-TMA descriptors (branch gemm2-tma, 2026-11-30: the Triton GEMM's three descriptor arguments, None where it reads
-through addresses, and TMA; every other argument the same):
+TMA descriptors (branch gemm2-tma, 2026-11-30: the Triton GEMM's token-row descriptors, one per token width, and two
+weight descriptors, None where it reads through addresses, and TMA; every other argument the same):
 
     python tests/test_launch_groups.py --write
 """

@@ -39,11 +39,11 @@ GEMM_SIGNATURE = dict(
     n_out="i32",
     k="i32",
     kp="i32",
-    a_desc="constexpr",
+    a_descs=None,
     w_desc="constexpr",
     s_desc="constexpr",
     epilogue=None,
-)  # epilogue: _epilogue's; the TMA descriptors None (constexpr) but where a test gives them
+)  # epilogue: _epilogue's; a_descs one per token width (_compile), the TMA descriptors None but where a test gives them
 # in the kernel's argument order
 GEMM1_CONSTEXPRS = dict(
     TOP_K=2,
@@ -171,6 +171,11 @@ def _compile(
     )
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     paths = {}
+    if signature.get("a_descs", "") is None:  # the Triton GEMM through addresses: a None per token width
+        widths = constexprs["NARROW"] + 1
+        i = kernel.arg_names.index("a_descs")
+        signature = dict(signature, a_descs=("constexpr",) * widths)
+        paths.update({(i, j): None for j in range(widths)})
     if "epilogue" in signature:
         fields = DEFAULT_EPILOGUE[constexprs["IS_GEMM1"]] if epilogue is None else epilogue
         epilogue_sig, paths = _epilogue(kernel, fields)
@@ -626,18 +631,24 @@ def test_pair_tiles_launch_no_routing_kernel(monkeypatch) -> None:
             forward(config, expert_map)
 
 
-def _gemm2_boxes(block_m: int, stages: int, maxnreg: int | None = None, tma: bool = True):
-    """GEMM2 at 8 warps, 128 weight rows, bf16 partials, on TMA boxes (the host's descriptors' specializations) or
-    through address tensors."""
+def _gemm2_boxes(block_m: int, stages: int, maxnreg: int | None = None, tma: bool = True, narrow: int = 0):
+    """GEMM2 at 8 warps, 128 weight rows, bf16 partials, on TMA boxes (the host's descriptors' specializations: a
+    token-row box per width the tiles run) or through address tensors."""
     kernel, signature, constexprs, _ = KERNELS["gemm2"]
     signature = dict(signature, out_ptr="*bf16")
     if tma:
-        boxes = dict(a_desc=f"bf16[{block_m}, 128]", w_desc="u8[1, 2, 32, 128]", s_desc="u8[1, 2, 4, 128]")
+        boxes = dict(w_desc="u8[1, 2, 32, 128]", s_desc="u8[1, 2, 4, 128]")
         signature.update({name: f"tensordesc<{box}>" for name, box in boxes.items()})
+        signature["a_descs"] = tuple(f"tensordesc<bf16[{block_m >> j}, 128]>" for j in range(narrow + 1))
     KERNELS["gemm2 boxes"] = (kernel, signature, dict(constexprs, BLOCK_N=128, NUM_STAGES=stages, TMA=tma), 8)
     try:
         return _compile(
-            "gemm2 boxes", True, block_m=block_m, aligned=True, **({} if maxnreg is None else {"maxnreg": maxnreg})
+            "gemm2 boxes",
+            True,
+            block_m=block_m,
+            narrow=narrow,
+            aligned=True,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     finally:
         del KERNELS["gemm2 boxes"]

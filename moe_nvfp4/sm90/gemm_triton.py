@@ -160,8 +160,8 @@ def _tile_sums_and_store(
     TMA: tl.constexpr,
 ):
     """One tile's K steps and its epilogue (common.Epilogue), with the token side WIDTH rows wide (the tile's
-    first WIDTH rows: all it has where WIDTH < BLOCK_M); with TMA (GEMM2 at full width) its token rows and weights
-    arrive as boxes (``boxes``), else through address tensors (``args``, ``weights``)."""
+    first WIDTH rows: all it has where WIDTH < BLOCK_M); with TMA (GEMM2) its token rows ([WIDTH, 128] boxes) and
+    weights arrive as boxes (``boxes``), else through address tensors (``args``, ``weights``)."""
     GATE_UP: tl.constexpr = epilogue[4]  # GEMM1 with up rows (common.Epilogue)
     a_ptr, stride_a, gs_ptr, out_ptr, stride_out, sorted_pairs_ptr, n_out, k = args
     n_tile, expert, row0, row_end, chunks = tile
@@ -236,7 +236,7 @@ def _moe_gemm_kernel(
     n_out,
     k,
     kp,
-    a_desc,
+    a_descs,
     w_desc,
     s_desc,
     epilogue,
@@ -266,10 +266,11 @@ def _moe_gemm_kernel(
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
-    TMA (GEMM2 with NARROW 0): a's tile rows and the weights' values and scales arrive as TMA boxes (a_desc,
-    w_desc, s_desc: common.fragment_views) instead of through address tensors, which held the registers: a
-    128 x 128 tile compiles to 142 registers instead of 208, and capped at 128 (two programs an SM, each one's
-    fill and epilogue under the other's MMAs) spills nothing where the address tensors spilled 124 bytes.
+    TMA (GEMM2): a's tile rows and the weights' values and scales arrive as TMA boxes (a_descs: one per token width
+    NARROW runs, BLOCK_M >> j rows; w_desc, s_desc: common.fragment_views) instead of through address tensors,
+    which held the registers: a 128 x 128 tile compiles to 142 registers instead of 208, and capped at 128 (two
+    programs an SM, each one's fill and epilogue under the other's MMAs) spills nothing where the address tensors
+    spilled 124 bytes.
     """
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -300,14 +301,14 @@ def _moe_gemm_kernel(
         s_pairs = s_ptr + (unit0 + pair_unit) * unit_scale_bytes + (pair % 32) * 16
         tile = (n_tile, expert, row0, row_end, chunks)
         weights = (w_slots, s_pairs, slot_ok, pair_ok, n_units, unit_bytes, unit_scale_bytes)
-        boxes = (a_desc, w_desc, s_desc, expert * matrices + n_tile * UNITS)
+        unit = expert * matrices + n_tile * UNITS
         # a constexpr False left of `and` makes the `if` static: widths NARROW does not allow are never built
         if NARROW >= 2 and row_end - row0 <= BLOCK_M // 4:
             _tile_sums_and_store(
                 args,
                 tile,
                 weights,
-                boxes,
+                (a_descs[2], w_desc, s_desc, unit),
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -318,14 +319,14 @@ def _moe_gemm_kernel(
                 DTYPE,
                 NUM_STAGES,
                 USE_ASM,
-                False,
+                TMA,
             )
         elif NARROW >= 1 and row_end - row0 <= BLOCK_M // 2:
             _tile_sums_and_store(
                 args,
                 tile,
                 weights,
-                boxes,
+                (a_descs[1], w_desc, s_desc, unit),
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -336,14 +337,14 @@ def _moe_gemm_kernel(
                 DTYPE,
                 NUM_STAGES,
                 USE_ASM,
-                False,
+                TMA,
             )
         else:
             _tile_sums_and_store(
                 args,
                 tile,
                 weights,
-                boxes,
+                (a_descs[0], w_desc, s_desc, unit),
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -378,8 +379,9 @@ def launch_gemm(
     k, kp = a.shape[1], weights.packed.shape[-1] * 2
     # a descriptor needs some rows, a 16-byte aligned base and row stride (the weights' blocks always are)
     rows_ok = a.shape[0] > 0 and a.data_ptr() % 16 == 0 and a.stride(0) * a.element_size() % 16 == 0
-    tma = not is_gemm1 and gemm.narrow_tiles == 0 and rows_ok
-    boxes = _boxes(a, weights, kp, config.block_m, gemm.block_n) if tma else (None, None, None)
+    tma = not is_gemm1 and rows_ok
+    widths = gemm.narrow_tiles + 1  # the token widths the tiles run: block_m, block_m / 2, block_m / 4
+    boxes = _boxes(a, weights, kp, config.block_m, gemm.block_n, widths) if tma else ((None,) * widths, None, None)
     launch(
         _moe_gemm_kernel,
         (sms * gemm.programs_per_sm,),
@@ -412,12 +414,11 @@ def launch_gemm(
     )
 
 
-def _boxes(a: torch.Tensor, weights: GemmWeights, kp: int, block_m: int, block_n: int) -> tuple:
-    """GEMM2's TMA descriptors: a tile's token rows [block_m, 128] of ``a`` (zeros past its K and its rows), and one K
-    chunk of the tile's block_n / 64 units of values and scales (common.fragment_views)."""
+def _boxes(a: torch.Tensor, weights: GemmWeights, kp: int, block_m: int, block_n: int, widths: int) -> tuple:
+    """GEMM2's TMA descriptors: a tile's token rows [block_m >> j, 128] of ``a`` for each of the ``widths`` widths its
+    tiles run (zeros past its K and its rows), and one K chunk of the tile's block_n / 64 units of values and scales
+    (common.fragment_views)."""
     values, scales = fragment_views(weights.packed, weights.scale, kp)
     units = block_n // 64
-    return (
-        TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m, 128]),
-        *(TensorDescriptor(v.flat, v.shape, v.strides, [1, units, v.rows, 128]) for v in (values, scales)),
-    )
+    rows = tuple(TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m >> j, 128]) for j in range(widths))
+    return (rows, *(TensorDescriptor(v.flat, v.shape, v.strides, [1, units, v.rows, 128]) for v in (values, scales)))

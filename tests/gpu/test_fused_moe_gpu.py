@@ -285,7 +285,7 @@ def test_triton_narrow_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
     _graph_replays_with_new_routing(Case("graph narrow", 16, 4, 512, 384, 300), MoEKernelConfig(64, gemm, gemm), gen)
 
 
-TMA_CASES = [  # (case, block_m): GEMM2 on the Triton kernel at full width (narrow_tiles 0) reads TMA boxes
+TMA_CASES = [  # (case, block_m): GEMM2 on the Triton kernel reads TMA boxes
     (Case("Qwen3-like prefill, padded K, half the experts empty", 16, 4, 512, 208, 300, "half_empty"), 128),
     (Case("Mixtral-like prefill, 8 warps", 8, 2, 1024, 1024, 600), 128),
     (Case("64-token tiles, top-4", 16, 4, 512, 384, 300), 64),
@@ -297,23 +297,24 @@ TMA_RESIDENCY = {"one program an SM": dict(num_stages=3), "two at 128 registers"
 @pytest.mark.parametrize("residency", list(TMA_RESIDENCY))
 @pytest.mark.parametrize("case,block_m", TMA_CASES, ids=lambda v: getattr(v, "why", None))
 def test_triton_gemm2_boxes_match_reference(case, block_m, residency, dtype, gen) -> None:
-    """The Triton GEMM2 at full width takes its token rows and weights as TMA boxes (gemm_triton, TMA): rows past a
-    tile's and K past I read as zeros and are never stored.  Uncapped (one program an SM) and at 128 registers (two,
-    what the boxes made fit without spills), against the reference with outputs and scratch poisoned, and against
-    the same tiles through address tensors (narrow_tiles 1 keeps GEMM2 off the boxes) to within rounding."""
+    """The Triton GEMM2 takes its token rows and weights as TMA boxes (gemm_triton, TMA): rows past a tile's and K past
+    I read as zeros and are never stored.  Uncapped (one program an SM) and at 128 registers (two, what the boxes
+    made fit without spills), against the reference with outputs and scratch poisoned, and against the same tiles
+    on the Gluon GEMM2 (its own loads) to within rounding."""
     q13, q2 = _layer(case, gen, "cuda")
     w = m.prepare_moe_weights(q13, q2)
     x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
     tw, ti = _routing(case, gen, "cuda")
     gemm1 = GemmConfig(128, num_warps=8, num_stages=3, programs_per_sm=2)
     boxes = MoEKernelConfig(block_m, gemm1, dataclasses.replace(gemm1, **TMA_RESIDENCY[residency]))
-    pointers = dataclasses.replace(boxes, gemm2=dataclasses.replace(boxes.gemm2, narrow_tiles=1))
+    gluon = dataclasses.replace(boxes, gemm2=GemmConfig(128, num_warps=8, num_stages=2, warp_specialized=True))
     assert boxes.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
+    assert gluon.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
     args = (w, tw, ti, None)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, boxes)
     assert _rel(out, ref) < REL_TOL[dtype]
-    assert _rel(out, fused_moe_sm90(x, *args, pointers)) < REL_TOL[dtype] / 4
+    assert _rel(out, fused_moe_sm90(x, *args, gluon)) < REL_TOL[dtype] / 4
 
 
 def test_triton_gemm2_boxes_in_a_cuda_graph(gen: torch.Generator) -> None:
