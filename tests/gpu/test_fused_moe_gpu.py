@@ -259,10 +259,6 @@ def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype
     """GemmConfig.narrow_tiles in the Triton GEMMs: a tile of at most block_m / 2 (/ 4) rows runs its loads, MMAs
     and stores that narrow.  Against the reference with outputs and scratch poisoned, and the same config at full
     width to within rounding."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
     block_n, warps, stages, pps = shape
     gemm = GemmConfig(block_n, num_warps=warps, num_stages=stages, programs_per_sm=pps)
     full = MoEKernelConfig(block_m, gemm, gemm)
@@ -271,12 +267,25 @@ def test_triton_narrow_tiles_match_reference(case, block_m, shape, narrow, dtype
         gemm1=dataclasses.replace(full.gemm1, narrow_tiles=narrow),
         gemm2=dataclasses.replace(full.gemm2, narrow_tiles=narrow),
     )
-    assert cfg.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
+    _matches_reference_and(case, dtype, gen, cfg, full)
+
+
+def _matches_reference_and(
+    case: Case, dtype: torch.dtype, gen: torch.Generator, cfg: MoEKernelConfig, other: MoEKernelConfig
+) -> None:
+    """``cfg``'s forward on a random layer of ``case`` against the float64 reference with outputs and scratch
+    poisoned, and against ``other``'s (the same sums computed another way) to within rounding."""
+    q13, q2 = _layer(case, gen, "cuda")
+    w = m.prepare_moe_weights(q13, q2)
+    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
+    tw, ti = _routing(case, gen, "cuda")
+    padded = (-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
+    assert cfg.is_valid(*padded) and other.is_valid(*padded)
     args = (w, tw, ti, None)
     ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
     out = _poisoned_run(x, args, cfg)
     assert _rel(out, ref) < REL_TOL[dtype]
-    assert _rel(out, fused_moe_sm90(x, *args, full)) < REL_TOL[dtype] / 4
+    assert _rel(out, fused_moe_sm90(x, *args, other)) < REL_TOL[dtype] / 4
 
 
 def test_triton_narrow_tiles_in_a_cuda_graph(gen: torch.Generator) -> None:
@@ -301,20 +310,10 @@ def test_triton_gemm2_boxes_match_reference(case, block_m, residency, dtype, gen
     I read as zeros and are never stored.  Uncapped (one program an SM) and at 128 registers (two, what the boxes
     made fit without spills), against the reference with outputs and scratch poisoned, and against the same tiles
     on the Gluon GEMM2 (its own loads) to within rounding."""
-    q13, q2 = _layer(case, gen, "cuda")
-    w = m.prepare_moe_weights(q13, q2)
-    x = torch.randn(case.tokens, case.hidden, generator=gen, device="cuda").to(dtype)
-    tw, ti = _routing(case, gen, "cuda")
     gemm1 = GemmConfig(128, num_warps=8, num_stages=3, programs_per_sm=2)
     boxes = MoEKernelConfig(block_m, gemm1, dataclasses.replace(gemm1, **TMA_RESIDENCY[residency]))
     gluon = dataclasses.replace(boxes, gemm2=GemmConfig(128, num_warps=8, num_stages=2, warp_specialized=True))
-    assert boxes.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    assert gluon.is_valid(-(-case.hidden // 128) * 128, -(-case.inter // 128) * 128)
-    args = (w, tw, ti, None)
-    ref = m.fused_moe_torch(x, q13, q2, tw, ti, compute_dtype=torch.float64)
-    out = _poisoned_run(x, args, boxes)
-    assert _rel(out, ref) < REL_TOL[dtype]
-    assert _rel(out, fused_moe_sm90(x, *args, gluon)) < REL_TOL[dtype] / 4
+    _matches_reference_and(case, dtype, gen, boxes, gluon)
 
 
 def test_triton_gemm2_boxes_in_a_cuda_graph(gen: torch.Generator) -> None:
