@@ -9,7 +9,8 @@ registers: two 16-byte loads per 128-wide K chunk, decoded in registers with no 
 to bf16 bits of value * 2^-126 (fp16: value * 2^-14) and the block scale byte to a biased bf16 (fp16)
 scale; their product is the exact dequantized weight times a power of two, undone in the fp32 epilogue
 together with the global scales (gate and up separately).  Each GEMM tile takes whole K in one program, so a
-row's sums never depend on where its tile runs.
+row's sums never depend on where its tile runs.  GEMM1 gathers its token rows (pair // top_k) through addresses;
+GEMM2, whose rows are the tile's sorted rows, takes them and the weight blocks as TMA boxes (``_boxes``).
 """
 
 from __future__ import annotations
