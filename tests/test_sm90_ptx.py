@@ -39,11 +39,13 @@ GEMM_SIGNATURE = dict(
     n_out="i32",
     k="i32",
     kp="i32",
-    a_descs=None,
+    a_desc="constexpr",
+    a_desc_half="constexpr",
+    a_desc_quarter="constexpr",
     w_desc="constexpr",
     s_desc="constexpr",
     epilogue=None,
-)  # epilogue: _epilogue's; a_descs one per token width (_compile), the TMA descriptors None but where a test gives them
+)  # epilogue: _epilogue's; the TMA descriptors None but where a test gives them
 # in the kernel's argument order
 GEMM1_CONSTEXPRS = dict(
     TOP_K=2,
@@ -171,11 +173,6 @@ def _compile(
     )
     assert list(signature) + list(constexprs) == kernel.arg_names, "test signature out of date with the kernel"
     paths = {}
-    if signature.get("a_descs", "") is None:  # the Triton GEMM through addresses: a None per token width
-        widths = constexprs["NARROW"] + 1
-        i = kernel.arg_names.index("a_descs")
-        signature = dict(signature, a_descs=("constexpr",) * widths)
-        paths.update({(i, j): None for j in range(widths)})
     if "epilogue" in signature:
         fields = DEFAULT_EPILOGUE[constexprs["IS_GEMM1"]] if epilogue is None else epilogue
         epilogue_sig, paths = _epilogue(kernel, fields)
@@ -639,7 +636,8 @@ def _gemm2_boxes(block_m: int, stages: int, maxnreg: int | None = None, tma: boo
     if tma:
         boxes = dict(w_desc="u8[1, 2, 32, 128]", s_desc="u8[1, 2, 4, 128]")
         signature.update({name: f"tensordesc<{box}>" for name, box in boxes.items()})
-        signature["a_descs"] = tuple(f"tensordesc<bf16[{block_m >> j}, 128]>" for j in range(narrow + 1))
+        names = ("a_desc", "a_desc_half", "a_desc_quarter")[: narrow + 1]
+        signature.update({name: f"tensordesc<bf16[{block_m >> j}, 128]>" for j, name in enumerate(names)})
     KERNELS["gemm2 boxes"] = (kernel, signature, dict(constexprs, BLOCK_N=128, NUM_STAGES=stages, TMA=tma), 8)
     try:
         return _compile(

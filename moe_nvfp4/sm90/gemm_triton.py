@@ -237,7 +237,9 @@ def _moe_gemm_kernel(
     n_out,
     k,
     kp,
-    a_descs,
+    a_desc,
+    a_desc_half,
+    a_desc_quarter,
     w_desc,
     s_desc,
     epilogue,
@@ -267,8 +269,9 @@ def _moe_gemm_kernel(
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
-    TMA (GEMM2): a's tile rows and the weights' values and scales arrive as TMA boxes (a_descs: one per token width
-    NARROW runs, BLOCK_M >> j rows; w_desc, s_desc: common.fragment_views) instead of through address tensors,
+    TMA (GEMM2): a's tile rows and the weights' values and scales arrive as TMA boxes (a_desc, a_desc_half,
+    a_desc_quarter: BLOCK_M, BLOCK_M / 2 and BLOCK_M / 4 rows, None for a width NARROW does not run; separate
+    arguments because Triton 3.6's launcher does not expand descriptors inside a tuple; w_desc, s_desc: common.fragment_views) instead of through address tensors,
     which held the registers: a 128 x 128 tile compiles to 142 registers instead of 208, and capped at 128 (two
     programs an SM, each one's fill and epilogue under the other's MMAs) spills nothing where the address tensors
     spilled 124 bytes.
@@ -309,7 +312,7 @@ def _moe_gemm_kernel(
                 args,
                 tile,
                 weights,
-                (a_descs[2], w_desc, s_desc, unit),
+                (a_desc_quarter, w_desc, s_desc, unit),
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -327,7 +330,7 @@ def _moe_gemm_kernel(
                 args,
                 tile,
                 weights,
-                (a_descs[1], w_desc, s_desc, unit),
+                (a_desc_half, w_desc, s_desc, unit),
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -345,7 +348,7 @@ def _moe_gemm_kernel(
                 args,
                 tile,
                 weights,
-                (a_descs[0], w_desc, s_desc, unit),
+                (a_desc, w_desc, s_desc, unit),
                 epilogue,
                 TOP_K,
                 IS_GEMM1,
@@ -382,7 +385,7 @@ def launch_gemm(
     rows_ok = a.shape[0] > 0 and a.data_ptr() % 16 == 0 and a.stride(0) * a.element_size() % 16 == 0
     tma = not is_gemm1 and rows_ok
     widths = gemm.narrow_tiles + 1  # the token widths the tiles run: block_m, block_m / 2, block_m / 4
-    boxes = _boxes(a, weights, kp, config.block_m, gemm.block_n, widths) if tma else ((None,) * widths, None, None)
+    boxes = _boxes(a, weights, kp, config.block_m, gemm.block_n, widths) if tma else (None,) * 5
     launch(
         _moe_gemm_kernel,
         (sms * gemm.programs_per_sm,),
@@ -417,9 +420,12 @@ def launch_gemm(
 
 def _boxes(a: torch.Tensor, weights: GemmWeights, kp: int, block_m: int, block_n: int, widths: int) -> tuple:
     """GEMM2's TMA descriptors: a tile's token rows [block_m >> j, 128] of ``a`` for each of the ``widths`` widths its
-    tiles run (zeros past its K and its rows), and one K chunk of the tile's block_n / 64 units of values and scales
-    (common.fragment_views)."""
+    tiles run (zeros past its K and its rows; None for the widths it does not), and one K chunk of the tile's
+    block_n / 64 units of values and scales (common.fragment_views)."""
     values, scales = fragment_views(weights.packed, weights.scale, kp)
     units = block_n // 64
-    rows = tuple(TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m >> j, 128]) for j in range(widths))
-    return (rows, *(TensorDescriptor(v.flat, v.shape, v.strides, [1, units, v.rows, 128]) for v in (values, scales)))
+    rows = [
+        TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m >> j, 128]) if j < widths else None
+        for j in range(3)
+    ]
+    return (*rows, *(TensorDescriptor(v.flat, v.shape, v.strides, [1, units, v.rows, 128]) for v in (values, scales)))
