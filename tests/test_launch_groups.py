@@ -98,7 +98,7 @@ def _cases() -> dict[str, dict]:
         _ws(dict(C.WS_TWO_GROUPS, num_stages=2, max_registers=None), I, 128, False),
     )
     triton_only = MoEKernelConfig(
-        128, _ws(C.TRITON_PREFILL, H, 128, True), _ws(C.TRITON_PREFILL, I, 128, False), partials_in_x_dtype=True
+        128, _ws(C.TRITON_PREFILL, H, 128, True), _ws(C.TRITON_PREFILL_GEMM2, I, 128, False), partials_in_x_dtype=True
     )
     relu2 = MoEKernelConfig(
         16, _ws(C.WS_DECODE_WIDE, H, 16, False, narrow_tiles=1), _ws(C.WS_DECODE_WIDE, I, 16, False, narrow_tiles=1)

@@ -52,6 +52,10 @@ WS_K_GROUPS = dict(WS_DECODE, num_stages=4, programs_per_sm=1, max_registers=168
 # 8-token tiles that cannot fill the SMs: one program per SM with a deeper ring (more loads in flight per busy SM).
 WS_DECODE_DEEP = dict(WS_DECODE, num_stages=3, programs_per_sm=1, max_registers=168)
 TRITON_PREFILL = dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2)
+# GEMM2 of 128-token tiles reads TMA boxes (gemm_triton), which fits two programs an SM in 128 registers with a
+# two-stage ring and no spill: 2.4-11% faster than three stages uncapped on 8 zoo prefill cases; at 64-token tiles
+# two stages lost (3-4%), so those keep three (design 002, 2026-11-30).
+TRITON_PREFILL_GEMM2 = dict(TRITON_PREFILL, num_stages=2, max_registers=128)
 # GEMM2 (N = H, K = I) of routed 8-token tiles takes 128-row tiles: half the tiles, each reading its few
 # activation rows once for twice the weights (0.6-9% faster, median 3.7%, on 26 zoo cases at 4-64 tokens, none
 # slower; design 004).  Its 64-row units still decide the deep ring (_decode_preset), as when that was measured.
@@ -162,7 +166,7 @@ def _routed_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEK
     else:
         gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, gated)
         long_k = shape.intermediate >= LONG_K2
-        gemm2_preset = dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL
+        gemm2_preset = dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL_GEMM2
         gemm2 = fit_gemm(gemm2_preset, k2, block_m, False)
     return MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=shape.top_k > 2 or rows > PARTIALS_IN_X_ROWS)
 

@@ -29,7 +29,14 @@ import torch
 import moe_nvfp4 as m
 from moe_nvfp4.shapes import LayerShape
 from moe_nvfp4.sm90.configs import MoEKernelConfig
-from moe_nvfp4.sm90.default_config import TRITON_PREFILL, WS_DECODE, WS_TWO_GROUPS, default_config, fit_gemm
+from moe_nvfp4.sm90.default_config import (
+    TRITON_PREFILL,
+    TRITON_PREFILL_GEMM2,
+    WS_DECODE,
+    WS_TWO_GROUPS,
+    default_config,
+    fit_gemm,
+)
 from moe_nvfp4.sm90.host import fused_moe_sm90
 from moe_nvfp4.sm90.w4a8 import Fp8Config, fused_moe_w4a8, fused_moe_w4a8_torch
 
@@ -82,7 +89,9 @@ def _config(family: str, shape: Shape) -> MoEKernelConfig:
             partials_in_x_dtype=True,
         )
     else:
-        cfg = MoEKernelConfig(128, fit_gemm(TRITON_PREFILL, k1, 128, True), fit_gemm(TRITON_PREFILL, k2, 128, False))
+        cfg = MoEKernelConfig(
+            128, fit_gemm(TRITON_PREFILL, k1, 128, True), fit_gemm(TRITON_PREFILL_GEMM2, k2, 128, False)
+        )
     assert cfg.is_valid(k1, k2), cfg
     return cfg
 
