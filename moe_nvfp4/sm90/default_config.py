@@ -53,8 +53,8 @@ WS_K_GROUPS = dict(WS_DECODE, num_stages=4, programs_per_sm=1, max_registers=168
 WS_DECODE_DEEP = dict(WS_DECODE, num_stages=3, programs_per_sm=1, max_registers=168)
 TRITON_PREFILL = dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2)
 # GEMM2 of 128-token tiles reads TMA boxes (gemm_triton), which fits two programs an SM in 128 registers with a
-# two-stage ring and no spill: 2.4-11% faster than three stages uncapped on 8 zoo prefill cases; at 64-token tiles
-# two stages lost (3-4%), so those keep three (design 002, 2026-11-30).
+# two-stage ring and no spill: 1.10-1.18x (median 1.13x) the three uncapped stages on addresses, 20 zoo prefill
+# cases; at 64-token tiles two stages lost 3-4%, so those keep three (design 002 decision 25, 2026-11-30).
 TRITON_PREFILL_GEMM2 = dict(TRITON_PREFILL, num_stages=2, max_registers=128)
 # GEMM2 (N = H, K = I) of routed 8-token tiles takes 128-row tiles: half the tiles, each reading its few
 # activation rows once for twice the weights (0.6-9% faster, median 3.7%, on 26 zoo cases at 4-64 tokens, none
