@@ -48,6 +48,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_nvfp4 import MoEWeights, fused_moe_torch, prepare_moe_weights, quantize_nvfp4, topk_softmax  # noqa: E402
+from moe_nvfp4.formats import NVFP4Tensor  # noqa: E402
 from moe_nvfp4.layouts import FragmentLayout  # noqa: E402
 from moe_nvfp4.shapes import LayerShape, device_traits  # noqa: E402
 from moe_nvfp4.sm90.configs import CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEKernelConfig
@@ -87,12 +88,24 @@ def _cloned(weights: MoEWeights) -> MoEWeights:
 
 
 def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0):
+    """Random NVFP4 w13 and w2, drawn and quantized a group of experts at a time (at most 2^30 float32 values of w13
+    a group): Kimi-K2's layer is 45 GB as float32, more than a GPU holds beside its quantization's temporaries."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    w13 = torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, device=device, generator=gen) / inter**0.5
-    q13, q2 = quantize_nvfp4(w13, segments=2), quantize_nvfp4(w2)
-    del w13, w2
-    return q13, q2
+    group = max(1, 2**30 // (2 * inter * hidden))
+    sizes = [min(group, experts - e) for e in range(0, experts, group)]
+
+    def drawn(n: int, k: int, segments: int) -> NVFP4Tensor:
+        parts = [
+            quantize_nvfp4(torch.randn(g, n, k, device=device, generator=gen) / k**0.5, segments=segments)
+            for g in sizes
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return NVFP4Tensor(
+            *(torch.cat([getattr(q, f) for q in parts]) for f in ("packed", "block_scale", "global_scale"))
+        )
+
+    return drawn(2 * inter, hidden, 2), drawn(hidden, inter, 1)
 
 
 def packed_layer(model: str, device: str = "cuda") -> MoEWeights:
