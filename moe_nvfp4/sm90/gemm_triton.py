@@ -269,12 +269,12 @@ def _moe_gemm_kernel(
     NARROW (GemmConfig.narrow_tiles): a tile whose rows fit in BLOCK_M / 2 (NARROW >= 1) or BLOCK_M / 4
     (NARROW 2) runs its loads and MMAs that narrow, so an expert's last tile of a few rows does not pay for
     BLOCK_M tokens of MMA.
-    TMA (GEMM2): a's tile rows and the weights' values and scales arrive as TMA boxes (a_desc, a_desc_half,
-    a_desc_quarter: BLOCK_M, BLOCK_M / 2 and BLOCK_M / 4 rows, None for a width NARROW does not run; separate
-    arguments because Triton 3.6's launcher does not expand descriptors inside a tuple; w_desc, s_desc: common.fragment_views) instead of through address tensors,
-    which held the registers: a 128 x 128 tile compiles to 142 registers instead of 208, and capped at 128 (two
-    programs an SM, each one's fill and epilogue under the other's MMAs) spills nothing where the address tensors
-    spilled 124 bytes.
+    TMA (GEMM2): a's tile rows and the weights' values and scales arrive as TMA boxes instead of through address
+    tensors (a_desc, a_desc_half, a_desc_quarter: BLOCK_M, BLOCK_M / 2 and BLOCK_M / 4 rows, None for a width NARROW
+    does not run, separate arguments because Triton 3.6's launcher does not expand descriptors inside a tuple;
+    w_desc, s_desc: common.fragment_views).  The address tensors held the registers: a 128 x 128 tile compiles to
+    142 registers instead of 208, and capped at 128 (two programs an SM, each one's fill and epilogue under the
+    other's MMAs) spills nothing where the address tensors spilled 124 bytes (design 002 decision 25).
     """
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
