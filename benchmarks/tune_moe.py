@@ -55,7 +55,7 @@ from moe_nvfp4.sm90.configs import CONFIG_VERSION, KERNEL_NAME, GemmConfig, MoEK
 from moe_nvfp4.sm90.default_config import PAIR_TILE_TOKENS, default_config
 from moe_nvfp4.sm90.host import fused_moe_sm90  # noqa: E402
 from moe_nvfp4.sm90.tuned_configs import config_path, entry_shape, load_config_file, serving_entry
-from moe_nvfp4.zoo import zoo_shapes  # noqa: E402
+from moe_nvfp4.zoo import zoo_shape, zoo_shapes  # noqa: E402
 
 # The zoo's shapes without expert parallelism (the tuner routes over the layer's own experts) and with gated experts
 # (its layers and entries are gate-and-up ones): name -> (experts, top_k, hidden, intermediate).  By default the
@@ -108,16 +108,25 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
     return drawn(2 * inter, hidden, 2), drawn(hidden, inter, 1)
 
 
+def model_dims(model: str) -> tuple[int, int, int, int]:
+    """(E, top-k, H, I) of a gated zoo key (MODELS) or of a random layer's key (``random-s0-03``: a row of the
+    bench's random sweep); ValueError naming the key otherwise."""
+    if model in MODELS:
+        return MODELS[model]
+    shape = zoo_shape(model)
+    return shape.experts, shape.top_k, shape.hidden, shape.intermediate
+
+
 def packed_layer(model: str, device: str = "cuda") -> MoEWeights:
     """``model``'s layer (make_layer's random weights) packed for the kernels, as fused_moe_sm90 takes them."""
-    e, _, h, i = MODELS[model]
+    e, _, h, i = model_dims(model)
     return prepare_moe_weights(*make_layer(e, h, i, device))
 
 
 def seeded_inputs(model: str, tokens: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """bf16 activations [tokens, H] and softmax top-k routing (topk_weights, topk_ids) for ``model``, seeded by
     ``tokens``: every benchmark that compares kernels at one size feeds them the same inputs."""
-    e, k, h, _ = MODELS[model]
+    e, k, h, _ = model_dims(model)
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
     tw, ti = topk_softmax(torch.randn(tokens, e, device=device, generator=gen), k, renormalize=True)

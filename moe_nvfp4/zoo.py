@@ -143,7 +143,10 @@ def zoo_shapes(model: str | None = None) -> list[ZooShape]:
 
 
 def zoo_shape(key: str) -> ZooShape:
-    """One shape by key (``qwen3-235b-a22b``, ``kimi-k2-ep8``, ``glm-4.5-tp4``)."""
+    """One shape by key (``qwen3-235b-a22b``, ``kimi-k2-ep8``, ``glm-4.5-tp4``, or a random layer's
+    ``random-s0-03``: random_model)."""
+    if key.startswith("random-s"):
+        return ZooShape(random_model(key))
     for shape in zoo_shapes():
         if shape.key == key:
             return shape

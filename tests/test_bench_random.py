@@ -64,6 +64,10 @@ def test_the_draw_is_a_sequence_that_keys_index():
     assert all(random_model(m.key) == m for m in sixteen)
     assert [m.key for m in random_models(3, 1)] != [m.key for m in random_models(3, 0)]
     assert [(m.experts, m.hidden) for m in random_models(8, 1)] != [(m.experts, m.hidden) for m in sixteen[:8]]
+    # zoo_shape takes a row's key too (tools/ab_moe.py's cases), at TP = EP = 1; a malformed one names itself
+    assert all(zoo_shape(m.key) == ZooShape(m) and zoo_shape(m.key).layer.experts == m.experts for m in sixteen)
+    with pytest.raises(ValueError, match="random-s0-x"):
+        zoo_shape("random-s0-x")
 
 
 def test_seed_0_draws_the_layers_the_committed_sweep_measured():

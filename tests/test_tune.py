@@ -35,6 +35,7 @@ from tune_moe import (  # noqa: E402
 from moe_nvfp4.shapes import LayerShape  # noqa: E402
 from moe_nvfp4.sm90.configs import WS_SMEM_LIMIT, GemmConfig, MoEKernelConfig
 from moe_nvfp4.sm90.default_config import default_config
+from moe_nvfp4.zoo import random_models
 
 
 def triton_start(tokens: int, e: int, k: int, h: int, i: int) -> MoEKernelConfig:
@@ -429,3 +430,8 @@ def test_packed_layer_and_seeded_inputs(monkeypatch) -> None:
     again = tune_moe.seeded_inputs("tiny", 5, "cpu")
     assert all(torch.equal(a, b) for a, b in zip((x, tw, ti), again))
     assert not torch.equal(tune_moe.seeded_inputs("tiny", 6, "cpu")[0][:5], x)
+    layer = random_models(4)[3]  # a random sweep's row by its key (tools/ab_moe.py's cases)
+    x, tw, ti = tune_moe.seeded_inputs(layer.key, 3, "cpu")
+    assert x.shape == (3, layer.hidden) and ti.shape == (3, layer.top_k) and int(ti.max()) < layer.experts
+    with pytest.raises(ValueError, match="no-such-model"):
+        tune_moe.seeded_inputs("no-such-model", 3, "cpu")

@@ -8,7 +8,7 @@ percent within the hour, so only same-run comparisons decide a kernel change).
     cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
         python tools/ab_moe.py --variants configs=/tmp/before,shipped
 
-A case is ``zoo key:tokens`` (gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs
+A case is ``key:tokens``, a zoo key or a random layer's (``random-s0-03``, a row of the bench's random sweep) (gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs
 and expert map, this rank holding the first E / EP experts).  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a

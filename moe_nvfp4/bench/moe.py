@@ -244,7 +244,7 @@ def _random_spec(name: str) -> tuple[int, int]:
 
 def resolve_models(spec: str) -> dict[str, MoEShape]:
     """--models -> {key: shape}, in the order given (see --help); ValueError for a name the zoo lacks."""
-    from ..zoo import MODELS, ZooShape, random_model, random_models, zoo_shapes
+    from ..zoo import MODELS, ZooShape, random_models, zoo_shape, zoo_shapes
 
     zoo = {s.key: s for s in zoo_shapes()}
     out: dict[str, MoEShape] = {}
@@ -266,7 +266,7 @@ def resolve_models(spec: str) -> dict[str, MoEShape]:
             elif key in zoo:
                 out[key] = MoEShape.from_zoo(zoo[key])
             elif key.startswith("random-s"):
-                out[key] = MoEShape.from_zoo(ZooShape(random_model(key)))
+                out[key] = MoEShape.from_zoo(zoo_shape(key))
             else:
                 raise ValueError(
                     f"unknown model {name!r}; choose a zoo model ({', '.join(m.key for m in MODELS)}), "
