@@ -127,6 +127,7 @@ def test_eight_token_tiles_match_reference(e, k, h, i, t, use_map, seed: int) ->
         ),
         pytest.param(8, 2, 144, 80, 100, 1, 1, 32, 1, id="narrow 1 of 32: skewed experts, expert map, K padded"),
         pytest.param(8, 2, 256, 128, 60, 0, 4, 32, 1, id="narrow 1 of 32, 8 programs over the tiles"),
+        pytest.param(8, 2, 144, 80, 300, 1, 2, 256, 1, id="256-token tiles, narrow 1: skewed experts, map, K padded"),
     ],
 )
 def test_narrow_tiles_match_reference(e, k, h, i, t, use_map, pps, block_m, narrow, seed: int) -> None:
