@@ -5,6 +5,7 @@ first global memory access, or it could read routing data or activations that ar
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
@@ -932,6 +933,29 @@ def test_epilogue_variants_compile_to_what_they_need(family: str) -> None:
     assert re.search(r"max\.NaN\.f32", relu2) and not plain.search(relu2)
     assert re.search(r"min\.NaN\.f32", swiglu_bias) and re.search(r"min\.NaN\.xorsign\.abs\.f32", swiglu_bias)
     assert not plain.search(swiglu_bias)
+
+
+def test_ab_moe_reports_a_failed_case_and_keeps_the_rest(tmp_path, monkeypatch, capsys) -> None:
+    """tools/ab_moe.py on a batch: a case that fails (here out of GPU memory) is named with its error and the exit
+    status is 1, the other cases still run, and each case's rows reach --out as it ends."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import ab_moe
+
+    def run_case(model, tokens, variants, modules, rounds, draw):
+        if model == "kimi-k2":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 GiB")
+        return [dict(model=model, tokens=tokens, variant="shipped", median_us=1.0, min_us=1.0, max_us=1.0, draw=draw)]
+
+    monkeypatch.setattr(ab_moe, "run_case", run_case)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "rows.jsonl"
+    cases = "qwen3-30b-a3b:64,kimi-k2:4096,olmoe:16"
+    monkeypatch.setattr(sys, "argv", ["ab_moe.py", "--cases", cases, "--out", str(out)])
+    assert ab_moe.main() == 1
+    printed = capsys.readouterr()
+    assert "kimi-k2:4096 (draw 0): OutOfMemoryError: CUDA out of memory" in printed.out
+    assert [json.loads(line)["model"] for line in out.read_text().splitlines()] == ["qwen3-30b-a3b", "olmoe"]
+    assert "skipped" in next(line for line in printed.out.splitlines() if line.startswith("kimi-k2:4096"))
 
 
 def test_ab_moe_table_averages_the_draws_of_an_expert_parallel_case() -> None:

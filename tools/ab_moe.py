@@ -295,6 +295,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="JSON lines of every row")
     args = p.parse_args()
     variants = args.variants.split(",")
+    import torch
+
     from moe_nvfp4.zoo import zoo_shape
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -303,15 +305,30 @@ def main() -> int:
             for i, v in enumerate(variants)
             if v.startswith("pkg=")
         }
-        rows = []
+        rows, failed = [], []
+        out = args.out.open("w") if args.out else None
         for case in args.cases.split(","):
             model, tokens = case.split(":")
             for draw in range(args.draws if zoo_shape(model).ep > 1 else 1):
-                rows += run_case(model, int(tokens), variants, modules, args.rounds, draw)
+                # a case that fails (out of memory, a kernel error) is reported and the batch goes on; each case's
+                # rows are written as it ends, so a run cut short keeps what it timed
+                try:
+                    done = run_case(model, int(tokens), variants, modules, args.rounds, draw)
+                except (RuntimeError, ValueError) as error:  # torch.OutOfMemoryError is a RuntimeError
+                    failed.append(f"{case} (draw {draw}): {type(error).__name__}: {str(error).splitlines()[0]}")
+                    print(f"ab_moe: {failed[-1]}", file=sys.stderr)
+                    torch.cuda.empty_cache()
+                    continue
+                rows += done
+                if out:
+                    out.write("".join(json.dumps(r) + "\n" for r in done))
+                    out.flush()
+        if out:
+            out.close()
     print("\n" + "\n".join(table(rows, args.cases.split(","), variants)))
-    if args.out:
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return 0
+    for line in failed:
+        print(f"failed: {line}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
