@@ -8,8 +8,9 @@ percent within the hour, so only same-run comparisons decide a kernel change).
     cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
         python tools/ab_moe.py --variants configs=/tmp/before,shipped
 
-A case is ``key:tokens``, a zoo key or a random layer's (``random-s0-03``, a row of the bench's random sweep) (gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs
-and expert map, this rank holding the first E / EP experts).  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
+A case is ``key:tokens``: a zoo key or a random layer's (``random-s0-03``, a row of the bench's random sweep), of
+gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs and expert map, this rank holding
+the first E / EP experts.  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
@@ -315,7 +316,9 @@ def main() -> int:
                 try:
                     done = run_case(model, int(tokens), variants, modules, args.rounds, draw)
                 except (RuntimeError, ValueError) as error:  # torch.OutOfMemoryError is a RuntimeError
-                    failed.append(f"{case} (draw {draw}): {type(error).__name__}: {str(error).splitlines()[0]}")
+                    failed.append(
+                        f"{case} (draw {draw}): {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                    )
                     print(f"ab_moe: {failed[-1]}", file=sys.stderr)
                     torch.cuda.empty_cache()
                     continue
