@@ -406,12 +406,12 @@ def entry_key(entry: dict) -> tuple:
 
 
 def climb_start(entries: Sequence[dict], shape: LayerShape, tokens: int) -> list[MoEKernelConfig]:
-    """What --update starts from for ``tokens`` of ``shape``: the config the
-    file serves it with now (its own entry, else the entry select_config picks), so a size new to the file is
-    climbed from its neighbour's config, never from the default heuristic while the file covers the shape, and
-    the result is never slower there than the file was; nothing for a shape the file lacks."""
-    same_shape = [o for o in entries if entry_shape(o).entry_key == shape.entry_key]
-    return [MoEKernelConfig.from_dict(serving_entry(same_shape, tokens)["config"])] if same_shape else []
+    """What --update starts from for ``tokens`` of ``shape``: the config the file serves it with now (its own
+    entry, else the entry select_config picks), so a size new to the file is climbed from its neighbour's config and
+    the result is never slower there than the file was; nothing (the default heuristic) for a shape the file lacks
+    or a size past its entries, where select_config serves the default."""
+    entry = serving_entry([o for o in entries if entry_shape(o).entry_key == shape.entry_key], tokens)
+    return [MoEKernelConfig.from_dict(entry["config"])] if entry is not None else []
 
 
 def merge_entries(old: list[dict], new: list[dict]) -> list[dict]:

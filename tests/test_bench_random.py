@@ -164,13 +164,13 @@ def no_measured_entries(monkeypatch):
 
 
 def test_a_rows_config_source_follows_the_files_and_the_autotuner(monkeypatch, tmp_path, no_measured_entries):
-    """A shape with a shipped H200 entry is `tuned`; with MOE_NVFP4_CONFIG_DIR empty it is `default`; entries the
-    autotuner registered make it `autotuned`."""
+    """A size a shipped H200 entry serves is `tuned` (past the entries, `default`); with MOE_NVFP4_CONFIG_DIR empty
+    it is `default`; entries the autotuner registered make it `autotuned`."""
     qwen3 = shapes.LayerShape(128, 8, 2048, 768)
-    assert config_source(qwen3, H200) == "tuned"
+    assert config_source(qwen3, H200, 4096) == "tuned" and config_source(qwen3, H200, 16384) == "default"
     monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)
     tuned_configs._tuned_entries.cache_clear()
-    assert config_source(qwen3, H200) == "default"
+    assert config_source(qwen3, H200, 4096) == "default"
     entry = dict(
         experts=128,
         top_k=8,
@@ -181,7 +181,7 @@ def test_a_rows_config_source_follows_the_files_and_the_autotuner(monkeypatch, t
         config=tuned_configs.select_config(4096, qwen3, H200).to_dict(),
     )
     tuned_configs.register_entries(H200, [entry])
-    assert config_source(qwen3, H200) == "autotuned"
+    assert config_source(qwen3, H200, 4096) == "autotuned" and config_source(qwen3, H200, 4097) == "default"
 
 
 @pytest.mark.parametrize(

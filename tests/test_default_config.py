@@ -301,7 +301,8 @@ def test_measured_entries_come_before_the_file_and_the_file_before_the_default(
     )
     s = LayerShape(8, 2, 256, 256)
     assert select_config(1, s, H200) == SMALL and select_config(17, s, H200) == LARGE
-    assert select_config(99999, s, H200) == LARGE  # past every entry: the largest
+    assert select_config(4096, s, H200) == LARGE
+    assert select_config(4097, s, H200) == default_config(4097, 8, 2, 256, 256)  # past every entry: the default
     for other in (
         LayerShape(8, 1, 256, 256),
         LayerShape(8, 2, 256, 256, "float16"),
@@ -314,7 +315,9 @@ def test_measured_entries_come_before_the_file_and_the_file_before_the_default(
     assert select_config(1, s, H200) == LARGE and tuned_configs.entries_for(s, H200)[0]["max_tokens"] == 8
     register_entries(H200, [_entry(SMALL, 8)])  # the same bucket again replaces it
     assert select_config(1, s, H200) == SMALL and len(tuned_configs.measured_entries(s, H200)) == 1
-    assert configs_up_to(4096, s, H200) == {SMALL: 1}  # measured entries only; the file is not consulted
+    # measured entries only, the file not consulted; past them the default's configs
+    assert configs_up_to(8, s, H200) == {SMALL: 1}
+    assert list(configs_up_to(4096, s, H200).items())[:2] == [(SMALL, 1), (default_config(9, 8, 2, 256, 256), 9)]
     bad = _entry(dataclasses.replace(SMALL, block_m=8), 16)  # 8-token tiles need both GEMMs warp-specialized
     with pytest.raises(ValueError, match="invalid config"):
         register_entries(H200, [bad])

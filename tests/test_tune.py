@@ -169,7 +169,7 @@ def test_merge_entries_replaces_only_what_was_retuned() -> None:
 
 def test_climb_start_is_the_config_the_file_serves_the_size_with() -> None:
     """--update starts each size from what the file runs it with now: its own entry, else the entry select_config
-    picks (the next larger one, past the largest that one), nothing for a shape, top-k or dtype the file lacks."""
+    picks (the next larger one), nothing (the default) past its entries and for a shape, top-k or dtype it lacks."""
 
     def entry(tokens: int, block_m: int, experts: int = 8, dtype: str = "bfloat16") -> dict:
         cfg = MoEKernelConfig(block_m, GemmConfig(), GemmConfig())
@@ -194,7 +194,7 @@ def test_climb_start_is_the_config_the_file_serves_the_size_with() -> None:
     assert [c.block_m for c in climb_start(entries, shape, 64)] == [32]  # its own entry
     assert [c.block_m for c in climb_start(entries, shape, 1)] == [16]
     assert [c.block_m for c in climb_start(entries, shape, 100)] == [64]  # the entry serving 65..256
-    assert [c.block_m for c in climb_start(entries, shape, 4096)] == [64]  # past the largest: the largest
+    assert climb_start(entries, shape, 4096) == []  # past every entry: select_config serves the default
     assert climb_start(entries, LayerShape(8, 2, 2048, 768), 64) == []
     assert climb_start(entries, LayerShape(8, 1, 4096, 14336), 64) == []
     assert climb_start(entries[:3], LayerShape(8, 2, 4096, 14336, "float16"), 64) == []

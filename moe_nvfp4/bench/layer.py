@@ -73,12 +73,14 @@ def add_ratios(row: dict) -> None:
     row["speedup_batched_vs_marlin_batched"] = ratio(row.get("marlin_batched_us"), row.get("ours_batched_us"))
 
 
-def config_source(layer, traits) -> str:
-    """Where ours' config for ``layer`` on ``traits`` comes from: ``autotuned`` (entries measured in this process),
-    ``tuned`` (a tuned file's entries) or ``default`` (sm90.default_config)."""
-    from ..sm90.tuned_configs import entries_for, measured_entries
+def config_source(layer, traits, tokens: int) -> str:
+    """Where ours' config for ``tokens`` of ``layer`` on ``traits`` comes from: ``autotuned`` (an entry measured in
+    this process), ``tuned`` (a tuned file's entry) or ``default`` (sm90.default_config: no entry, or past them)."""
+    from ..sm90.tuned_configs import entries_for, measured_entries, serving_entry
 
-    return "autotuned" if measured_entries(layer, traits) else "tuned" if entries_for(layer, traits) else "default"
+    if serving_entry(entries_for(layer, traits), tokens) is None:
+        return "default"
+    return "autotuned" if measured_entries(layer, traits) else "tuned"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,7 +300,7 @@ def measure_row(
 
         layer, traits = shape.layer, device_traits(x.device)
         row["ours_config"] = select_config(row["tokens"], layer, traits).to_dict()
-        row["config_source"] = config_source(layer, traits)
+        row["config_source"] = config_source(layer, traits, row["tokens"])
     notes = check_outputs(row, shape, inputs, weights, paths, errors, args)
     time_paths(row, shape, inputs, paths, touched, notes, args, l2)
     add_ratios(row)

@@ -9,7 +9,9 @@ has entries for the shape:
                    "max_tokens": 16, "config": {...MoEKernelConfig fields...}}, ...]}
    (``global_experts`` in an entry: the routing's expert count under expert parallelism; absent, ``experts``);
 3. ``default_config.default_config``, a deterministic model of the problem and the device.
-An entry serves token counts up to ``max_tokens`` (the smallest such entry wins; past the largest, the largest).
+An entry serves token counts up to ``max_tokens`` (the smallest such entry wins); past every entry of a shape,
+default_config serves: an entry's max_tokens ends where it stopped winning (design 004 decision 12), and the default
+is the rule measured at every size.
 """
 
 from __future__ import annotations
@@ -127,10 +129,10 @@ def entries_for(shape: LayerShape, device: DeviceTraits) -> list[dict]:
 
 def select_config(tokens: int, shape: LayerShape, device: DeviceTraits) -> MoEKernelConfig:
     """The config for ``tokens`` of ``shape`` on ``device``: of its entries (entries_for), the one with the
-    smallest max_tokens >= tokens (past every entry, the largest); without entries, default_config."""
-    entries = entries_for(shape, device)
-    if entries:
-        return MoEKernelConfig.from_dict(serving_entry(entries, tokens)["config"])
+    smallest max_tokens >= tokens; without one (no entries, or past every entry), default_config."""
+    entry = serving_entry(entries_for(shape, device), tokens)
+    if entry is not None:
+        return MoEKernelConfig.from_dict(entry["config"])
     return default_config(
         tokens,
         shape.experts,
@@ -143,21 +145,23 @@ def select_config(tokens: int, shape: LayerShape, device: DeviceTraits) -> MoEKe
     )
 
 
-def serving_entry(entries: Sequence[dict], tokens: int) -> dict:
-    """Of one shape's tuned entries (not empty), the one that serves ``tokens``: the smallest max_tokens >= tokens,
-    past every entry the largest."""
+def serving_entry(entries: Sequence[dict], tokens: int) -> dict | None:
+    """Of one shape's tuned entries, the one that serves ``tokens``: the smallest max_tokens >= tokens; None past
+    every entry (default_config serves there)."""
     fits = [e for e in entries if e["max_tokens"] >= tokens]
-    return min(fits, key=lambda e: e["max_tokens"]) if fits else max(entries, key=lambda e: e["max_tokens"])
+    return min(fits, key=lambda e: e["max_tokens"]) if fits else None
 
 
 def configs_up_to(max_tokens: int, shape: LayerShape, device: DeviceTraits) -> dict[MoEKernelConfig, int]:
     """Every config ``select_config`` picks for 1..max_tokens tokens, each with the fewest tokens that pick it.
 
     select_config is constant between the token counts where an entry or a default_config bound ends, so
-    checking 1 and each count just past such an end finds every config (what a warm-up must compile).
+    checking 1 and each count just past such an end finds every config (what a warm-up must compile); past the
+    last entry the default's bounds hold.
     """
     entries = entries_for(shape, device)
-    ends = [e["max_tokens"] for e in entries] if entries else default_bounds(shape, device)
+    last = max((e["max_tokens"] for e in entries), default=0)
+    ends = [e["max_tokens"] for e in entries] + [b for b in default_bounds(shape, device) if b > last]
     found: dict[MoEKernelConfig, int] = {}
     for tokens in sorted({1} | {end + 1 for end in ends if 0 < end < max_tokens}):
         found.setdefault(select_config(tokens, shape, device), tokens)
