@@ -52,11 +52,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tools")]  # too
 from tune_moe import MODELS, packed_layer
 
 from moe_nvfp4 import fused_moe, prepare_fp8_weights, topk_softmax
+from moe_nvfp4.bench.layer import config_source
 from moe_nvfp4.shapes import LayerShape, device_traits
 from moe_nvfp4.sm90 import w4a8
 from moe_nvfp4.sm90.configs import MoEKernelConfig
 from moe_nvfp4.sm90.host import fused_moe_sm90
-from moe_nvfp4.sm90.tuned_configs import entries_for, select_config
+from moe_nvfp4.sm90.tuned_configs import select_config
 from moe_nvfp4.triton import launcher
 from moe_nvfp4.triton.common import plain_launches
 
@@ -205,12 +206,11 @@ def mode_times(model: str, tokens: int, rounds: int = 2, iters: int = 20) -> dic
                 for key in best[name]:
                     best[name][key] = min(best[name][key], times[key])
     e, k, _, _ = MODELS[model]
-    tuned = bool(entries_for(LayerShape(*MODELS[model], x.dtype), device_traits(x.device)))
     return {
         "model": model,
         "tokens": tokens,
         "rows_per_expert": tokens * k / e,
-        "w4a16_config": "tuned" if tuned else "default",
+        "w4a16_config": config_source(LayerShape(*MODELS[model], x.dtype), device_traits(x.device), tokens),
         **{f"{name}_{key}": round(value, 1) for name, times in best.items() for key, value in times.items()},
         "w4a8_speedup": round(best["w4a16"]["wall_us"] / best["w4a8"]["wall_us"], 3),
     }
