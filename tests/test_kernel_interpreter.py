@@ -197,15 +197,15 @@ def test_route_matches_plan(
 
 
 def test_warmup_runs_one_forward_per_kernel_variant() -> None:
-    """Default configs for E=4, top-2 (configs.default_bounds: 1, 2, 9, 19, 39, 64, 96, 192): pair tiles at 1-2
+    """Default configs for E=4, top-2 (configs.default_bounds: 1, 2, 9, 19, 39, 64, 96, 128): pair tiles at 1-2
     tokens (one config: on two CPU "SMs" both counts take the same presets), then 8-token tiles up to T=9, 16 up to
-    19, 32 up to 39, 64 up to 192 (narrow MMAs, then GEMM2 on the Triton kernel from T=65, partials in x's dtype from
+    19, 32 up to 39, 64 up to 128 (narrow MMAs, then GEMM2 on the Triton kernel from T=65, partials in x's dtype from
     T=97), 128 beyond; the routing program takes 1024-pair steps past 128 pairs (T=65), counted chunks past 1024
     (T=513).  Each first T runs once, through the Triton path."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOE_NVFP4_BACKEND="triton")
     proc = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[1, 3, 10, 20, 40, 65, 97, 193, 513]"
+    assert proc.stdout.strip().splitlines()[-1] == "[1, 3, 10, 20, 40, 65, 97, 129, 513]"
 
 
 # Poisoned routing: ids and expert-map entries out of range route their pair nowhere (routing.routed_pairs), in

@@ -796,6 +796,32 @@ def test_ab_moe_loads_another_version_of_the_package(tmp_path) -> None:
     assert theirs.to_dict() == {f: v for f, v in cfg.to_dict().items() if f != "pair_tiles"}
 
 
+def test_ab_moe_rules_variant_runs_another_versions_selection(tmp_path) -> None:
+    """tools/ab_moe.py's ``rules=DIR`` variant: the config another version's selector picks (its default rules), as
+    this package's config class, so this package's kernels time a default-rule change against the rule before it."""
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import ab_moe
+
+    from moe_nvfp4.shapes import DeviceTraits
+    from moe_nvfp4.sm90 import default_config as rules
+    from moe_nvfp4.sm90.configs import MoEKernelConfig
+    from moe_nvfp4.sm90.tuned_configs import select_config
+    from moe_nvfp4.zoo import zoo_shape
+
+    archive = tmp_path / "rev"
+    shutil.copytree(Path(rules.__file__).resolve().parent.parent, archive / "moe_nvfp4")
+    older = archive / "moe_nvfp4" / "sm90" / "default_config.py"  # the 64-token tiles' bound before decision 13
+    older.write_text(older.read_text().replace("(20, 32), (64, 64))", "(20, 32), (96, 64))"))
+    host = ab_moe.load_package(archive, tmp_path / "scratch", "moe_nvfp4_rules")
+    shape, device = zoo_shape("gpt-oss-120b").layer, DeviceTraits("no file", (9, 0), 132)
+    for tokens, before in ((2304, 64), (4096, 128), (64, None)):  # 72 rows, 128 rows, decode
+        theirs, ours = ab_moe.their_selection(host, tokens, shape, device), select_config(tokens, shape, device)
+        assert type(theirs) is MoEKernelConfig
+        assert theirs == ours if before is None else (theirs.block_m, ours.block_m) == (before, 128)
+
+
 def test_ab_moe_calls_each_version_of_the_host_in_its_convention() -> None:
     """tools/ab_moe.py's forwards: the current host takes the weights as one MoEWeights; a tree from before
     2026-11-29 (``pkg=`` of an older revision) takes the six weight tensors and the intermediate size."""
@@ -1041,7 +1067,7 @@ def test_shipped_gluon_gemms_keep_their_wgmmas_in_flight() -> None:
 
 def test_ab_moe_config_variants() -> None:
     """tools/ab_moe.py's W4A16 variants of the tuned config: ``at=T`` is what the selector picks for the same layer at
-    T tokens (Kimi-K2 at 4096 tokens timed with the 128-token prefill tiles of 16384), ``tile=N`` the config at
+    T tokens (Kimi-K2 at 2560 tokens timed with the 128-token prefill tiles of 16384), ``tile=N`` the config at
     another token tile, ``gemm2:...`` one GEMM's fields, a field name that field flipped."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import ab_moe
@@ -1051,7 +1077,7 @@ def test_ab_moe_config_variants() -> None:
     def select_at(tokens: int):
         return default_config(tokens, 384, 8, 7168, 2048)
 
-    cfg = select_at(4096)
+    cfg = select_at(2560)
     assert cfg.block_m == 64
     prefill = ab_moe.config_variant(cfg, "at=16384", select_at)
     assert prefill == select_at(16384) and prefill.block_m == 128 and not prefill.gemm1.warp_specialized

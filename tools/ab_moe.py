@@ -12,7 +12,8 @@ A case is ``key:tokens``: a zoo key or a random layer's (``random-s0-03``, a row
 gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs and expert map, this rank holding
 the first E / EP experts.  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
-runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``configs=DIR`` (the config a
+runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``rules=DIR`` (the
+config DIR/moe_nvfp4's selector picks, its default rules and tuned files, run by this package: a default-rule change), ``configs=DIR`` (the config a
 configs directory such as an earlier copy of configs/ holds), or a boolean MoEKernelConfig field flipped on the
 tuned config (``partials_in_x_dtype``, ...), or ``gemm1:field=value[/...]`` (gemm2, gemms: see gemm_variant), or ``w4a8`` / ``w4a8:field=value[/...]``
 (the W4A8 mode on the folded e4m3 copy, sm90.w4a8: its default tiles or those Fp8Config fields; ``pkg=DIR|w4a8...``: that package's W4A8 forward),
@@ -66,6 +67,20 @@ def package_config(host, cfg):
     for gemm in ("gemm1", "gemm2"):
         d[gemm] = {k: v for k, v in d[gemm].items() if k in theirs_gemm}
     return configs.MoEKernelConfig.from_dict(d)
+
+
+def their_selection(host, tokens: int, shape, device):
+    """The config another package's selector (``host``: a load_package module) picks for ``tokens`` of ``shape`` on
+    ``device``, as this package's config class (fields it lacks take their defaults)."""
+    package = host.__name__.split(".")[0]
+    shapes = importlib.import_module(f"{package}.shapes")
+    tuned = importlib.import_module(f"{package}.sm90.tuned_configs")
+    theirs = tuned.select_config(
+        tokens, shapes.LayerShape(**dataclasses.asdict(shape)), shapes.DeviceTraits(**dataclasses.asdict(device))
+    )
+    from moe_nvfp4.sm90.configs import MoEKernelConfig
+
+    return MoEKernelConfig.from_dict(theirs.to_dict())
 
 
 def host_forward(host, x, weights, topk_weights, topk_ids, expert_map, config):
@@ -190,6 +205,8 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
             return w4a8_config(w4a8_form(variant))
         if variant in tuned_in:
             return tuned_in[variant]
+        if variant.startswith("rules="):
+            return their_selection(modules[variant], tokens, shape, device)
         if variant.startswith("pkg=") and "|" in variant:  # another package running a GEMM variant
             variant = variant.split("|", 1)[1]
         if variant == "shipped" or variant in modules:
@@ -207,7 +224,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
                 c = c and other.Fp8Config(**dataclasses.asdict(c))  # None: that package picks, as ours does
                 fused_moe_w4a8 = other.fused_moe_w4a8
             return [lambda f=f, run=fused_moe_w4a8: run(x, f, tw, ti, expert_map, c) for f in folded]
-        host = modules[variant] if variant.startswith("pkg=") else moe_sm90
+        host = modules[variant] if variant.startswith("pkg=") else moe_sm90  # rules=: ours runs their config
         c = package_config(host, c) if variant.startswith("pkg=") else c
         return [host_forward(host, x, ws, tw, ti, expert_map, c) for ws in copies]
 
@@ -289,7 +306,7 @@ def main() -> int:
     p.add_argument(
         "--variants",
         default="shipped",
-        help="shipped, pkg=DIR, configs=DIR, gemm1:/gemm2:/gemms:..., at=T, tile=N, w4a8[:...] or a MoEKernelConfig field, comma separated",
+        help="shipped, pkg=DIR, rules=DIR, configs=DIR, gemm1:/gemm2:/gemms:..., at=T, tile=N, w4a8[:...] or a MoEKernelConfig field, comma separated",
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--draws", type=int, default=1, help="routings per expert-parallel case (bench_moe's seeds 0..N-1)")
@@ -302,9 +319,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         modules = {
-            v: load_package(Path(v[4:].split("|")[0]), Path(tmp), f"moe_nvfp4_{i}")
+            v: load_package(Path(v.split("=", 1)[1].split("|")[0]), Path(tmp), f"moe_nvfp4_{i}")
             for i, v in enumerate(variants)
-            if v.startswith("pkg=")
+            if v.startswith(("pkg=", "rules="))
         }
         rows, failed = [], []
         out = args.out.open("w") if args.out else None

@@ -18,15 +18,16 @@ __all__ = ["HOPPER_132", "default_bounds", "default_config", "fit_gemm"]
 HOPPER_132 = DeviceTraits("sm_90 with 132 SMs", (9, 0), 132)
 
 # Token tile per expected rows per busy expert (the first bound that holds): a tile fits a busy expert's rows
-# with room for the routing's spread, and the Gluon kernel runs 8-wide MMAs at decode.
-TILE_BY_ROWS = ((5, 8), (10, 16), (20, 32), (96, 64))
+# with room for the routing's spread, and the Gluon kernel runs 8-wide MMAs at decode.  Past 64 rows 128-token
+# tiles: faster from 72 rows on 2 of 2 models, 80 on 11 of 11 (up to 1.27x), slower at 64 on 11 of 11 (design 004
+# decision 13).
+TILE_BY_ROWS = ((5, 8), (10, 16), (20, 32), (64, 64))
 # Narrow MMAs in 64-token tiles (an expert's rows then often fill a quarter or half of the tile).
 NARROW_64_BY_ROWS = ((32, 2), (48, 1))
 PAIR_TILE_TOKENS = 2  # up to this many tokens every pair is a tile of its own (no routing launch)
 PARTIALS_IN_X_ROWS = 48  # past these rows per busy expert GEMM2 writes x's dtype (top-k > 2 always does)
 SHORT_K_ROWS = 32  # past these rows, 64-token tiles run GEMM2 on the Triton kernel where its K is short
 SHORT_K2 = 2048  # GEMM2's K (= I) under which that holds
-LONG_K2 = 8192  # 128-token tiles keep GEMM2 on the Gluon kernel from this K (long K hides its pipeline fill)
 # Every bound on rows the default compares against (configs_up_to finds the token counts where it changes).
 DEFAULT_ROW_BOUNDS = tuple(
     sorted({b for b, _ in TILE_BY_ROWS} | {b for b, _ in NARROW_64_BY_ROWS} | {PARTIALS_IN_X_ROWS, SHORT_K_ROWS})
@@ -54,7 +55,8 @@ WS_DECODE_DEEP = dict(WS_DECODE, num_stages=3, programs_per_sm=1, max_registers=
 TRITON_PREFILL = dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2)
 # GEMM2 of 128-token tiles reads TMA boxes (gemm_triton), which fits two programs an SM in 128 registers with a
 # two-stage ring and no spill: 1.10-1.18x (median 1.13x) the three uncapped stages on addresses, 20 zoo prefill
-# cases; at 64-token tiles two stages lost 3-4%, so those keep three (design 002 decision 25, 2026-11-30).
+# cases; at 64-token tiles two stages lost 3-4%, so those keep three (design 002 decision 25, 2026-11-30).  Long
+# K (I >= 8192) too: 1.01-1.05x the Gluon kernel (design 002 decision 26).
 TRITON_PREFILL_GEMM2 = dict(TRITON_PREFILL, num_stages=2, max_registers=128)
 # GEMM2 (N = H, K = I) of routed 8-token tiles takes 128-row tiles: half the tiles, each reading its few
 # activation rows once for twice the weights (0.6-9% faster, median 3.7%, on 26 zoo cases at 4-64 tokens, none
@@ -99,9 +101,9 @@ def default_config(
       decision 9).
     * Decode (tiles of 8-32 tokens, m <= 20): both GEMMs warp-specialized, 8-wide MMAs in 8-token tiles, half-width
       ones in 16- and 32-token tiles.
-    * 64-token tiles (m <= 96): the Gluon kernel with two MMA warp groups; GEMM2 on the Triton kernel where its K
+    * 64-token tiles (m <= 64): the Gluon kernel with two MMA warp groups; GEMM2 on the Triton kernel where its K
       is short and the experts are busy (the Gluon kernel's per-tile pipeline fill then shows).
-    * Prefill (128-token tiles): the Triton kernel, GEMM2 warp-specialized where its K is long.
+    * Prefill (128-token tiles): the Triton kernel, GEMM2 on TMA boxes two programs an SM.
     GEMM2 writes x's dtype for the combine where top-k > 2 or m > 48 (half the combine's bytes).
     A non-gated GEMM1 (``gated`` False: one matrix of I rows) gets the same tiles; its ring fits shared memory as one
     matrix's (fit_gemm).
@@ -165,9 +167,7 @@ def _routed_config(shape: LayerShape, tokens: int, device: DeviceTraits) -> MoEK
             gemm2 = fit_gemm(TRITON_PREFILL, k2, block_m, False, narrow_tiles=2, max_registers=128)
     else:
         gemm1 = fit_gemm(TRITON_PREFILL, k1, block_m, gated)
-        long_k = shape.intermediate >= LONG_K2
-        gemm2_preset = dict(WS_TWO_GROUPS, num_stages=2, max_registers=None) if long_k else TRITON_PREFILL_GEMM2
-        gemm2 = fit_gemm(gemm2_preset, k2, block_m, False)
+        gemm2 = fit_gemm(TRITON_PREFILL_GEMM2, k2, block_m, False)
     return MoEKernelConfig(block_m, gemm1, gemm2, partials_in_x_dtype=shape.top_k > 2 or rows > PARTIALS_IN_X_ROWS)
 
 
