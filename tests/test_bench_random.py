@@ -167,10 +167,10 @@ def test_a_rows_config_source_follows_the_files_and_the_autotuner(monkeypatch, t
     """A size a shipped H200 entry serves is `tuned` (past the entries, `default`); with MOE_NVFP4_CONFIG_DIR empty
     it is `default`; entries the autotuner registered make it `autotuned`."""
     qwen3 = shapes.LayerShape(128, 8, 2048, 768)
-    assert config_source(qwen3, H200, 4096) == "tuned" and config_source(qwen3, H200, 16384) == "default"
+    assert config_source(qwen3, H200, 1024) == "tuned" and config_source(qwen3, H200, 4096) == "default"
     monkeypatch.setattr(tuned_configs, "CONFIG_DIR", tmp_path)
     tuned_configs._tuned_entries.cache_clear()
-    assert config_source(qwen3, H200, 4096) == "default"
+    assert config_source(qwen3, H200, 1024) == "default"
     entry = dict(
         experts=128,
         top_k=8,
