@@ -87,11 +87,13 @@ def _cloned(weights: MoEWeights) -> MoEWeights:
     return dataclasses.replace(weights, **{k: v.clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
-def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0):
+def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0, gated: bool = True):
     """Random NVFP4 w13 and w2, drawn and quantized a group of experts at a time (at most 2^30 float32 values of w13
-    a group): Kimi-K2's layer is 45 GB as float32, more than a GPU holds beside its quantization's temporaries."""
+    a group): Kimi-K2's layer is 45 GB as float32, more than a GPU holds beside its quantization's temporaries.
+    w13 holds gate and up rows (2I, two global scales an expert), or I rows where ``gated`` is False (ReLU^2)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    group = max(1, 2**30 // (2 * inter * hidden))
+    rows = (2 if gated else 1) * inter
+    group = max(1, 2**30 // (rows * hidden))
     sizes = [min(group, experts - e) for e in range(0, experts, group)]
 
     def drawn(n: int, k: int, segments: int) -> NVFP4Tensor:
@@ -105,7 +107,7 @@ def make_layer(experts: int, hidden: int, inter: int, device: str, seed: int = 0
             *(torch.cat([getattr(q, f) for q in parts]) for f in ("packed", "block_scale", "global_scale"))
         )
 
-    return drawn(2 * inter, hidden, 2), drawn(hidden, inter, 1)
+    return drawn(rows, hidden, 2 if gated else 1), drawn(hidden, inter, 1)
 
 
 def model_dims(model: str) -> tuple[int, int, int, int]:

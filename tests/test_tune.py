@@ -435,3 +435,11 @@ def test_packed_layer_and_seeded_inputs(monkeypatch) -> None:
     assert x.shape == (3, layer.hidden) and ti.shape == (3, layer.top_k) and int(ti.max()) < layer.experts
     with pytest.raises(ValueError, match="no-such-model"):
         tune_moe.seeded_inputs("no-such-model", 3, "cpu")
+    # Nemotron's ReLU^2 layers (tools/ab_moe.py packs them with their activation): w13 is I rows, one global scale
+    from moe_nvfp4 import prepare_moe_weights
+    from moe_nvfp4.expert_activation import RELU2
+
+    w13, w2 = tune_moe.make_layer(4, 128, 64, "cpu", gated=False)
+    assert w13.packed.shape == (4, 64, 64) and w13.global_scale.shape == (4,) and w2.packed.shape == (4, 128, 32)
+    relu2 = prepare_moe_weights(w13, w2, activation=RELU2)
+    assert (relu2.intermediate, relu2.activation.gated) == (64, False)

@@ -8,8 +8,8 @@ percent within the hour, so only same-run comparisons decide a kernel change).
     cp -r configs /tmp/before && python benchmarks/tune_moe.py --update ... && \
         python tools/ab_moe.py --variants configs=/tmp/before,shipped
 
-A case is ``key:tokens``: a zoo key or a random layer's (``random-s0-03``, a row of the bench's random sweep), of
-gated layers; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs and expert map, this rank holding
+A case is ``key:tokens``: a zoo key or a random layer's (``random-s0-03``, a row of the bench's random sweep); gated
+layers run SiLU, Nemotron's ReLU^2 its own; an expert-parallel key such as ``dbrx-ep2`` runs bench_moe's inputs and expert map, this rank holding
 the first E / EP experts.  A variant is ``shipped`` (the tuned config), ``pkg=DIR`` (the tuned config run by another version of the whole
 package, DIR/moe_nvfp4, loaded unedited under a name of its own: a kernel, host or routing change; ``pkg=DIR|gemm2:...``
 runs one of the GEMM variants below with it, so a kernel change is compared on a config the default does not pick), ``rules=DIR`` (the
@@ -180,9 +180,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
     from moe_nvfp4.zoo import zoo_shape
 
     zs = zoo_shape(model)
-    if not zs.activation.gated:
-        raise SystemExit(f"{model}: ab_moe times gated SiLU layers (make_layer's); {zs.activation.name} is not")
-    e, h, i = zs.experts, zs.hidden, zs.intermediate
+    e, h, i, gated = zs.experts, zs.hidden, zs.intermediate, zs.activation.gated
     shape, device = zs.layer, device_traits(torch.device("cuda"))
     cfg = select_config(tokens, shape, device)
     tuned_in = {
@@ -194,7 +192,9 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         x, tw, ti, expert_map = make_inputs(MoEShape.from_zoo(zs), tokens, draw, "cuda")
     else:
         (x, tw, ti), expert_map = seeded_inputs(model, tokens), None
-    weights = prepare_moe_weights(*make_layer(e, h, i, "cuda"))
+    # a non-gated layer (Nemotron's ReLU^2) packs with its activation; gated ones run SiLU, as make_layer draws them
+    activation = {} if gated else {"activation": zs.activation}
+    weights = prepare_moe_weights(*make_layer(e, h, i, "cuda", gated=gated), **activation)
     local_ids = ti if expert_map is None else expert_map[ti.long()]  # -1: another rank's expert
     copies = rotated_weights(weights, local_ids)
 
@@ -234,7 +234,7 @@ def run_case(model: str, tokens: int, variants: list[str], modules: dict, rounds
         for v in variants
         if not w4a8_form(v)
         and ("|" in v or not (v == "shipped" or v.startswith(("pkg=", "configs="))))  # a config of this run's rules
-        and not configured(v).is_valid(padded(h), padded(i))
+        and not configured(v).is_valid(padded(h), padded(i), gated)
     ]
     for v in invalid:
         print(f"{model}:{tokens} {v}: not a valid config here, skipped", flush=True)
