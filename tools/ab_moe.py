@@ -61,26 +61,32 @@ def package_config(host, cfg):
     configs = importlib.import_module(
         package + (".sm90.configs" if host.__name__.endswith(".sm90.host") else ".configs")
     )
-    theirs = {f.name for f in dataclasses.fields(configs.MoEKernelConfig)}
-    theirs_gemm = {f.name for f in dataclasses.fields(configs.GemmConfig)}
-    d = {k: v for k, v in cfg.to_dict().items() if k in theirs}
+    return config_as(configs, cfg)
+
+
+def config_as(configs, cfg):
+    """``cfg`` (any version's MoEKernelConfig) as the MoEKernelConfig of the ``configs`` module given, keeping only
+    the fields that version has."""
+    fields = {f.name for f in dataclasses.fields(configs.MoEKernelConfig)}
+    gemm_fields = {f.name for f in dataclasses.fields(configs.GemmConfig)}
+    d = {k: v for k, v in cfg.to_dict().items() if k in fields}
     for gemm in ("gemm1", "gemm2"):
-        d[gemm] = {k: v for k, v in d[gemm].items() if k in theirs_gemm}
+        d[gemm] = {k: v for k, v in d[gemm].items() if k in gemm_fields}
     return configs.MoEKernelConfig.from_dict(d)
 
 
 def their_selection(host, tokens: int, shape, device):
     """The config another package's selector (``host``: a load_package module) picks for ``tokens`` of ``shape`` on
-    ``device``, as this package's config class (fields it lacks take their defaults)."""
+    ``device``, as this package's config class (config_as: fields it lacks dropped, fields only it has defaulted)."""
     package = host.__name__.split(".")[0]
     shapes = importlib.import_module(f"{package}.shapes")
     tuned = importlib.import_module(f"{package}.sm90.tuned_configs")
     theirs = tuned.select_config(
         tokens, shapes.LayerShape(**dataclasses.asdict(shape)), shapes.DeviceTraits(**dataclasses.asdict(device))
     )
-    from moe_nvfp4.sm90.configs import MoEKernelConfig
+    from moe_nvfp4.sm90 import configs
 
-    return MoEKernelConfig.from_dict(theirs.to_dict())
+    return config_as(configs, theirs)
 
 
 def host_forward(host, x, weights, topk_weights, topk_ids, expert_map, config):
